@@ -1,0 +1,37 @@
+"""fm_jax: a functional FutureMap for overlap-scheduled JAX serving engines.
+
+Pure ops (`future_map`) to inline in an engine's own jitted step, and a `FutureMap` class
+with donated, in-place entry points for engines that call ops one by one.
+"""
+
+from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
+from fm_jax._src.checks import raise_if_violated
+from fm_jax._src.errors import FutureMapError, InvariantViolation
+from fm_jax._src.future_map import FutureMap
+from fm_jax._src.ops import POISON, FutureMapOps, future_map
+from fm_jax._src.types import (
+    Batch,
+    DraftPayload,
+    ForwardMode,
+    FutureMapState,
+    Resolved,
+    SpecConfig,
+)
+
+__all__ = [
+    "POISON",
+    "Batch",
+    "DraftPayload",
+    "ForwardMode",
+    "FutureMap",
+    "FutureMapError",
+    "FutureMapOps",
+    "FutureMapState",
+    "InvariantViolation",
+    "Resolved",
+    "SpecConfig",
+    "future_map",
+    "pad_to_bucket",
+    "power_of_two_buckets",
+    "raise_if_violated",
+]

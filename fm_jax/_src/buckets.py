@@ -1,0 +1,61 @@
+"""Size buckets: pad host arrays so that a bounded set of shapes reaches the compiler."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+
+from fm_jax._src.errors import FutureMapError
+
+
+def power_of_two_buckets(largest: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= `largest`."""
+    if largest < 1:
+        raise FutureMapError(f"largest bucket must be >= 1, got {largest}")
+    out, b = [], 1
+    while True:
+        out.append(b)
+        if b >= largest:
+            return tuple(out)
+        b *= 2
+
+
+def normalize_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """Sorted, de-duplicated positive bucket sizes, or FutureMapError."""
+    bs = sorted(set(int(b) for b in buckets))
+    if not bs or bs[0] < 1:
+        raise FutureMapError(f"buckets must be positive sizes, got {list(buckets)}")
+    return tuple(bs)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
+    """The smallest bucket >= n; FutureMapError if n exceeds the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise FutureMapError(f"{what} of {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """Pad `x` with zero rows to `rows` leading entries (slot 0, token 0, length 0)."""
+    if x.shape[0] == rows:
+        return x
+    pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return np.pad(x, pad)
+
+
+def pad_to_bucket(x: np.ndarray, buckets: Sequence[int] | None = None) -> np.ndarray:
+    """Pad a host array with zero rows to the smallest bucket that holds it.
+
+    Args:
+      x: host array, rows along axis 0 (slots, tokens, lengths or payload rows).
+      buckets: allowed sizes; default powers of two up to 8192.
+
+    Returns:
+      The padded array; padding rows are zeros (slot 0, token 0, length 0).
+    """
+    a = np.asarray(x)
+    bs = normalize_buckets(buckets) if buckets is not None else power_of_two_buckets(8192)
+    return pad_rows(a, bucket_for(a.shape[0], bs, "rows"))

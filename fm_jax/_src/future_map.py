@@ -1,0 +1,246 @@
+"""`FutureMap`: the pure ops behind jitted, donated entry points, for engines that call ops one by one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from fm_jax._src import buckets as bk
+from fm_jax._src import checks
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.ops import future_map
+from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, SpecConfig
+
+MAX_PENDING_ERRORS = 4096
+"""Debug errors kept on device before the map checks them itself (one host sync per this many)."""
+
+
+class FutureMap:
+    """A FutureMap that holds its state and updates it in place through donated jitted ops.
+
+    Inputs may be numpy arrays (checked by value on the host, padded to a bucket, then put
+    on the device) or jax arrays (checked for rank, shape and dtype; their leading size
+    must already be a bucket size, so that no new shape reaches the compiler). Outputs are
+    padded to the bucket; padding rows carry slot 0 and token 0.
+
+    Debug mode adds no host sync per step: each op's checkify error stays on device and is
+    raised by `check()`, by `resolve_seq_lens_cpu` (which syncs anyway), or after
+    MAX_PENDING_ERRORS ops.
+
+    Args:
+      pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
+      dtype: int32 (default) or int64 (needs JAX's x64 mode).
+      spec: static shapes of the spec extras, or None.
+      debug: consume tracking and invariant checks.
+      batch_buckets: allowed batch sizes (rows); default powers of two up to 1024.
+      token_buckets: allowed flat token counts; default powers of two up to 8192.
+      device: where the buffers live; default JAX's default device.
+    """
+
+    def __init__(
+        self,
+        pool_size: int,
+        *,
+        dtype: Any = jnp.int32,
+        spec: SpecConfig | None = None,
+        debug: bool = False,
+        batch_buckets: Sequence[int] | None = None,
+        token_buckets: Sequence[int] | None = None,
+        device: jax.Device | None = None,
+    ) -> None:
+        self.ops = future_map(pool_size, dtype=dtype, spec=spec, debug=debug)
+        self.pool_size = pool_size
+        self.dtype = self.ops.dtype
+        self.spec = self.ops.spec
+        self.debug = debug
+        self.batch_buckets = bk.normalize_buckets(batch_buckets or bk.power_of_two_buckets(1024))
+        self.token_buckets = bk.normalize_buckets(token_buckets or bk.power_of_two_buckets(8192))
+        self.device = device or jax.devices()[0]
+        self._state: FutureMapState = jax.device_put(jax.jit(self.ops.init)(), self.device)
+        self.step = 0
+        self._pending: list[tuple[int, str, checkify.Error]] = []
+
+        ops = self.ops
+
+        def resolve_only(state: FutureMapState, batch: Batch) -> Resolved:
+            return ops.resolve(state, batch)[1]
+
+        self._publish = self._jit(ops.publish, donate=True)
+        self._stash = self._jit(ops.stash, donate=True)
+        # Without debug, resolve only reads the buffers: no donation, no state round trip.
+        self._resolve = self._jit(ops.resolve, donate=True) if debug else jax.jit(resolve_only)
+        self._invalidate = jax.jit(ops.invalidate)
+        self._take_lens = jax.jit(lambda state, idx: state.new_seq_lens[idx])
+
+    def _jit(self, fn: Any, *, donate: bool) -> Any:
+        if self.debug:
+            fn = checkify.checkify(fn, errors=checkify.user_checks)
+        return jax.jit(fn, donate_argnums=(0,) if donate else ())
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def state(self) -> FutureMapState:
+        """The current buffers. Donated on the next op: do not keep references across ops."""
+        return self._state
+
+    def buffers(self) -> dict[str, jax.Array]:
+        """The present buffers by name (e.g. for DLPack export with `torch.from_dlpack`).
+
+        Release exported views before the next op: a live external reference blocks donation.
+        """
+        return {k: v for k, v in self._state._asdict().items() if v is not None}
+
+    # ------------------------------------------------------------------------- input prep
+    def _host_ints(self, name: str, a: np.ndarray) -> np.ndarray:
+        """Cast a host int array to the map's dtype, refusing values that do not fit."""
+        if not np.issubdtype(a.dtype, np.integer):
+            raise FutureMapError(f"{name} must have an integer dtype, got {a.dtype}")
+        info = np.iinfo(self.dtype)
+        if a.size and (a.min() < info.min or a.max() > info.max):
+            raise FutureMapError(f"{name} holds values that do not fit the {self.dtype} buffer")
+        return a.astype(self.dtype)
+
+    def _flat(self, name: str, x: Any, buckets: tuple[int, ...]) -> tuple[jax.Array, int]:
+        """A 1-D int input as a device array of bucket size, and its unpadded length."""
+        if isinstance(x, jax.Array):
+            if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise FutureMapError(f"{name} must be a 1-D integer array, got {x.shape} {x.dtype}")
+            if x.shape[0] not in buckets and x.shape[0] != 0:
+                raise FutureMapError(
+                    f"{name} has {x.shape[0]} entries, not a bucket size {buckets}: pad it "
+                    "(fm_jax.pad_to_bucket) or pass a numpy array"
+                )
+            return x, x.shape[0]
+        a = np.asarray(x)
+        if a.ndim != 1:
+            raise FutureMapError(f"{name} must be 1-D, got shape {a.shape}")
+        a = self._host_ints(name, a)
+        n = a.shape[0]
+        rows = bk.bucket_for(n, buckets, name) if n else 0
+        return jax.device_put(bk.pad_rows(a, rows), self.device), n
+
+    def _slots(self, name: str, x: Any) -> tuple[jax.Array, int]:
+        """Slot indices; host arrays are checked by value (range, duplicate live slots)."""
+        if not isinstance(x, jax.Array):
+            a = np.asarray(x)
+            if a.ndim == 1 and np.issubdtype(a.dtype, np.integer) and a.size:
+                bad = a[(a < 0) | (a >= self.pool_size)]
+                if bad.size:
+                    raise FutureMapError(
+                        f"{name} holds slots {bad.tolist()} outside [0, {self.pool_size})"
+                    )
+                uniq, counts = np.unique(a[a != 0], return_counts=True)
+                if (counts > 1).any():
+                    raise FutureMapError(
+                        f"{name} holds live slots {uniq[counts > 1].tolist()} more than once "
+                        "in one batch"
+                    )
+        return self._flat(name, x, self.batch_buckets)
+
+    def _rows(self, name: str, x: Any, rows: int, n: int, *, ints: bool) -> jax.Array:
+        """A per-row payload matched to `n` real rows and padded to `rows` (the bucket)."""
+        if isinstance(x, jax.Array):
+            if x.ndim < 1 or x.shape[0] != rows:
+                raise FutureMapError(f"{name} has {x.shape[:1]} rows, indices have {rows}")
+            return x
+        a = np.asarray(x)
+        if a.ndim < 1 or a.shape[0] != n:
+            raise FutureMapError(f"{name} has {a.shape[:1]} rows, indices have {n}")
+        if ints:
+            a = self._host_ints(name, a)
+        return jax.device_put(bk.pad_rows(a, rows), self.device)
+
+    def _record(self, op: str, err: checkify.Error) -> None:
+        self._pending.append((self.step, op, err))
+        if len(self._pending) >= MAX_PENDING_ERRORS:
+            self.check()
+
+    # -------------------------------------------------------------------------------- ops
+    def publish(self, indices: Any, new_seq_lens: Any) -> None:
+        """`new_seq_lens[indices] := new_seq_lens`, in place. Empty indices is a no-op."""
+        idx, n = self._slots("indices", indices)
+        if n == 0:
+            return  # DP idle: nothing ran, nothing to relay
+        lens = self._rows("new_seq_lens", new_seq_lens, idx.shape[0], n, ints=True)
+        self._apply("publish", self._publish, idx, lens)
+
+    def stash(self, indices: Any, payload: Any) -> None:
+        """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place."""
+        idx, n = self._slots("indices", indices)
+        if n == 0:
+            return  # DP idle: nothing ran, nothing to relay
+        rows = idx.shape[0]
+        if isinstance(payload, DraftPayload):
+            payload = DraftPayload(
+                bonus_tokens=self._rows("draft.bonus_tokens", payload.bonus_tokens, rows, n, ints=True),
+                topk_p=self._rows("draft.topk_p", payload.topk_p, rows, n, ints=False),
+                topk_index=self._rows("draft.topk_index", payload.topk_index, rows, n, ints=True),
+                hidden_states=None
+                if payload.hidden_states is None
+                else self._rows("draft.hidden_states", payload.hidden_states, rows, n, ints=False),
+            )
+        else:
+            payload = self._rows("tokens", payload, rows, n, ints=True)
+        self._apply("stash", self._stash, idx, payload)
+
+    def _apply(self, op: str, fn: Any, *args: Any) -> None:
+        if self.debug:
+            err, self._state = fn(self._state, *args)
+            self._record(op, err)
+        else:
+            self._state = fn(self._state, *args)
+
+    def resolve(self, batch: Batch) -> Resolved:
+        """Fill the batch's placeholders from the buffers (see `future_map`'s resolve).
+
+        Starts a new step. Returns the resolved ids, lengths and draft, padded to buckets.
+        """
+        self.step += 1
+        idx, n = self._slots("req_pool_indices", batch.req_pool_indices)
+        if not isinstance(batch.input_ids, jax.Array):
+            a = np.asarray(batch.input_ids)
+            if a.ndim == 1 and np.issubdtype(a.dtype, np.integer) and a.size and a.min() <= -self.pool_size:
+                raise FutureMapError(
+                    f"input_ids holds sentinels {a[a <= -self.pool_size].tolist()} naming slots "
+                    f"outside [0, {self.pool_size})"
+                )
+        ids, _ = self._flat("input_ids", batch.input_ids, self.token_buckets)
+        lens = self._rows("seq_lens", batch.seq_lens, idx.shape[0], n, ints=True)
+        mode = batch.forward_mode
+        if not isinstance(mode, jax.Array):
+            mode = jax.device_put(np.int32(int(mode)), self.device)
+        draft_idx = None
+        if batch.draft_indices is not None:
+            draft_idx, _ = self._slots("draft_indices", batch.draft_indices)
+        b = Batch(mode, idx, ids, lens, draft_idx)
+        if self.debug:
+            err, (self._state, out) = self._resolve(self._state, b)
+            self._record("resolve", err)
+            return out
+        return self._resolve(self._state, b)  # type: ignore[no-any-return]
+
+    def invalidate(self, batch: Batch, indices: Any) -> Batch:
+        """Sentinels for the next step: ids and lengths := -indices (padding rows: 0)."""
+        idx, _ = self._slots("indices", indices)
+        return self._invalidate(batch, idx)  # type: ignore[no-any-return]
+
+    def resolve_seq_lens_cpu(self, indices: Any) -> np.ndarray:
+        """Host copy of `new_seq_lens[indices]` (a sync point: pending debug errors raise here)."""
+        idx, n = self._slots("indices", indices)
+        out = np.asarray(jax.device_get(self._take_lens(self._state, idx)))[:n]
+        self.check()
+        return out
+
+    def check(self) -> None:
+        """Raise InvariantViolation for the first failed debug check since the last call.
+
+        A host sync. Naming the step (resolves so far) and op where the check failed.
+        """
+        pending, self._pending = self._pending, []
+        for step, op, err in pending:
+            checks.raise_if_violated(err, step=step, op=op)

@@ -1,0 +1,231 @@
+"""The FutureMap as pure functions over a state pytree (optax style).
+
+`future_map(...)` fixes the static configuration and returns `FutureMapOps`, a NamedTuple
+of pure functions. Each takes and returns arrays only, so an engine can inline them in
+its own jitted step: resolve at the head, publish and stash at the tail, state threaded
+through (and donated by the engine's jit, so every write is in place).
+
+Writes scatter with mode='drop' and no negative-index wrapping: an out-of-range slot
+writes nothing rather than another slot. Debug mode adds checkify checks (see checks.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fm_jax._src import checks
+from fm_jax._src import shapes as s
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.types import (
+    Batch,
+    DraftPayload,
+    ForwardMode,
+    FutureMapState,
+    Resolved,
+    SpecConfig,
+    int_dtype,
+)
+
+POISON = -1
+"""Debug-mode content of an `output_tokens` slot with no unread write."""
+
+HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+
+
+class FutureMapOps(NamedTuple):
+    """The pure FutureMap ops for one static configuration.
+
+    Attributes:
+      init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
+      publish: (state, indices, new_seq_lens) -> state.
+      stash: (state, indices, tokens | DraftPayload) -> state.
+      resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
+      invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths.
+      pool_size, dtype, spec, debug: the static configuration.
+    """
+
+    init: Callable[[], FutureMapState]
+    publish: Callable[[FutureMapState, Any, Any], FutureMapState]
+    stash: Callable[[FutureMapState, Any, Any], FutureMapState]
+    resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
+    invalidate: Callable[[Batch, Any], Batch]
+    pool_size: int
+    dtype: np.dtype
+    spec: SpecConfig | None
+    debug: bool
+
+
+def _scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
+    """`buf[indices] := values`; out-of-range slots (negative included) write nothing."""
+    return buf.at[indices].set(values.astype(buf.dtype), mode="drop", wrap_negative_indices=False)
+
+
+def _gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
+    """`buf[indices]`, assuming slots in range (debug mode checks that)."""
+    return buf.at[indices].get(mode="clip", wrap_negative_indices=False)
+
+
+def future_map(
+    pool_size: int,
+    *,
+    dtype: Any = jnp.int32,
+    spec: SpecConfig | None = None,
+    debug: bool = False,
+) -> FutureMapOps:
+    """Build the pure FutureMap ops for a pool of `pool_size` slots.
+
+    Args:
+      pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
+      dtype: int32 (default) or int64 (needs JAX's x64 mode) for tokens, lengths, top-k ids.
+      spec: the spec extras' static shapes, or None for non-spec decoding.
+      debug: poison `output_tokens` with -1 and add the checkify invariant checks.
+
+    Returns:
+      FutureMapOps. Inputs are checked for rank, shape and dtype when traced.
+    """
+    if not isinstance(pool_size, int) or pool_size < 2:
+        raise FutureMapError(f"pool_size must be an int >= 2 (slot 0 is padding), got {pool_size}")
+    dt = int_dtype(dtype)
+    if spec is not None:
+        if spec.topk < 1 or spec.hidden < 0:
+            raise FutureMapError(f"spec needs topk >= 1 and hidden >= 0, got {spec}")
+        if np.dtype(spec.hidden_dtype) not in HIDDEN_DTYPES:
+            raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
+        spec = spec._replace(hidden_dtype=np.dtype(spec.hidden_dtype))
+    r = pool_size
+
+    def init() -> FutureMapState:
+        tokens = jnp.full((r,), POISON if debug else 0, dtype=dt)
+        lens = jnp.zeros((r,), dtype=dt)
+        if spec is None:
+            return FutureMapState(tokens, lens)
+        hidden = (
+            jnp.zeros((r, spec.hidden), dtype=spec.hidden_dtype) if spec.hidden > 0 else None
+        )
+        return FutureMapState(
+            tokens,
+            lens,
+            topk_p=jnp.zeros((r, spec.topk), dtype=jnp.float32),
+            topk_index=jnp.zeros((r, spec.topk), dtype=dt),
+            hidden_states=hidden,
+        )
+
+    def check_indices(name: str, indices: Any) -> None:
+        s.check_1d_int(name, indices)
+        if debug:
+            checks.slots_in_range(name, indices, r)
+            checks.no_duplicate_live_slots(name, indices)
+
+    def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
+        """`new_seq_lens[indices] := new_seq_lens`; empty indices is a no-op."""
+        check_indices("indices", indices)
+        s.check_1d_int("new_seq_lens", new_seq_lens)
+        s.check_rows("new_seq_lens", new_seq_lens, jnp.shape(indices)[0])
+        if jnp.shape(indices)[0] == 0:
+            return state  # DP idle: nothing ran, nothing to relay
+        return state._replace(new_seq_lens=_scatter(state.new_seq_lens, indices, new_seq_lens))
+
+    def check_draft(draft: DraftPayload, rows: int) -> None:
+        assert spec is not None
+        s.check_1d_int("draft.bonus_tokens", draft.bonus_tokens)
+        s.check_rows("draft.bonus_tokens", draft.bonus_tokens, rows)
+        k = spec.topk
+        s.check_array("draft.topk_p", draft.topk_p, (rows, k), (np.dtype(np.float32),))
+        s.check_array("draft.topk_index", draft.topk_index, (rows, k), (np.dtype(np.int32), np.dtype(np.int64)))
+        if spec.hidden == 0:
+            if draft.hidden_states is not None:
+                raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
+        else:
+            s.check_array(
+                "draft.hidden_states", draft.hidden_states, (rows, spec.hidden), (spec.hidden_dtype,)
+            )
+
+    def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
+        """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op."""
+        check_indices("indices", indices)
+        rows = jnp.shape(indices)[0]
+        if spec is None:
+            if isinstance(payload, DraftPayload):
+                raise FutureMapError("stash got a DraftPayload but the map was built without spec")
+            s.check_1d_int("tokens", payload)
+            s.check_rows("tokens", payload, rows)
+        else:
+            if not isinstance(payload, DraftPayload):
+                raise FutureMapError("stash on a spec map takes a DraftPayload")
+            check_draft(payload, rows)
+        if rows == 0:
+            return state  # DP idle: nothing ran, nothing to relay
+        if spec is None:
+            return state._replace(output_tokens=_scatter(state.output_tokens, indices, payload))
+        assert state.topk_p is not None and state.topk_index is not None
+        new = state._replace(
+            output_tokens=_scatter(state.output_tokens, indices, payload.bonus_tokens),
+            topk_p=_scatter(state.topk_p, indices, payload.topk_p),
+            topk_index=_scatter(state.topk_index, indices, payload.topk_index),
+        )
+        if state.hidden_states is not None:
+            new = new._replace(hidden_states=_scatter(state.hidden_states, indices, payload.hidden_states))
+        return new
+
+    def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
+        """Fill the batch's placeholders from the buffers, at forward entry.
+
+        1. DECODE: `seq_lens := new_seq_lens[req_pool_indices]` (debug: live rows > 0).
+        2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
+           Spec: with `batch.draft_indices`, gather the draft extras and bonus tokens.
+        3. Debug: consume check on what was gathered, then -1 written back to those slots.
+        """
+        idx = batch.req_pool_indices
+        check_indices("req_pool_indices", idx)
+        s.check_scalar_int("forward_mode", batch.forward_mode)
+        s.check_1d_int("input_ids", batch.input_ids)
+        s.check_1d_int("seq_lens", batch.seq_lens)
+        s.check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
+
+        is_decode = batch.forward_mode == ForwardMode.DECODE
+        restored = _gather(state.new_seq_lens, idx)
+        seq_lens = jnp.where(is_decode, restored, batch.seq_lens.astype(dt))
+        if debug:
+            checks.positive_lengths(is_decode, seq_lens, idx)
+
+        if spec is None:
+            ids = batch.input_ids.astype(dt)
+            if debug:
+                checks.sentinels_in_range(ids, r)
+            is_ref = ids < 0
+            src = jnp.where(is_ref, -ids, 0)
+            input_ids = jnp.where(is_ref, _gather(state.output_tokens, src), ids)
+            if debug:
+                checks.consumed_values_valid(input_ids, src)
+                state = state._replace(output_tokens=_scatter(state.output_tokens, idx, jnp.full_like(idx, POISON)))
+            return state, Resolved(input_ids, seq_lens)
+
+        if batch.draft_indices is None:
+            return state, Resolved(batch.input_ids, seq_lens)  # prefill: no draft input
+        didx = batch.draft_indices
+        check_indices("draft_indices", didx)
+        assert state.topk_p is not None and state.topk_index is not None
+        bonus = _gather(state.output_tokens, didx)
+        draft = DraftPayload(
+            bonus_tokens=bonus,
+            topk_p=_gather(state.topk_p, didx),
+            topk_index=_gather(state.topk_index, didx),
+            hidden_states=None if state.hidden_states is None else _gather(state.hidden_states, didx),
+        )
+        if debug:
+            checks.consumed_values_valid(bonus, didx)
+            state = state._replace(output_tokens=_scatter(state.output_tokens, didx, jnp.full_like(didx, POISON)))
+        return state, Resolved(batch.input_ids, seq_lens, draft)
+
+    def invalidate(batch: Batch, indices: Any) -> Batch:
+        """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""
+        s.check_1d_int("indices", indices)
+        sentinel = -jnp.asarray(indices).astype(dt)
+        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
+
+    return FutureMapOps(init, publish, stash, resolve, invalidate, r, dt, spec, debug)

@@ -1,0 +1,94 @@
+"""Pytrees and static configuration shared by fm_jax's ops and its FutureMap class."""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class ForwardMode(enum.IntEnum):
+    """What kind of forward a batch runs (SPEC.md, 'Batch kinds'); carried as an int32 scalar."""
+
+    EXTEND = 0  # prefill or a prefill chunk: real ids and lengths
+    DECODE = 1  # ids and lengths are sentinels until resolve
+    MIXED = 2  # prefill rows first, then running decode rows; lengths already restored
+    IDLE = 3  # data-parallel rank with nothing to run: all rows padding
+
+
+class SpecConfig(NamedTuple):
+    """Static shapes of the speculative extras, declared at init.
+
+    Attributes:
+      topk: K, draft top-k width of `topk_p` / `topk_index`.
+      hidden: H, width of `hidden_states`; 0 when the draft model relays none.
+      hidden_dtype: bfloat16, float16 or float32.
+    """
+
+    topk: int
+    hidden: int = 0
+    hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+
+
+class FutureMapState(NamedTuple):
+    """The relay buffers, leading dimension R (pool size). Spec fields are None without spec.
+
+    Slot 0 mirrors the request pool's padding row: padded rows write garbage there.
+    """
+
+    output_tokens: jax.Array  # [R] int: last token (non-spec) or bonus token (spec)
+    new_seq_lens: jax.Array  # [R] int: length after the slot's last forward
+    topk_p: jax.Array | None = None  # [R, K] float32
+    topk_index: jax.Array | None = None  # [R, K] int
+    hidden_states: jax.Array | None = None  # [R, H] bf16 / f16 / f32
+
+
+class DraftPayload(NamedTuple):
+    """Speculative draft state: what `stash` writes and what `resolve` gathers."""
+
+    bonus_tokens: jax.Array  # [B] int
+    topk_p: jax.Array  # [B, K] float32
+    topk_index: jax.Array  # [B, K] int
+    hidden_states: jax.Array | None = None  # [B, H], None when H == 0
+
+
+class Batch(NamedTuple):
+    """The fields of a scheduled batch that resolve and invalidate touch.
+
+    `input_ids` is flat ([T]): an EXTEND row contributes all its tokens, a decode row one.
+    `forward_mode` is an int32 scalar (a ForwardMode value), traced, so one compiled step
+    serves every batch kind. `draft_indices` ([B]) is set on a spec DECODE batch: the slots
+    whose draft to gather; None on batches without a draft input (static).
+    """
+
+    forward_mode: jax.Array
+    req_pool_indices: jax.Array  # [B]
+    input_ids: jax.Array  # [T]
+    seq_lens: jax.Array  # [B]
+    draft_indices: jax.Array | None = None
+
+
+class Resolved(NamedTuple):
+    """What resolve hands the forward: ids and lengths with placeholders filled, and the draft."""
+
+    input_ids: jax.Array  # [T]
+    seq_lens: jax.Array  # [B]
+    draft: DraftPayload | None = None
+
+
+def int_dtype(dtype: object) -> np.dtype:
+    """Normalise a user's int dtype to int32 or int64, refusing int64 without x64 mode."""
+    from fm_jax._src.errors import FutureMapError
+
+    d = np.dtype(dtype)  # type: ignore[call-overload]
+    if d not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise FutureMapError(f"dtype must be int32 or int64, got {d}")
+    if d == np.int64 and not jax.config.read("jax_enable_x64"):
+        raise FutureMapError(
+            "dtype int64 needs JAX's x64 mode; enable it before building the map "
+            "(jax.config.update('jax_enable_x64', True)). fm_jax never flips global config."
+        )
+    return d

@@ -1,0 +1,57 @@
+"""The batch and payload records the PyTorch FutureMap reads and rewrites."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.IntEnum):
+    """What kind of forward a batch runs (SPEC.md, 'Batch kinds')."""
+
+    EXTEND = 0  # prefill or a prefill chunk: real ids and lengths
+    DECODE = 1  # ids and lengths are sentinels until resolve
+    MIXED = 2  # prefill rows first, then running decode rows; lengths already restored
+    IDLE = 3  # data-parallel rank with nothing to run: empty indices
+
+
+@dataclass
+class DraftPayload:
+    """Speculative draft state relayed from one step to the next.
+
+    `stash` takes it as written by a forward; `resolve` fills it from the buffers.
+    `hidden_states` is None when the draft model needs none.
+    """
+
+    bonus_tokens: torch.Tensor  # [B] int
+    topk_p: torch.Tensor  # [B, K] float32
+    topk_index: torch.Tensor  # [B, K] int
+    hidden_states: torch.Tensor | None = None  # [B, H] bf16 / f16 / f32
+
+
+@dataclass
+class DraftInput:
+    """What a spec DECODE batch carries into resolve: the slots to gather from.
+
+    After resolve, `payload` holds the gathered extras.
+    """
+
+    indices: torch.Tensor  # [B] slots written by the previous step's stash
+    payload: DraftPayload | None = None
+
+
+@dataclass
+class ScheduleBatch:
+    """The fields of a scheduled batch that the FutureMap touches.
+
+    `input_ids` is flat: an EXTEND row contributes all its tokens, a decode row one.
+    `seq_lens` and `req_pool_indices` have one entry per row.
+    """
+
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor  # [B]
+    input_ids: torch.Tensor  # [T]
+    seq_lens: torch.Tensor  # [B]
+    draft: DraftInput | None = None

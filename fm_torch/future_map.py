@@ -1,0 +1,304 @@
+"""The PyTorch FutureMap: SGLang's request-pool-indexed relay, as SPEC.md states it.
+
+One device-side buffer row per request-pool slot. Between two forwards the host leaves
+sentinels (-slot) in a batch; `resolve` replaces them from the buffers that the previous
+forward's `publish` and `stash` wrote.
+
+Checks, always on (metadata only, no device sync): rank, shape, dtype and device of every
+input; spec payload shapes against the lazily fixed K, H and hidden dtype.
+Checks on CPU tensors, and in debug mode on any device (they read values): slots in
+[0, R), no live slot twice in a batch, int64 values fit an int32 buffer, sentinels name
+slots in [0, R).
+Debug-mode invariants (consume tracking, positive restored lengths): on CPU they raise
+InvariantViolation at the call; on CUDA they are `torch._assert_async` device asserts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from fm_torch import validate as v
+from fm_torch.batch import DraftPayload, ForwardMode, ScheduleBatch
+from fm_torch.errors import FutureMapError, InvariantViolation
+
+DEBUG_ENV = "FM_DEBUG"
+"""Environment variable that turns debug mode on for every FutureMap built without `debug=`."""
+
+POISON = -1
+"""Debug-mode content of an `output_tokens` slot that has no unread write."""
+
+
+def debug_from_env() -> bool:
+    """Whether FM_DEBUG asks for debug mode ('1', 'true', 'yes', 'on')."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class FutureMap:
+    """Device relay of last tokens, lengths and spec extras, indexed by request-pool slot.
+
+    Args:
+      pool_size: R, rows of the request pool (max running requests + 1). Slot 0 is padding.
+      device: where the buffers live ('cpu', 'cuda', 'cuda:1', ...).
+      dtype: int dtype of token and length buffers: torch.int64 (SGLang's) or torch.int32.
+      spec: relay speculative-decoding extras (topk_p, topk_index, optional hidden_states);
+        their K, H and hidden dtype are fixed by the first non-empty `stash` of a draft.
+      debug: consume tracking and invariant checks; None reads FM_DEBUG.
+    """
+
+    def __init__(
+        self,
+        pool_size: int,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.int64,
+        spec: bool = False,
+        debug: bool | None = None,
+    ) -> None:
+        if not isinstance(pool_size, int) or pool_size < 2:
+            raise FutureMapError(f"pool_size must be an int >= 2 (slot 0 is padding), got {pool_size}")
+        if dtype not in v.INT_DTYPES:
+            raise FutureMapError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+        self.pool_size = pool_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype
+        self.spec = spec
+        self.debug = debug_from_env() if debug is None else debug
+        self._values_checked = self.debug or self.device.type == "cpu"
+
+        # Slot 0 mirrors the KV pool's padding row: padded batch rows write garbage there.
+        fill = POISON if self.debug else 0
+        self.output_tokens = torch.full((pool_size,), fill, dtype=dtype, device=self.device)
+        self.new_seq_lens = torch.zeros(pool_size, dtype=dtype, device=self.device)
+        # Spec extras are shaped by the first draft stashed (K, H unknown until then).
+        self.topk_p: torch.Tensor | None = None
+        self.topk_index: torch.Tensor | None = None
+        self.hidden_states: torch.Tensor | None = None
+        self._spec_shaped = False
+        # Recorded after each spec publish on accelerators; resolve_seq_lens_cpu waits on it.
+        self.publish_ready: torch.Event | None = None
+        self._forward_stream = self._make_forward_stream()
+
+    # ----------------------------------------------------------------------------- streams
+    def _make_forward_stream(self) -> torch.cuda.Stream | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.Stream(device=self.device)
+
+    @contextlib.contextmanager
+    def forward_stream(self) -> Iterator[None]:
+        """Run the enclosed forward on the forward stream, after the schedule stream's work.
+
+        On CUDA this is SGLang's discipline: a forward stream separate from the schedule
+        (current) stream, which waits for the schedule stream first. On CPU it does nothing.
+        """
+        if self._forward_stream is None:
+            yield
+            return
+        self._forward_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._forward_stream):
+            yield
+
+    # ----------------------------------------------------------------------------- writes
+    def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
+        """Write each slot's sequence length after this forward: `new_seq_lens[indices] := lens`.
+
+        Empty `indices` (an idle data-parallel rank) is a no-op. With spec on an accelerator,
+        records `publish_ready` for `resolve_seq_lens_cpu`.
+        """
+        indices = v.check_1d_int("indices", indices, self.device)
+        if indices.numel() == 0:
+            return  # DP idle: nothing ran, nothing to relay
+        new_seq_lens = v.check_1d_int("new_seq_lens", new_seq_lens, self.device)
+        v.check_rows("new_seq_lens", new_seq_lens, indices.shape[0])
+        if self._values_checked:
+            v.check_slots("indices", indices, self.pool_size)
+            v.check_fits("new_seq_lens", new_seq_lens, self.dtype)
+        self.new_seq_lens[indices] = new_seq_lens.to(self.dtype)
+        if self.spec and self.device.type != "cpu":
+            if self.publish_ready is None:
+                self.publish_ready = torch.Event(device=self.device)
+            self.publish_ready.record()
+
+    def stash(self, indices: torch.Tensor, payload: torch.Tensor | DraftPayload) -> None:
+        """Write this forward's output for the next step to read.
+
+        Non-spec: `payload` is the sampled tokens, `output_tokens[indices] := tokens`.
+        Spec: `payload` is a DraftPayload; bonus tokens go to `output_tokens`, the extras to
+        their buffers (shaped by the first non-empty draft). Empty `indices` is a no-op.
+        """
+        indices = v.check_1d_int("indices", indices, self.device)
+        if indices.numel() == 0:
+            return  # DP idle: nothing ran, nothing to relay
+        rows = indices.shape[0]
+        if isinstance(payload, DraftPayload):
+            if not self.spec:
+                raise FutureMapError("stash got a DraftPayload but this FutureMap has spec=False")
+            tokens = self._check_draft(payload, rows)
+        else:
+            if self.spec:
+                raise FutureMapError("stash on a spec FutureMap takes a DraftPayload, got a tensor")
+            tokens = v.check_1d_int("tokens", payload, self.device)
+            v.check_rows("tokens", tokens, rows)
+        if self._values_checked:
+            v.check_slots("indices", indices, self.pool_size)
+            v.check_fits("tokens", tokens, self.dtype)
+            if isinstance(payload, DraftPayload):
+                v.check_fits("draft.topk_index", payload.topk_index.reshape(-1), self.dtype)
+        # Every check has passed: only now is anything written.
+        self.output_tokens[indices] = tokens.to(self.dtype)
+        if isinstance(payload, DraftPayload):
+            self._stash_extras(indices, payload)
+
+    def _check_draft(self, draft: DraftPayload, rows: int) -> torch.Tensor:
+        """Check a draft's structure against the buffers (or fix their shapes); return tokens."""
+        tokens = v.check_1d_int("draft.bonus_tokens", draft.bonus_tokens, self.device)
+        v.check_rows("draft.bonus_tokens", tokens, rows)
+        topk_p = draft.topk_p
+        if not isinstance(topk_p, torch.Tensor) or topk_p.dim() != 2:
+            raise FutureMapError("draft.topk_p must be a 2-D tensor [B, K]")
+        k = topk_p.shape[1] if not self._spec_shaped else self.topk_p.shape[1]  # type: ignore[union-attr]
+        v.check_tensor("draft.topk_p", topk_p, self.device, (rows, k), (torch.float32,))
+        v.check_tensor("draft.topk_index", draft.topk_index, self.device, (rows, k), v.INT_DTYPES)
+        hidden = draft.hidden_states
+        if self._spec_shaped:
+            if (hidden is None) != (self.hidden_states is None):
+                want = "no hidden_states" if self.hidden_states is None else "hidden_states"
+                raise FutureMapError(f"draft does not match the first draft stashed: expected {want}")
+            if hidden is not None and self.hidden_states is not None:
+                v.check_tensor(
+                    "draft.hidden_states",
+                    hidden,
+                    self.device,
+                    (rows, self.hidden_states.shape[1]),
+                    (self.hidden_states.dtype,),
+                )
+        elif hidden is not None:
+            if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+                raise FutureMapError("draft.hidden_states must be a 2-D tensor [B, H]")
+            v.check_tensor(
+                "draft.hidden_states", hidden, self.device, (rows, hidden.shape[1]), v.HIDDEN_DTYPES
+            )
+        return tokens
+
+    def _stash_extras(self, indices: torch.Tensor, draft: DraftPayload) -> None:
+        if not self._spec_shaped:
+            r, k = self.pool_size, draft.topk_p.shape[1]
+            self.topk_p = torch.zeros((r, k), dtype=torch.float32, device=self.device)
+            self.topk_index = torch.zeros((r, k), dtype=self.dtype, device=self.device)
+            if draft.hidden_states is not None:
+                h = draft.hidden_states.shape[1]
+                self.hidden_states = torch.zeros(
+                    (r, h), dtype=draft.hidden_states.dtype, device=self.device
+                )
+            self._spec_shaped = True
+        assert self.topk_p is not None and self.topk_index is not None
+        self.topk_p[indices] = draft.topk_p
+        self.topk_index[indices] = draft.topk_index.to(self.dtype)
+        if self.hidden_states is not None and draft.hidden_states is not None:
+            self.hidden_states[indices] = draft.hidden_states
+
+    # ------------------------------------------------------------------------------ reads
+    def resolve(self, batch: ScheduleBatch) -> None:
+        """Fill the batch's placeholders from the buffers, at forward entry (in place).
+
+        1. DECODE: `seq_lens := new_seq_lens[req_pool_indices]` (debug: live rows > 0).
+        2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
+           Spec: if the batch carries a draft input, gather its extras and bonus tokens.
+        3. Debug: consume check on what was gathered from `output_tokens`.
+        Assumes the batch's tensors are on this map's device.
+        """
+        indices = v.check_1d_int("req_pool_indices", batch.req_pool_indices, self.device)
+        ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
+        if self._values_checked:
+            v.check_slots("req_pool_indices", indices, self.pool_size)
+            if not self.spec:
+                v.check_sentinels("input_ids", ids, self.pool_size)
+        if batch.forward_mode == ForwardMode.DECODE:
+            seq_lens = self.new_seq_lens[indices]
+            if self.debug:
+                self._check_positive_lengths(seq_lens, indices)
+            batch.seq_lens = seq_lens
+        if not self.spec:
+            is_ref = ids < 0
+            gathered = self.output_tokens[torch.clamp(-ids, min=0)]
+            resolved = torch.where(is_ref, gathered, ids.to(self.dtype))
+            if self.debug:
+                self._consume(resolved, indices, source_slots=torch.where(is_ref, -ids, 0))
+            batch.input_ids = resolved
+        elif batch.draft is not None:
+            self._resolve_extras(batch)
+
+    def _resolve_extras(self, batch: ScheduleBatch) -> None:
+        draft = batch.draft
+        assert draft is not None
+        indices = v.check_1d_int("draft.indices", draft.indices, self.device)
+        if self._values_checked:
+            v.check_slots("draft.indices", indices, self.pool_size)
+        if not self._spec_shaped:
+            raise FutureMapError("resolve of spec extras before any draft was stashed")
+        assert self.topk_p is not None and self.topk_index is not None
+        bonus = self.output_tokens[indices]
+        if self.debug:
+            self._consume(bonus, indices, source_slots=indices)
+        draft.payload = DraftPayload(
+            bonus_tokens=bonus,
+            topk_p=self.topk_p[indices],
+            topk_index=self.topk_index[indices],
+            hidden_states=None if self.hidden_states is None else self.hidden_states[indices],
+        )
+
+    def invalidate(self, batch: ScheduleBatch, indices: torch.Tensor) -> None:
+        """Leave sentinels for the next step: `input_ids := -indices`, `seq_lens := -indices`.
+
+        A padding row (slot 0) gets sentinel 0. Runs after the forward is launched.
+        """
+        indices = v.check_1d_int("indices", indices, self.device)
+        sentinel = -indices.to(self.dtype)
+        batch.input_ids = sentinel
+        batch.seq_lens = sentinel.clone()
+
+    def resolve_seq_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
+        """Host copy of `new_seq_lens[indices]`, after the last spec publish has landed."""
+        indices = v.check_1d_int("indices", indices, self.device)
+        if self._values_checked:
+            v.check_slots("indices", indices, self.pool_size)
+        if self.publish_ready is not None:
+            self.publish_ready.synchronize()
+        return self.new_seq_lens[indices].cpu()
+
+    # ------------------------------------------------------------------------ debug checks
+    def _check_positive_lengths(self, seq_lens: torch.Tensor, indices: torch.Tensor) -> None:
+        """Restored lengths of live rows are > 0; a sentinel there was never published."""
+        ok = (seq_lens > 0) | (indices == 0)  # slot 0 is padding: its length is garbage
+        if self.device.type != "cpu":
+            torch._assert_async(ok.all(), "FutureMap invariant 'seq_lens > 0' violated")
+            return
+        if not bool(ok.all()):
+            slots = indices[~ok].tolist()
+            raise InvariantViolation(
+                "seq_lens > 0",
+                f"DECODE restored non-positive lengths {seq_lens[~ok].tolist()}: "
+                "the slot's length was never published",
+                slots,
+            )
+
+    def _consume(
+        self, values: torch.Tensor, indices: torch.Tensor, source_slots: torch.Tensor
+    ) -> None:
+        """Consume tracking: gathered values are >= 0, then their slots are poisoned again."""
+        ok = values >= 0
+        if self.device.type != "cpu":
+            torch._assert_async(ok.all(), "FutureMap invariant 'consume (WRWR)' violated")
+        elif not bool(ok.all()):
+            raise InvariantViolation(
+                "consume (WRWR)",
+                "read a slot with no write since its last read (RR) or before its first write",
+                source_slots[~ok].tolist(),
+            )
+        self.output_tokens[indices] = POISON

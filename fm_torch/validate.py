@@ -1,0 +1,89 @@
+"""Input checks for the PyTorch FutureMap.
+
+Structural checks (rank, shape, dtype, device) read only metadata and are always on.
+Value checks (slot range, duplicate live slots, int32 fit, sentinel range) read tensor
+contents; they run on CPU tensors (no device sync there) and, on other devices, only in
+debug mode, where a host sync is acceptable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fm_torch.errors import FutureMapError
+
+INT_DTYPES = (torch.int32, torch.int64)
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_1d_int(name: str, t: object, device: torch.device) -> torch.Tensor:
+    """Return `t` if it is a 1-D int32/int64 tensor on `device`, else raise FutureMapError."""
+    if not isinstance(t, torch.Tensor):
+        raise FutureMapError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise FutureMapError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype not in INT_DTYPES:
+        raise FutureMapError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise FutureMapError(f"{name} is on {t.device}, the FutureMap is on {device}")
+    return t
+
+
+def check_rows(name: str, t: torch.Tensor, rows: int) -> None:
+    """Raise unless `t` has exactly `rows` leading entries (one per batch row)."""
+    if t.shape[0] != rows:
+        raise FutureMapError(f"{name} has {t.shape[0]} rows, indices have {rows}")
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    device: torch.device,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+) -> torch.Tensor:
+    """Return `t` if it has exactly `shape`, one of `dtypes` and lives on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise FutureMapError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise FutureMapError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise FutureMapError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    if t.device != device:
+        raise FutureMapError(f"{name} is on {t.device}, the FutureMap is on {device}")
+    return t
+
+
+def check_slots(name: str, indices: torch.Tensor, pool_size: int) -> None:
+    """Value check: slots in [0, pool_size) and no live slot (>= 1) twice."""
+    if indices.numel() == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= pool_size:
+        bad = indices[(indices < 0) | (indices >= pool_size)].tolist()
+        raise FutureMapError(f"{name} holds slots {bad} outside [0, {pool_size})")
+    live = indices[indices != 0]
+    uniq, counts = torch.unique(live, return_counts=True)
+    if bool((counts > 1).any()):
+        raise FutureMapError(
+            f"{name} holds live slots {uniq[counts > 1].tolist()} more than once in one batch"
+        )
+
+
+def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Value check: every value is representable in `dtype` (int64 into int32)."""
+    if values.numel() == 0 or values.dtype == dtype:
+        return
+    info = torch.iinfo(dtype)
+    if int(values.min()) < info.min or int(values.max()) > info.max:
+        raise FutureMapError(f"{name} holds values that do not fit the {dtype} buffer")
+
+
+def check_sentinels(name: str, input_ids: torch.Tensor, pool_size: int) -> None:
+    """Value check: a sentinel -s names a slot s in [0, pool_size)."""
+    if input_ids.numel() == 0:
+        return
+    if int(input_ids.min()) <= -pool_size:
+        bad = input_ids[input_ids <= -pool_size].tolist()
+        raise FutureMapError(f"{name} holds sentinels {bad} naming slots outside [0, {pool_size})")
