@@ -59,7 +59,9 @@ class FutureMap:
         debug: bool | None = None,
     ) -> None:
         if not isinstance(pool_size, int) or pool_size < 2:
-            raise FutureMapError(f"pool_size must be an int >= 2 (slot 0 is padding), got {pool_size}")
+            raise FutureMapError(
+                f"pool_size must be an int >= 2 (slot 0 is padding), got {pool_size}"
+            )
         if dtype not in v.INT_DTYPES:
             raise FutureMapError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
         self.pool_size = pool_size
@@ -169,7 +171,9 @@ class FutureMap:
         if self._spec_shaped:
             if (hidden is None) != (self.hidden_states is None):
                 want = "no hidden_states" if self.hidden_states is None else "hidden_states"
-                raise FutureMapError(f"draft does not match the first draft stashed: expected {want}")
+                raise FutureMapError(
+                    f"draft does not match the first draft stashed: expected {want}"
+                )
             if hidden is not None and self.hidden_states is not None:
                 v.check_tensor(
                     "draft.hidden_states",

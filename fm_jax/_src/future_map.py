@@ -1,4 +1,4 @@
-"""`FutureMap`: the pure ops behind jitted, donated entry points, for engines that call ops one by one."""
+"""`FutureMap`: pure ops behind jitted, donated entry points, for engines calling ops one by one."""
 
 from __future__ import annotations
 
@@ -177,7 +177,9 @@ class FutureMap:
         rows = idx.shape[0]
         if isinstance(payload, DraftPayload):
             payload = DraftPayload(
-                bonus_tokens=self._rows("draft.bonus_tokens", payload.bonus_tokens, rows, n, ints=True),
+                bonus_tokens=self._rows(
+                    "draft.bonus_tokens", payload.bonus_tokens, rows, n, ints=True
+                ),
                 topk_p=self._rows("draft.topk_p", payload.topk_p, rows, n, ints=False),
                 topk_index=self._rows("draft.topk_index", payload.topk_index, rows, n, ints=True),
                 hidden_states=None
@@ -204,7 +206,12 @@ class FutureMap:
         idx, n = self._slots("req_pool_indices", batch.req_pool_indices)
         if not isinstance(batch.input_ids, jax.Array):
             a = np.asarray(batch.input_ids)
-            if a.ndim == 1 and np.issubdtype(a.dtype, np.integer) and a.size and a.min() <= -self.pool_size:
+            if (
+                a.ndim == 1
+                and np.issubdtype(a.dtype, np.integer)
+                and a.size
+                and a.min() <= -self.pool_size
+            ):
                 raise FutureMapError(
                     f"input_ids holds sentinels {a[a <= -self.pool_size].tolist()} naming slots "
                     f"outside [0, {self.pool_size})"

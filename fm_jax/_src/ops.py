@@ -95,7 +95,9 @@ def future_map(
         if spec.topk < 1 or spec.hidden < 0:
             raise FutureMapError(f"spec needs topk >= 1 and hidden >= 0, got {spec}")
         if np.dtype(spec.hidden_dtype) not in HIDDEN_DTYPES:
-            raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
+            raise FutureMapError(
+                f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}"
+            )
         spec = spec._replace(hidden_dtype=np.dtype(spec.hidden_dtype))
     r = pool_size
 
@@ -104,9 +106,7 @@ def future_map(
         lens = jnp.zeros((r,), dtype=dt)
         if spec is None:
             return FutureMapState(tokens, lens)
-        hidden = (
-            jnp.zeros((r, spec.hidden), dtype=spec.hidden_dtype) if spec.hidden > 0 else None
-        )
+        hidden = jnp.zeros((r, spec.hidden), dtype=spec.hidden_dtype) if spec.hidden > 0 else None
         return FutureMapState(
             tokens,
             lens,
@@ -136,13 +136,21 @@ def future_map(
         s.check_rows("draft.bonus_tokens", draft.bonus_tokens, rows)
         k = spec.topk
         s.check_array("draft.topk_p", draft.topk_p, (rows, k), (np.dtype(np.float32),))
-        s.check_array("draft.topk_index", draft.topk_index, (rows, k), (np.dtype(np.int32), np.dtype(np.int64)))
+        s.check_array(
+            "draft.topk_index",
+            draft.topk_index,
+            (rows, k),
+            (np.dtype(np.int32), np.dtype(np.int64)),
+        )
         if spec.hidden == 0:
             if draft.hidden_states is not None:
                 raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
         else:
             s.check_array(
-                "draft.hidden_states", draft.hidden_states, (rows, spec.hidden), (spec.hidden_dtype,)
+                "draft.hidden_states",
+                draft.hidden_states,
+                (rows, spec.hidden),
+                (spec.hidden_dtype,),
             )
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
@@ -169,7 +177,9 @@ def future_map(
             topk_index=_scatter(state.topk_index, indices, payload.topk_index),
         )
         if state.hidden_states is not None:
-            new = new._replace(hidden_states=_scatter(state.hidden_states, indices, payload.hidden_states))
+            new = new._replace(
+                hidden_states=_scatter(state.hidden_states, indices, payload.hidden_states)
+            )
         return new
 
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
@@ -202,7 +212,9 @@ def future_map(
             input_ids = jnp.where(is_ref, _gather(state.output_tokens, src), ids)
             if debug:
                 checks.consumed_values_valid(input_ids, src)
-                state = state._replace(output_tokens=_scatter(state.output_tokens, idx, jnp.full_like(idx, POISON)))
+                state = state._replace(
+                    output_tokens=_scatter(state.output_tokens, idx, jnp.full_like(idx, POISON))
+                )
             return state, Resolved(input_ids, seq_lens)
 
         if batch.draft_indices is None:
@@ -215,11 +227,15 @@ def future_map(
             bonus_tokens=bonus,
             topk_p=_gather(state.topk_p, didx),
             topk_index=_gather(state.topk_index, didx),
-            hidden_states=None if state.hidden_states is None else _gather(state.hidden_states, didx),
+            hidden_states=None
+            if state.hidden_states is None
+            else _gather(state.hidden_states, didx),
         )
         if debug:
             checks.consumed_values_valid(bonus, didx)
-            state = state._replace(output_tokens=_scatter(state.output_tokens, didx, jnp.full_like(didx, POISON)))
+            state = state._replace(
+                output_tokens=_scatter(state.output_tokens, didx, jnp.full_like(didx, POISON))
+            )
         return state, Resolved(batch.input_ids, seq_lens, draft)
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
