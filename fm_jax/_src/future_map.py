@@ -74,7 +74,9 @@ class FutureMap:
         self._stash = self._jit(ops.stash, donate=True)
         # Without debug, resolve only reads the buffers: no donation, no state round trip.
         self._resolve = self._jit(ops.resolve, donate=True) if debug else jax.jit(resolve_only)
-        self._invalidate = jax.jit(ops.invalidate)
+        # Only the indices reach the compiler: the batch's other fields (maybe unpadded
+        # host arrays) would otherwise key a compile per shape.
+        self._sentinels = jax.jit(lambda idx: -idx.astype(ops.dtype))
         self._take_lens = jax.jit(lambda state, idx: state.new_seq_lens[idx])
 
     def _jit(self, fn: Any, *, donate: bool) -> Any:
@@ -107,10 +109,12 @@ class FutureMap:
 
     def _flat(self, name: str, x: Any, buckets: tuple[int, ...]) -> tuple[jax.Array, int]:
         """A 1-D int input as a device array of bucket size, and its unpadded length."""
+        if isinstance(x, jax.Array) and x.size == 0:
+            x = np.zeros(x.shape, x.dtype)  # empty: padded on the host like numpy input
         if isinstance(x, jax.Array):
             if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
                 raise FutureMapError(f"{name} must be a 1-D integer array, got {x.shape} {x.dtype}")
-            if x.shape[0] not in buckets and x.shape[0] != 0:
+            if x.shape[0] not in buckets:
                 raise FutureMapError(
                     f"{name} has {x.shape[0]} entries, not a bucket size {buckets}: pad it "
                     "(fm_jax.pad_to_bucket) or pass a numpy array"
@@ -121,7 +125,8 @@ class FutureMap:
             raise FutureMapError(f"{name} must be 1-D, got shape {a.shape}")
         a = self._host_ints(name, a)
         n = a.shape[0]
-        rows = bk.bucket_for(n, buckets, name) if n else 0
+        # An empty input (IDLE) still takes the smallest bucket: no shape outside the buckets.
+        rows = bk.bucket_for(max(n, 1), buckets, name)
         return jax.device_put(bk.pad_rows(a, rows), self.device), n
 
     def _slots(self, name: str, x: Any) -> tuple[jax.Array, int]:
@@ -144,6 +149,8 @@ class FutureMap:
 
     def _rows(self, name: str, x: Any, rows: int, n: int, *, ints: bool) -> jax.Array:
         """A per-row payload matched to `n` real rows and padded to `rows` (the bucket)."""
+        if isinstance(x, jax.Array) and x.size == 0:
+            x = np.zeros(x.shape, x.dtype)  # empty: padded on the host like numpy input
         if isinstance(x, jax.Array):
             if x.ndim < 1 or x.shape[0] != rows:
                 raise FutureMapError(f"{name} has {x.shape[:1]} rows, indices have {rows}")
@@ -202,7 +209,6 @@ class FutureMap:
 
         Starts a new step. Returns the resolved ids, lengths and draft, padded to buckets.
         """
-        self.step += 1
         idx, n = self._slots("req_pool_indices", batch.req_pool_indices)
         if not isinstance(batch.input_ids, jax.Array):
             a = np.asarray(batch.input_ids)
@@ -222,9 +228,12 @@ class FutureMap:
         if not isinstance(mode, jax.Array):
             mode = jax.device_put(np.int32(int(mode)), self.device)
         draft_idx = None
+        if batch.draft_indices is not None and self.spec is None:
+            raise FutureMapError("batch.draft_indices given but the map was built without spec")
         if batch.draft_indices is not None:
             draft_idx, _ = self._slots("draft_indices", batch.draft_indices)
         b = Batch(mode, idx, ids, lens, draft_idx)
+        self.step += 1
         if self.debug:
             err, (self._state, out) = self._resolve(self._state, b)
             self._record("resolve", err)
@@ -232,9 +241,14 @@ class FutureMap:
         return self._resolve(self._state, b)  # type: ignore[no-any-return]
 
     def invalidate(self, batch: Batch, indices: Any) -> Batch:
-        """Sentinels for the next step: ids and lengths := -indices (padding rows: 0)."""
+        """Sentinels for the next step: ids and lengths := -indices (padding rows: 0).
+
+        Returns `batch` with `input_ids` and `seq_lens` replaced by the sentinels, padded
+        to the batch bucket; its other fields are returned as given.
+        """
         idx, _ = self._slots("indices", indices)
-        return self._invalidate(batch, idx)  # type: ignore[no-any-return]
+        sentinel = self._sentinels(idx)
+        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
     def resolve_seq_lens_cpu(self, indices: Any) -> np.ndarray:
         """Host copy of `new_seq_lens[indices]` (a sync point: pending debug errors raise here)."""

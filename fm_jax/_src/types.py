@@ -83,7 +83,10 @@ def int_dtype(dtype: object) -> np.dtype:
     """Normalise a user's int dtype to int32 or int64, refusing int64 without x64 mode."""
     from fm_jax._src.errors import FutureMapError
 
-    d = np.dtype(dtype)  # type: ignore[call-overload]
+    try:
+        d = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        raise FutureMapError(f"dtype must be int32 or int64, got {dtype!r}") from None
     if d not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise FutureMapError(f"dtype must be int32 or int64, got {d}")
     if d == np.int64 and not jax.config.read("jax_enable_x64"):
