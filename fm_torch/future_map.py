@@ -7,8 +7,11 @@ forward's `publish` and `stash` wrote.
 Checks, always on (metadata only, no device sync): rank, shape, dtype and device of every
 input; spec payload shapes against the lazily fixed K, H and hidden dtype.
 Checks on CPU tensors, and in debug mode on any device (they read values): slots in
-[0, R), no live slot twice in a batch, int64 values fit an int32 buffer, sentinels name
-slots in [0, R).
+[0, R) (publish, stash, resolve, invalidate, resolve_seq_lens_cpu), no live slot twice in
+a batch, int64 values (tokens, lengths, top-k ids, input ids) fit an int32 buffer,
+sentinels name slots in [0, R).
+Every check runs before anything is written: a rejected call leaves the buffers and the
+batch as they were.
 Debug-mode invariants (consume tracking, positive restored lengths): on CPU they raise
 InvariantViolation at the call; on CUDA they are `torch._assert_async` device asserts.
 """
@@ -215,19 +218,31 @@ class FutureMap:
         2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
            Spec: if the batch carries a draft input, gather its extras and bonus tokens.
         3. Debug: consume check on what was gathered from `output_tokens`.
-        Assumes the batch's tensors are on this map's device.
+        Every input check and invariant check runs before the batch or a buffer is written,
+        so a raise leaves both as they were. Assumes the batch's tensors are on this map's
+        device.
         """
         indices = v.check_1d_int("req_pool_indices", batch.req_pool_indices, self.device)
         ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
+        is_decode = batch.forward_mode == ForwardMode.DECODE
+        if is_decode and not self.spec:
+            v.check_rows("input_ids of a DECODE batch", ids, indices.shape[0])
+        draft_indices = None
+        if self.spec and batch.draft is not None:
+            draft_indices = v.check_1d_int("draft.indices", batch.draft.indices, self.device)
+            if not self._spec_shaped:
+                raise FutureMapError("resolve of spec extras before any draft was stashed")
         if self._values_checked:
             v.check_slots("req_pool_indices", indices, self.pool_size)
+            if draft_indices is not None:
+                v.check_slots("draft.indices", draft_indices, self.pool_size)
             if not self.spec:
                 v.check_sentinels("input_ids", ids, self.pool_size)
-        if batch.forward_mode == ForwardMode.DECODE:
-            seq_lens = self.new_seq_lens[indices]
-            if self.debug:
-                self._check_positive_lengths(seq_lens, indices)
-            batch.seq_lens = seq_lens
+                v.check_fits("input_ids", ids, self.dtype)
+
+        seq_lens = self.new_seq_lens[indices] if is_decode else None
+        if seq_lens is not None and self.debug:
+            self._check_positive_lengths(seq_lens, indices)
         if not self.spec:
             is_ref = ids < 0
             gathered = self.output_tokens[torch.clamp(-ids, min=0)]
@@ -235,22 +250,19 @@ class FutureMap:
             if self.debug:
                 self._consume(resolved, indices, source_slots=torch.where(is_ref, -ids, 0))
             batch.input_ids = resolved
-        elif batch.draft is not None:
-            self._resolve_extras(batch)
+        elif draft_indices is not None:
+            assert batch.draft is not None
+            batch.draft.payload = self._gather_extras(draft_indices)
+        if seq_lens is not None:
+            batch.seq_lens = seq_lens
 
-    def _resolve_extras(self, batch: ScheduleBatch) -> None:
-        draft = batch.draft
-        assert draft is not None
-        indices = v.check_1d_int("draft.indices", draft.indices, self.device)
-        if self._values_checked:
-            v.check_slots("draft.indices", indices, self.pool_size)
-        if not self._spec_shaped:
-            raise FutureMapError("resolve of spec extras before any draft was stashed")
+    def _gather_extras(self, indices: torch.Tensor) -> DraftPayload:
+        """Spec: the draft state stashed at `indices` (debug: consume-checked bonus tokens)."""
         assert self.topk_p is not None and self.topk_index is not None
         bonus = self.output_tokens[indices]
         if self.debug:
             self._consume(bonus, indices, source_slots=indices)
-        draft.payload = DraftPayload(
+        return DraftPayload(
             bonus_tokens=bonus,
             topk_p=self.topk_p[indices],
             topk_index=self.topk_index[indices],
@@ -263,6 +275,8 @@ class FutureMap:
         A padding row (slot 0) gets sentinel 0. Runs after the forward is launched.
         """
         indices = v.check_1d_int("indices", indices, self.device)
+        if self._values_checked:
+            v.check_slots("indices", indices, self.pool_size)
         sentinel = -indices.to(self.dtype)
         batch.input_ids = sentinel
         batch.seq_lens = sentinel.clone()
