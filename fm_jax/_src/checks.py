@@ -80,10 +80,12 @@ def positive_lengths(is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Arr
 
 
 def consumed_values_valid(values: jax.Array, source_slots: jax.Array) -> None:
-    """Every value gathered from output_tokens is >= 0 (a -1 is an RR or read-before-write)."""
+    """Every value gathered from a live slot of output_tokens is >= 0 (a -1 is an RR or a
+    read before the first write). Reads of slot 0 (padding rows) are garbage, never checked.
+    """
     if values.shape[0] == 0:
         return
-    bad = values < 0
+    bad = (values < 0) & (source_slots != 0)
     checkify.check(
         ~jnp.any(bad),
         f"[{CONSUME}] slot {{slot}} was read with no write since its last read (RR) "

@@ -61,8 +61,17 @@ class FutureMapOps(NamedTuple):
 
 
 def _scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
-    """`buf[indices] := values`; out-of-range slots (negative included) write nothing."""
-    return buf.at[indices].set(values.astype(buf.dtype), mode="drop", wrap_negative_indices=False)
+    """`buf[indices] := values`; out-of-range slots (negative included) write nothing.
+
+    bf16 is scattered as its uint16 bits: XLA:CPU computes a bf16 scatter in f32 and
+    canonicalises NaNs on the way back, and the relay must keep raw bytes.
+    """
+    values = values.astype(buf.dtype)
+    if buf.dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+        bits = _scatter(bits, indices, jax.lax.bitcast_convert_type(values, jnp.uint16))
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return buf.at[indices].set(values, mode="drop", wrap_negative_indices=False)
 
 
 def _gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
