@@ -1,0 +1,222 @@
+"""The FutureMap on a `jax.sharding.Mesh`: one pool of slots per data-parallel rank.
+
+Layout (DP = size of the mesh's `dp_axis`, 1 without one; R = `pool_size`, slots per rank):
+
+- State: every buffer is one global array with leading dimension DP*R, sharded over
+  `dp_axis` (`PartitionSpec(dp_axis)`): DP rank d owns rows [d*R, (d+1)*R), and row d*R is
+  its padding slot 0. Every other mesh axis (the `tp_axis` included) holds replicas.
+- Batches: the same, per batch row: each rank's rows padded to one per-rank size B (and
+  its tokens to T), laid end to end: global [DP*B] slots, [DP*T] ids, with rank-local slots
+  in [0, R). `forward_mode` is [DP] int32, one mode per rank (an idle rank: IDLE, all its
+  rows padding).
+
+Each op is the single-pool op of `future_map` mapped over `dp_axis` with `jax.shard_map`:
+a rank's gathers and scatters touch only its own block, so the compiled ops hold no
+collectives and outputs keep the inputs' sharding (no resharding step to step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.ops import FutureMapOps, future_map
+from fm_jax._src.types import Batch, FutureMapState, Resolved, SpecConfig
+
+
+class MeshLayout(NamedTuple):
+    """Where a sharded FutureMap lives: the mesh and the names of its DP and TP axes.
+
+    Attributes:
+      mesh: the device mesh.
+      dp_axis: the data-parallel axis (one pool per index along it), or None (DP = 1).
+      tp_axis: the tensor-parallel axis (buffers replicated along it), or None.
+      dp: the number of DP ranks.
+    """
+
+    mesh: Mesh
+    dp_axis: str | None
+    tp_axis: str | None
+    dp: int
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """Leading axis over `dp_axis`, everything else replicated."""
+        return PartitionSpec(self.dp_axis) if self.dp_axis else PartitionSpec()
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The sharding of every state buffer and every batch field."""
+        return NamedSharding(self.mesh, self.spec)
+
+    def rank_of(self, device: jax.Device) -> int:
+        """The DP rank whose pool `device` holds (a replica of)."""
+        pos = np.argwhere(self.mesh.devices == device)
+        if pos.size == 0:
+            raise FutureMapError(f"device {device} is not in the mesh")
+        if self.dp_axis is None:
+            return 0
+        return int(pos[0][self.mesh.axis_names.index(self.dp_axis)])
+
+    def local_ranks(self) -> tuple[int, ...]:
+        """The DP ranks with at least one device in this process, ascending."""
+        return tuple(sorted({self.rank_of(d) for d in self.mesh.local_devices}))
+
+
+def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = None) -> MeshLayout:
+    """Validate the axis names against `mesh` and return the layout.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`.
+      dp_axis: name of the data-parallel axis, or None for one pool replicated everywhere.
+      tp_axis: name of the tensor-parallel axis, or None. Only checked: buffers are
+        replicated along every axis but `dp_axis`.
+
+    Returns:
+      MeshLayout. Raises FutureMapError naming a missing or repeated axis.
+    """
+    if not isinstance(mesh, Mesh):
+        raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    for role, axis in (("dp_axis", dp_axis), ("tp_axis", tp_axis)):
+        if axis is not None and axis not in names:
+            raise FutureMapError(f"{role} {axis!r} is not an axis of the mesh {names}")
+    if dp_axis is not None and dp_axis == tp_axis:
+        raise FutureMapError(f"dp_axis and tp_axis must differ, both are {dp_axis!r}")
+    dp = int(mesh.shape[dp_axis]) if dp_axis is not None else 1
+    return MeshLayout(mesh, dp_axis, tp_axis, dp)
+
+
+class ShardedFutureMapOps(NamedTuple):
+    """The pure FutureMap ops over global, DP-sharded arrays (see the module docstring).
+
+    Attributes:
+      init: () -> FutureMapState, global [DP*R, ...] buffers placed with `layout.sharding`.
+      publish: (state, indices [DP*B], new_seq_lens [DP*B]) -> state.
+      stash: (state, indices [DP*B], tokens [DP*B] | DraftPayload of [DP*B, ...]) -> state.
+      resolve: (state, batch) -> (state, Resolved); `batch.forward_mode` is [DP] int32.
+      invalidate: (batch, indices [DP*B]) -> batch with rank-local sentinels.
+      local: the single-pool ops each rank runs.
+      layout: the mesh and its axes.
+    """
+
+    init: Callable[[], FutureMapState]
+    publish: Callable[[FutureMapState, Any, Any], FutureMapState]
+    stash: Callable[[FutureMapState, Any, Any], FutureMapState]
+    resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
+    invalidate: Callable[[Batch, Any], Batch]
+    local: FutureMapOps
+    layout: MeshLayout
+
+
+def _check_split(layout: MeshLayout, tree: Any, what: str) -> None:
+    """Every leaf's leading size splits evenly into DP equal per-rank parts."""
+    for leaf in jax.tree.leaves(tree):
+        shape = jnp.shape(leaf)
+        if len(shape) == 0 or shape[0] % layout.dp:
+            raise FutureMapError(
+                f"{what}: leading size {shape[:1]} does not split into {layout.dp} equal "
+                "per-rank parts (lay each rank's rows out end to end, padded to one size)"
+            )
+
+
+def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
+    want = layout.dp * pool_size
+    for name, buf in state._asdict().items():
+        if buf is not None and jnp.shape(buf)[0] != want:
+            raise FutureMapError(
+                f"state.{name} has {jnp.shape(buf)[0]} rows, expected DP*R = "
+                f"{layout.dp}*{pool_size} = {want}"
+            )
+
+
+def sharded_future_map(
+    pool_size: int,
+    mesh: Mesh,
+    *,
+    dp_axis: str | None = "dp",
+    tp_axis: str | None = None,
+    dtype: Any = jnp.int32,
+    spec: SpecConfig | None = None,
+    debug: bool = False,
+) -> ShardedFutureMapOps:
+    """Build pure FutureMap ops whose state is sharded over `mesh` (one pool per DP rank).
+
+    The ops can be inlined in an engine's own jitted step, like `future_map`'s; jit them
+    with `donate_argnums` on the state for in-place writes. In debug mode wrap them in
+    `checkify.checkify`; a failure message then starts with 'at mapped index i', the i-th
+    device of `mesh.devices.flat` (see `ShardedFutureMap.check`).
+
+    Args:
+      pool_size: R, slots per DP rank (max running requests per rank + 1); slot 0 pads.
+      mesh: the device mesh.
+      dp_axis: the data-parallel axis name, or None (one pool, replicated on every device).
+      tp_axis: the tensor-parallel axis name, or None; the buffers are replicated on it.
+      dtype: int32 (default) or int64 (needs JAX's x64 mode).
+      spec: the spec extras' static shapes, or None.
+      debug: poisoned `output_tokens` and checkify invariant checks, per rank.
+
+    Returns:
+      ShardedFutureMapOps over global arrays laid out as in the module docstring.
+    """
+    layout = mesh_layout(mesh, dp_axis, tp_axis)
+    ops = future_map(pool_size, dtype=dtype, spec=spec, debug=debug)
+    spec_ = layout.spec
+    shard = jax.shard_map
+
+    def init() -> FutureMapState:
+        return shard(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
+
+    def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
+        _check_state(layout, state, pool_size)
+        _check_split(layout, (indices, new_seq_lens), "publish")
+        return shard(ops.publish, mesh=mesh, in_specs=spec_, out_specs=spec_)(  # type: ignore[no-any-return]
+            state, indices, new_seq_lens
+        )
+
+    def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
+        _check_state(layout, state, pool_size)
+        _check_split(layout, (indices, payload), "stash")
+        return shard(ops.stash, mesh=mesh, in_specs=spec_, out_specs=spec_)(  # type: ignore[no-any-return]
+            state, indices, payload
+        )
+
+    def local_resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
+        # Each rank sees its [1] slice of the per-rank modes.
+        return ops.resolve(state, batch._replace(forward_mode=batch.forward_mode[0]))
+
+    def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
+        _check_state(layout, state, pool_size)
+        if jnp.shape(batch.forward_mode) != (layout.dp,):
+            raise FutureMapError(
+                f"batch.forward_mode must hold one mode per DP rank, shape ({layout.dp},), "
+                f"got {jnp.shape(batch.forward_mode)}"
+            )
+        _check_split(layout, batch, "resolve")
+        return shard(local_resolve, mesh=mesh, in_specs=spec_, out_specs=spec_)(state, batch)  # type: ignore[no-any-return]
+
+    def invalidate(batch: Batch, indices: Any) -> Batch:
+        _check_split(layout, (batch, indices), "invalidate")
+        return shard(ops.invalidate, mesh=mesh, in_specs=spec_, out_specs=spec_)(batch, indices)  # type: ignore[no-any-return]
+
+    return ShardedFutureMapOps(init, publish, stash, resolve, invalidate, ops, layout)
+
+
+def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:
+    """Host copies of each local DP rank's block of a global [DP*N, ...] array.
+
+    Reads only this process's shards (one replica per rank), so it works in every process
+    of a multi-process run.
+    """
+    out: dict[int, np.ndarray] = {}
+    for sh in x.addressable_shards:
+        rank = layout.rank_of(sh.device)
+        if rank not in out:
+            out[rank] = np.asarray(sh.data)
+    return out
