@@ -74,6 +74,22 @@ def _scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array
     return buf.at[indices].set(values, mode="drop", wrap_negative_indices=False)
 
 
+def _poison_after(read: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """`rows` POISON values that data-depend on `read` (values just gathered from the buffer).
+
+    Writing -1 into a buffer that the same computation has just gathered from is a
+    read-then-in-place-write. Without a data dependence from the read to the write, XLA's
+    default (CPU) copy insertion cannot prove the order and copies the whole buffer: O(R)
+    per resolve. `max(min(x, POISON), POISON)` is POISON for every x, yet the simplifier
+    keeps it, so the write is ordered after the read and stays in place.
+    """
+    if read.shape[0] == 0:
+        return jnp.full((rows,), POISON, dtype=dtype)
+    x = read[:1] if read.shape[0] != rows else read
+    dep = jnp.maximum(jnp.minimum(x.astype(dtype), POISON), POISON)
+    return jnp.broadcast_to(dep, (rows,))
+
+
 def _gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
     """`buf[indices]`, assuming slots in range (debug mode checks that)."""
     return buf.at[indices].get(mode="clip", wrap_negative_indices=False)
@@ -222,7 +238,9 @@ def future_map(
             if debug:
                 checks.consumed_values_valid(input_ids, src)
                 state = state._replace(
-                    output_tokens=_scatter(state.output_tokens, idx, jnp.full_like(idx, POISON))
+                    output_tokens=_scatter(
+                        state.output_tokens, idx, _poison_after(input_ids, idx.shape[0], dt)
+                    )
                 )
             return state, Resolved(input_ids, seq_lens)
 
@@ -243,7 +261,9 @@ def future_map(
         if debug:
             checks.consumed_values_valid(bonus, didx)
             state = state._replace(
-                output_tokens=_scatter(state.output_tokens, didx, jnp.full_like(didx, POISON))
+                output_tokens=_scatter(
+                    state.output_tokens, didx, _poison_after(bonus, didx.shape[0], dt)
+                )
             )
         return state, Resolved(batch.input_ids, seq_lens, draft)
 
