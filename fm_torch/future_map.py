@@ -218,9 +218,9 @@ class FutureMap:
         2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
            Spec: if the batch carries a draft input, gather its extras and bonus tokens.
         3. Debug: consume check on what was gathered from `output_tokens`.
-        Every input check and invariant check runs before the batch or a buffer is written,
-        so a raise leaves both as they were. Assumes the batch's tensors are on this map's
-        device.
+        Every input check (and, on CPU, every debug invariant) runs before the batch or a
+        buffer is written, so a raise leaves both as they were. Assumes the batch's tensors
+        are on this map's device.
         """
         indices = v.check_1d_int("req_pool_indices", batch.req_pool_indices, self.device)
         ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
