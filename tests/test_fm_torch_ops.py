@@ -369,7 +369,9 @@ def test_cuda_spec_publish_records_publish_ready_on_the_forward_stream():
         x = torch.randn(2048, 2048, device="cuda")
         for _ in range(20):
             x = x @ x / 2048
-        fm.publish(idx, t([5, 6, 7], "cuda") + (x[0, 0] * 0).to(torch.int64))
+        # `depends` is 0 whatever x holds (inf and NaN included), but only once x is computed.
+        depends = (x.sum() > float("inf")).to(torch.int64)
+        fm.publish(idx, t([5, 6, 7], "cuda") + depends)
     assert fm.publish_ready is not None
     assert fm.resolve_seq_lens_cpu(idx).tolist() == [5, 6, 7]
 
