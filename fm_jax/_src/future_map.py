@@ -119,7 +119,7 @@ class FutureMap:
                     f"{name} has {x.shape[0]} entries, not a bucket size {buckets}: pad it "
                     "(fm_jax.pad_to_bucket) or pass a numpy array"
                 )
-            return x, x.shape[0]
+            return self._on_device(x), x.shape[0]
         a = np.asarray(x)
         if a.ndim != 1:
             raise FutureMapError(f"{name} must be 1-D, got shape {a.shape}")
@@ -147,6 +147,12 @@ class FutureMap:
                     )
         return self._flat(name, x, self.batch_buckets)
 
+    def _on_device(self, x: jax.Array) -> jax.Array:
+        """`x` committed to the map's device. Jit keys its cache on commitment, so an
+        uncommitted array (e.g. from `jnp.asarray`) would compile again. No copy when `x`
+        already lives there."""
+        return jax.device_put(x, self.device)
+
     def _rows(self, name: str, x: Any, rows: int, n: int, *, ints: bool) -> jax.Array:
         """A per-row payload matched to `n` real rows and padded to `rows` (the bucket)."""
         if isinstance(x, jax.Array) and x.size == 0:
@@ -154,7 +160,7 @@ class FutureMap:
         if isinstance(x, jax.Array):
             if x.ndim < 1 or x.shape[0] != rows:
                 raise FutureMapError(f"{name} has {x.shape[:1]} rows, indices have {rows}")
-            return x
+            return self._on_device(x)
         a = np.asarray(x)
         if a.ndim < 1 or a.shape[0] != n:
             raise FutureMapError(f"{name} has {a.shape[:1]} rows, indices have {n}")
@@ -225,7 +231,9 @@ class FutureMap:
         ids, _ = self._flat("input_ids", batch.input_ids, self.token_buckets)
         lens = self._rows("seq_lens", batch.seq_lens, idx.shape[0], n, ints=True)
         mode = batch.forward_mode
-        if not isinstance(mode, jax.Array):
+        if isinstance(mode, jax.Array):
+            mode = self._on_device(mode)
+        else:
             mode = jax.device_put(np.int32(int(mode)), self.device)
         draft_idx = None
         if batch.draft_indices is not None and self.spec is None:
@@ -249,6 +257,46 @@ class FutureMap:
         idx, _ = self._slots("indices", indices)
         sentinel = self._sentinels(idx)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
+
+    def warm_up(self) -> None:
+        """Compile every entry point for every bucket, so that serving compiles nothing.
+
+        Runs each op on all-padding batches (slot 0 only: its content is garbage by
+        contract, so no live slot changes): publish, stash, invalidate and
+        resolve_seq_lens_cpu per batch bucket, resolve per (batch, token) bucket pair,
+        and on a spec map also with draft_indices of the batch's bucket. A host sync.
+        """
+        step = self.step
+        for b in self.batch_buckets:
+            # Host arrays stand in for jax arrays: the class takes either.
+            zeros: Any = np.zeros(b, np.int32)
+            self.publish(zeros, zeros)
+            if self.spec is None:
+                self.stash(zeros, zeros)
+            else:
+                self.stash(zeros, self._zero_draft(b))
+            self.invalidate(Batch(zeros[0], zeros, zeros, zeros), zeros)
+            self.resolve_seq_lens_cpu(zeros)
+            drafts = [None] if self.spec is None else [None, zeros]
+            for t in self.token_buckets:
+                for d in drafts:
+                    tokens: Any = np.zeros(t, np.int32)
+                    self.resolve(Batch(zeros[0], zeros, tokens, zeros, d))
+        jax.block_until_ready(self._state)
+        self.check()
+        self.step = step  # warm-up resolves are not serving steps
+
+    def _zero_draft(self, rows: int) -> DraftPayload:
+        assert self.spec is not None
+        k, h = self.spec.topk, self.spec.hidden
+        return DraftPayload._make(  # host arrays, padded and put by stash
+            [
+                np.zeros(rows, np.int32),
+                np.zeros((rows, k), np.float32),
+                np.zeros((rows, k), np.int32),
+                np.zeros((rows, h), self.spec.hidden_dtype) if h else None,
+            ]
+        )
 
     def resolve_seq_lens_cpu(self, indices: Any) -> np.ndarray:
         """Host copy of `new_seq_lens[indices]` (a sync point: pending debug errors raise here)."""
