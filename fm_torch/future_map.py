@@ -309,8 +309,10 @@ class FutureMap:
     def _consume(
         self, values: torch.Tensor, indices: torch.Tensor, source_slots: torch.Tensor
     ) -> None:
-        """Consume tracking: gathered values are >= 0, then their slots are poisoned again."""
-        ok = values >= 0
+        """Consume tracking: values gathered from live slots are >= 0, then the batch's
+        slots are poisoned again. Reads of slot 0 (padding rows) are garbage, never checked.
+        """
+        ok = (values >= 0) | (source_slots == 0)
         if self.device.type != "cpu":
             torch._assert_async(ok.all(), "FutureMap invariant 'consume (WRWR)' violated")
         elif not bool(ok.all()):
