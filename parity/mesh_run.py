@@ -9,15 +9,18 @@ compared as raw bytes. `run_on_mesh` is what `fm-parity --dp N --tp M` calls.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import checkify
 from jax.sharding import Mesh
 
-from fm_jax import Batch, FutureMap, ForwardMode
+from fm_jax import Batch, ForwardMode, future_map, raise_if_violated
+from fm_jax._src.buckets import bucket_for, pad_rows, power_of_two_buckets
 from fm_jax._src.sharded_map import ShardedFutureMap
 from fm_jax._src.sharding import per_rank
 from parity.mesh_scenario import RankStep, Scenario, data_parallel_scenario, forward_tokens
@@ -26,6 +29,9 @@ Trace = dict[tuple[int, int], dict[str, np.ndarray]]
 """(step, rank) -> named arrays; (-1, rank) holds the rank's final buffers."""
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+BATCH_BUCKETS = power_of_two_buckets(1024)
+TOKEN_BUCKETS = power_of_two_buckets(8192)
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -77,26 +83,57 @@ def _record(
         )
 
 
+@functools.lru_cache(maxsize=8)
+def _single_pool_ops(pool_size: int, debug: bool) -> tuple[Any, Any, Any, Any]:
+    """Jitted single-pool ops, shared by every rank's reference map (one compile per shape)."""
+    ops = future_map(pool_size, debug=debug)
+
+    def wrap(fn: Any) -> Any:
+        if debug:
+            return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))
+        return jax.jit(lambda *a: (None, fn(*a)))
+
+    return wrap(ops.resolve), wrap(ops.publish), wrap(ops.stash), jax.jit(ops.init)
+
+
 def run_unsharded(scn: Scenario, *, debug: bool = False) -> Trace:
-    """Replay `scn` on one unsharded `FutureMap` per DP rank (the reference)."""
-    maps = [FutureMap(scn.pool_size, debug=debug) for _ in range(scn.dp)]
+    """Replay `scn` on one unsharded single-pool map per DP rank (the reference).
+
+    Each rank has its own state from `fm_jax.future_map` (one device, no mesh), and pads
+    its own rows to its own power-of-two bucket, as `fm_jax.FutureMap` does; idle ranks
+    call nothing (SPEC.md: empty publish/stash are no-ops).
+    """
+    resolve, publish, stash, init = _single_pool_ops(scn.pool_size, debug)
+    states = [init() for _ in range(scn.dp)]
     trace: Trace = {}
+
+    def done(err: Any, s: int, op: str) -> None:
+        if err is not None:
+            raise_if_violated(err, step=s, op=op)
+
     for s, ranks in enumerate(scn.steps):
         for d, st in enumerate(ranks):
-            fm = maps[d]
+            if st.mode == ForwardMode.IDLE:
+                continue
             n, t = st.slots.shape[0], st.input_ids.shape[0]
-            out = fm.resolve(Batch(int(st.mode), st.slots, st.input_ids, st.seq_lens))
+            rows, toks = _bucket(n, BATCH_BUCKETS), _bucket(t, TOKEN_BUCKETS)
+            idx = pad_rows(st.slots, rows)
+            batch = Batch(
+                np.int32(st.mode), idx, pad_rows(st.input_ids, toks), pad_rows(st.seq_lens, rows)
+            )
+            err, (states[d], out) = resolve(states[d], batch)
+            done(err, s, "resolve")
             ids = np.asarray(out.input_ids)[:t]
             lens = np.asarray(out.seq_lens)[:n]
             tokens, new_lens = forward_tokens(st, ids, lens, s)
-            fm.publish(st.slots, new_lens)
-            fm.stash(st.slots, tokens)
-            if st.mode != ForwardMode.IDLE:
-                inv = fm.invalidate(Batch(int(st.mode), st.slots, ids, lens), st.slots)
-                _record(trace, s, d, st, ids, lens, tokens, np.asarray(inv.input_ids)[:n])
-    for d, fm in enumerate(maps):
-        fm.check()
-        trace[(-1, d)] = {k: np.asarray(v) for k, v in fm.buffers().items()}
+            err, states[d] = publish(states[d], idx, pad_rows(new_lens, rows))
+            done(err, s, "publish")
+            err, states[d] = stash(states[d], idx, pad_rows(tokens, rows))
+            done(err, s, "stash")
+            sentinels = -st.slots  # SPEC.md: invalidate leaves -slot in ids and lengths
+            _record(trace, s, d, st, ids, lens, tokens, sentinels)
+    for d, state in enumerate(states):
+        trace[(-1, d)] = {k: np.asarray(v) for k, v in state._asdict().items() if v is not None}
     return trace
 
 
@@ -192,8 +229,6 @@ def run_sharded(
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    from fm_jax._src.buckets import bucket_for
-
     return bucket_for(max(n, 1), buckets, "rows")
 
 

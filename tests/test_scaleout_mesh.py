@@ -1,0 +1,379 @@
+"""The sharded FutureMap on one process with 8 virtual CPU devices (issue 6, single process).
+
+The pytest process has already started JAX with one device, so the 8-device checks run
+once in a subprocess (`_inner`, this file run with XLA_FLAGS set) that prints a JSON
+report; each test below asserts on its part of that report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+SHAPES = [(4, 2), (8, 1), (1, 8), (2, 2)]  # (dp, tp)
+DEBUG_SHAPES = [(2, 2)]
+STEPS = 10
+POOL = 8
+
+
+# ------------------------------------------------------------------- inside the subprocess
+def _parity_rows() -> dict[str, Any]:
+    from parity.mesh_run import run_on_mesh
+
+    rows = []
+    for dp, tp in SHAPES:
+        rows += run_on_mesh(dp, tp, steps=STEPS, pool_size=POOL)
+    for dp, tp in DEBUG_SHAPES:
+        rows += run_on_mesh(dp, tp, steps=STEPS, pool_size=POOL, debug=True)
+    return {"rows": rows}
+
+
+def _idle_ranks_compile_nothing() -> dict[str, Any]:
+    import jax
+
+    from fm_jax import Batch, ForwardMode
+    from fm_jax._src.sharded_map import ShardedFutureMap
+    from parity.mesh_run import count_compiles, make_mesh
+
+    fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
+    sharding = fm.state.output_tokens.sharding
+
+    def step(busy: list[int], n: int) -> None:
+        slots = {d: np.arange(1, 3, dtype=np.int32) + (n % 3) for d in busy}
+        batches = {
+            d: Batch(int(ForwardMode.EXTEND), s, s * 10 + n, np.full(2, 3, np.int32))
+            for d, s in slots.items()
+        }
+        with jax.transfer_guard("disallow"):  # explicit device_put only; no implicit moves
+            fm.resolve(batches, rows=4, tokens=4)
+            fm.publish(slots, {d: np.full(2, 4, np.int32) for d in busy}, rows=4)
+            fm.stash(slots, {d: s + n for d, s in slots.items()}, rows=4)
+
+    with count_compiles() as warm:
+        step([0, 1, 2, 3], 0)
+    patterns = [[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2], [2], [], [0, 1, 2, 3]]
+    with count_compiles() as later:
+        for n, busy in enumerate(patterns, 1):
+            step(busy, n)
+    return {
+        "warm_compiles": len(warm),
+        "later_compiles": len(later),
+        "patterns": len(patterns),
+        "same_sharding": fm.state.output_tokens.sharding == sharding,
+        "final_tokens": {str(k): v.tolist() for k, v in fm.buffers()["output_tokens"].items()},
+    }
+
+
+def _collective_counter_sees_resharding() -> dict[str, Any]:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from parity.mesh_run import count_collectives, make_mesh
+
+    mesh = make_mesh(4, 2)
+    x = jax.device_put(np.arange(32, dtype=np.int32), NamedSharding(mesh, PartitionSpec("dp")))
+    gather = jax.jit(lambda a: a + 1, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    local = jax.jit(lambda a: a + 1)
+    return {
+        "replicate": count_collectives(gather.lower(x).compile().as_text()),
+        "local": count_collectives(local.lower(x).compile().as_text()),
+    }
+
+
+def _layout() -> dict[str, Any]:
+    from fm_jax._src.sharded_map import ShardedFutureMap
+    from parity.mesh_run import make_mesh
+
+    mesh = make_mesh(4, 2)
+    fm = ShardedFutureMap(POOL, mesh, dp_axis="dp", tp_axis="tp")
+    buf = fm.state.new_seq_lens
+    held = {}
+    for d in range(4):
+        for t in range(2):
+            dev = mesh.devices[d, t]
+            sl = buf.sharding.devices_indices_map(buf.shape)[dev][0]
+            held[f"{d},{t}"] = [sl.start, sl.stop]
+    return {"shape": list(buf.shape), "held": held, "spec": str(buf.sharding.spec)}
+
+
+def _debug_violation_names_rank() -> dict[str, Any]:
+    from fm_jax import Batch, ForwardMode, InvariantViolation
+    from fm_jax._src.sharded_map import ShardedFutureMap
+    from parity.mesh_run import make_mesh
+
+    fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp", debug=True)
+    ok = np.array([1], np.int32)
+    fm.publish({0: ok, 2: ok}, {0: [5], 2: [5]})
+    fm.stash({0: ok}, {0: [7]})  # rank 2's slot 1 gets a length but no token
+    dec = Batch(int(ForwardMode.DECODE), ok, -ok, -ok)
+    fm.resolve({0: dec, 2: dec})
+    try:
+        fm.check()
+    except InvariantViolation as e:
+        return {"raised": True, "message": str(e), "invariant": e.invariant}
+    return {"raised": False}
+
+
+def _bad_input_named() -> dict[str, Any]:
+    from fm_jax import FutureMapError
+    from fm_jax._src.sharded_map import ShardedFutureMap
+    from parity.mesh_run import make_mesh
+
+    fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
+    before = {k: v.copy() for k, v in fm.buffers()["output_tokens"].items()}
+    msgs = {}
+    for name, call in {
+        "slot_range": lambda: fm.stash({1: np.array([2, POOL])}, {1: np.array([5, 6])}),
+        "foreign_rank": lambda: fm.stash({4: np.array([1])}, {4: np.array([5])}),
+        "row_mismatch": lambda: fm.publish({0: np.array([1, 2])}, {0: np.array([3])}),
+        "duplicate": lambda: fm.stash({3: np.array([2, 2])}, {3: np.array([1, 1])}),
+    }.items():
+        try:
+            call()
+            msgs[name] = None
+        except FutureMapError as e:
+            msgs[name] = str(e)
+    after = fm.buffers()["output_tokens"]
+    unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+    return {"messages": msgs, "unchanged": unchanged}
+
+
+def _spec_draft_matches_per_rank() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map
+    from fm_jax._src.sharding import sharded_future_map
+    from parity.mesh_run import make_mesh
+
+    dp, b, k, h = 4, 4, 2, 3
+    spec = SpecConfig(topk=k, hidden=h, hidden_dtype=jnp.bfloat16)
+    mesh = make_mesh(dp, 2)
+    ops = sharded_future_map(POOL, mesh, dp_axis="dp", tp_axis="tp", spec=spec)
+    one = future_map(POOL, spec=spec)
+    rng = np.random.default_rng(5)
+    idx = np.concatenate([rng.permutation(np.arange(1, POOL))[:b] for _ in range(dp)])
+    idx[b - 1] = 0  # rank 0: one padding row
+    idx[3 * b : 4 * b] = 0  # rank 3 idle: all padding
+    idx = idx.astype(np.int32)
+    draft = DraftPayload(
+        rng.integers(0, 1000, dp * b).astype(np.int32),
+        rng.standard_normal((dp * b, k)).astype(np.float32),
+        rng.integers(0, 1000, (dp * b, k)).astype(np.int32),
+        jnp.asarray(rng.standard_normal((dp * b, h)), jnp.bfloat16),
+    )
+    modes = np.array([ForwardMode.DECODE] * 3 + [ForwardMode.IDLE], np.int32)
+    sh = ops.layout.sharding
+    put = lambda a: jax.device_put(a, sh)  # noqa: E731
+    state = jax.jit(ops.stash)(jax.jit(ops.init)(), put(idx), jax.tree.map(put, draft))
+    batch = Batch(put(modes), put(idx), put(-idx), put(-idx), put(idx))
+    _, res = jax.jit(ops.resolve)(state, batch)
+    same = True
+    for d in range(dp):
+        rows = slice(d * b, (d + 1) * b)
+        part = DraftPayload(*(None if a is None else a[rows] for a in draft))
+        s1 = one.stash(one.init(), idx[rows], part)
+        b1 = Batch(jnp.int32(modes[d]), idx[rows], -idx[rows], -idx[rows], idx[rows])
+        _, r1 = one.resolve(s1, b1)
+        for got, want in zip(jax.tree.leaves(res), jax.tree.leaves(r1), strict=True):
+            g = np.asarray(got)[d * got.shape[0] // dp : (d + 1) * got.shape[0] // dp]
+            same &= g.tobytes() == np.asarray(want).tobytes()
+        for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(s1), strict=True):
+            g = np.asarray(got)[d * POOL : (d + 1) * POOL]
+            same &= g.tobytes() == np.asarray(want).tobytes()
+    return {"same": bool(same), "res_spec": str(res.draft.topk_p.sharding.spec)}
+
+
+CHECKS = {
+    f.__name__.lstrip("_"): f
+    for f in (
+        _parity_rows,
+        _idle_ranks_compile_nothing,
+        _collective_counter_sees_resharding,
+        _layout,
+        _debug_violation_names_rank,
+        _bad_input_named,
+        _spec_draft_matches_per_rank,
+    )
+}
+
+
+def _inner() -> None:
+    import jax
+
+    assert len(jax.devices()) == 8, jax.devices()
+    report = {}
+    for name, fn in CHECKS.items():
+        try:
+            report[name] = fn()
+        except Exception:
+            report[name] = {"error": traceback.format_exc()}
+    print("REPORT " + json.dumps(report), flush=True)
+
+
+# ------------------------------------------------------------------------- in pytest
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env.pop("JAX_ENABLE_X64", None)
+    code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_inner']()"
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert p.returncode == 0 and lines, f"8-device subprocess failed:\n{p.stdout}\n{p.stderr}"
+    return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+
+
+def _part(report: dict[str, Any], name: str) -> dict[str, Any]:
+    part = report[name]
+    assert "error" not in part, part.get("error")
+    return part  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "dp,tp,debug",
+    [(dp, tp, False) for dp, tp in SHAPES] + [(dp, tp, True) for dp, tp in DEBUG_SHAPES],
+)
+def test_sharded_run_is_bit_identical_to_unsharded_maps(report, dp, tp, debug):
+    """Pins: a rank's gather/scatter reaching another rank's pool, a TP replica diverging, or
+    an idle rank's padding corrupting its live slots (any byte of any trace or buffer)."""
+    rows = [
+        r
+        for r in _part(report, "parity_rows")["rows"]
+        if (r["dp"], r["tp"], r["debug"]) == (dp, tp, debug)
+    ]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["ok"], row["diffs"]
+    assert row["steps"] == STEPS
+
+
+@pytest.mark.parametrize("dp,tp", SHAPES)
+def test_steps_neither_recompile_nor_reshard(report, dp, tp):
+    """Pins: a step whose per-rank shape was seen before compiling again (e.g. because a
+    rank went idle), the state coming back with another sharding, or the compiled ops moving
+    buffers between devices (any all-gather / all-to-all / collective-permute in the HLO)."""
+    row = next(
+        r
+        for r in _part(report, "parity_rows")["rows"]
+        if (r["dp"], r["tp"]) == (dp, tp) and not r["debug"]
+    )
+    assert row["recompiles"] == 0
+    assert row["compiles_total"] <= 3 * len(row["shapes"]) + 4  # resolve, publish/stash, invalidate
+    assert not row["resharded"]
+    assert row["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
+
+
+def test_rank_going_idle_compiles_nothing(report):
+    """Pins: an idle rank changing the global batch's shape or dtype, which would recompile
+    every time the set of busy ranks changes (tpu-inference's recompile storms)."""
+    part = _part(report, "idle_ranks_compile_nothing")
+    assert part["warm_compiles"] >= 3  # the counter sees compiles at all
+    assert part["later_compiles"] == 0
+    assert part["same_sharding"]
+    # rank 2 was busy in the last step (n=7: slots 2, 3 get tokens 9, 10); all ranks were.
+    assert part["final_tokens"]["2"][2:4] == [9, 10]
+
+
+def test_collective_counter_is_not_blind(report):
+    """Pins: the HLO collective count reading 0 because it cannot see collectives at all."""
+    part = _part(report, "collective_counter_sees_resharding")
+    assert part["replicate"] >= 1
+    assert part["local"] == 0
+
+
+def test_layout_gives_each_dp_row_its_own_pool_replicated_over_tp(report):
+    """Pins: a layout other than the documented one (rank d owns rows [d*R, (d+1)*R) on both
+    devices of its TP group)."""
+    part = _part(report, "layout")
+    assert part["shape"] == [4 * POOL]
+    for d in range(4):
+        for t in range(2):
+            assert part["held"][f"{d},{t}"] == [d * POOL, (d + 1) * POOL]
+
+
+def test_debug_violation_names_the_dp_rank(report):
+    """Pins: a consume violation on one rank of a mesh reported without saying which rank."""
+    part = _part(report, "debug_violation_names_rank")
+    assert part["raised"]
+    assert "DP rank 2" in part["message"]
+    assert part["invariant"] == "consume (WRWR)"
+
+
+def test_bad_sharded_input_is_named_and_writes_nothing(report):
+    """Pins: a slot outside a rank's pool, a rank this process does not own, mismatched rows
+    or a duplicate live slot being written (or silently dropped) instead of refused."""
+    part = _part(report, "bad_input_named")
+    m = part["messages"]
+    assert "rank 1" in m["slot_range"] and str(POOL) in m["slot_range"]
+    assert "DP rank 4" in m["foreign_rank"]
+    assert "rows" in m["row_mismatch"]
+    assert "rank 3" in m["duplicate"] and "more than once" in m["duplicate"]
+    assert part["unchanged"]
+
+
+def test_spec_draft_on_a_mesh_matches_each_ranks_own_ops(report):
+    """Pins: the spec extras (top-k, bf16 hidden states) being gathered from or scattered to
+    the wrong rank's rows, or losing bits on the way through shard_map."""
+    part = _part(report, "spec_draft_matches_per_rank")
+    assert part["same"]
+    assert part["res_spec"] in ("P('dp',)", "PartitionSpec('dp',)")
+
+
+# ----------------------------------------------------------------- single device, in process
+def test_mesh_layout_refuses_bad_axes():
+    """Pins: a typo'd axis name or dp_axis == tp_axis silently replicating the whole pool."""
+    import jax
+
+    from fm_jax import FutureMapError
+    from fm_jax._src.sharding import mesh_layout
+    from parity.mesh_run import make_mesh
+
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    with pytest.raises(FutureMapError, match="'data'"):
+        mesh_layout(mesh, dp_axis="data")
+    with pytest.raises(FutureMapError, match="differ"):
+        mesh_layout(mesh, dp_axis="dp", tp_axis="dp")
+    with pytest.raises(FutureMapError, match="Mesh"):
+        mesh_layout("dp")  # type: ignore[arg-type]
+    assert mesh_layout(mesh, "dp", "tp").dp == 1
+
+
+def test_scenario_has_idle_ranks_and_compare_sees_one_byte():
+    """Pins: a scenario in which no rank ever idles while another runs (so idleness is never
+    exercised), and a comparison that would pass different traces."""
+    from fm_jax import ForwardMode
+    from parity.mesh_run import compare
+    from parity.mesh_scenario import data_parallel_scenario
+
+    scn = data_parallel_scenario(4, steps=STEPS, pool_size=POOL)
+    again = data_parallel_scenario(4, steps=STEPS, pool_size=POOL)
+    for s1, s2 in zip(scn.steps, again.steps, strict=True):
+        for r1, r2 in zip(s1, s2, strict=True):
+            assert r1.mode == r2.mode
+            assert all(
+                np.array_equal(getattr(r1, f), getattr(r2, f))
+                for f in ("slots", "input_ids", "seq_lens", "row_tokens", "host_lens")
+            )
+    mixed_idle = [s for s in scn.steps if {r.mode == ForwardMode.IDLE for r in s} == {True, False}]
+    assert mixed_idle
+    modes = {r.mode for s in scn.steps for r in s}
+    assert {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED} <= modes
+    a = {(0, 1): {"x": np.array([1, 2], np.int32)}}
+    b = {(0, 1): {"x": np.array([1, 3], np.int32)}}
+    assert compare(a, b) and not compare(a, a)
+    assert compare(a, {(0, 1): {"x": np.array([1, 2], np.int64)}})
