@@ -176,6 +176,21 @@ def test_spec_read_before_write_raises():
     assert err.value.slots == [2]
 
 
+def test_spec_padding_rows_reading_slot_zero_are_not_consume_checked():
+    """Pins: a false violation when a padded spec decode gathers slot 0 (padding garbage,
+    still poisoned because the previous step had no padding row to write it)."""
+    fm = published(FutureMap(4, spec=True, debug=True), [1, 2])
+    fm.stash(t([1, 2]), spec_draft(2, [7, 3]))
+    batch = spec_decode([1, 2, 0, 0])
+    fm.resolve(batch)
+    assert batch.draft is not None and batch.draft.payload is not None
+    assert batch.draft.payload.bonus_tokens.tolist()[:2] == [7, 3]
+    # Live slots are still tracked in the same batch.
+    with pytest.raises(InvariantViolation, match="consume") as err:
+        fm.resolve(spec_decode([2, 0]))
+    assert err.value.slots == [2]
+
+
 # --------------------------------------------------------------------------- seq_lens > 0
 def test_decode_of_a_never_published_slot_raises_positive_lengths():
     """Pins: a DECODE sentinel whose length was never published restoring 0 silently."""
