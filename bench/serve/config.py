@@ -1,0 +1,73 @@
+"""Settings of the demo model and engine: a default size and a tiny size for tests."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ModelConfig(NamedTuple):
+    """Shapes of the decoder-only transformer (static: every field is a trace-time constant).
+
+    Attributes:
+      vocab: vocabulary size V.
+      d_model: residual width.
+      n_layers: transformer blocks.
+      n_heads: attention heads (d_model must divide evenly).
+      d_ff: MLP hidden width.
+      max_seq_len: S, KV cache positions per slot (prompt + output must fit).
+      eos_id: the end-of-sequence token.
+      eos_bias: added to the EOS logit so that random weights stop some requests early.
+      seed: PRNG seed of the random weights.
+      row_tile: rows per GEMM tile (batch invariance, see model.dense); divides every bucket.
+    """
+
+    vocab: int = 8192
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 1024
+    max_seq_len: int = 80
+    eos_id: int = 1
+    eos_bias: float = 0.0
+    seed: int = 0
+    row_tile: int = 8
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+
+class EngineConfig(NamedTuple):
+    """Static limits of the continuous-batching engine.
+
+    Attributes:
+      max_running: live requests at once; the pool has max_running + 1 slots (slot 0 pads).
+      prefill_budget: prompt tokens per step across prefill rows (chunked prefill).
+      batch_buckets: allowed batch sizes (rows); padding rows carry slot 0.
+      token_buckets: allowed flat token counts; padding tokens carry slot 0.
+    """
+
+    max_running: int = 16
+    prefill_budget: int = 32
+    batch_buckets: tuple[int, ...] = (8, 16)
+    token_buckets: tuple[int, ...] = (16, 48)
+
+    @property
+    def pool_size(self) -> int:
+        """R, request-pool rows: max_running live slots plus the padding slot 0."""
+        return self.max_running + 1
+
+
+def tiny_model() -> ModelConfig:
+    """A model small enough for unit tests (compiles and runs in seconds)."""
+    return ModelConfig(
+        vocab=512, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64, row_tile=4
+    )
+
+
+def tiny_engine() -> EngineConfig:
+    """An engine small enough for unit tests, still exercising chunking, MIXED and slot reuse."""
+    return EngineConfig(
+        max_running=6, prefill_budget=12, batch_buckets=(4, 8), token_buckets=(8, 16, 32)
+    )

@@ -1,0 +1,176 @@
+"""The two serving loops over the same scheduler, model and requests.
+
+- sync: build batch N, run it, wait for its tokens, process them, build N+1.
+- overlap: build batch N+1 while the device runs N. JAX dispatch is asynchronous, so the
+  jitted call returns at once; only after dispatching N+1 does the host read N's tokens (for
+  outputs and stop conditions), one step late. Decode rows of N+1 carry sentinels that the
+  step resolves from the FutureMap relay that N wrote on device.
+
+With debug, the overlap step is checkified; each step's error value is checked when that
+step's tokens are read (the host syncs on that step there anyway), so a violation raises
+within one step and no extra sync is added.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fm_jax
+from bench.serve import model as mdl
+from bench.serve.config import EngineConfig, ModelConfig
+from bench.serve.host_cost import HostCost
+from bench.serve.requests import Request
+from bench.serve.scheduler import ScheduledBatch, Scheduler
+from bench.serve.step import make_overlap_step, make_sync_step
+
+
+@dataclass
+class ServeResult:
+    """What one serving run produced and how long it took.
+
+    Attributes:
+      outputs: rid -> output tokens (EOS included when it stopped the request).
+      wall_s: wall time of the serving loop.
+      steps: batches dispatched; `modes` counts them by ForwardMode name.
+      wait_s: time the host spent blocked on the device (reading tokens).
+      step_s: sync only: per-step dispatch-to-tokens time (the device time seen by the host).
+    """
+
+    outputs: dict[int, list[int]]
+    wall_s: float
+    steps: int
+    wait_s: float
+    modes: dict[str, int] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens produced."""
+        return sum(len(v) for v in self.outputs.values())
+
+    @property
+    def tok_s(self) -> float:
+        """Output tokens per second of wall time."""
+        return self.tokens / self.wall_s
+
+
+class Engine:
+    """A model, its jitted steps and FutureMap ops; serves request sets in either mode.
+
+    Args:
+      model_cfg: the transformer's shapes and seed.
+      engine_cfg: pool size, prefill budget, buckets.
+      debug: checkify the overlap step with fm_jax's debug invariants.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, debug: bool = False):
+        bad = [
+            b
+            for b in engine_cfg.batch_buckets + engine_cfg.token_buckets
+            if b % model_cfg.row_tile
+        ]
+        if bad:
+            raise ValueError(f"buckets {bad} are not multiples of row_tile {model_cfg.row_tile}")
+        self.model_cfg = model_cfg
+        self.engine_cfg = engine_cfg
+        self.debug = debug
+        self.params = mdl.init_params(model_cfg)
+        self.ops = fm_jax.future_map(engine_cfg.pool_size, dtype=jnp.int32, debug=debug)
+        self._sync_step = make_sync_step(model_cfg)
+        self._overlap_step = make_overlap_step(model_cfg, self.ops)
+
+    def _scheduler(
+        self, requests: Sequence[Request], overlap: bool, host_cost: HostCost
+    ) -> Scheduler:
+        return Scheduler(
+            requests,
+            self.engine_cfg,
+            overlap=overlap,
+            host_cost=host_cost,
+            max_seq_len=self.model_cfg.max_seq_len,
+            eos_id=self.model_cfg.eos_id,
+        )
+
+    def _fresh_cache(self) -> mdl.KVCache:
+        cache = mdl.init_cache(self.model_cfg, self.engine_cfg.pool_size)
+        return jax.block_until_ready(cache)
+
+    def run_sync(
+        self, requests: Sequence[Request], host_cost: HostCost | None = None
+    ) -> ServeResult:
+        """Serve `requests` synchronously: the host waits for each step's tokens."""
+        sched = self._scheduler(requests, False, host_cost or HostCost())
+        cache = self._fresh_cache()
+        steps, wait, modes, step_s = 0, 0.0, dict[str, int](), []
+        t0 = time.perf_counter()
+        while not sched.idle:
+            batch = sched.build()
+            if batch is None:
+                raise RuntimeError("sync scheduler built no batch while requests remain")
+            t_launch = time.perf_counter()
+            cache, tokens = self._sync_step(self.params, cache, batch.inputs)
+            host_tokens = np.asarray(tokens)  # the sync point
+            t_done = time.perf_counter()
+            wait += t_done - t_launch
+            step_s.append(t_done - t_launch)
+            sched.process(batch, host_tokens)
+            steps += 1
+            modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
+        wall = time.perf_counter() - t0
+        outputs = {st.req.rid: st.output for st in sched.done}
+        return ServeResult(outputs, wall, steps, wait, modes, step_s)
+
+    def run_overlap(
+        self, requests: Sequence[Request], host_cost: HostCost | None = None
+    ) -> ServeResult:
+        """Serve `requests` with overlap: build N+1 while N runs, read N's tokens one step late.
+
+        Raises:
+          fm_jax.InvariantViolation: debug mode, when a step breaks a FutureMap invariant.
+        """
+        sched = self._scheduler(requests, True, host_cost or HostCost())
+        cache = self._fresh_cache()
+        fm_state = jax.block_until_ready(self.ops.init())
+        steps, wait, modes = 0, 0.0, dict[str, int]()
+        pending: tuple[int, ScheduledBatch, jax.Array, Any] | None = None
+        t0 = time.perf_counter()
+        while True:
+            batch = sched.build()  # runs while the device works on `pending`
+            launched = None
+            if batch is not None:
+                err = None
+                if self.debug:
+                    err, (cache, fm_state, tokens) = self._overlap_step(
+                        self.params, cache, fm_state, batch.inputs
+                    )
+                else:
+                    cache, fm_state, tokens = self._overlap_step(
+                        self.params, cache, fm_state, batch.inputs
+                    )
+                tokens.copy_to_host_async()
+                steps += 1
+                modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
+                launched = (steps, batch, tokens, err)
+            if pending is not None:
+                step_no, prev, prev_tokens, prev_err = pending
+                t_wait = time.perf_counter()
+                host_tokens = np.asarray(prev_tokens)  # blocks on step N only, N+1 is queued
+                wait += time.perf_counter() - t_wait
+                if prev_err is not None:
+                    fm_jax.raise_if_violated(prev_err, step=step_no, op="serve step")
+                sched.process(prev, host_tokens)
+            elif batch is None:  # nothing in flight and nothing to build
+                if not sched.idle:
+                    raise RuntimeError("overlap scheduler stalled with requests remaining")
+                break
+            pending = launched
+        wall = time.perf_counter() - t0
+        outputs = {st.req.rid: st.output for st in sched.done}
+        return ServeResult(outputs, wall, steps, wait, modes)

@@ -1,0 +1,69 @@
+"""The request set (deterministic from a seed) and each request's host-side serving state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Request:
+    """A generation request: prompt ids and a cap on new tokens (EOS may stop it earlier)."""
+
+    rid: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclass
+class RequestState:
+    """What the host scheduler knows about one request while it is served.
+
+    Invariants: `slot` is >= 1 from admission to retirement; `seq_len_cpu` is the length the
+    next decode row will carry (prompt + tokens scheduled so far); `scheduled` counts output
+    tokens that dispatched steps will produce; `output` holds those already read back.
+    """
+
+    req: Request
+    slot: int = 0
+    prefilled: int = 0
+    seq_len_cpu: int = 0
+    scheduled: int = 0
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def prefill_done(self) -> bool:
+        """All prompt tokens are in dispatched steps."""
+        return self.prefilled == len(self.req.prompt)
+
+    @property
+    def wants_decode(self) -> bool:
+        """Another decode row may be scheduled (not finished, cap not yet reached)."""
+        return self.prefill_done and not self.finished and self.scheduled < self.req.max_new_tokens
+
+
+def make_requests(
+    n: int,
+    *,
+    vocab: int,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (8, 64),
+    max_new: tuple[int, int] = (4, 48),
+    reserved_ids: int = 2,
+) -> list[Request]:
+    """`n` requests with prompt lengths and output caps drawn uniformly from the given ranges.
+
+    Prompt ids avoid the first `reserved_ids` ids (padding id 0 and EOS).
+    """
+    if n < 1 or prompt_len[0] < 1 or max_new[0] < 1:
+        raise ValueError(f"need n >= 1 and positive lengths, got {n}, {prompt_len}, {max_new}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for rid in range(n):
+        p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        m = int(rng.integers(max_new[0], max_new[1] + 1))
+        ids = rng.integers(reserved_ids, vocab, size=p)
+        out.append(Request(rid, tuple(int(i) for i in ids), m))
+    return out

@@ -1,0 +1,106 @@
+"""The jitted forward step, in two flavours over the same model.
+
+- sync step: the host passes real token ids and real lengths; no FutureMap.
+- overlap step: decode rows carry sentinels (`-slot`); fm_jax's `resolve` fills them at the
+  head of the step, `publish` and `stash` write the relay at its tail, and the FutureMapState
+  is threaded through and donated together with the KV cache, so every write is in place.
+  With debug, the step is checkified and returns fm_jax's error value alongside.
+
+Token positions are computed on device from the resolved lengths, because a DECODE row's
+length is itself a sentinel until resolve: position = seq_len - extend_len + offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+import fm_jax
+from bench.serve import model as mdl
+from bench.serve.config import ModelConfig
+
+
+class StepInputs(NamedTuple):
+    """One scheduled batch as host arrays, padded to a batch bucket B and a token bucket T.
+
+    Padding rows and padding tokens carry slot 0 (and id 0, length 0).
+    """
+
+    forward_mode: np.ndarray  # int32 scalar, a fm_jax.ForwardMode
+    req_pool_indices: np.ndarray  # [B] slot of each row
+    input_ids: np.ndarray  # [T] flat ids; overlap decode rows: -slot
+    seq_lens: np.ndarray  # [B] length incl. this step's tokens; overlap DECODE: -slot
+    extend_lens: np.ndarray  # [B] tokens each row contributes (prefill chunk, or 1)
+    token_rows: np.ndarray  # [T] row of each token (padding tokens: 0)
+    token_slots: np.ndarray  # [T] slot of each token (padding tokens: 0)
+    token_offsets: np.ndarray  # [T] offset of each token within its row's tokens
+    last_token: np.ndarray  # [B] index of each row's last token (padding rows: 0)
+
+
+def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
+    """Each token's position in its slot's sequence; padding tokens sit at position 0."""
+    start = seq_lens - inp.extend_lens  # [B]: first position this step writes per row
+    pos = start[inp.token_rows] + inp.token_offsets
+    return jnp.where(inp.token_slots > 0, pos, 0)
+
+
+def _run_model(
+    params: mdl.Params,
+    cfg: ModelConfig,
+    cache: mdl.KVCache,
+    inp: Any,
+    input_ids: jax.Array,
+    seq_lens: jax.Array,
+) -> tuple[jax.Array, mdl.KVCache]:
+    """Forward plus greedy sampling: (tokens [B] int32, updated cache)."""
+    positions = jnp.clip(_positions(inp, seq_lens), 0, cfg.max_seq_len - 1)
+    logits, cache = mdl.forward(
+        params, cfg, cache, input_ids, inp.token_slots, positions, inp.last_token
+    )
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Array]]:
+    """The jitted synchronous step: (params, cache, inputs) -> (cache, tokens); cache donated.
+
+    Assumes the host filled in real token ids and lengths (no sentinels).
+    """
+
+    def step(params: mdl.Params, cache: mdl.KVCache, inp: StepInputs) -> Any:
+        tokens, cache = _run_model(params, cfg, cache, inp, inp.input_ids, inp.seq_lens)
+        return cache, tokens
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def make_overlap_step(cfg: ModelConfig, ops: fm_jax.FutureMapOps) -> Callable[..., Any]:
+    """The jitted overlap step with fm_jax inlined.
+
+    (params, cache, fm_state, inputs) -> (cache, fm_state, tokens), cache and state donated.
+    With `ops.debug` the step is checkified: it returns (err, (cache, fm_state, tokens)) and
+    the caller keeps `err` to raise with `fm_jax.raise_if_violated` at a sync point.
+
+    Order inside the step (SPEC 'One overlap step'): resolve, forward, publish(seq_lens + 1),
+    stash(tokens). Invalidation is the scheduler's: it writes the next batch's decode rows
+    as sentinels.
+    """
+
+    def step(
+        params: mdl.Params, cache: mdl.KVCache, fm_state: fm_jax.FutureMapState, inp: StepInputs
+    ) -> Any:
+        batch = fm_jax.Batch(inp.forward_mode, inp.req_pool_indices, inp.input_ids, inp.seq_lens)
+        fm_state, res = ops.resolve(fm_state, batch)
+        tokens, cache = _run_model(params, cfg, cache, inp, res.input_ids, res.seq_lens)
+        fm_state = ops.publish(fm_state, inp.req_pool_indices, res.seq_lens + 1)
+        fm_state = ops.stash(fm_state, inp.req_pool_indices, tokens)
+        return cache, fm_state, tokens
+
+    if ops.debug:
+        checked = checkify.checkify(step, errors=checkify.user_checks)
+        return jax.jit(checked, donate_argnums=(1, 2))
+    return jax.jit(step, donate_argnums=(1, 2))
