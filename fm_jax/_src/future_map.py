@@ -166,6 +166,9 @@ class FutureMap:
             raise FutureMapError(f"{name} has {a.shape[:1]} rows, indices have {n}")
         if ints:
             a = self._host_ints(name, a)
+        elif jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
+            # device_put would cast (e.g. float64 -> float32 without x64): refuse instead.
+            raise FutureMapError(f"{name} has dtype {a.dtype}, not a dtype the map stores")
         return jax.device_put(bk.pad_rows(a, rows), self.device)
 
     def _record(self, op: str, err: checkify.Error) -> None:

@@ -1,0 +1,206 @@
+"""Bad host-side input to fm_jax gets a FutureMapError before anything is written.
+
+Each case snapshots every buffer's bytes, makes the bad call, and checks that the error
+names what was wrong, that no buffer was donated away and that no byte changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fm_jax as fj
+
+R = 6
+DECODE = fj.ForwardMode.DECODE
+SPEC = fj.SpecConfig(topk=2, hidden=3, hidden_dtype=jnp.dtype(jnp.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def plain() -> fj.FutureMap:
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2, 4))
+    fm.publish(np.array([1, 2]), np.array([5, 6]))
+    fm.stash(np.array([1, 2]), np.array([7, 8]))
+    return fm
+
+
+@pytest.fixture(scope="module")
+def spec() -> fj.FutureMap:
+    fm = fj.FutureMap(R, spec=SPEC, batch_buckets=(2,), token_buckets=(2,))
+    fm.stash(np.array([1, 2]), draft(2))
+    return fm
+
+
+def draft(rows: int, **changes: object) -> fj.DraftPayload:
+    d = fj.DraftPayload(
+        np.arange(rows, dtype=np.int32),
+        np.full((rows, SPEC.topk), 0.5, np.float32),
+        np.ones((rows, SPEC.topk), np.int32),
+        np.ones((rows, SPEC.hidden), jnp.bfloat16),
+    )
+    return d._replace(**changes)
+
+
+def dev(*xs: int, dtype: object = np.int32) -> jax.Array:
+    return jax.device_put(np.array(xs, dtype), jax.devices()[0])
+
+
+def assert_rejected(fm: fj.FutureMap, call: Callable[[], object], match: str) -> None:
+    """`call` raises FutureMapError matching `match`; the buffers are intact."""
+    before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+    state = fm.state
+    with pytest.raises(fj.FutureMapError, match=match):
+        call()
+    assert fm.state is state
+    assert not any(b.is_deleted() for b in fm.buffers().values())
+    assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
+
+
+def batch(idx, ids, lens, draft_idx=None, mode=DECODE) -> fj.Batch:  # noqa: ANN001
+    return fj.Batch(mode, idx, ids, lens, draft_idx)
+
+
+PLAIN_CASES = {
+    "float_indices": (lambda fm: fm.publish(np.array([1.0]), np.array([3])), "integer dtype"),
+    "2d_indices": (lambda fm: fm.publish(np.array([[1]]), np.array([3])), "1-D"),
+    "lens_rows": (lambda fm: fm.publish(np.array([1, 2]), np.array([3])), "rows"),
+    "float_lens": (lambda fm: fm.publish(np.array([1]), np.array([3.0])), "integer dtype"),
+    "slot_too_big": (lambda fm: fm.publish(np.array([R]), np.array([3])), r"outside \[0, 6\)"),
+    "negative_slot": (lambda fm: fm.stash(np.array([-1]), np.array([3])), r"outside \[0, 6\)"),
+    "duplicate_live": (lambda fm: fm.stash(np.array([3, 3]), np.array([1, 2])), "more than once"),
+    "len_not_int32": (
+        lambda fm: fm.publish(np.array([1]), np.array([2**31], np.int64)),
+        "do not fit",
+    ),
+    "token_not_int32": (
+        lambda fm: fm.stash(np.array([1]), np.array([-(2**31) - 1], np.int64)),
+        "do not fit",
+    ),
+    "tokens_rows": (lambda fm: fm.stash(np.array([1]), np.array([1, 2])), "rows"),
+    "draft_on_plain": (lambda fm: fm.stash(np.array([1]), draft(1)), "without spec"),
+    "jax_not_a_bucket": (lambda fm: fm.publish(dev(1, 2, 3), dev(1, 2, 3)), "not a bucket"),
+    "jax_float_indices": (lambda fm: fm.stash(dev(1, 2, dtype=np.float32), dev(1, 2)), "integer"),
+    "jax_float_tokens": (
+        lambda fm: fm.stash(dev(1, 2), dev(1, 2, dtype=np.float32)),
+        "integer dtype",
+    ),
+    "jax_payload_rows": (lambda fm: fm.stash(dev(1, 2), dev(1, 2, 3, 4)), "rows"),
+    "too_many_rows": (lambda fm: fm.publish(np.array([1, 2, 3]), np.array([1, 1, 1])), "exceeds"),
+    "too_many_tokens": (
+        lambda fm: fm.resolve(batch(np.array([1]), np.arange(5), np.array([5]))),
+        "exceeds",
+    ),
+    "ids_2d": (lambda fm: fm.resolve(batch(np.array([1]), np.ones((1, 1), int), [1])), "1-D"),
+    "seq_lens_rows": (lambda fm: fm.resolve(batch(np.array([1]), [-1], [1, 2])), "rows"),
+    "sentinel_range": (lambda fm: fm.resolve(batch(np.array([1]), [-R], [-1])), "sentinel"),
+    "resolve_slot_range": (lambda fm: fm.resolve(batch(np.array([R]), [1], [1])), "outside"),
+    "draft_indices_plain": (
+        lambda fm: fm.resolve(batch(np.array([1]), [-1], [-1], np.array([1]))),
+        "without spec",
+    ),
+    "invalidate_range": (lambda fm: fm.invalidate(batch([1], [1], [1]), np.array([R])), "outside"),
+}
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES)
+def test_plain_map_rejects_bad_input(plain: fj.FutureMap, case: str) -> None:
+    """Each malformed non-spec input must raise a FutureMapError naming the problem and
+    leave every buffer byte (and the undonated state) as it was."""
+    call, match = PLAIN_CASES[case]
+    assert_rejected(plain, lambda: call(plain), match)
+
+
+SPEC_CASES = {
+    "tokens_on_spec": (lambda fm: fm.stash(np.array([1]), np.array([3])), "DraftPayload"),
+    "wrong_k": (
+        lambda fm: fm.stash(np.array([1]), draft(1, topk_p=np.zeros((1, 3), np.float32))),
+        r"topk_p must have shape \(2, 2\)",
+    ),
+    "topk_p_f64": (
+        lambda fm: fm.stash(np.array([1]), draft(1, topk_p=np.zeros((1, 2)))),
+        "topk_p has dtype float64",
+    ),
+    "topk_index_float": (
+        lambda fm: fm.stash(np.array([1]), draft(1, topk_index=np.zeros((1, 2), np.float32))),
+        "integer dtype",
+    ),
+    "hidden_dtype": (
+        lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=np.zeros((1, 3), np.float32))),
+        "hidden_states must have dtype",
+    ),
+    "hidden_width": (
+        lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=np.zeros((1, 4), jnp.bfloat16))),
+        r"hidden_states must have shape \(2, 3\)",
+    ),
+    "hidden_missing": (
+        lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=None)),
+        "hidden_states is missing",
+    ),
+    "bonus_rows": (
+        lambda fm: fm.stash(np.array([1]), draft(1, bonus_tokens=np.array([1, 2], np.int32))),
+        "rows",
+    ),
+    "draft_slot_range": (
+        lambda fm: fm.resolve(batch(np.array([1]), [-1], [-1], np.array([R]))),
+        "outside",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SPEC_CASES)
+def test_spec_map_rejects_bad_draft(spec: fj.FutureMap, case: str) -> None:
+    """A draft payload that does not match the declared SpecConfig (K, H, dtypes) must
+    raise a FutureMapError before anything is written."""
+    call, match = SPEC_CASES[case]
+    assert_rejected(spec, lambda: call(spec), match)
+
+
+def test_hidden_given_when_spec_declares_none() -> None:
+    """hidden_states on a map whose spec declares hidden=0 must be refused."""
+    fm = fj.FutureMap(R, spec=SPEC._replace(hidden=0), batch_buckets=(2,), token_buckets=(2,))
+    assert_rejected(fm, lambda: fm.stash(np.array([1]), draft(1)), "hidden=0")
+
+
+def test_padding_slot_may_repeat(plain: fj.FutureMap) -> None:
+    """Slot 0 twice (padding rows) is valid input, not a duplicate live slot."""
+    plain.stash(np.array([0, 0]), np.array([1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pool_size": 1}, "pool_size"),
+        ({"pool_size": 4, "spec": fj.SpecConfig(topk=0)}, "topk"),
+        ({"pool_size": 4, "spec": fj.SpecConfig(2, 3, jnp.dtype(jnp.int8))}, "hidden_dtype"),
+    ],
+)
+def test_bad_configuration(kwargs: dict, match: str) -> None:
+    """A bad pool size or SpecConfig must be refused when the ops are built."""
+    with pytest.raises(fj.FutureMapError, match=match):
+        fj.future_map(**kwargs)
+
+
+def test_pure_ops_check_structure_when_traced() -> None:
+    """The pure ops must refuse wrong rank, row count and payload shape at trace time,
+    jitted or not."""
+    ops = fj.future_map(R, spec=SPEC)
+    st = ops.init()
+    idx = jnp.array([1, 2], jnp.int32)
+    for fn in (ops.publish, jax.jit(ops.publish)):
+        with pytest.raises(fj.FutureMapError, match="1-D"):
+            fn(st, idx[None], idx[None])
+        with pytest.raises(fj.FutureMapError, match="rows"):
+            fn(st, idx, idx[:1])
+    bad = fj.DraftPayload(
+        idx,
+        jnp.zeros((2, 5), jnp.float32),
+        jnp.zeros((2, 2), jnp.int32),
+        jnp.zeros((2, 3), jnp.bfloat16),
+    )
+    for fn in (ops.stash, jax.jit(ops.stash)):
+        with pytest.raises(fj.FutureMapError, match="topk_p must have shape"):
+            fn(st, idx, bad)
