@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -124,9 +125,10 @@ def worker(args: argparse.Namespace) -> int:
         f"127.0.0.1:{args.port}",
         num_processes=args.num_processes,
         process_id=args.process_id,
-        initialization_timeout=int(args.timeout),
-        heartbeat_timeout_seconds=int(args.timeout),
-        shutdown_timeout_seconds=int(args.timeout),
+        initialization_timeout=int(max(args.timeout, 30)),
+        # JAX's own detection stays behind the DP sync's watchdog, which names the peer.
+        heartbeat_timeout_seconds=int(2 * args.timeout + 10),
+        shutdown_timeout_seconds=int(max(args.timeout, 30)),
     )
     from parity.mesh_run import make_mesh, run_sharded
     from parity.mesh_scenario import data_parallel_scenario
@@ -164,6 +166,7 @@ class DistResult:
 
     returncodes: list[int | None]
     logs: list[str]
+    timed_out: bool  # some process outlived `timeout_s` and was killed
     traces: list[dict[tuple[int, int], dict[str, np.ndarray]]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -191,6 +194,7 @@ def launch(
     sync_timeout_s: float = 30.0,
     step_delay_s: float = 0.0,
     kill: tuple[int, int] | None = None,
+    kill_signal: int = signal.SIGKILL,
 ) -> DistResult:
     """Run the DP scenario on `num_processes` processes x `devices` CPU devices each.
 
@@ -203,10 +207,12 @@ def launch(
       timeout_s: wall-clock bound for the whole run; processes still alive then are killed.
       sync_timeout_s: a worker's bound on one DP sync before it declares peers dead.
       step_delay_s: sleep per step (keeps a run alive long enough to kill a process).
-      kill: (process_id, step): SIGKILL that process once it has printed 'step <step>'.
+      kill: (process_id, step): signal that process once it has printed 'step <step>'.
+      kill_signal: SIGKILL (a dead peer) by default; SIGSTOP makes a hung one.
 
     Returns:
-      DistResult; processes are always gone when it returns (killed if need be).
+      DistResult; processes are always gone when it returns (killed if need be). A
+      process still running at `timeout_s` is killed and `timed_out` set.
     """
     port = free_port()
     env = dict(os.environ)
@@ -223,9 +229,10 @@ def launch(
             logs[i].append(line)
             if kill and i == kill[0] and line.strip() == f"step {kill[1]}" and not killed.is_set():
                 killed.set()
-                p.kill()
+                p.send_signal(kill_signal)
 
     t0 = time.monotonic()
+    timed_out = False
     threads = []
     try:
         for i in range(num_processes):
@@ -253,11 +260,19 @@ def launch(
             th.start()
             threads.append(th)
         deadline = t0 + timeout_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
+        while True:
+            # Done when every process not deliberately killed or stopped has exited.
+            waiting = [
+                i
+                for i, p in enumerate(procs)
+                if p.poll() is None and not (killed.is_set() and kill and i == kill[0])
+            ]
+            if not waiting:
                 break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -266,7 +281,7 @@ def launch(
             p.wait()
         for th in threads:
             th.join(timeout=5)
-    res = DistResult([p.returncode for p in procs], ["".join(lg) for lg in logs])
+    res = DistResult([p.returncode for p in procs], ["".join(lg) for lg in logs], timed_out)
     res.seconds = time.monotonic() - t0
     res.traces = [load_trace(o) for o in outs if o.exists()]
     return res
