@@ -1,0 +1,224 @@
+"""The deterministic toy model, written once over a small array backend.
+
+Integer-exact: every product stays below 2**31 (operands reduced mod P = 46337 first), so
+int32 and int64 give the same numbers and no framework's overflow rule matters.
+
+- Non-spec: next token = hash(last input id, position, slot) mod V; position is the
+  resolved `seq_lens - 1`, so a wrong token or a wrong length changes everything after.
+- Spec: accept length in [1, K + 1] and the next bonus token hash the gathered draft
+  (bonus token, top-k ids, the raw bits of `topk_p` and of the bf16 `hidden_states`),
+  the position and the slot. Draft floats are built from integer bit patterns through
+  bitcasts, never by float arithmetic: the table includes quiet and signalling NaNs with
+  payloads, -0.0, +-inf and denormals, so both frameworks produce identical bytes.
+
+Backends (numpy here, jax in toy_model_jax, torch in toy_model_torch) supply `where`,
+`stack`, casts and bitcasts; the arithmetic below is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import ml_dtypes  # numpy's bfloat16 (a dependency of jax)
+import numpy as np
+
+P = 46_337  # prime, P * P < 2**31
+MUL = 40_503
+VOCAB = 32_003
+WIDE_OFFSET = 2**32
+"""int64 runs shift every token id above 2**32, so a truncating cast cannot hide."""
+
+F32_SPECIALS = (
+    0x7FC0_0000,  # quiet NaN
+    0x7FC0_1234,  # quiet NaN with payload
+    -0x0040_0000,  # 0xFFC00000: negative quiet NaN
+    -0x8000_0000,  # 0x80000000: -0.0
+    0,  # +0.0
+    0x7F80_0000,  # +inf
+    -0x0080_0000,  # 0xFF800000: -inf
+    1,  # smallest denormal
+    0x3F80_0000,  # 1.0
+    0x7F80_0001,  # signalling NaN
+    0x7FBF_FFFF,  # signalling NaN, full payload
+    -0x7FFF_FFFF,  # 0x80000001: negative denormal
+)
+BF16_SPECIALS = (
+    0x7FC0,  # quiet NaN
+    0x7FC1,  # quiet NaN with payload
+    -0x0040,  # 0xFFC0: negative quiet NaN
+    -0x8000,  # 0x8000: -0.0
+    0,  # +0.0
+    0x7F80,  # +inf
+    -0x0080,  # 0xFF80: -inf
+    1,  # denormal
+    0x3F80,  # 1.0
+    0x7F81,  # signalling NaN
+)
+
+
+class Backend(Protocol):
+    """Array operations the model needs beyond +, *, % (floor modulo in all backends)."""
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any: ...
+    def stack(self, xs: list[Any]) -> Any: ...  # along a new last axis
+    def column(self, x: Any, k: int) -> Any: ...  # x[:, k]
+    def take(self, x: Any, idx: Any) -> Any: ...  # x[idx]
+    def to_int(self, x: Any, like: Any) -> Any: ...  # cast to like's int dtype
+    def f32_from_bits(self, bits: Any) -> Any: ...  # int (values fit int32) -> float32
+    def bf16_from_bits(self, bits: Any) -> Any: ...  # int (values fit int16) -> bfloat16
+    def bits_of_f32(self, x: Any, like: Any) -> Any: ...  # float32 -> int32 bits, as like
+    def bits_of_bf16(self, x: Any, like: Any) -> Any: ...  # bfloat16 -> int16 bits, as like
+
+
+class Draft(NamedTuple):
+    """A draft as the model writes it: bonus token, top-k (ids, probs), hidden states."""
+
+    bonus: Any  # [B] int
+    topk_p: Any  # [B, K] float32
+    topk_index: Any  # [B, K] int
+    hidden: Any  # [B, H] bfloat16, or None when H == 0
+
+
+def mix(acc: Any, x: Any) -> Any:
+    """One hashing step: (acc * MUL + x mod P) mod P; acc in [0, P) keeps it below 2**31."""
+    return (acc * MUL + x % P) % P
+
+
+def next_token(last_ids: Any, seq_lens: Any, slots: Any, offset: int) -> Any:
+    """The token after `last_ids` at position `seq_lens - 1` in `slots`."""
+    h = mix(mix(last_ids % P, seq_lens - 1), slots)
+    return h % VOCAB + offset
+
+
+def _pattern(b: Backend, u: Any, specials: tuple[int, ...], regular: Any) -> Any:
+    """specials[u mod 32] when in range, else `regular` (all ints)."""
+    sel = u % 32
+    out = regular
+    for i, v in enumerate(specials):
+        out = b.where(sel == i, v, out)
+    return out
+
+
+def make_draft(
+    b: Backend, bonus: Any, pos: Any, slots: Any, spec: tuple[int, int], offset: int
+) -> Draft:
+    """The draft that follows `bonus` at `pos` in `slots`; spec = (K, H)."""
+    k_width, h_width = spec
+    g = mix(mix(bonus % P, pos), slots)
+    ids, probs = [], []
+    for k in range(k_width):
+        u = mix(g, 1000 + k)
+        ids.append(u % VOCAB + offset)
+        v = mix(u, 77)
+        probs.append(_pattern(b, v, F32_SPECIALS, v * 1024 + 0x3C00_0000))
+    hidden = None
+    if h_width:
+        cols = []
+        for j in range(h_width):
+            w = mix(g, 2000 + j)
+            cols.append(_pattern(b, w, BF16_SPECIALS, w % 1024 + 0x3C00))
+        # Stack the integer bits, then bitcast once: XLA's CPU concatenate and scatter of
+        # bf16 canonicalise NaN payloads, a bitcast does not.
+        hidden = b.bf16_from_bits(b.stack(cols))
+    return Draft(bonus, b.f32_from_bits(b.stack(probs)), b.stack(ids), hidden)
+
+
+def forward_tokens(
+    ids: Any, seq_lens: Any, slots: Any, last_index: Any, b: Backend, offset: int
+) -> tuple[Any, Any]:
+    """Non-spec forward: (next token, new length = seq_lens + 1) per row.
+
+    `last_index[i]` is the position in flat `ids` of row i's last token.
+    """
+    tokens = next_token(b.take(ids, last_index), seq_lens, slots, offset)
+    return tokens, seq_lens + 1
+
+
+def forward_spec_extend(
+    ids: Any,
+    seq_lens: Any,
+    slots: Any,
+    last_index: Any,
+    b: Backend,
+    spec: tuple[int, int],
+    offset: int,
+) -> tuple[Any, Any, Draft]:
+    """Spec prefill: (accept = 1, new length = seq_lens + 1, first draft)."""
+    bonus = next_token(b.take(ids, last_index), seq_lens, slots, offset)
+    new_lens = seq_lens + 1
+    return new_lens - seq_lens, new_lens, make_draft(b, bonus, new_lens - 1, slots, spec, offset)
+
+
+def forward_spec_decode(
+    draft: Draft, seq_lens: Any, slots: Any, b: Backend, spec: tuple[int, int], offset: int
+) -> tuple[Any, Any, Draft]:
+    """Spec verify: (accept in [1, K + 1], new length = seq_lens + accept, next draft)."""
+    k_width, h_width = spec
+    h = mix(mix(draft.bonus % P, seq_lens - 1), slots)
+    p_bits = b.bits_of_f32(draft.topk_p, h)
+    for k in range(k_width):
+        h = mix(h, b.column(draft.topk_index, k))
+        h = mix(h, b.column(p_bits, k))
+    if h_width:
+        h_bits = b.bits_of_bf16(draft.hidden, h)
+        for j in range(h_width):
+            h = mix(h, b.column(h_bits, j))
+    accept = h % (k_width + 1) + 1
+    new_lens = seq_lens + accept
+    bonus = mix(h, accept) % VOCAB + offset
+    return accept, new_lens, make_draft(b, bonus, new_lens - 1, slots, spec, offset)
+
+
+class NumpyBackend:
+    """The model on host numpy arrays (the reference loop and PREBUILT bootstraps)."""
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return np.where(cond, a, b)
+
+    def stack(self, xs: list[Any]) -> Any:
+        return np.stack(xs, axis=-1)
+
+    def column(self, x: Any, k: int) -> Any:
+        return x[:, k]
+
+    def take(self, x: Any, idx: Any) -> Any:
+        return x[idx]
+
+    def to_int(self, x: Any, like: Any) -> Any:
+        return np.asarray(x).astype(like.dtype)
+
+    def f32_from_bits(self, bits: Any) -> Any:
+        return np.asarray(bits).astype(np.int32).view(np.float32)
+
+    def bf16_from_bits(self, bits: Any) -> Any:
+        return np.asarray(bits).astype(np.int16).view(ml_dtypes.bfloat16)
+
+    def bits_of_f32(self, x: Any, like: Any) -> Any:
+        return np.ascontiguousarray(x).view(np.int32).astype(like.dtype)
+
+    def bits_of_bf16(self, x: Any, like: Any) -> Any:
+        return np.ascontiguousarray(x).view(np.int16).astype(like.dtype)
+
+
+NUMPY = NumpyBackend()
+
+
+def prompt_tokens(rid: int, start: int, end: int, offset: int) -> list[int]:
+    """Prompt tokens [start, end) of request `rid` (host data, as the tokenizer gave them)."""
+    return [(rid * 7919 + j * 104_729 + 1) % VOCAB + offset for j in range(start, end)]
+
+
+def bootstrap(
+    rid: int, prompt_len: int, slot: int, spec: tuple[int, int] | None, offset: int, dtype: np.dtype
+) -> tuple[int, Draft | None]:
+    """What a prefill node hands a PREBUILT request: its first token (and spec: draft).
+
+    Returns (token, draft with one row) computed on the host with the numpy model.
+    """
+    last = np.array(prompt_tokens(rid, prompt_len - 1, prompt_len, offset), dtype=dtype)
+    lens = np.array([prompt_len], dtype=dtype)
+    sl = np.array([slot], dtype=dtype)
+    tok = next_token(last, lens, sl, offset)
+    if spec is None:
+        return int(tok[0]), None
+    return int(tok[0]), make_draft(NUMPY, tok, lens, sl, spec, offset)
