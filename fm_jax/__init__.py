@@ -9,6 +9,14 @@ from fm_jax._src.checks import raise_if_violated
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
+from fm_jax._src.sharded_map import ShardedFutureMap
+from fm_jax._src.sharding import (
+    MeshLayout,
+    ShardedFutureMapOps,
+    mesh_layout,
+    per_rank,
+    sharded_future_map,
+)
 from fm_jax._src.types import (
     Batch,
     DraftPayload,
@@ -28,10 +36,16 @@ __all__ = [
     "FutureMapOps",
     "FutureMapState",
     "InvariantViolation",
+    "MeshLayout",
     "Resolved",
+    "ShardedFutureMap",
+    "ShardedFutureMapOps",
     "SpecConfig",
     "future_map",
+    "mesh_layout",
     "pad_to_bucket",
+    "per_rank",
     "power_of_two_buckets",
     "raise_if_violated",
+    "sharded_future_map",
 ]
