@@ -94,10 +94,7 @@ class StaleSlotAfterReuse(Mutant):
         self.unread: set[int] = set()
 
     def resolve(self, hb: HostBatch) -> ResolvedOut:
-        if hb.spec_decode:
-            read = hb.live_slots
-        else:
-            read = -hb.input_ids[hb.input_ids < 0]
+        read = hb.live_slots if hb.spec_decode else -hb.input_ids[hb.input_ids < 0]
         self.unread -= set(read.tolist())
         return self.inner.resolve(hb)
 

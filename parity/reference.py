@@ -16,6 +16,14 @@ from parity.scenario import Kind, Row, Scenario, Scheduler
 from parity.trace import RunResult
 
 
+def _stack_rows(parts: list[tuple], k: int, pad: int) -> np.ndarray | None:
+    """Field k of each request's kept draft as one [B, ...] array, plus `pad` zero rows."""
+    if parts[0][k] is None:
+        return None
+    x = np.stack([p[k] for p in parts])
+    return np.concatenate([x, np.zeros((pad,) + x.shape[1:], dtype=x.dtype)])
+
+
 def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) -> RunResult:
     """Run `scenario` synchronously; return the per-request streams (no trace)."""
     offset, npdt = token_offset(dtype), np.dtype(dtype)
@@ -61,13 +69,7 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             sched.observe({rid: length[rid] for rid in rids})
             parts = [drafts[r] for r in rids]
 
-            def rows_of(k: int, parts: list = parts) -> np.ndarray | None:
-                if parts[0][k] is None:
-                    return None
-                x = np.stack([p[k] for p in parts])
-                return np.concatenate([x, np.zeros((pad,) + x.shape[1:], dtype=x.dtype)])
-
-            gathered = tm.Draft(hb.input_ids, rows_of(0), rows_of(1), rows_of(2))
+            gathered = tm.Draft(hb.input_ids, *(_stack_rows(parts, k, pad) for k in range(3)))
             accept, new_lens, draft = tm.forward_spec_decode(
                 gathered, hb.seq_lens, hb.slots, tm.NUMPY, spec, offset
             )
