@@ -19,10 +19,16 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import Mesh
 
-from fm_jax import Batch, ForwardMode, future_map, raise_if_violated
-from fm_jax._src.buckets import bucket_for, pad_rows, power_of_two_buckets
-from fm_jax._src.sharded_map import ShardedFutureMap
-from fm_jax._src.sharding import per_rank
+from fm_jax import (
+    Batch,
+    ForwardMode,
+    ShardedFutureMap,
+    future_map,
+    per_rank,
+    power_of_two_buckets,
+    raise_if_violated,
+)
+from fm_jax._src.buckets import bucket_for, pad_rows
 from parity.mesh_scenario import RankStep, Scenario, data_parallel_scenario, forward_tokens
 
 Trace = dict[tuple[int, int], dict[str, np.ndarray]]

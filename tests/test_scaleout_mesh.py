@@ -39,8 +39,7 @@ def _parity_rows() -> dict[str, Any]:
 def _idle_ranks_compile_nothing() -> dict[str, Any]:
     import jax
 
-    from fm_jax import Batch, ForwardMode
-    from fm_jax._src.sharded_map import ShardedFutureMap
+    from fm_jax import Batch, ForwardMode, ShardedFutureMap
     from parity.mesh_run import count_compiles, make_mesh
 
     fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
@@ -89,7 +88,7 @@ def _collective_counter_sees_resharding() -> dict[str, Any]:
 
 
 def _layout() -> dict[str, Any]:
-    from fm_jax._src.sharded_map import ShardedFutureMap
+    from fm_jax import ShardedFutureMap
     from parity.mesh_run import make_mesh
 
     mesh = make_mesh(4, 2)
@@ -105,8 +104,7 @@ def _layout() -> dict[str, Any]:
 
 
 def _debug_violation_names_rank() -> dict[str, Any]:
-    from fm_jax import Batch, ForwardMode, InvariantViolation
-    from fm_jax._src.sharded_map import ShardedFutureMap
+    from fm_jax import Batch, ForwardMode, InvariantViolation, ShardedFutureMap
     from parity.mesh_run import make_mesh
 
     fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp", debug=True)
@@ -123,8 +121,7 @@ def _debug_violation_names_rank() -> dict[str, Any]:
 
 
 def _bad_input_named() -> dict[str, Any]:
-    from fm_jax import FutureMapError
-    from fm_jax._src.sharded_map import ShardedFutureMap
+    from fm_jax import FutureMapError, ShardedFutureMap
     from parity.mesh_run import make_mesh
 
     fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
@@ -150,8 +147,7 @@ def _spec_draft_matches_per_rank() -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map
-    from fm_jax._src.sharding import sharded_future_map
+    from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map, sharded_future_map
     from parity.mesh_run import make_mesh
 
     dp, b, k, h = 4, 4, 2, 3
@@ -192,6 +188,19 @@ def _spec_draft_matches_per_rank() -> dict[str, Any]:
     return {"same": bool(same), "res_spec": str(res.draft.topk_p.sharding.spec)}
 
 
+CATALOGUE_RUNS = [("spec_decode", False), ("mixed_batches", True)]  # (scenario, debug), DP=2 x TP=2
+
+
+def _catalogue_on_mesh() -> dict[str, Any]:
+    from parity.mesh_twin import run_catalogue_on_mesh
+
+    rows = []
+    for name, debug in CATALOGUE_RUNS:
+        for row in run_catalogue_on_mesh(name, 2, 2, debug=debug):
+            rows.append({**row, "debug": debug})
+    return {"rows": rows}
+
+
 CHECKS = {
     f.__name__.lstrip("_"): f
     for f in (
@@ -202,6 +211,7 @@ CHECKS = {
         _debug_violation_names_rank,
         _bad_input_named,
         _spec_draft_matches_per_rank,
+        _catalogue_on_mesh,
     )
 }
 
@@ -334,13 +344,28 @@ def test_spec_draft_on_a_mesh_matches_each_ranks_own_ops(report):
     assert part["res_spec"] in ("P('dp',)", "PartitionSpec('dp',)")
 
 
+@pytest.mark.parametrize("name,debug", CATALOGUE_RUNS)
+def test_parity_catalogue_scenario_on_each_rank_matches_its_unsharded_twin(report, name, debug):
+    """Pins: a parity catalogue scenario (spec top-k and bf16 hidden states; debug consume
+    tracking) run on one DP rank of a shared sharded map diverging in any recorded byte,
+    stream or error from the same scenario on its own unsharded fm_jax.FutureMap."""
+    rows = [
+        r
+        for r in _part(report, "catalogue_on_mesh")["rows"]
+        if (r["scenario"], r["debug"]) == (name, debug)
+    ]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["ok"], r
+        assert r["ops_compared"] > 50 and r["errors"] == [None, None]
+
+
 # ----------------------------------------------------------------- single device, in process
 def test_mesh_layout_refuses_bad_axes():
     """Pins: a typo'd axis name or dp_axis == tp_axis silently replicating the whole pool."""
     import jax
 
-    from fm_jax import FutureMapError
-    from fm_jax._src.sharding import mesh_layout
+    from fm_jax import FutureMapError, mesh_layout
     from parity.mesh_run import make_mesh
 
     mesh = make_mesh(1, 1, jax.devices()[:1])

@@ -363,6 +363,23 @@ class ShardedFutureMap:
         """Sentinels for the next step on global arrays: ids and lengths := -indices."""
         return self._invalidate(batch, indices)  # type: ignore[no-any-return]
 
+    def resolve_seq_lens_cpu(self, indices: RankArrays) -> dict[int, np.ndarray]:
+        """Host copies of `new_seq_lens[indices]` per listed rank (a sync; raises pending errors).
+
+        Args:
+          indices: rank -> rank-local slots.
+
+        Returns:
+          rank -> lengths, one per slot.
+        """
+        slots = {
+            r: self._ints("indices", a, r) for r, a in self._by_rank("indices", indices).items()
+        }
+        self._check_slots("indices", slots)
+        lens = per_rank(self._state.new_seq_lens, self.layout)
+        self.check()
+        return {r: lens[r][a] for r, a in slots.items()}
+
     # ------------------------------------------------------------------------------ debug
     def _apply(self, op: str, fn: Any, *args: Any) -> None:
         if self.debug:
