@@ -237,7 +237,7 @@ def long_run(size: int = 1, seed: int = 0) -> Scenario:
     rng = random.Random(seed + 104729)
     reqs = tuple(
         Request(i, rng.randint(1, 24), rng.randint(150, 420), arrival=rng.randint(0, 600))
-        for i in range(700)
+        for i in range(620)
     )
     pol = Policy(mixed=True, chunk=16, max_prefill_rows=8, max_prefill_tokens=128, max_running=256)
     return Scenario(

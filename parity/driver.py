@@ -35,13 +35,15 @@ def append_streams(
     streams: dict[int, list[int]], plan: StepPlan, token: np.ndarray, accept: np.ndarray | None
 ) -> None:
     """Add what each row produced to its request's stream (intermediate chunks add nothing)."""
+    toks = token.tolist()
+    acc = None if accept is None else accept.tolist()
     for i, row in enumerate(plan.rows):
         if row.phase == "prefill" and not row.final:
             continue
         s = streams.setdefault(row.rid, [])
-        if accept is not None and row.phase == "decode":
-            s.append(int(accept[i]))
-        s.append(int(token[i]))
+        if acc is not None and row.phase == "decode":
+            s.append(acc[i])
+        s.append(toks[i])
 
 
 def bootstrap_rows(
@@ -184,8 +186,9 @@ def run_overlap(
                 },
                 buffers=False,
             )
-            for i, rid in enumerate(rids):
-                sentinel[rid] = (int(ids_h[i]), int(lens_h[i]))
+            sentinel.update(
+                zip(rids, zip(ids_h.tolist(), lens_h.tolist(), strict=False), strict=False)
+            )
             host = np.array(sched.host_lens(rids), dtype=np.int64)
             rec.op(step, "host", {"seq_lens_cpu": (host, live)}, buffers=False)
             twin.check()

@@ -74,8 +74,8 @@ def build(
     tok_slots: list[int] = []
     for row in plan.rows:
         if row.phase == "prefill":
-            ids.extend(prompt_tokens(row.rid, row.start, row.end, offset))
-            tok_slots.extend([row.slot] * (row.end - row.start))
+            ids += prompt_tokens(row.rid, row.start, row.end, offset)
+            tok_slots += [row.slot] * (row.end - row.start)
             lens.append(row.end)
         elif row.phase == "decode":
             tok, n = placeholder(row)
@@ -84,7 +84,7 @@ def build(
             lens.append(n)
         else:  # bootstrap: no forward, no tokens
             lens.append(row.seq_len)
-        last.append(max(len(ids) - 1, 0))
+        last.append(len(ids) - 1)
     n_rows, n_tokens = len(plan.rows), len(ids)
     rows = bucket(n_rows, scenario.batch_buckets, "batch rows")
     if plan.kind is Kind.PREBUILT:
@@ -100,7 +100,7 @@ def build(
         slots=np.array([r.slot for r in plan.rows] + [0] * pad_r, dtype=dtype),
         input_ids=np.array(ids + [0] * pad_t, dtype=dtype),
         seq_lens=np.array(lens + [0] * pad_r, dtype=dtype),
-        last_index=np.array(last + [0] * pad_r, dtype=np.int32),
+        last_index=np.maximum(np.array(last + [0] * pad_r, dtype=np.int32), 0),
         token_slots=np.array(tok_slots + [0] * pad_t, dtype=dtype),
         n_rows=n_rows,
         n_tokens=n_tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Kind(enum.Enum):
@@ -105,8 +106,7 @@ class Scenario:
             raise ValueError(f"{self.name}: prompt_len and output_len must be >= 1")
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One live batch row.
 
     prefill: prompt tokens [start, end) of `rid`; `final` when the chunk ends the prompt.
@@ -214,15 +214,17 @@ class Scheduler:
         pol = self.scenario.policy
         if pol.idle_every and self.step % pol.idle_every == 0:
             return StepPlan(self.step, Kind.IDLE, ())
-        boot = [lv for lv in self._running.values() if lv.req.prebuilt and not lv.bootstrapped]
+        # One pass: every running request is unfinished here (retirement ran first).
+        boot, prefill, decode = [], [], []
+        for lv in self._running.values():
+            if lv.req.prebuilt and not lv.bootstrapped:
+                boot.append(lv)
+            elif not lv.prefill_done():
+                prefill.append(lv)
+            elif lv.generated > 0:
+                decode.append(lv)
         if boot:
             return self._bootstrap(boot[: max(self.scenario.batch_buckets)])
-        prefill = [lv for lv in self._running.values() if not lv.prefill_done()]
-        decode = [
-            lv
-            for lv in self._running.values()
-            if lv.prefill_done() and lv.generated > 0 and not self._finished(lv)
-        ]
         if prefill and decode and pol.mixed:
             rows = self._prefill_rows(prefill, max(self.scenario.batch_buckets) - len(decode))
             return StepPlan(self.step, Kind.MIXED, rows + self._decode_rows(decode))
@@ -263,10 +265,10 @@ class Scheduler:
         return tuple(rows)
 
     def _decode_rows(self, lives: list[_Live]) -> tuple[Row, ...]:
-        rows = []
+        rows = tuple(Row(lv.req.rid, lv.slot, "decode", 0, 0, False, lv.host_len) for lv in lives)
+        exact = self.scenario.spec is None  # non-spec: the host knows a decode adds one token
         for lv in lives:
-            rows.append(Row(lv.req.rid, lv.slot, "decode", seq_len=lv.host_len))
             lv.generated += 1
-            if self.scenario.spec is None:
-                lv.host_len += 1  # non-spec: the host knows every decode adds one token
-        return tuple(rows)
+            if exact:
+                lv.host_len += 1
+        return rows

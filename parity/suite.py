@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -86,6 +87,12 @@ def _oracle(ref: RunResult, run: RunResult) -> tuple[bool, str | None]:
     return bad is None and run.error is None and run.streams == ref.streams, bad
 
 
+@functools.lru_cache(maxsize=4)
+def _reference(scenario: Scenario, dtype: str, steps: int | None) -> RunResult:
+    """The reference run, shared by a scenario's debug-on and debug-off jobs (read only)."""
+    return run_reference(scenario, dtype, steps)
+
+
 def make_twins(
     scenario: Scenario, job: Job, mutation: str | None = None, mutate: Sequence[str] = ("jax",)
 ) -> list[Twin]:
@@ -107,7 +114,7 @@ def run_scenario(
     scenario: Scenario, job: Job, mutation: str | None = None, mutate: Sequence[str] = ("jax",)
 ) -> ScenarioResult:
     """Run `scenario` through both twins and the reference loop; compare bit for bit."""
-    ref = run_reference(scenario, job.dtype, job.steps)
+    ref = _reference(scenario, job.dtype, job.steps)
     twins = make_twins(scenario, job, mutation, mutate)
     runs = [run_overlap(scenario, t, job.dtype, job.steps) for t in twins]
     cmp = compare_traces(scenario.name, runs[0], runs[1], (twins[0].name, twins[1].name))

@@ -1,0 +1,73 @@
+"""The run's report: a summary table for people, a JSON document for machines."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from parity.suite import MutationResult, ScenarioResult
+
+SCENARIO_COLUMNS = ("scenario", "dtype", "debug", "steps", "ops compared", "divergences", "oracle")
+
+
+def _table(header: Sequence[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def scenario_table(results: Sequence[ScenarioResult]) -> str:
+    """One line per run: scenario, dtype, debug, steps, ops compared, divergences, oracle."""
+    rows = [
+        [
+            r.name,
+            r.dtype,
+            "on" if r.debug else "off",
+            str(r.steps),
+            str(r.ops_compared),
+            str(r.divergences),
+            "ok" if r.oracle_ok else "FAIL",
+        ]
+        for r in results
+    ]
+    return _table(SCENARIO_COLUMNS, rows)
+
+
+def failure_details(results: Sequence[ScenarioResult]) -> str:
+    """The first divergence, errors and oracle mismatches of every failing run."""
+    out = []
+    for r in results:
+        if r.ok:
+            continue
+        out.append(f"{r.name} ({r.dtype}, debug {'on' if r.debug else 'off'}):")
+        if r.first_divergence:
+            out.append(f"  first divergence: {r.first_divergence}")
+        out += [f"  {twin} stopped: {err}" for twin, err in r.errors.items()]
+        out += [f"  oracle: {m}" for m in r.oracle_failures]
+    return "\n".join(out)
+
+
+def mutation_table(results: Sequence[MutationResult]) -> str:
+    """One line per mutation: which detectors caught it, in which scenario."""
+    rows = [[m.name, m.caught_by or "MISSED", m.where or "-"] for m in results]
+    return _table(("mutation", "caught by", "first caught in"), rows)
+
+
+def report_json(
+    device: str, scenarios: Sequence[ScenarioResult], mutations: Sequence[MutationResult]
+) -> dict[str, Any]:
+    """The report document: {"device", "scenarios": [...], "mutations": [...]}."""
+    return {
+        "device": device,
+        "scenarios": [r.to_json() for r in scenarios],
+        "mutations": [m.to_json() for m in mutations],
+    }
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    """Write the report document to `path` (parent directories must exist)."""
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
