@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.serve import report
-from bench.serve.config import EngineConfig, ModelConfig, tiny_engine, tiny_model
+from bench.serve.config import (
+    DEFAULT_REQUESTS,
+    TINY_REQUESTS,
+    EngineConfig,
+    ModelConfig,
+    tiny_engine,
+    tiny_model,
+)
 from bench.serve.host_cost import KINDS
 from bench.serve.requests import make_requests
-from bench.serve.sweep import run_sweep
+
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _ratios(text: str) -> list[float]:
     try:
         vals = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios wants numbers like 0,0.5,1,2; got {text!r}")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"--ratios wants numbers like 0,0.5,1,2; got {text!r}"
+        ) from err
     if not vals or any(v < 0 for v in vals):
         raise argparse.ArgumentTypeError(f"--ratios wants non-negative numbers, got {text!r}")
     return vals
@@ -34,9 +44,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "host scheduling cost, checks the tokens are equal and prints tokens/s.",
     )
     p.add_argument("--quick", action="store_true", help="tiny model and request set (tests)")
-    p.add_argument("--requests", type=int, default=None, help="requests (default 64; quick 24)")
+    p.add_argument("--requests", type=int, default=None, help="requests (default 64)")
     p.add_argument("--ratios", type=_ratios, default=None, help="host cost / forward time list")
     p.add_argument("--host-cost", choices=KINDS, default="spin", help="how host cost is spent")
+    p.add_argument(
+        "--xla-cpu-threads",
+        choices=("1", "all"),
+        default="1",
+        help="CPU device only: '1' keeps XLA on one core so that the simulated host work has "
+        "the other (as a GPU host would); 'all' lets XLA's thread pool use every core",
+    )
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and requests")
     p.add_argument("--no-debug-check", action="store_true", help="skip the debug overlap run")
@@ -46,21 +63,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _configure_xla_threads(choice: str) -> str:
+    """Apply --xla-cpu-threads through XLA_FLAGS; returns what holds for this process."""
+    if choice == "all":
+        return "all"
+    if "jax" in sys.modules:
+        return "unchanged (jax was already imported)"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "intra_op_parallelism_threads" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_XLA}".strip()
+    return "1"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; return 0 when every run's tokens equal the synchronous reference."""
     args = parse_args(argv)
+    threads = _configure_xla_threads(args.xla_cpu_threads)
+    # jax is imported only now, so that the XLA flags above apply
+    from bench.serve import report
+    from bench.serve.sweep import run_sweep
+
     if args.quick:
         model, engine = tiny_model(), tiny_engine()
-        n = args.requests or 24
-        req_kw = {"prompt_len": (3, 30), "max_new": (1, 20)}
+        n = args.requests or 64
+        shape = TINY_REQUESTS
         ratios = args.ratios or [0.0, 1.0]
     else:
         model, engine = ModelConfig(), EngineConfig()
         n = args.requests or 64
-        req_kw = {"prompt_len": (8, 40), "max_new": (4, 32)}
+        shape = DEFAULT_REQUESTS
         ratios = args.ratios or [0.0, 0.5, 1.0, 2.0]
     model = model._replace(seed=args.seed, **({"vocab": args.vocab} if args.vocab else {}))
-    requests = make_requests(n, vocab=model.vocab, seed=args.seed, **req_kw)
+    requests = make_requests(
+        n, vocab=model.vocab, seed=args.seed, prompt_len=shape.prompt_len, max_new=shape.max_new
+    )
 
     t0 = time.perf_counter()
 
@@ -76,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         debug_check=not args.no_debug_check,
         log=log,
     )
+    res.xla_cpu_threads = threads
     print(report.text_table(res))
     if args.json is not None:
         report.write_json(res, args.json)

@@ -28,7 +28,7 @@ class ModelConfig(NamedTuple):
     d_ff: int = 1024
     max_seq_len: int = 80
     eos_id: int = 1
-    eos_bias: float = 0.0
+    eos_bias: float = 1.5
     seed: int = 0
     row_tile: int = 8
 
@@ -62,12 +62,28 @@ class EngineConfig(NamedTuple):
 def tiny_model() -> ModelConfig:
     """A model small enough for unit tests (compiles and runs in seconds)."""
     return ModelConfig(
-        vocab=512, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64, row_tile=4
+        vocab=512,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        d_ff=64,
+        max_seq_len=64,
+        row_tile=4,
+        eos_bias=1.0,
     )
 
 
 def tiny_engine() -> EngineConfig:
     """An engine small enough for unit tests, still exercising chunking, MIXED and slot reuse."""
-    return EngineConfig(
-        max_running=6, prefill_budget=12, batch_buckets=(4, 8), token_buckets=(8, 16, 32)
-    )
+    return EngineConfig(max_running=6, prefill_budget=12, batch_buckets=(4, 8), token_buckets=(24,))
+
+
+class RequestShape(NamedTuple):
+    """Ranges (inclusive) of prompt lengths and output caps of a request set."""
+
+    prompt_len: tuple[int, int]
+    max_new: tuple[int, int]
+
+
+DEFAULT_REQUESTS = RequestShape(prompt_len=(8, 40), max_new=(4, 32))
+TINY_REQUESTS = RequestShape(prompt_len=(3, 30), max_new=(1, 20))

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import fm_jax
@@ -72,9 +71,7 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, debug: bool = False):
         bad = [
-            b
-            for b in engine_cfg.batch_buckets + engine_cfg.token_buckets
-            if b % model_cfg.row_tile
+            b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % model_cfg.row_tile
         ]
         if bad:
             raise ValueError(f"buckets {bad} are not multiples of row_tile {model_cfg.row_tile}")
@@ -82,9 +79,9 @@ class Engine:
         self.engine_cfg = engine_cfg
         self.debug = debug
         self.params = mdl.init_params(model_cfg)
-        self.ops = fm_jax.future_map(engine_cfg.pool_size, dtype=jnp.int32, debug=debug)
+        self.ops, self._overlap_step = make_overlap_step(model_cfg, engine_cfg.pool_size, debug)
+        self._fm_init = jax.jit(self.ops.init)
         self._sync_step = make_sync_step(model_cfg)
-        self._overlap_step = make_overlap_step(model_cfg, self.ops)
 
     def _scheduler(
         self, requests: Sequence[Request], overlap: bool, host_cost: HostCost
@@ -137,7 +134,7 @@ class Engine:
         """
         sched = self._scheduler(requests, True, host_cost or HostCost())
         cache = self._fresh_cache()
-        fm_state = jax.block_until_ready(self.ops.init())
+        fm_state = jax.block_until_ready(self._fm_init())
         steps, wait, modes = 0, 0.0, dict[str, int]()
         pending: tuple[int, ScheduledBatch, jax.Array, Any] | None = None
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.serve.config import ModelConfig
 
@@ -46,12 +47,16 @@ class KVCache(NamedTuple):
 
 
 def init_params(cfg: ModelConfig) -> Params:
-    """Random weights from `cfg.seed` (scaled normal, unit norms): deterministic per config."""
+    """Random weights from `cfg.seed` (scaled normal, unit norms): deterministic per config.
+
+    Drawn with numpy on the host (no PRNG kernels to compile), then put on the device.
+    """
     d, ff = cfg.d_model, cfg.d_ff
-    keys = iter(jax.random.split(jax.random.PRNGKey(cfg.seed), 3 + 4 * cfg.n_layers))
+    rng = np.random.default_rng(cfg.seed)
 
     def normal(shape: tuple[int, ...], fan_in: int) -> jax.Array:
-        return jax.random.normal(next(keys), shape, jnp.float32) / jnp.sqrt(float(fan_in))
+        w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in))
+        return jnp.asarray(w)
 
     layers = tuple(
         Layer(
@@ -76,7 +81,7 @@ def init_params(cfg: ModelConfig) -> Params:
 def init_cache(cfg: ModelConfig, pool_size: int) -> KVCache:
     """A zeroed KV cache with one row per request-pool slot."""
     shape = (cfg.n_layers, pool_size, cfg.max_seq_len, cfg.n_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    return KVCache(*(jnp.zeros(shape, jnp.float32) for _ in range(2)))
 
 
 def _by_tiles(fn: Any, x: jax.Array, row_tile: int) -> jax.Array:

@@ -42,7 +42,8 @@ def _rows(res: SweepResult) -> list[list[str]]:
 def _summary(res: SweepResult) -> str:
     dbg = {None: "not run", True: "equal", False: "DIFFERENT"}[res.debug_tokens_equal]
     return (
-        f"device: {res.device}; {res.requests} requests, {res.output_tokens} output tokens; "
+        f"device: {res.device} (XLA CPU threads: {res.xla_cpu_threads}); {res.requests} "
+        f"requests, {res.output_tokens} output tokens, {res.eos_stops} stopped early by EOS; "
         f"t_fwd {res.t_fwd_ms:.1f} ms (mean warm sync step); host cost: {res.host_cost_kind}\n"
         f"overlap tokens == sync tokens: {res.tokens_equal} (debug overlap run: {dbg})"
     )

@@ -12,6 +12,7 @@ length is itself a sentinel until resolve: position = seq_len - extend_len + off
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -65,10 +66,12 @@ def _run_model(
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
+@functools.cache
 def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Array]]:
     """The jitted synchronous step: (params, cache, inputs) -> (cache, tokens); cache donated.
 
-    Assumes the host filled in real token ids and lengths (no sentinels).
+    Assumes the host filled in real token ids and lengths (no sentinels). Cached per config,
+    so engines with the same model share compiled executables.
     """
 
     def step(params: mdl.Params, cache: mdl.KVCache, inp: StepInputs) -> Any:
@@ -78,17 +81,23 @@ def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Arr
     return jax.jit(step, donate_argnums=(1,))
 
 
-def make_overlap_step(cfg: ModelConfig, ops: fm_jax.FutureMapOps) -> Callable[..., Any]:
-    """The jitted overlap step with fm_jax inlined.
+@functools.cache
+def make_overlap_step(
+    cfg: ModelConfig, pool_size: int, debug: bool
+) -> tuple[fm_jax.FutureMapOps, Callable[..., Any]]:
+    """fm_jax's ops for the pool, and the jitted overlap step with them inlined.
 
-    (params, cache, fm_state, inputs) -> (cache, fm_state, tokens), cache and state donated.
-    With `ops.debug` the step is checkified: it returns (err, (cache, fm_state, tokens)) and
-    the caller keeps `err` to raise with `fm_jax.raise_if_violated` at a sync point.
+    The step: (params, cache, fm_state, inputs) -> (cache, fm_state, tokens), cache and state
+    donated. Cached per (config, pool_size, debug). With debug the step is checkified: it
+    returns (err, (cache, fm_state, tokens)) and the caller keeps `err` to raise with
+    `fm_jax.raise_if_violated` at a sync point.
 
     Order inside the step (SPEC 'One overlap step'): resolve, forward, publish(seq_lens + 1),
     stash(tokens). Invalidation is the scheduler's: it writes the next batch's decode rows
     as sentinels.
     """
+
+    ops = fm_jax.future_map(pool_size, dtype=jnp.int32, debug=debug)
 
     def step(
         params: mdl.Params, cache: mdl.KVCache, fm_state: fm_jax.FutureMapState, inp: StepInputs
@@ -100,7 +109,7 @@ def make_overlap_step(cfg: ModelConfig, ops: fm_jax.FutureMapOps) -> Callable[..
         fm_state = ops.stash(fm_state, inp.req_pool_indices, tokens)
         return cache, fm_state, tokens
 
-    if ops.debug:
+    if debug:
         checked = checkify.checkify(step, errors=checkify.user_checks)
-        return jax.jit(checked, donate_argnums=(1, 2))
-    return jax.jit(step, donate_argnums=(1, 2))
+        return ops, jax.jit(checked, donate_argnums=(1, 2))
+    return ops, jax.jit(step, donate_argnums=(1, 2))

@@ -84,6 +84,8 @@ class SweepResult:
     model: ModelConfig
     engine: EngineConfig
     mismatches: list[str]
+    eos_stops: int = 0
+    xla_cpu_threads: str = "all"
 
     def as_json(self) -> dict[str, Any]:
         """The `--json` document (schema keys first, then settings and diagnostics)."""
@@ -94,6 +96,8 @@ class SweepResult:
             "runs": [r.as_json() for r in self.runs],
             "debug_tokens_equal": self.debug_tokens_equal,
             "output_tokens": self.output_tokens,
+            "eos_stops": self.eos_stops,
+            "xla_cpu_threads": self.xla_cpu_threads,
             "t_fwd_ms": self.t_fwd_ms,
             "host_cost_kind": self.host_cost_kind,
             "model": self.model._asdict(),
@@ -166,8 +170,16 @@ def run_sweep(
         log(f"host cost ratio {r:g} ({1e3 * cost.seconds:.1f} ms per batch)")
         s = engine.run_sync(requests, cost)
         o = engine.run_overlap(requests, cost)
-        mismatches += diff_outputs(f"sync r={r:g}", ref, s) + diff_outputs(f"overlap r={r:g}", ref, o)
+        mismatches += diff_outputs(f"sync r={r:g}", ref, s) + diff_outputs(
+            f"overlap r={r:g}", ref, o
+        )
         runs.append(SweepRun(r, 1e3 * cost.seconds, s, o))
+    eos = model_cfg.eos_id
+    eos_stops = sum(
+        1
+        for r in requests
+        if ref.outputs[r.rid][-1:] == [eos] and len(ref.outputs[r.rid]) < r.max_new_tokens
+    )
     return SweepResult(
         device=describe_device(),
         requests=len(requests),
@@ -180,4 +192,5 @@ def run_sweep(
         model=model_cfg,
         engine=engine_cfg,
         mismatches=mismatches,
+        eos_stops=eos_stops,
     )
