@@ -1,0 +1,86 @@
+"""fm-parity end to end: arguments, table, JSON schema, exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from parity import cli
+
+SCENARIO_KEYS = {"name", "dtype", "debug", "steps", "ops_compared", "divergences", "oracle_ok"}
+
+
+def test_cli_end_to_end_with_int64_worker_and_json(tmp_path):
+    """The console script runs int32 here and int64 in its x64 worker, prints the table and
+    writes exactly the report schema; exit 0 when all agree."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            "fm-parity",
+            "--scenario",
+            "idle_steps",
+            "--steps",
+            "20",
+            "--debug",
+            "off",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = proc.stdout.splitlines()[0].split()
+    assert header[:3] == ["scenario", "dtype", "debug"] and "oracle" in header
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"device", "scenarios", "mutations"} and doc["device"] == "cpu"
+    assert [s["dtype"] for s in doc["scenarios"]] == ["int32", "int64"]
+    for s in doc["scenarios"]:
+        assert set(s) == SCENARIO_KEYS
+        assert s["steps"] == 20 and s["ops_compared"] > 0
+        assert s["divergences"] == 0 and s["oracle_ok"] is True and s["debug"] is False
+    assert doc["mutations"] == []
+
+
+def test_cli_mutations_are_all_caught(tmp_path, capsys):
+    """`--mutations` (fm_jax mutated) reports which detectors caught each variant; none may
+    be null, and parity must be among them (fm_jax differs from fm_torch)."""
+    out = tmp_path / "m.json"
+    code = cli.main(
+        [
+            "--scenario",
+            "retire_reuse",
+            "--dtype",
+            "int32",
+            "--debug",
+            "off",
+            "--mutations",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0, capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert len(doc["mutations"]) >= 6
+    for m in doc["mutations"]:
+        assert set(m) == {"name", "caught_by"} and m["caught_by"], m
+        assert "parity" in m["caught_by"].split("+"), m
+    assert "caught by" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_scenario_and_missing_gpu(capsys):
+    """Bad arguments and an absent GPU exit 2 with a message naming the problem."""
+    assert cli.main(["--scenario", "nope"]) == 2
+    assert "unknown scenario" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert cli.main(["--device", "cuda", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "--device cuda" in err and ("no CUDA" in err or "no GPU" in err)

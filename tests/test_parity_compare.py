@@ -1,0 +1,115 @@
+"""The bitwise comparator: raw bytes decide, and the first divergence names where."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from parity.compare import compare_traces, first_difference
+from parity.trace import Field, OpRecord, RunResult
+
+
+def _run(*records: OpRecord, error: str | None = None) -> RunResult:
+    return RunResult(records=list(records), error=error)
+
+
+def _rec(step: int, op: str, **fields: np.ndarray) -> OpRecord:
+    return OpRecord(step, op, {k: Field(v, np.arange(1, 1 + len(v))) for k, v in fields.items()})
+
+
+def test_equal_arrays_have_no_difference():
+    """A comparator that reports equal arrays as different would drown real divergences."""
+    a = np.array([1, 2, 3], np.int32)
+    assert first_difference(a, a.copy()) is None
+
+
+def test_flipped_byte_is_found_with_its_entry():
+    """One flipped byte in one entry must be caught and located (not just 'arrays differ')."""
+    a = np.arange(8, dtype=np.int64)
+    b = a.copy()
+    b.view(np.uint8)[5 * 8 + 3] ^= 0x10
+    index, va, vb = first_difference(a, b)
+    assert index == (5,)
+    assert va.startswith("5 ") and vb != va
+
+
+def test_nan_equals_nan_with_the_same_payload():
+    """Value comparison says NaN != NaN; bitwise comparison must call identical NaNs equal."""
+    a = np.array([0x7FC01234], np.int32).view(np.float32)
+    assert first_difference(a, a.copy()) is None
+
+
+def test_nan_payload_difference_is_a_divergence():
+    """Two NaNs with different payloads are different bytes (a canonicalising copy is a bug)."""
+    a = np.array([0x7FC01234], np.int32).view(np.float32)
+    b = np.array([0x7FC00000], np.int32).view(np.float32)
+    diff = first_difference(a, b)
+    assert diff is not None and "0x7fc01234" in diff[1] and "0x7fc00000" in diff[2]
+
+
+def test_negative_zero_differs_from_zero():
+    """-0.0 == 0.0 by value; a relay that loses the sign bit must still be caught."""
+    a = np.array([0.0, -0.0], np.float32)
+    b = np.array([0.0, 0.0], np.float32)
+    assert first_difference(a, b)[0] == (1,)
+
+
+def test_bf16_nan_payload_difference_is_a_divergence():
+    """bf16 hidden states are compared by their 16-bit patterns, payload included."""
+    a = np.array([[0x7FC1, 0]], np.int16).view(ml_dtypes.bfloat16)
+    b = np.array([[0x7FC0, 0]], np.int16).view(ml_dtypes.bfloat16)
+    assert first_difference(a, b)[0] == (0, 0)
+
+
+def test_dtype_and_shape_mismatches_are_divergences():
+    """Same values in another dtype or shape are not the same bytes (int32 vs int64 buffers)."""
+    a = np.array([1, 2], np.int32)
+    assert first_difference(a, a.astype(np.int64)) == (None, "int32[2]", "int64[2]")
+    assert first_difference(a, np.array([1, 2, 0], np.int32))[0] is None
+
+
+def test_trace_comparison_reports_step_op_field_slot_and_values():
+    """The report must say where: scenario, step, op, field, slot and both values."""
+    same = np.array([7, 8, 9], np.int32)
+    a = _run(_rec(1, "stash", output_tokens=same), _rec(2, "publish", new_seq_lens=same))
+    b = _run(
+        _rec(1, "stash", output_tokens=same),
+        _rec(2, "publish", new_seq_lens=np.array([7, 5, 9], np.int32)),
+    )
+    cmp = compare_traces("demo", a, b)
+    assert cmp.ops_compared == 2 and cmp.divergences == 1
+    d = cmp.first
+    assert (d.scenario, d.step, d.op, d.field, d.slot) == ("demo", 2, "publish", "new_seq_lens", 2)
+    assert d.a.startswith("8 ") and d.b.startswith("5 ")
+    assert "step 2, op publish, field new_seq_lens, slot 2" in str(d)
+
+
+def test_missing_field_and_op_sequence_mismatch_are_divergences():
+    """A field one twin records and the other lacks, or ops in another order, must not pass."""
+    x = np.array([1], np.int32)
+    cmp = compare_traces("demo", _run(_rec(1, "resolve", a=x, b=x)), _run(_rec(1, "resolve", a=x)))
+    assert cmp.divergences == 1 and cmp.first.field == "b"
+    cmp = compare_traces("demo", _run(_rec(1, "stash", a=x)), _run(_rec(1, "publish", a=x)))
+    assert cmp.divergences == 1 and cmp.first.field == "<op sequence>"
+
+
+def test_a_run_that_stopped_early_is_a_divergence():
+    """A twin that raised mid-run leaves a shorter trace; that alone must fail the comparison."""
+    x = np.array([1], np.int32)
+    a = _run(_rec(1, "stash", a=x), _rec(2, "stash", a=x))
+    b = _run(_rec(1, "stash", a=x), error="InvariantViolation: consume")
+    cmp = compare_traces("demo", a, b)
+    assert cmp.field_divergences == 0 and cmp.length_mismatch and cmp.divergences == 1
+    assert "consume" in cmp.first.b
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32])
+def test_comparison_goes_through_torch_for_device_values(dtype):
+    """The DLPack path (used for device arrays) must agree with the host path, bit for bit."""
+    torch = pytest.importorskip("torch")
+    a = np.array([1, 2, 3], dtype)
+    b = a.copy()
+    b.view(np.uint8)[0] ^= 1
+    assert first_difference(torch.from_numpy(a), a.copy()) is None
+    assert first_difference(torch.from_numpy(a), b)[0] == (0,)

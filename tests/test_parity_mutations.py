@@ -1,0 +1,36 @@
+"""The suite has teeth: every deliberately broken FutureMap variant is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity.mutations import MUTATIONS
+from parity.suite import Job, check_mutation
+
+# The smallest scenario with every ingredient the six mutations break: decode relays,
+# retirement with immediate slot reuse, prefill stashes into reused slots. Debug off: the
+# oracle (and input checks) must catch each bug without help from consume tracking.
+# fm_jax-only mutations with debug on (parity and debug catching) run in test_parity_cli.
+SUITE = [Job("retire_reuse", "int32", False)]
+
+
+def test_there_are_at_least_six_mutations():
+    """The issue asks for at least six broken variants; fewer means a dropped check."""
+    assert len(MUTATIONS) >= 6
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_mutation_in_both_twins_is_caught_without_parity(name):
+    """With the same bug in fm_jax and fm_torch, parity is blind (the traces agree); the
+    oracle, the debug checks or the input checks must still catch it."""
+    m = check_mutation(name, SUITE, mutate=("jax", "torch"))
+    assert m.caught_by is not None, f"{name} slipped through"
+    assert "parity" not in m.caught_by  # twins alike: a parity catch would mean nondeterminism
+
+
+@pytest.mark.parametrize("name", ["skip_stash", "stale_slot_after_reuse"])
+def test_debug_checks_catch_relay_bugs_in_both_twins(name):
+    """Consume tracking (WRWR, and the poison a resolve leaves in its batch's slots) must
+    flag a dropped stash in either framework, with no reference loop to compare against."""
+    m = check_mutation(name, [Job("retire_reuse", "int32", True)], mutate=("jax", "torch"))
+    assert m.caught_by is not None and "debug" in m.caught_by.split("+")
