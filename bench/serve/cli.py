@@ -56,6 +56,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and requests")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per mode and ratio; the fastest counts"
+    )
     p.add_argument("--no-debug-check", action="store_true", help="skip the debug overlap run")
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--out", type=Path, default=None, help="write serve_<tag>.{json,md,png} here")
@@ -110,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratios=ratios,
         host_cost_kind=args.host_cost,
         debug_check=not args.no_debug_check,
+        repeats=args.repeats,
         log=log,
     )
     res.xla_cpu_threads = threads

@@ -50,8 +50,8 @@ class EngineConfig(NamedTuple):
 
     max_running: int = 16
     prefill_budget: int = 32
-    batch_buckets: tuple[int, ...] = (8, 16)
-    token_buckets: tuple[int, ...] = (16, 48)
+    batch_buckets: tuple[int, ...] = (16,)  # one row bucket: fewer compiles in the demo
+    token_buckets: tuple[int, ...] = (16, 48)  # DECODE steps, steps with a prefill chunk
 
     @property
     def pool_size(self) -> int:
@@ -85,5 +85,5 @@ class RequestShape(NamedTuple):
     max_new: tuple[int, int]
 
 
-DEFAULT_REQUESTS = RequestShape(prompt_len=(8, 40), max_new=(4, 32))
+DEFAULT_REQUESTS = RequestShape(prompt_len=(8, 40), max_new=(4, 24))
 TINY_REQUESTS = RequestShape(prompt_len=(3, 30), max_new=(1, 20))

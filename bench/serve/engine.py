@@ -40,6 +40,7 @@ class ServeResult:
       steps: batches dispatched; `modes` counts them by ForwardMode name.
       wait_s: time the host spent blocked on the device (reading tokens).
       step_s: sync only: per-step dispatch-to-tokens time (the device time seen by the host).
+      host_s: sync only: per-step host time (building the batch, then processing its tokens).
     """
 
     outputs: dict[int, list[int]]
@@ -48,6 +49,7 @@ class ServeResult:
     wait_s: float
     modes: dict[str, int] = field(default_factory=dict)
     step_s: list[float] = field(default_factory=list)
+    host_s: list[float] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -105,9 +107,10 @@ class Engine:
         """Serve `requests` synchronously: the host waits for each step's tokens."""
         sched = self._scheduler(requests, False, host_cost or HostCost())
         cache = self._fresh_cache()
-        steps, wait, modes, step_s = 0, 0.0, dict[str, int](), []
+        steps, wait, modes, step_s, host_s = 0, 0.0, dict[str, int](), [], []
         t0 = time.perf_counter()
         while not sched.idle:
+            t_build = time.perf_counter()
             batch = sched.build()
             if batch is None:
                 raise RuntimeError("sync scheduler built no batch while requests remain")
@@ -118,11 +121,12 @@ class Engine:
             wait += t_done - t_launch
             step_s.append(t_done - t_launch)
             sched.process(batch, host_tokens)
+            host_s.append(time.perf_counter() - t_build - step_s[-1])
             steps += 1
             modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
         wall = time.perf_counter() - t0
         outputs = {st.req.rid: st.output for st in sched.done}
-        return ServeResult(outputs, wall, steps, wait, modes, step_s)
+        return ServeResult(outputs, wall, steps, wait, modes, step_s, host_s)
 
     def run_overlap(
         self, requests: Sequence[Request], host_cost: HostCost | None = None

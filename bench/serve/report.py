@@ -17,6 +17,8 @@ COLUMNS = (
     "speedup",
     "ideal",
     "of ideal",
+    "ideal/step",
+    "of ideal/step",
 )
 
 
@@ -34,6 +36,8 @@ def _rows(res: SweepResult) -> list[list[str]]:
                 f"{r.speedup:.2f}x",
                 f"{r.ideal_speedup:.2f}x",
                 f"{r.speedup / r.ideal_speedup:.2f}",
+                f"{r.ideal_speedup_per_step:.2f}x",
+                f"{r.speedup / r.ideal_speedup_per_step:.2f}",
             ]
         )
     return out
@@ -44,7 +48,8 @@ def _summary(res: SweepResult) -> str:
     return (
         f"device: {res.device} (XLA CPU threads: {res.xla_cpu_threads}); {res.requests} "
         f"requests, {res.output_tokens} output tokens, {res.eos_stops} stopped early by EOS; "
-        f"t_fwd {res.t_fwd_ms:.1f} ms (mean warm sync step); host cost: {res.host_cost_kind}\n"
+        f"t_fwd {res.t_fwd_ms:.1f} ms (mean warm sync step); host cost: {res.host_cost_kind}; "
+        f"best of {res.repeats} run(s) per mode and ratio\n"
         f"overlap tokens == sync tokens: {res.tokens_equal} (debug overlap run: {dbg})"
     )
 
@@ -77,7 +82,9 @@ def markdown(res: SweepResult, plot_name: str | None = None) -> str:
         "",
         "`host/fwd`: simulated host cost per batch as a multiple of t_fwd. `t_host`, `t_dev`: "
         "per-step host and device time measured in that ratio's sync run. `ideal` = "
-        "(t_host + t_dev) / max(t_host, t_dev).",
+        "(t_host + t_dev) / max(t_host, t_dev). `ideal/step`: the same bound step by step, "
+        "sum(h_i + d_i) / sum(max(h_i, d_i)) over the sync run's steps (tighter when step "
+        "times vary: MIXED steps with a prefill chunk cost more than DECODE steps).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---:|" * len(COLUMNS),
@@ -97,7 +104,8 @@ def write_plot(res: SweepResult, path: Path) -> None:
 
     x = [r.host_cost_ratio for r in res.runs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(x, [r.ideal_speedup for r in res.runs], "k--o", label="ideal")
+    a.plot(x, [r.ideal_speedup for r in res.runs], "k--o", label="ideal (mean times)")
+    a.plot(x, [r.ideal_speedup_per_step for r in res.runs], "k:s", label="ideal (per step)")
     a.plot(x, [r.speedup for r in res.runs], "C1-o", label="overlap / sync")
     a.set_xlabel("host cost / forward time")
     a.set_ylabel("speedup")

@@ -51,6 +51,17 @@ class SweepRun:
         h, d = self.t_host_ms, self.t_device_ms
         return (h + d) / max(h, d)
 
+    @property
+    def ideal_speedup_per_step(self) -> float:
+        """The same bound taken step by step: sum(h_i + d_i) / sum(max(h_i, d_i)).
+
+        Tighter than `ideal_speedup` when step times vary (prefill-heavy MIXED steps cost more
+        than DECODE steps while the host cost is constant): overlap hides at most the smaller
+        of the two in each step.
+        """
+        h, d = self.sync.host_s, self.sync.step_s
+        return (sum(h) + sum(d)) / sum(max(a, b) for a, b in zip(h, d, strict=True))
+
     def as_json(self) -> dict[str, Any]:
         """The JSON record of this run (schema keys first, then diagnostics)."""
         return {
@@ -60,6 +71,8 @@ class SweepRun:
             "speedup": self.speedup,
             "ideal_speedup": self.ideal_speedup,
             "fraction_of_ideal": self.speedup / self.ideal_speedup,
+            "ideal_speedup_per_step": self.ideal_speedup_per_step,
+            "fraction_of_ideal_per_step": self.speedup / self.ideal_speedup_per_step,
             "host_cost_ms": self.host_cost_ms,
             "t_host_ms": self.t_host_ms,
             "t_device_ms": self.t_device_ms,
@@ -80,6 +93,7 @@ class SweepResult:
     debug_tokens_equal: bool | None
     t_fwd_ms: float
     host_cost_kind: str
+    repeats: int
     runs: list[SweepRun]
     model: ModelConfig
     engine: EngineConfig
@@ -100,6 +114,7 @@ class SweepResult:
             "xla_cpu_threads": self.xla_cpu_threads,
             "t_fwd_ms": self.t_fwd_ms,
             "host_cost_kind": self.host_cost_kind,
+            "repeats": self.repeats,
             "model": self.model._asdict(),
             "engine": self.engine._asdict(),
             "mismatches": self.mismatches,
@@ -133,6 +148,7 @@ def run_sweep(
     ratios: Sequence[float],
     host_cost_kind: str = "spin",
     debug_check: bool = True,
+    repeats: int = 1,
     log: Callable[[str], None] = lambda _: None,
 ) -> SweepResult:
     """Warm up, check tokens, calibrate t_fwd and measure sync vs overlap at each ratio.
@@ -143,11 +159,14 @@ def run_sweep(
       ratios: simulated host cost per batch as multiples of t_fwd.
       host_cost_kind: 'spin' or 'sleep' (see host_cost).
       debug_check: also serve once with the checkified (debug) overlap step and compare.
+      repeats: runs per mode and ratio, interleaved; the fastest counts (noisy machines).
       log: progress messages.
 
     Returns:
       SweepResult; `tokens_equal` covers every run (debug one included when run).
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     engine = Engine(model_cfg, engine_cfg)
     log("warm-up (compiles every bucket shape the request set reaches): sync")
     ref = engine.run_sync(requests)
@@ -168,12 +187,14 @@ def run_sweep(
     for r in ratios:
         cost = HostCost(r * t_fwd, host_cost_kind)
         log(f"host cost ratio {r:g} ({1e3 * cost.seconds:.1f} ms per batch)")
-        s = engine.run_sync(requests, cost)
-        o = engine.run_overlap(requests, cost)
-        mismatches += diff_outputs(f"sync r={r:g}", ref, s) + diff_outputs(
-            f"overlap r={r:g}", ref, o
-        )
-        runs.append(SweepRun(r, 1e3 * cost.seconds, s, o))
+        best: dict[str, ServeResult] = {}
+        for _ in range(repeats):  # interleaved; the fastest of each mode counts
+            for name, run in (("sync", engine.run_sync), ("overlap", engine.run_overlap)):
+                got = run(requests, cost)
+                mismatches += diff_outputs(f"{name} r={r:g}", ref, got)
+                if name not in best or got.wall_s < best[name].wall_s:
+                    best[name] = got
+        runs.append(SweepRun(r, 1e3 * cost.seconds, best["sync"], best["overlap"]))
     eos = model_cfg.eos_id
     eos_stops = sum(
         1
@@ -188,6 +209,7 @@ def run_sweep(
         debug_tokens_equal=debug_equal,
         t_fwd_ms=1e3 * t_fwd,
         host_cost_kind=host_cost_kind,
+        repeats=repeats,
         runs=runs,
         model=model_cfg,
         engine=engine_cfg,
