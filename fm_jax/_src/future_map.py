@@ -61,6 +61,7 @@ class FutureMap:
         self.batch_buckets = bk.normalize_buckets(batch_buckets or bk.power_of_two_buckets(1024))
         self.token_buckets = bk.normalize_buckets(token_buckets or bk.power_of_two_buckets(8192))
         self.device = device or jax.devices()[0]
+        self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         self._state: FutureMapState = jax.device_put(jax.jit(self.ops.init)(), self.device)
         self.step = 0
         self._pending: list[tuple[int, str, checkify.Error]] = []
@@ -150,7 +151,9 @@ class FutureMap:
     def _on_device(self, x: jax.Array) -> jax.Array:
         """`x` committed to the map's device. Jit keys its cache on commitment, so an
         uncommitted array (e.g. from `jnp.asarray`) would compile again. No copy when `x`
-        already lives there."""
+        already lives there; no device_put call either (it costs more than the op itself)."""
+        if x.committed and x.sharding == self._sharding:
+            return x
         return jax.device_put(x, self.device)
 
     def _rows(self, name: str, x: Any, rows: int, n: int, *, ints: bool) -> jax.Array:
