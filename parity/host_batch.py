@@ -68,23 +68,27 @@ def build(
     Prefill rows carry their prompt chunk and real length; decode rows carry
     `placeholder(row)`: sentinels in an overlap run, exact values in the reference loop.
     """
-    ids: list[int] = []
-    lens: list[int] = []
-    last: list[int] = []
-    tok_slots: list[int] = []
-    for row in plan.rows:
-        if row.phase == "prefill":
-            ids += prompt_tokens(row.rid, row.start, row.end, offset)
-            tok_slots += [row.slot] * (row.end - row.start)
-            lens.append(row.end)
-        elif row.phase == "decode":
-            tok, n = placeholder(row)
-            ids.append(tok)
-            tok_slots.append(row.slot)
-            lens.append(n)
-        else:  # bootstrap: no forward, no tokens
-            lens.append(row.seq_len)
-        last.append(len(ids) - 1)
+    if plan.kind is Kind.DECODE:  # the common case, laid out in bulk
+        held = [placeholder(row) for row in plan.rows]
+        ids = [h[0] for h in held]
+        lens = [h[1] for h in held]
+        tok_slots = [row.slot for row in plan.rows]
+        last = list(range(len(ids)))
+    else:
+        ids, lens, last, tok_slots = [], [], [], []
+        for row in plan.rows:
+            if row.phase == "prefill":
+                ids += prompt_tokens(row.rid, row.start, row.end, offset)
+                tok_slots += [row.slot] * (row.end - row.start)
+                lens.append(row.end)
+            elif row.phase == "decode":
+                tok, n = placeholder(row)
+                ids.append(tok)
+                tok_slots.append(row.slot)
+                lens.append(n)
+            else:  # bootstrap: no forward, no tokens
+                lens.append(row.seq_len)
+            last.append(len(ids) - 1)
     n_rows, n_tokens = len(plan.rows), len(ids)
     rows = bucket(n_rows, scenario.batch_buckets, "batch rows")
     if plan.kind is Kind.PREBUILT:

@@ -86,7 +86,8 @@ class JaxTwin:
         return {k: self.snap(v)[1:] for k, v in out.items()}
 
     def check(self) -> None:
-        """Raise the first pending debug violation (a host sync)."""
+        """Raise the first pending debug violation (a host sync; the driver calls it once per
+        step, and the violation names the op where it happened)."""
         self.fm.check()
 
     # -------------------------------------------------------------------------------- ops
@@ -102,7 +103,6 @@ class JaxTwin:
             hb.slots if hb.spec_decode else None,
         )
         r = self.fm.resolve(batch)
-        self.fm.check()
         return ResolvedOut(r.input_ids, r.seq_lens, r.draft, batch)
 
     def forward(self, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
@@ -127,11 +127,9 @@ class JaxTwin:
 
     def publish(self, slots: np.ndarray, lens: Any) -> None:
         self.fm.publish(slots, lens)
-        self.fm.check()
 
     def stash(self, slots: np.ndarray, payload: Any) -> None:
         self.fm.stash(slots, payload)
-        self.fm.check()
 
     def draft_payload(self, bonus: np.ndarray, draft: Any) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
