@@ -1,0 +1,244 @@
+"""`fm-bench`: side-by-side cost of fm_jax, fm_torch and a naive JAX future map.
+
+    fm-bench --quick              # tiny sweep, seconds; prints the tables
+    fm-bench                      # full run (a few minutes) into bench/results/
+    fm-bench --json out.json      # also write the results as JSON
+
+int64 needs JAX's x64 mode, which fm_jax never turns on: that part runs in a child process
+with JAX_ENABLE_X64=1 and its rows are merged in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+IMPL_ORDER = ("fm_jax", "fm_jax_fused", "fm_torch", "naive_jax", "floor")
+
+
+def _device() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    cpu = f"{platform.machine()} {os.cpu_count()} logical CPUs"
+    return f"jax {jax.__version__} {d.platform}:{d.device_kind} ({cpu})"
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _measure_all(
+    plan: Any, int64: bool, bar: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Headline group (int32 only), then one group per sweep configuration.
+
+    Each configuration is built (and compiled) once: the headline group takes its 'step'
+    series from the same builds that the sweep groups then measure whole.
+    """
+    from bench import headline, run
+
+    variants = [(impl, False) for impl in IMPL_ORDER] + [(i, True) for i in plan.debug_variants]
+    built: dict[Any, list[Any]] = {}
+
+    def get(cfg: Any) -> list[Any]:
+        if cfg not in built:
+            built[cfg] = run.build_series(cfg, variants, cfg.ops())
+        return built[cfg]
+
+    figs: list[dict[str, Any]] = []
+    if not int64:
+        bar.set_description("headline group")
+        sweep = set(plan.sweep_configs(False))
+        for cfg in plan.headline.configs().values():
+            if cfg in sweep:
+                get(cfg)  # built whole once: its sweep group measures it again
+        stats = run.measure(
+            headline.headline_series(plan.headline, built),
+            reps=plan.headline_reps,
+            warmup=plan.warmup,
+            budget_s=None,
+            min_reps=plan.min_reps,
+        )
+        figs = [
+            f.evaluate(stats)
+            for f in headline.figures(plan.headline)
+            if f.num in stats and f.den in stats  # a plan may leave some variants out
+        ]
+        bar.update(1)
+    rows: list[dict[str, Any]] = []
+    for cfg in plan.sweep_configs(int64):
+        bar.set_description(cfg.label())
+        stats = run.measure(
+            get(cfg),
+            reps=plan.reps,
+            warmup=plan.warmup,
+            budget_s=plan.group_budget_s,
+            min_reps=plan.min_reps,
+        )
+        rows += run.rows_of(stats)
+        del built[cfg]
+        gc.collect()
+        bar.update(1)
+    built.clear()
+    gc.collect()
+    return figs, rows
+
+
+def _int64_child(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "int64.json"
+        cmd = [sys.executable, "-m", "bench.cli", "--child-int64", "--json", str(out)]
+        cmd += ["--plan", args.plan]
+        if args.reps is not None:
+            cmd += ["--reps", str(args.reps)]
+        env = dict(os.environ, JAX_ENABLE_X64="1")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return [], f"int64 child failed ({proc.returncode}): {proc.stderr[-2000:]}"
+        return json.loads(out.read_text())["results"], None
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from dataclasses import replace
+
+    from bench import plan
+
+    p = plan.get(args.plan)
+    if args.reps is not None:
+        p = replace(p, reps=args.reps, headline_reps=args.reps, min_reps=min(p.min_reps, args.reps))
+    return p
+
+
+def _sections(p: Any, rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    def of(cfgs: Any) -> list[dict[str, Any]]:
+        keys = {(c.batch, c.pool, c.spec, c.dtype) for c in cfgs}
+        return [r for r in rows if (r["batch"], r["pool"], r["spec"], r["dtype"]) in keys]
+
+    b0, r0 = p.batch_sweep[0], p.pool_sweep[0]
+    s0 = p.spec_sweep[0] if p.spec_sweep else None
+    out = [
+        (f"Cost vs batch (R={b0.pool}, int32, spec off)", "batch", of(p.batch_sweep)),
+        (f"Cost vs pool size R (B={r0.batch}, int32, spec off)", "pool", of(p.pool_sweep)),
+    ]
+    if s0 is not None:
+        out.append(
+            (
+                f"Spec extras (B={s0.batch}, K={s0.topk}, H={s0.hidden} {s0.hidden_dtype}, int32)",
+                "pool",
+                of(p.spec_sweep),
+            )
+        )
+    out.append(("int64 buffers (JAX_ENABLE_X64=1 child process)", "pool", of(p.int64_sweep)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; see the module docstring. Returns the exit status."""
+    ap = argparse.ArgumentParser(prog="fm-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sweep (seconds), no files by default"
+    )
+    ap.add_argument("--json", type=Path, help="write the results as JSON to this path")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help=f"directory for results.json, results.md and plots (full run default: {RESULTS_DIR})",
+    )
+    ap.add_argument("--reps", type=int, help="timed repetitions per series (override)")
+    ap.add_argument("--no-int64", action="store_true", help="skip the int64 child process")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument("--plan", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-int64", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.plan is None:
+        args.plan = "quick" if args.quick else "full"
+
+    from tqdm import tqdm
+
+    p = _plan(args)
+    if args.child_int64:
+        with tqdm(total=len(p.sweep_configs(True)), file=sys.stderr, leave=False) as bar:
+            _, rows = _measure_all(p, True, bar)
+        if args.json:
+            args.json.write_text(json.dumps({"results": rows}))
+        return 0
+
+    t0, load_start = time.perf_counter(), _load()
+    n_groups = 1 + len(p.sweep_configs(False)) + (0 if args.no_int64 else 1)
+    int64_error = None
+    with tqdm(total=n_groups, file=sys.stderr, unit="group") as bar:
+        figs, rows = _measure_all(p, False, bar)
+        if not args.no_int64:
+            bar.set_description("int64 (child process)")
+            more, int64_error = _int64_child(args)
+            rows += more
+            bar.update(1)
+
+    import torch
+
+    from bench.impls.fm_torch_eager import device as torch_device
+
+    doc: dict[str, Any] = {
+        "device": _device(),
+        "meta": {
+            "plan": p.name,
+            "torch_device": str(torch_device()),
+            "torch_threads": torch.get_num_threads(),
+            "load_start": load_start,
+            "load_end": _load(),
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "int64_error": int64_error,
+        },
+        "results": rows,
+        "headline": figs,
+    }
+    from bench import plots, report
+
+    sections = _sections(p, rows)
+    md = report.markdown(doc, sections)
+    out_dir = args.out or (RESULTS_DIR if args.plan == "full" else None)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+        (out_dir / "results.md").write_text(md)
+        if not args.no_plots:
+            plots.plot(
+                sections[0][2],
+                "batch",
+                plots.PLOT_OPS,
+                sections[0][0],
+                out_dir / "cost_vs_batch.png",
+            )
+            plots.plot(
+                sections[1][2], "pool", plots.PLOT_OPS, sections[1][0], out_dir / "cost_vs_pool.png"
+            )
+            if len(sections) > 3:
+                plots.plot(
+                    sections[2][2],
+                    "pool",
+                    plots.SPEC_PLOT_OPS,
+                    sections[2][0],
+                    out_dir / "spec_vs_pool.png",
+                )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+    print(md)
+    if int64_error:
+        print(int64_error, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

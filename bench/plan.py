@@ -1,0 +1,129 @@
+"""What a run measures: the sweeps (one interleaved group per configuration) and the
+headline group (every series behind a headline ratio, measured side by side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bench.workload import Config
+
+IMPLS = ("fm_jax", "fm_jax_fused", "fm_torch", "naive_jax", "floor")
+"""Implementation names as they appear in the JSON (`debug` tells the debug variants apart)."""
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The configurations behind the headline figures.
+
+    Attributes:
+      small, large: non-spec pool sizes compared for flatness in R (4K and 1M in a full run).
+      spec_small, spec_large: spec pool sizes compared with H hidden states (1K and 16K).
+      batch: batch size of every headline series.
+      hidden: H of the spec series (bf16, and f32: XLA:CPU scatters bf16 through f32).
+      spec32: also compare the spec step with f32 hidden states.
+    """
+
+    batch: int
+    small: int
+    large: int
+    spec_small: int
+    spec_large: int
+    hidden: int
+    spec32: bool = True
+
+    def configs(self) -> dict[str, Config]:
+        """The headline configurations by role."""
+        b, h = self.batch, self.hidden
+        out = {
+            "small": Config(b, self.small),
+            "large": Config(b, self.large),
+            "spec_small": Config(b, self.spec_small, spec=True, hidden=h),
+            "spec_large": Config(b, self.spec_large, spec=True, hidden=h),
+        }
+        if self.spec32:
+            out["spec32_small"] = Config(b, self.spec_small, True, hidden=h, hidden_dtype="float32")
+            out["spec32_large"] = Config(b, self.spec_large, True, hidden=h, hidden_dtype="float32")
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole run: sweep configurations, headline sizes and repetition counts."""
+
+    name: str
+    batch_sweep: tuple[Config, ...]
+    pool_sweep: tuple[Config, ...]
+    spec_sweep: tuple[Config, ...]
+    int64_sweep: tuple[Config, ...]
+    headline: Headline
+    reps: int
+    warmup: int
+    group_budget_s: float
+    headline_reps: int
+    min_reps: int = 20
+    debug_variants: tuple[str, ...] = field(default=("fm_jax", "fm_jax_fused", "fm_torch"))
+
+    def sweep_configs(self, int64: bool) -> list[Config]:
+        """Distinct configurations of the int32 sweeps (or of the int64 one), in order."""
+        cfgs = self.int64_sweep if int64 else self.batch_sweep + self.pool_sweep + self.spec_sweep
+        return list(dict.fromkeys(cfgs))
+
+
+def _full() -> Plan:
+    h = 4096
+    return Plan(
+        name="full",
+        batch_sweep=tuple(Config(b, 4096) for b in (1, 4, 16, 64, 256, 1024)),
+        pool_sweep=tuple(Config(256, r) for r in (1024, 4096, 16384, 65536, 262144, 1 << 20)),
+        spec_sweep=tuple(Config(256, r, spec=True, hidden=h) for r in (1024, 4096, 16384)),
+        int64_sweep=(Config(256, 4096, dtype="int64"), Config(256, 1 << 20, dtype="int64")),
+        headline=Headline(256, 4096, 1 << 20, 1024, 16384, h),
+        reps=200,
+        warmup=10,
+        group_budget_s=6.0,
+        headline_reps=400,
+    )
+
+
+def _quick() -> Plan:
+    h = 256
+    return Plan(
+        name="quick",
+        batch_sweep=tuple(Config(b, 1024) for b in (1, 64)),
+        pool_sweep=tuple(Config(64, r) for r in (1024, 16384)),
+        spec_sweep=tuple(Config(64, r, spec=True, hidden=h) for r in (1024, 4096)),
+        int64_sweep=(Config(64, 1024, dtype="int64"),),
+        headline=Headline(64, 1024, 16384, 1024, 4096, h),
+        reps=15,
+        warmup=2,
+        group_budget_s=0.5,
+        headline_reps=30,
+        min_reps=5,
+    )
+
+
+def _tiny() -> Plan:
+    # For tests: one plain and one spec configuration (the headline compares them with
+    # themselves), a handful of repetitions.
+    return Plan(
+        name="tiny",
+        batch_sweep=(Config(8, 64),),
+        pool_sweep=(Config(8, 64),),
+        spec_sweep=(Config(8, 64, spec=True, hidden=16),),
+        int64_sweep=(Config(8, 64, dtype="int64"),),
+        headline=Headline(8, 64, 64, 64, 64, 16, spec32=False),
+        reps=3,
+        warmup=1,
+        group_budget_s=0.2,
+        headline_reps=3,
+        min_reps=2,
+        debug_variants=("fm_jax", "fm_torch"),
+    )
+
+
+PLANS = {"full": _full, "quick": _quick, "tiny": _tiny}
+
+
+def get(name: str) -> Plan:
+    """The plan called `name` ('full', 'quick' or 'tiny')."""
+    return PLANS[name]()
