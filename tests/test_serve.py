@@ -95,6 +95,40 @@ def test_lost_relay_trips_debug_consume_check(requests: list[Request]) -> None:
     assert info.value.invariant == "consume (WRWR)"
 
 
+def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
+    requests: list[Request],
+) -> None:
+    """Pins an overlap loop that syncs on step N's tokens before dispatching N+1 (no overlap)."""
+    engine = Engine(tiny_model(), tiny_engine())
+    step, dispatched, lag = engine._overlap_step, [0], []
+
+    def counting(*args: Any) -> Any:
+        dispatched[0] += 1
+        return step(*args)
+
+    class Recording(Scheduler):
+        processed = 0
+
+        def process(self, batch: Any, tokens: Any) -> None:
+            self.processed += 1
+            lag.append(dispatched[0] - self.processed)  # steps dispatched beyond this one
+            super().process(batch, tokens)
+
+    engine._overlap_step = counting
+    engine._scheduler = lambda reqs, overlap, cost: Recording(
+        reqs,
+        tiny_engine(),
+        overlap=overlap,
+        host_cost=cost,
+        max_seq_len=tiny_model().max_seq_len,
+        eos_id=tiny_model().eos_id,
+    )
+    engine.run_overlap(requests)
+    assert max(lag) == 1  # never more than one step in flight beyond the one being read
+    # a step is read before the next dispatch only when nothing was schedulable
+    assert sum(lag) >= 0.9 * len(lag)
+
+
 def _scheduler(requests: list[Request], overlap: bool) -> Scheduler:
     m = tiny_model()
     return Scheduler(

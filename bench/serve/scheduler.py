@@ -58,6 +58,7 @@ class Scheduler:
       overlap: decode rows carry sentinels instead of real ids/lengths.
       host_cost: simulated scheduling cost spent per built batch.
       max_seq_len: the model's KV positions per slot; a request that cannot fit is refused.
+      eos_id: the token that stops a request (read back one step late in overlap mode).
     """
 
     def __init__(
