@@ -18,12 +18,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import checkify
 
 import fm_jax
 from bench.serve import model as mdl
 from bench.serve.config import ModelConfig
+
+Ints = Any
+"""A host int array (np.ndarray) when built, a traced jax.Array inside the jitted step."""
 
 
 class StepInputs(NamedTuple):
@@ -32,15 +34,15 @@ class StepInputs(NamedTuple):
     Padding rows and padding tokens carry slot 0 (and id 0, length 0).
     """
 
-    forward_mode: np.ndarray  # int32 scalar, a fm_jax.ForwardMode
-    req_pool_indices: np.ndarray  # [B] slot of each row
-    input_ids: np.ndarray  # [T] flat ids; overlap decode rows: -slot
-    seq_lens: np.ndarray  # [B] length incl. this step's tokens; overlap DECODE: -slot
-    extend_lens: np.ndarray  # [B] tokens each row contributes (prefill chunk, or 1)
-    token_rows: np.ndarray  # [T] row of each token (padding tokens: 0)
-    token_slots: np.ndarray  # [T] slot of each token (padding tokens: 0)
-    token_offsets: np.ndarray  # [T] offset of each token within its row's tokens
-    last_token: np.ndarray  # [B] index of each row's last token (padding rows: 0)
+    forward_mode: Ints  # int32 scalar, a fm_jax.ForwardMode
+    req_pool_indices: Ints  # [B] slot of each row
+    input_ids: Ints  # [T] flat ids; overlap decode rows: -slot
+    seq_lens: Ints  # [B] length incl. this step's tokens; overlap DECODE: -slot
+    extend_lens: Ints  # [B] tokens each row contributes (prefill chunk, or 1)
+    token_rows: Ints  # [T] row of each token (padding tokens: 0)
+    token_slots: Ints  # [T] slot of each token (padding tokens: 0)
+    token_offsets: Ints  # [T] offset of each token within its row's tokens
+    last_token: Ints  # [B] index of each row's last token (padding rows: 0)
 
 
 def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
