@@ -171,6 +171,13 @@ def test_scheduler_refuses_request_longer_than_cache() -> None:
         _scheduler([Request(0, tuple(range(2, m.max_seq_len)), 8)], overlap=True)
 
 
+def test_engine_refuses_prompt_ids_outside_vocab() -> None:
+    """Pins an out-of-vocab id silently clamped by the embedding gather into another token."""
+    engine = Engine(tiny_model(), tiny_engine())
+    with pytest.raises(ValueError, match="outside"):
+        engine.run_sync([Request(0, (3, tiny_model().vocab), 2)])
+
+
 def test_cli_quick_json_schema(tmp_path: Any) -> None:
     """Pins the `--json` schema that fm-serve-demo promises, and its exit status."""
     path = tmp_path / "serve.json"

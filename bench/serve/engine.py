@@ -88,6 +88,13 @@ class Engine:
     def _scheduler(
         self, requests: Sequence[Request], overlap: bool, host_cost: HostCost
     ) -> Scheduler:
+        vocab = self.model_cfg.vocab
+        for r in requests:
+            if not r.prompt or r.max_new_tokens < 1:
+                raise ValueError(f"request {r.rid}: needs a non-empty prompt and max_new >= 1")
+            bad = [t for t in r.prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"request {r.rid}: prompt ids {bad[:5]} outside [0, {vocab})")
         return Scheduler(
             requests,
             self.engine_cfg,
