@@ -12,37 +12,53 @@ from parity import cli
 SCENARIO_KEYS = {"name", "dtype", "debug", "steps", "ops_compared", "divergences", "oracle_ok"}
 
 
-def test_cli_end_to_end_with_int64_worker_and_json(tmp_path):
-    """The console script runs int32 here and int64 in its x64 worker, prints the table and
-    writes exactly the report schema; exit 0 when all agree."""
-    out = tmp_path / "report.json"
+def test_console_script_is_installed():
+    """`fm-parity` (the README's first command) must resolve to parity.cli:main."""
     proc = subprocess.run(
+        ["fm-parity", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "long_run" in proc.stdout and "spec_decode" in proc.stdout
+
+
+def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
+    """int32 runs here and int64 in the x64 worker process (token ids above 2**32, bf16 NaN
+    payloads); the table prints and the JSON has exactly the report schema; exit 0."""
+    out = tmp_path / "report.json"
+    code = cli.main(
         [
-            "fm-parity",
             "--scenario",
             "idle_steps",
+            "--scenario",
+            "spec_decode",
             "--steps",
-            "20",
+            "14",
             "--debug",
             "off",
             "--no-progress",
             "--json",
             str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"),
+        ]
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    header = proc.stdout.splitlines()[0].split()
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    header = stdout.splitlines()[0].split()
     assert header[:3] == ["scenario", "dtype", "debug"] and "oracle" in header
     doc = json.loads(out.read_text())
     assert set(doc) == {"device", "scenarios", "mutations"} and doc["device"] == "cpu"
-    assert [s["dtype"] for s in doc["scenarios"]] == ["int32", "int64"]
+    assert [(s["name"], s["dtype"]) for s in doc["scenarios"]] == [
+        ("idle_steps", "int32"),
+        ("idle_steps", "int64"),
+        ("spec_decode", "int32"),
+        ("spec_decode", "int64"),
+    ]
     for s in doc["scenarios"]:
         assert set(s) == SCENARIO_KEYS
-        assert s["steps"] == 20 and s["ops_compared"] > 0
+        assert s["steps"] == 14 and s["ops_compared"] > 0
         assert s["divergences"] == 0 and s["oracle_ok"] is True and s["debug"] is False
     assert doc["mutations"] == []
 
