@@ -67,8 +67,8 @@ def _measure_all(
             headline.headline_series(plan.headline, built),
             reps=plan.headline_reps,
             warmup=plan.warmup,
-            budget_s=None,
-            min_reps=plan.min_reps,
+            budget_s=plan.headline_budget_s,
+            min_reps=max(plan.min_reps, plan.headline_reps // 4),
         )
         figs = [
             f.evaluate(stats)
@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     from bench import plots, report
 
+    if p.inplace_check:
+        from bench import inplace
+
+        doc["inplace_check"] = inplace.table(list(p.inplace_check))
     sections = _sections(p, rows)
     md = report.markdown(doc, sections)
     out_dir = args.out or (RESULTS_DIR if args.plan == "full" else None)

@@ -61,6 +61,8 @@ class Plan:
     group_budget_s: float
     headline_reps: int
     min_reps: int = 20
+    headline_budget_s: float | None = None
+    inplace_check: tuple[Config, ...] = ()
     debug_variants: tuple[str, ...] = field(default=("fm_jax", "fm_jax_fused", "fm_torch"))
 
     def sweep_configs(self, int64: bool) -> list[Config]:
@@ -82,6 +84,8 @@ def _full() -> Plan:
         warmup=10,
         group_budget_s=6.0,
         headline_reps=400,
+        headline_budget_s=90.0,
+        inplace_check=(Config(256, 1 << 20), Config(256, 16384, spec=True, hidden=h)),
     )
 
 
@@ -99,6 +103,7 @@ def _quick() -> Plan:
         group_budget_s=0.5,
         headline_reps=30,
         min_reps=5,
+        inplace_check=(Config(64, 16384),),
     )
 
 

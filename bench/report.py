@@ -91,6 +91,16 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
         "on the same arrays. `min bytes` is what the op must move at the least (batch-sized).",
         "",
     ]
+    if doc.get("inplace_check"):
+        parts += [
+            "## In place: whole-buffer rewrites in the compiled HLO",
+            "",
+            "Instructions that copy or convert a whole [R, ...] buffer (an in-place scatter",
+            "is not one). 0 means the op moves batch-sized data only.",
+            "",
+            doc["inplace_check"],
+            "",
+        ]
     for title, vary, rows in sections:
         t = sweep_table(rows, vary, title)
         if t:
