@@ -25,8 +25,9 @@ def plot(
 
     ops = [op for op in ops if any(r["op"] == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, op in zip(axes[0], ops, strict=True):
-        for impl, debug in COLUMNS:
+        for n, (impl, debug) in enumerate(COLUMNS):
             pts = sorted(
                 (r[vary], r["median_us"])
                 for r in rows
@@ -40,6 +41,7 @@ def plot(
                     ys,
                     marker="o",
                     linestyle="--" if debug else "-",
+                    color=colors[n % len(colors)],
                     label=column_name(impl, debug),
                 )
         ax.set_xscale("log", base=2)
