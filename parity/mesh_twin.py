@@ -27,6 +27,7 @@ class RankView:
         if rank not in fm.local_ranks:
             raise ValueError(f"DP rank {rank} is not local to this process {fm.local_ranks}")
         self.fm, self.rank = fm, rank
+        self.spec = fm.spec
         self.device = next(d for d in fm.layout.mesh.local_devices if fm.layout.rank_of(d) == rank)
 
     def _block(self, x: Any) -> Any:

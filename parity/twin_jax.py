@@ -82,7 +82,12 @@ class JaxTwin:
         if extras:
             out.update(topk_p=st.topk_p, topk_index=st.topk_index)
             if st.hidden_states is not None:
-                out["hidden_states"] = st.hidden_states
+                # fm_jax keeps hidden states as raw bits (uint16 for bf16): view them as the
+                # declared dtype, bit for bit, to compare with fm_torch's buffer.
+                assert self.fm.spec is not None
+                out["hidden_states"] = jax.lax.bitcast_convert_type(
+                    st.hidden_states, self.fm.spec.hidden_dtype
+                )
         return {k: self.snap(v)[1:] for k, v in out.items()}
 
     def check(self) -> None:

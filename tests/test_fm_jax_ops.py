@@ -41,6 +41,11 @@ def checked(fn):  # noqa: ANN001, ANN201
     return checkify.checkify(fn, errors=checkify.user_checks)
 
 
+def hidden_bits(hidden_dtype: object) -> np.dtype:
+    """The unsigned dtype of the same width in which the state keeps hidden-state bits."""
+    return np.dtype(f"uint{np.dtype(hidden_dtype).itemsize * 8}")  # type: ignore[call-overload]
+
+
 def spec_ops(hidden_dtype: object | None) -> fj.FutureMapOps:
     cfg = fj.SpecConfig(topk=K, hidden=0 if hidden_dtype is None else H)
     if hidden_dtype is not None:
@@ -96,7 +101,8 @@ class InitTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*HIDDEN_CASES)
     def test_init_spec_shapes(self, hidden_dtype):
-        """Spec init must allocate [R, K] topk buffers and [R, H] hidden states of the dtype."""
+        """Spec init must allocate [R, K] topk buffers and [R, H] hidden states stored as the
+        raw bits of the declared dtype (uint16 for bf16/f16, uint32 for f32)."""
         ops = spec_ops(hidden_dtype)
         st = self.variant(ops.init)()
         chex.assert_shape([st.topk_p, st.topk_index], (R, K))
@@ -105,8 +111,8 @@ class InitTest(chex.TestCase):
             self.assertIsNone(st.hidden_states)
         else:
             chex.assert_shape(st.hidden_states, (R, H))
-            chex.assert_type(st.hidden_states, hidden_dtype)
-            self.assertFalse(np.asarray(st.hidden_states, np.float32).any())
+            chex.assert_type(st.hidden_states, hidden_bits(hidden_dtype))
+            self.assertFalse(np.asarray(st.hidden_states).any())
 
 
 class WriteTest(chex.TestCase):
@@ -167,7 +173,7 @@ class WriteTest(chex.TestCase):
         else:
             h = np.zeros((R, H), np.asarray(d.hidden_states).dtype)
             h[[4, 1]] = np.asarray(d.hidden_states)
-            chex.assert_type(st.hidden_states, hidden_dtype)
+            chex.assert_type(st.hidden_states, hidden_bits(hidden_dtype))
             self.assertEqual(bits(st.hidden_states), h.tobytes())
 
 

@@ -61,17 +61,22 @@ class FutureMapOps(NamedTuple):
 
 
 def _scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
-    """`buf[indices] := values`; out-of-range slots (negative included) write nothing.
+    """`buf[indices] := values`; out-of-range slots (negative included) write nothing."""
+    return buf.at[indices].set(values.astype(buf.dtype), mode="drop", wrap_negative_indices=False)
 
-    bf16 is scattered as its uint16 bits: XLA:CPU computes a bf16 scatter in f32 and
-    canonicalises NaNs on the way back, and the relay must keep raw bytes.
+
+def hidden_bits_dtype(hidden_dtype: Any) -> np.dtype:
+    """The unsigned int dtype of the same width that stores `hidden_dtype`'s raw bits.
+
+    Hidden states live in the state as raw bits: an unsigned-int scatter is in place and
+    bit-exact on every backend, while XLA:CPU computes a bf16 scatter in f32 over the whole
+    buffer (O(R*H), and NaN payloads canonicalised).
     """
-    values = values.astype(buf.dtype)
-    if buf.dtype == jnp.bfloat16:
-        bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
-        bits = _scatter(bits, indices, jax.lax.bitcast_convert_type(values, jnp.uint16))
-        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-    return buf.at[indices].set(values, mode="drop", wrap_negative_indices=False)
+    return np.dtype(f"uint{np.dtype(hidden_dtype).itemsize * 8}")
+
+
+def _to_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, hidden_bits_dtype(x.dtype))
 
 
 def _poison_after(read: jax.Array, rows: int, dtype: Any) -> jax.Array:
@@ -134,7 +139,11 @@ def future_map(
         lens = jnp.zeros((r,), dtype=dt)
         if spec is None:
             return FutureMapState(tokens, lens)
-        hidden = jnp.zeros((r, spec.hidden), dtype=spec.hidden_dtype) if spec.hidden > 0 else None
+        hidden = (
+            jnp.zeros((r, spec.hidden), dtype=hidden_bits_dtype(spec.hidden_dtype))
+            if spec.hidden > 0
+            else None
+        )
         return FutureMapState(
             tokens,
             lens,
@@ -206,7 +215,9 @@ def future_map(
         )
         if state.hidden_states is not None:
             new = new._replace(
-                hidden_states=_scatter(state.hidden_states, indices, payload.hidden_states)
+                hidden_states=_scatter(
+                    state.hidden_states, indices, _to_bits(payload.hidden_states)
+                )
             )
         return new
 
@@ -264,7 +275,9 @@ def future_map(
             topk_index=_gather(state.topk_index, didx),
             hidden_states=None
             if state.hidden_states is None
-            else _gather(state.hidden_states, didx),
+            else jax.lax.bitcast_convert_type(
+                _gather(state.hidden_states, didx), spec.hidden_dtype
+            ),
         )
         if debug:
             checks.consumed_values_valid(bonus, didx)

@@ -43,7 +43,9 @@ class FutureMapState(NamedTuple):
     new_seq_lens: jax.Array  # [R] int: length after the slot's last forward
     topk_p: jax.Array | None = None  # [R, K] float32
     topk_index: jax.Array | None = None  # [R, K] int
-    hidden_states: jax.Array | None = None  # [R, H] bf16 / f16 / f32
+    # [R, H] raw bits of the declared hidden dtype (uint16 for bf16/f16, uint32 for f32):
+    # unsigned-int writes are in place and bit-exact on every backend.
+    hidden_states: jax.Array | None = None
 
 
 class DraftPayload(NamedTuple):
