@@ -3,11 +3,21 @@
 Each message starts with the invariant's name in brackets, so that a thrown error can be
 mapped back to it. These run only when the ops were built with debug=True; the caller
 wraps its jitted step in `checkify.checkify(..., errors=checkify.user_checks)`.
+
+Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not bandwidth):
+- every check passes the same payload, `slot` and `value` scalars of the map's int dtype, so
+  checkify merges all checks of an op into one error (one pred, one code, two payload
+  outputs) whatever their number;
+- the offending slot is found with masked max/min reductions (one pass over the rows), not
+  argmax plus a gather (a variadic reduce, ~8x the flops);
+- slot range and duplicate live slots share one sort of the indices (its ends are the min
+  and max); no check allocates or touches anything of pool size, so the cost is flat in R.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,33 +32,48 @@ POSITIVE_LENGTHS = "seq_lens > 0"
 CONSUME = "consume (WRWR)"
 
 
-def _first(mask: jax.Array, values: jax.Array) -> jax.Array:
-    """The value at the first True of `mask` (or values[0] when none is True)."""
-    return values[jnp.argmax(mask)]
-
-
-def slots_in_range(name: str, indices: jax.Array, pool_size: int) -> None:
-    """Every slot of `indices` lies in [0, pool_size)."""
-    if indices.shape[0] == 0:
-        return
-    bad = (indices < 0) | (indices >= pool_size)
+def _check(ok: jax.Array, msg: str, dtype: Any, slot: Any = 0, value: Any = 0) -> None:
+    """One checkify check with the shared payload (slot, value), both scalars of `dtype`."""
     checkify.check(
-        ~jnp.any(bad),
-        f"[{SLOT_RANGE}] {name} holds slot {{slot}} outside [0, {pool_size})",
-        slot=_first(bad, indices),
+        ok,
+        msg,
+        slot=jnp.asarray(slot).astype(dtype),
+        value=jnp.asarray(value).astype(dtype),
     )
 
 
-def no_duplicate_live_slots(name: str, indices: jax.Array) -> None:
-    """No live slot (>= 1) appears twice in one batch; slot 0 (padding) may repeat."""
+def _masked_max(mask: jax.Array, values: jax.Array) -> jax.Array:
+    """max(values where mask, else 0): for non-negative `values`, 0 means none is masked."""
+    return jnp.max(jnp.where(mask, values, 0))
+
+
+def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any) -> None:
+    """Every slot of `indices` lies in [0, pool_size) and no live slot (>= 1) repeats.
+
+    Slot 0 (padding) may repeat. One unstable sort serves both checks: its ends are the
+    smallest and largest slot, and equal neighbours are the repeats.
+    """
+    if indices.shape[0] == 0:
+        return
+    s = jax.lax.sort(indices, is_stable=False)
+    lo, hi = s[0], s[-1]
+    in_range = (lo >= 0) & (hi < pool_size)
+    _check(
+        in_range,
+        f"[{SLOT_RANGE}] {name} holds slot {{slot}} outside [0, {pool_size})",
+        dtype,
+        slot=jnp.where(hi >= pool_size, hi, lo),
+    )
     if indices.shape[0] < 2:
         return
-    s = jnp.sort(indices)
-    dup = (s[1:] == s[:-1]) & (s[1:] != 0)
-    checkify.check(
-        ~jnp.any(dup),
+    # With every slot in range, a repeat of slot 0 yields 0 (no violation); out of range,
+    # the range check above already fired and comes first.
+    dup = _masked_max(s[1:] == s[:-1], s[1:])
+    _check(
+        ~in_range | (dup == 0),
         f"[{DUPLICATE_SLOT}] {name} holds live slot {{slot}} more than once",
-        slot=_first(dup, s[1:]),
+        dtype,
+        slot=dup,
     )
 
 
@@ -56,42 +81,55 @@ def sentinels_in_range(input_ids: jax.Array, pool_size: int) -> None:
     """A sentinel -s names a slot s in [0, pool_size)."""
     if input_ids.shape[0] == 0:
         return
-    bad = input_ids <= -pool_size
-    checkify.check(
-        ~jnp.any(bad),
+    lo = jnp.min(input_ids)
+    _check(
+        lo > -pool_size,
         f"[{SENTINEL_RANGE}] input_ids holds sentinel {{value}} naming a slot outside "
         f"[0, {pool_size})",
-        value=_first(bad, input_ids),
+        input_ids.dtype,
+        value=lo,
     )
 
 
 def positive_lengths(is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Array) -> None:
-    """After a DECODE restore, every live row's length is > 0 (it was published)."""
+    """After a DECODE restore, every live row's length is > 0 (it was published).
+
+    Assumes `indices` >= 0 (checked first). Slot 0 is padding: its length is garbage. The
+    message names the slot, not its length: reading the length buffer at the slot would
+    not be ordered before a later in-place publish in a fused step (a whole-buffer copy).
+    """
     if indices.shape[0] == 0:
         return
-    bad = (seq_lens <= 0) & (indices != 0)  # slot 0 is padding: its length is garbage
-    checkify.check(
-        ~(is_decode & jnp.any(bad)),
-        f"[{POSITIVE_LENGTHS}] DECODE restored length {{length}} for slot {{slot}}: "
+    slot = _masked_max(seq_lens <= 0, indices)  # 0: none (or only padding rows)
+    _check(
+        ~is_decode | (slot == 0),
+        f"[{POSITIVE_LENGTHS}] DECODE restored a length <= 0 for slot {{slot}}: "
         "the slot's length was never published",
-        length=_first(bad, seq_lens),
-        slot=_first(bad, indices),
+        seq_lens.dtype,
+        slot=slot,
     )
 
 
-def consumed_values_valid(values: jax.Array, source_slots: jax.Array) -> None:
+def consumed_values_valid(values: jax.Array, source_slots: jax.Array) -> jax.Array:
     """Every value gathered from a live slot of output_tokens is >= 0 (a -1 is an RR or a
     read before the first write). Reads of slot 0 (padding rows) are garbage, never checked.
+
+    Assumes `source_slots` >= 0 (0 where a row read nothing).
+
+    Returns:
+      the reported slot (0 when clean): a scalar that data-depends on all of `values`.
     """
     if values.shape[0] == 0:
-        return
-    bad = (values < 0) & (source_slots != 0)
-    checkify.check(
-        ~jnp.any(bad),
+        return jnp.zeros((), values.dtype)
+    slot = _masked_max(values < 0, source_slots)
+    _check(
+        slot == 0,
         f"[{CONSUME}] slot {{slot}} was read with no write since its last read (RR) "
         "or before its first write",
-        slot=_first(bad, source_slots),
+        values.dtype,
+        slot=slot,
     )
+    return slot
 
 
 _INVARIANT = re.compile(r"^\[([^\]]+)\]")

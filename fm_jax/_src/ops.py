@@ -79,19 +79,18 @@ def _to_bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, hidden_bits_dtype(x.dtype))
 
 
-def _poison_after(read: jax.Array, rows: int, dtype: Any) -> jax.Array:
-    """`rows` POISON values that data-depend on `read` (values just gathered from the buffer).
+def _poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """`rows` POISON values that data-depend on `seen`, a scalar reduced from every value
+    just gathered from the buffer (the consume check's result).
 
     Writing -1 into a buffer that the same computation has just gathered from is a
     read-then-in-place-write. Without a data dependence from the read to the write, XLA's
     default (CPU) copy insertion cannot prove the order and copies the whole buffer: O(R)
     per resolve. `max(min(x, POISON), POISON)` is POISON for every x, yet the simplifier
-    keeps it, so the write is ordered after the read and stays in place.
+    keeps it, so the write is ordered after the read and stays in place; a scalar keeps it
+    two flops, not two per row.
     """
-    if read.shape[0] == 0:
-        return jnp.full((rows,), POISON, dtype=dtype)
-    x = read[:1] if read.shape[0] != rows else read
-    dep = jnp.maximum(jnp.minimum(x.astype(dtype), POISON), POISON)
+    dep = jnp.maximum(jnp.minimum(seen.astype(dtype), POISON), POISON)
     return jnp.broadcast_to(dep, (rows,))
 
 
@@ -155,8 +154,7 @@ def future_map(
     def check_indices(name: str, indices: Any) -> None:
         s.check_1d_int(name, indices)
         if debug:
-            checks.slots_in_range(name, indices, r)
-            checks.no_duplicate_live_slots(name, indices)
+            checks.valid_slots(name, indices, r, dt)
 
     def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
         """`new_seq_lens[indices] := new_seq_lens`; empty indices is a no-op."""
@@ -255,10 +253,12 @@ def future_map(
             # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
             input_ids = jnp.where(is_ref, _gather(state.output_tokens, -ids), ids)
             if debug:
-                checks.consumed_values_valid(input_ids, jnp.where(is_ref, -ids, 0))
+                # A row with ids >= 0 keeps ids >= 0, so it is never flagged; a reference
+                # row's source slot is -ids (>= 1 once sentinels are in range).
+                seen = checks.consumed_values_valid(input_ids, -ids)
                 state = state._replace(
                     output_tokens=_scatter(
-                        state.output_tokens, idx, _poison_after(input_ids, idx.shape[0], dt)
+                        state.output_tokens, idx, _poison_after(seen, idx.shape[0], dt)
                     )
                 )
             return state, Resolved(input_ids, seq_lens)
@@ -280,10 +280,10 @@ def future_map(
             ),
         )
         if debug:
-            checks.consumed_values_valid(bonus, didx)
+            seen = checks.consumed_values_valid(bonus, didx)
             state = state._replace(
                 output_tokens=_scatter(
-                    state.output_tokens, didx, _poison_after(bonus, didx.shape[0], dt)
+                    state.output_tokens, didx, _poison_after(seen, didx.shape[0], dt)
                 )
             )
         return state, Resolved(batch.input_ids, seq_lens, draft)
