@@ -5,9 +5,9 @@ mapped back to it. These run only when the ops were built with debug=True; the c
 wraps its jitted step in `checkify.checkify(..., errors=checkify.user_checks)`.
 
 Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not bandwidth):
-- every check passes the same payload, `slot` and `value` scalars of the map's int dtype, so
-  checkify merges all checks of an op into one error (one pred, one code, two payload
-  outputs) whatever their number;
+- every check passes the same payload, one scalar of the map's int dtype (the slot, or the
+  sentinel), so checkify merges all checks of an op into one error (a pred, a code and one
+  payload output) whatever their number;
 - the offending slot is found with masked max/min reductions (one pass over the rows), not
   argmax plus a gather (a variadic reduce, ~8x the flops);
 - slot range and duplicate live slots share one sort of the indices (its ends are the min
@@ -32,14 +32,9 @@ POSITIVE_LENGTHS = "seq_lens > 0"
 CONSUME = "consume (WRWR)"
 
 
-def _check(ok: jax.Array, msg: str, dtype: Any, slot: Any = 0, value: Any = 0) -> None:
-    """One checkify check with the shared payload (slot, value), both scalars of `dtype`."""
-    checkify.check(
-        ok,
-        msg,
-        slot=jnp.asarray(slot).astype(dtype),
-        value=jnp.asarray(value).astype(dtype),
-    )
+def _check(ok: jax.Array, msg: str, dtype: Any, value: jax.Array) -> None:
+    """One checkify check whose only payload, `{value}` in `msg`, is a scalar of `dtype`."""
+    checkify.check(ok, msg, value=value.astype(dtype))
 
 
 def _masked_max(mask: jax.Array, values: jax.Array) -> jax.Array:
@@ -60,9 +55,9 @@ def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any) -> No
     in_range = (lo >= 0) & (hi < pool_size)
     _check(
         in_range,
-        f"[{SLOT_RANGE}] {name} holds slot {{slot}} outside [0, {pool_size})",
+        f"[{SLOT_RANGE}] {name} holds slot {{value}} outside [0, {pool_size})",
         dtype,
-        slot=jnp.where(hi >= pool_size, hi, lo),
+        jnp.where(hi >= pool_size, hi, lo),
     )
     if indices.shape[0] < 2:
         return
@@ -71,9 +66,9 @@ def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any) -> No
     dup = _masked_max(s[1:] == s[:-1], s[1:])
     _check(
         ~in_range | (dup == 0),
-        f"[{DUPLICATE_SLOT}] {name} holds live slot {{slot}} more than once",
+        f"[{DUPLICATE_SLOT}] {name} holds live slot {{value}} more than once",
         dtype,
-        slot=dup,
+        dup,
     )
 
 
@@ -87,7 +82,7 @@ def sentinels_in_range(input_ids: jax.Array, pool_size: int) -> None:
         f"[{SENTINEL_RANGE}] input_ids holds sentinel {{value}} naming a slot outside "
         f"[0, {pool_size})",
         input_ids.dtype,
-        value=lo,
+        lo,
     )
 
 
@@ -103,10 +98,10 @@ def positive_lengths(is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Arr
     slot = _masked_max(seq_lens <= 0, indices)  # 0: none (or only padding rows)
     _check(
         ~is_decode | (slot == 0),
-        f"[{POSITIVE_LENGTHS}] DECODE restored a length <= 0 for slot {{slot}}: "
+        f"[{POSITIVE_LENGTHS}] DECODE restored a length <= 0 for slot {{value}}: "
         "the slot's length was never published",
         seq_lens.dtype,
-        slot=slot,
+        slot,
     )
 
 
@@ -124,10 +119,10 @@ def consumed_values_valid(values: jax.Array, source_slots: jax.Array) -> jax.Arr
     slot = _masked_max(values < 0, source_slots)
     _check(
         slot == 0,
-        f"[{CONSUME}] slot {{slot}} was read with no write since its last read (RR) "
+        f"[{CONSUME}] slot {{value}} was read with no write since its last read (RR) "
         "or before its first write",
         values.dtype,
-        slot=slot,
+        slot,
     )
     return slot
 
