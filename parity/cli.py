@@ -1,7 +1,8 @@
 """`fm-parity`: run the parity scenarios (and the mutation check), print a table, exit 0/1.
 
 Exit status: 0 when every run has zero divergences and a passing oracle and every
-mutation is caught; 1 otherwise; 2 for bad arguments or a missing device.
+mutation is caught (with --dp/--tp: and no unexpected compile, resharding or collective);
+1 otherwise; 2 for bad arguments or a missing device.
 """
 
 from __future__ import annotations
@@ -12,6 +13,21 @@ import sys
 from collections.abc import Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+MESH_STEPS = 6
+"""Default --steps with --dp/--tp: a mesh run is mostly compile time, so the whole default
+mesh run (all scenarios, int32, debug off) stays near a minute on a 2-core CPU."""
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,20 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument(
-        "--steps", type=int, default=None, help="stop each scenario after this many scheduler steps"
+        "--steps",
+        type=int,
+        default=None,
+        help="stop each scenario after this many scheduler steps (default: run to the end; "
+        f"with --dp/--tp: {MESH_STEPS}, and the length of the sharded map's DP check)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random-mix scenarios")
     p.add_argument(
         "--dtype",
         choices=("int32", "int64", "all"),
-        default="all",
-        help="token/length dtype; int64 runs in a JAX x64 subprocess",
+        default=None,
+        help="token/length dtype; int64 runs in a JAX x64 subprocess "
+        "(default: all; with --dp/--tp: int32)",
     )
     p.add_argument(
         "--debug",
         choices=("on", "off", "both"),
-        default="both",
-        help="FutureMap debug mode (consume tracking and invariant checks)",
+        default=None,
+        help="FutureMap debug mode (consume tracking and invariant checks) "
+        "(default: both; with --dp/--tp: off)",
     )
     p.add_argument(
         "--device",
@@ -63,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="which twin the mutation check breaks (both: parity is blind, the "
         "oracle and debug checks must catch it)",
     )
+    p.add_argument(
+        "--dp",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="with --tp: run the scenarios on a DP=N x TP=M mesh of one sharded fm_jax map "
+        "(rank d runs the scenario with seed d; each rank's trace bit for bit against an "
+        "unsharded fm_jax twin, its streams against the reference loop), plus the sharded "
+        "map's own check (no recompile, resharding or collective in the compiled HLO). "
+        "Runs in a subprocess with N*M devices: on CPU virtual ones "
+        "(XLA_FLAGS=--xla_force_host_platform_device_count), with --device cuda N*M GPUs",
+    )
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="M", help="see --dp")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -82,10 +117,48 @@ def _device_description(device: str) -> str:
     return f"cuda ({torch.cuda.get_device_name()}; jax {jd.device_kind})"
 
 
+def _mesh_device_description(device: str, dp: int, tp: int) -> str:
+    """The devices a dp x tp mesh run uses; RuntimeError when there are too few GPUs."""
+    n = dp * tp
+    if device == "cpu":
+        return f"cpu ({n} host devices)"
+    import jax
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        raise RuntimeError(f"--device cuda: JAX sees no GPU ({e})") from e
+    if len(gpus) < n:
+        raise RuntimeError(
+            f"--device cuda --dp {dp} --tp {tp} needs {n} GPUs, JAX sees {len(gpus)}"
+        )
+    return f"cuda ({n} x {gpus[0].device_kind})"
+
+
+def _mesh_unfit(names: Sequence[str], dp: int) -> dict[str, str]:
+    """Scenarios that cannot run on dp ranks of one sharded map, and why."""
+    from parity import catalogue
+
+    out = {}
+    for name in names:
+        pools = {catalogue.build(name, seed=d).pool_size for d in range(dp)}
+        if len(pools) > 1:
+            out[name] = f"pool size depends on the seed ({sorted(pools)} over seeds 0..{dp - 1})"
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `fm-parity`."""
     args = build_parser().parse_args(argv)
     from parity.catalogue import CATALOGUE
+
+    mesh = args.dp * args.tp > 1
+    if args.dtype is None:
+        args.dtype = "int32" if mesh else "all"
+    if args.debug is None:
+        args.debug = "off" if mesh else "both"
+    if mesh and args.steps is None:
+        args.steps = MESH_STEPS
 
     if args.list:
         for name, builder in CATALOGUE.items():
@@ -99,6 +172,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         print("fm-parity: --steps must be >= 1", file=sys.stderr)
         return EXIT_USAGE
+    skipped: dict[str, str] = {}
+    if mesh:
+        if args.mutations:
+            print("fm-parity: --mutations runs unsharded; not with --dp/--tp", file=sys.stderr)
+            return EXIT_USAGE
+        skipped = _mesh_unfit(names, args.dp)
+        if skipped and args.scenario:
+            why = "; ".join(f"{n}: {w}" for n, w in skipped.items())
+            print(
+                f"fm-parity: cannot run on {args.dp} DP ranks of one sharded map (rank d runs "
+                f"seed d): {why}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        names = [n for n in names if n not in skipped]
     if args.device == "cuda":  # before JAX starts: the x64 worker shares the GPU
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -107,21 +195,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     from parity import report
     from parity.mutations import MUTATIONS
     from parity.runner import run_jobs
-    from parity.suite import Job, check_mutation
+    from parity.suite import MESH_CHECK, Job, check_mutation
 
     try:
-        device = _device_description(args.device)
+        if mesh:
+            device = _mesh_device_description(args.device, args.dp, args.tp)
+        else:
+            device = _device_description(args.device)
     except RuntimeError as e:
         print(f"fm-parity: {e}", file=sys.stderr)
         return EXIT_USAGE
     dtypes = ("int32", "int64") if args.dtype == "all" else (args.dtype,)
     debugs = {"on": (True,), "off": (False,), "both": (False, True)}[args.debug]
     jobs = [
-        Job(n, dt, dbg, args.device, args.steps, args.seed)
+        Job(n, dt, dbg, args.device, args.steps, args.seed, dp=args.dp, tp=args.tp)
         for n in names
         for dt in dtypes
         for dbg in debugs
     ]
+    if mesh:
+        jobs += [
+            Job(
+                MESH_CHECK,
+                "int32",
+                dbg,
+                args.device,
+                args.steps,
+                args.seed,
+                dp=args.dp,
+                tp=args.tp,
+                kind=MESH_CHECK,
+            )
+            for dbg in debugs
+        ]
     n_mut = len(MUTATIONS) if args.mutations else 0
     bar = tqdm(
         total=len(jobs) + n_mut,
@@ -157,13 +263,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if mutations:
         print(f"\nmutation check (int32, mutated twin: {args.mutate}):")
         print(report.mutation_table(mutations))
+    if skipped:
+        print("\nnot run on the mesh: " + "; ".join(f"{n} ({w})" for n, w in skipped.items()))
     if args.json:
-        report.write_json(args.json, report.report_json(device, results, mutations))
+        doc = report.report_json(device, results, mutations)
+        if mesh:
+            doc["skipped"] = skipped
+        report.write_json(args.json, doc)
     failed = [r for r in results if not r.ok]
     missed = [m for m in mutations if m.caught_by is None]
+    what = (
+        f" on a DP={args.dp} x TP={args.tp} mesh, and no unexpected compile, resharding or "
+        "collective"
+        if mesh
+        else ""
+    )
     print(
         f"\n{len(results) - len(failed)}/{len(results)} runs bit-identical with a passing "
-        f"oracle"
+        f"oracle{what}"
         + (
             f"; {len(mutations) - len(missed)}/{len(mutations)} mutations caught"
             if mutations

@@ -10,6 +10,9 @@ from typing import Any
 from parity.suite import MutationResult, ScenarioResult
 
 SCENARIO_COLUMNS = ("scenario", "dtype", "debug", "steps", "ops compared", "divergences", "oracle")
+MESH_COLUMNS = ("mesh", "HLO check")
+"""Added to the table when some runs are on a mesh: 'DPxTP', and for the sharded map's own
+check its recompiles and collectives ('-' for catalogue scenarios)."""
 
 
 def _table(header: Sequence[str], rows: list[list[str]]) -> str:
@@ -20,8 +23,16 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _hlo_check(r: ScenarioResult) -> str:
+    if "recompiles" not in r.extra:
+        return "-"
+    moved = sum(r.extra["collectives"].values())
+    return f"{r.extra['recompiles']} recompiles, {moved} collectives"
+
+
 def scenario_table(results: Sequence[ScenarioResult]) -> str:
-    """One line per run: scenario, dtype, debug, steps, ops compared, divergences, oracle."""
+    """One line per run: scenario, dtype, debug, steps, ops compared, divergences, oracle
+    (mesh runs: also the mesh shape and the HLO check; FAIL marks a failed check)."""
     rows = [
         [
             r.name,
@@ -34,6 +45,11 @@ def scenario_table(results: Sequence[ScenarioResult]) -> str:
         ]
         for r in results
     ]
+    if any(r.dp is not None for r in results):
+        for row, r in zip(rows, results, strict=True):
+            row += ["-" if r.dp is None else f"{r.dp}x{r.tp}", _hlo_check(r)]
+            row[-1] += " FAIL" if r.failures else ""
+        return _table(SCENARIO_COLUMNS + MESH_COLUMNS, rows)
     return _table(SCENARIO_COLUMNS, rows)
 
 
@@ -43,11 +59,13 @@ def failure_details(results: Sequence[ScenarioResult]) -> str:
     for r in results:
         if r.ok:
             continue
-        out.append(f"{r.name} ({r.dtype}, debug {'on' if r.debug else 'off'}):")
+        mesh = "" if r.dp is None else f", DP={r.dp} x TP={r.tp}"
+        out.append(f"{r.name} ({r.dtype}, debug {'on' if r.debug else 'off'}{mesh}):")
         if r.first_divergence:
             out.append(f"  first divergence: {r.first_divergence}")
         out += [f"  {twin} stopped: {err}" for twin, err in r.errors.items()]
         out += [f"  oracle: {m}" for m in r.oracle_failures]
+        out += [f"  {f}" for f in r.failures]
     return "\n".join(out)
 
 

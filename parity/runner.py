@@ -1,8 +1,11 @@
-"""Runs a list of Jobs: here when this process's JAX can, else in an x64 worker process.
+"""Runs a list of Jobs: here when this process's JAX can, else in worker processes.
 
 int64 jobs need JAX's x64 mode, a process-wide setting fixed before JAX starts. Unless
 this process already has it, they run in `python -m parity.worker` started with
-JAX_ENABLE_X64=1, concurrently with the local jobs; its results stream back as JSON lines.
+JAX_ENABLE_X64=1. Mesh jobs (dp * tp > 1) need that many devices; on CPU that is
+XLA_FLAGS=--xla_force_host_platform_device_count=N, also fixed before JAX starts, so they
+run in a worker started with it. Workers run concurrently with the local jobs; their
+results stream back as JSON lines.
 """
 
 from __future__ import annotations
@@ -19,19 +22,37 @@ from parity.suite import Job, ScenarioResult, run_job
 
 Progress = Callable[[Job, ScenarioResult], None]
 
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
 
 def needs_worker(job: Job) -> bool:
-    """Whether `job` cannot run in this process (int64 without x64 mode)."""
+    """Whether `job` cannot run in this process (int64 without x64 mode, or a mesh)."""
+    return worker_key(job) is not None
+
+
+def worker_key(job: Job) -> tuple[bool, int] | None:
+    """None if `job` runs here, else the worker it needs: (x64 mode, mesh devices or 0)."""
     import jax
 
-    return job.dtype == "int64" and not jax.config.read("jax_enable_x64")
+    x64 = job.dtype == "int64"
+    if job.mesh:
+        return (x64, job.dp * job.tp)
+    if x64 and not jax.config.read("jax_enable_x64"):
+        return (True, 0)
+    return None
 
 
-def worker_env(device: str) -> dict[str, str]:
-    """The environment of the x64 worker."""
-    env = dict(os.environ, JAX_ENABLE_X64="1")
-    if device == "cuda":  # two JAX processes share the GPU: no 75% preallocation each
+def worker_env(device: str, *, x64: bool = True, mesh_devices: int = 0) -> dict[str, str]:
+    """The environment of a worker: x64 mode on if asked; on CPU, `mesh_devices` host
+    devices (appended to any XLA_FLAGS: the last occurrence of a flag wins)."""
+    env = dict(os.environ)
+    if x64:
+        env["JAX_ENABLE_X64"] = "1"
+    if device == "cuda":  # JAX processes share the GPUs: no 75% preallocation each
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    elif mesh_devices:
+        flag = f"{HOST_DEVICES_FLAG}={mesh_devices}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     return env
 
 
@@ -46,13 +67,19 @@ def _failed(job: Job, why: str) -> ScenarioResult:
         1,
         False,
         first_divergence=f"worker process: {why}",
+        dp=job.dp if job.mesh else None,
+        tp=job.tp if job.mesh else None,
     )
 
 
 def run_jobs(jobs: Sequence[Job], progress: Progress | None = None) -> list[ScenarioResult]:
     """Run every job; results in the order of `jobs`."""
     results: list[ScenarioResult | None] = [None] * len(jobs)
-    remote = [i for i, j in enumerate(jobs) if needs_worker(j)]
+    groups: dict[tuple[bool, int], list[int]] = {}
+    for i, job in enumerate(jobs):
+        key = worker_key(job)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
     lock = threading.Lock()
 
     def done(i: int, r: ScenarioResult) -> None:
@@ -61,14 +88,14 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None) -> list[Scen
             if progress is not None:
                 progress(jobs[i], r)
 
-    thread = None
-    if remote:
+    def start(key: tuple[bool, int], remote: list[int]) -> threading.Thread:
+        x64, devices = key
         proc = subprocess.Popen(
             [sys.executable, "-m", "parity.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=worker_env(jobs[remote[0]].device),
+            env=worker_env(jobs[remote[0]].device, x64=x64, mesh_devices=devices),
         )
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps([asdict(jobs[i]) for i in remote]))
@@ -86,9 +113,12 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None) -> list[Scen
 
         thread = threading.Thread(target=read, daemon=True)
         thread.start()
+        return thread
+
+    threads = [start(key, remote) for key, remote in groups.items()]
     for i, job in enumerate(jobs):
-        if i not in remote:
+        if worker_key(job) is None:
             done(i, run_job(job))
-    if thread is not None:
+    for thread in threads:
         thread.join()
     return [r for r in results if r is not None]

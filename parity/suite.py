@@ -16,6 +16,13 @@ from parity.scenario import Scenario
 from parity.trace import RunResult
 from parity.twin import Twin
 
+MESH_CHECK = "mesh_check"
+"""`Job.kind` of the sharded map's own check (parity.mesh_run.run_on_mesh: its DP scenario
+sharded vs unsharded, plus recompiles, resharding and collectives in the compiled HLO)."""
+
+MESH_CHECK_STEPS = 12
+"""Length of that check's DP scenario when no --steps is given."""
+
 DETECTORS = ("parity", "oracle", "debug", "checks")
 """What can catch a bug: a trace divergence, a wrong token stream, a debug invariant
 violation, or the map's input checks rejecting what it was handed."""
@@ -24,7 +31,9 @@ violation, or the map's input checks rejecting what it was handed."""
 @dataclass(frozen=True)
 class Job:
     """One run: a catalogue scenario in one dtype and debug mode (plain data: crosses
-    into the int64 worker process as JSON)."""
+    into a worker process as JSON). With dp * tp > 1 it runs on a dp x tp mesh (rank d
+    runs the scenario built with seed d; `seed` is unused); kind MESH_CHECK runs the
+    sharded map's compile/collective check instead of a catalogue scenario."""
 
     scenario: str
     dtype: str
@@ -33,6 +42,14 @@ class Job:
     steps: int | None = None
     seed: int = 0
     size: int = 1
+    dp: int = 1
+    tp: int = 1
+    kind: str = "catalogue"
+
+    @property
+    def mesh(self) -> bool:
+        """Whether the job runs on a mesh of more than one device."""
+        return self.dp * self.tp > 1
 
 
 @dataclass
@@ -50,16 +67,23 @@ class ScenarioResult:
     errors: dict[str, str] = field(default_factory=dict)
     oracle_failures: list[str] = field(default_factory=list)
     detectors: list[str] = field(default_factory=list)
+    dp: int | None = None  # mesh runs only
+    tp: int | None = None
+    failures: list[str] = field(default_factory=list)  # other failed checks (mesh runs)
+    extra: dict[str, Any] = field(default_factory=dict)  # more report keys (mesh check)
 
     @property
     def ok(self) -> bool:
-        """No divergence and the oracle holds."""
-        return self.divergences == 0 and self.oracle_ok
+        """No divergence, the oracle holds and no other check failed."""
+        return self.divergences == 0 and self.oracle_ok and not self.failures
 
     def to_json(self) -> dict[str, Any]:
-        """The report's per-scenario entry."""
+        """The report's per-scenario entry (mesh runs add dp, tp and `extra`)."""
         keys = ("name", "dtype", "debug", "steps", "ops_compared", "divergences", "oracle_ok")
-        return {k: getattr(self, k) for k in keys}
+        doc = {k: getattr(self, k) for k in keys}
+        if self.dp is not None:
+            doc.update(dp=self.dp, tp=self.tp, **self.extra)
+        return doc
 
     def to_wire(self) -> dict[str, Any]:
         """Everything, for the worker process's report line."""
@@ -145,8 +169,165 @@ def run_scenario(
 
 
 def run_job(job: Job) -> ScenarioResult:
-    """Build the job's scenario from the catalogue and run it."""
+    """Build the job's scenario from the catalogue and run it (on a mesh if the job says so;
+    a mesh job needs job.dp * job.tp devices in this process)."""
+    if job.kind == MESH_CHECK:
+        return run_mesh_check(job)
+    if job.mesh:
+        return run_mesh_job(job)
     return run_scenario(catalogue.build(job.scenario, size=job.size, seed=job.seed), job)
+
+
+def _mesh_error(job: Job, name: str, e: Exception) -> ScenarioResult:
+    """A failing result for a mesh job that raised before it could report."""
+    return ScenarioResult(
+        name,
+        job.dtype,
+        job.debug,
+        0,
+        0,
+        0,
+        False,
+        dp=job.dp,
+        tp=job.tp,
+        failures=[f"{type(e).__name__}: {e}"],
+    )
+
+
+def _unsharded_oracle(scenario: Scenario, job: Job) -> str | None:
+    """None if the unsharded fm_jax twin's streams equal the reference's, else why not."""
+    from parity.twin_jax import JaxTwin
+
+    ref = _reference(scenario, job.dtype, job.steps)
+    run = run_overlap(
+        scenario, JaxTwin(scenario, job.dtype, job.debug, "cpu"), job.dtype, job.steps
+    )
+    ok, bad = _oracle(ref, run)
+    return None if ok else (bad or run.error or "streams differ from the reference")
+
+
+def mesh_job_result(
+    job: Job, rows: Sequence[dict[str, Any]], oracle: Sequence[str | None]
+) -> ScenarioResult:
+    """Fold `run_catalogue_on_mesh`'s per-rank rows into one result.
+
+    Args:
+      job: the mesh job.
+      rows: one row per DP rank (rank, steps, ops_compared, divergences, first, errors
+        [unsharded, mesh], streams_equal, ok).
+      oracle: per rank, None if the unsharded twin's streams equal the reference loop's,
+        else the mismatch. With streams_equal this makes the mesh rank's oracle.
+    """
+    oracle_failures, errors, failures = [], {}, []
+    first = None
+    for row, bad in zip(rows, oracle, strict=True):
+        d = row["rank"]
+        if bad is not None:
+            oracle_failures.append(f"rank {d} (unsharded jax twin vs reference): {bad}")
+        if not row["streams_equal"]:
+            oracle_failures.append(f"rank {d}: mesh streams differ from the unsharded twin's")
+        unsharded_err, mesh_err = row["errors"]
+        if mesh_err is not None or unsharded_err is not None:
+            errors[f"rank {d}"] = f"jax: {unsharded_err}; jax-mesh: {mesh_err}"
+        if first is None and row["first"] is not None:
+            first = f"rank {d}: {row['first']}"
+        if not row["ok"] and not row["divergences"] and row["streams_equal"]:
+            failures.append(f"rank {d}: record counts or errors differ from the unsharded twin")
+    return ScenarioResult(
+        name=job.scenario,
+        dtype=job.dtype,
+        debug=job.debug,
+        steps=max((r["steps"] for r in rows), default=0),
+        ops_compared=sum(r["ops_compared"] for r in rows),
+        divergences=sum(r["divergences"] for r in rows),
+        oracle_ok=not oracle_failures and not errors,
+        first_divergence=first,
+        errors=errors,
+        oracle_failures=oracle_failures,
+        dp=job.dp,
+        tp=job.tp,
+        failures=failures,
+    )
+
+
+def run_mesh_job(job: Job) -> ScenarioResult:
+    """Run a catalogue scenario on every DP rank of one sharded map (parity.mesh_twin):
+    each rank's trace bit for bit against its own unsharded fm_jax twin, and its token
+    streams against the reference loop."""
+    from parity.mesh_twin import run_catalogue_on_mesh
+
+    try:
+        rows = run_catalogue_on_mesh(
+            job.scenario,
+            job.dp,
+            job.tp,
+            dtype=job.dtype,
+            debug=job.debug,
+            size=job.size,
+            steps=job.steps,
+        )
+        verdicts: dict[Scenario, str | None] = {}  # ranks with equal scenarios share a run
+        oracle = []
+        for row in rows:
+            scn = catalogue.build(job.scenario, size=job.size, seed=row["rank"])
+            if scn not in verdicts:
+                verdicts[scn] = _unsharded_oracle(scn, job)
+            oracle.append(verdicts[scn])
+    except Exception as e:  # reported as a failing row; the other jobs still run
+        return _mesh_error(job, job.scenario, e)
+    return mesh_job_result(job, rows, oracle)
+
+
+def mesh_check_result(job: Job, row: dict[str, Any], records: int) -> ScenarioResult:
+    """`run_on_mesh`'s report row as a result: diffs are divergences (at most the 5 it
+    lists), and recompiles on seen shapes, resharding or any collective are failures.
+
+    `records`: the trace records compared (busy (step, rank) pairs and final buffers).
+    """
+    failures = []
+    if row["recompiles"]:
+        failures.append(f"{row['recompiles']} compiles on steps whose per-rank shape was seen")
+    if row["resharded"]:
+        failures.append("the state came back with another sharding")
+    moved = {op: n for op, n in row["collectives"].items() if n}
+    if moved:
+        failures.append(f"collectives in the compiled HLO: {moved}")
+    diffs = row["diffs"]
+    return ScenarioResult(
+        name=row["scenario"],
+        dtype=job.dtype,
+        debug=job.debug,
+        steps=row["steps"],
+        ops_compared=records,
+        divergences=0 if row["ok"] else max(len(diffs), 1),
+        oracle_ok=True,  # run_sharded asserts the host's lengths at every step (else raises)
+        first_divergence=diffs[0] if diffs else None,
+        dp=job.dp,
+        tp=job.tp,
+        failures=failures,
+        extra={k: row[k] for k in ("recompiles", "compiles_total", "collectives", "resharded")},
+    )
+
+
+def run_mesh_check(job: Job) -> ScenarioResult:
+    """The sharded map's own check on a dp x tp mesh (parity.mesh_run.run_on_mesh, int32):
+    its DP scenario (job.steps long, MESH_CHECK_STEPS by default) sharded vs one unsharded
+    map per rank, byte for byte, with no recompile, resharding or collective."""
+    from fm_jax import ForwardMode
+    from parity.mesh_run import run_on_mesh
+    from parity.mesh_scenario import data_parallel_scenario
+
+    scn = data_parallel_scenario(job.dp, steps=job.steps or MESH_CHECK_STEPS, seed=job.seed)
+    busy = sum(st.mode != ForwardMode.IDLE for ranks in scn.steps for st in ranks)
+    try:
+        [row] = run_on_mesh(job.dp, job.tp, scenario=scn, debug=job.debug)
+    except AssertionError as e:  # the host-known lengths did not come back
+        r = _mesh_error(job, scn.name, e)
+        r.oracle_failures, r.failures = [str(e)], []
+        return r
+    except Exception as e:
+        return _mesh_error(job, scn.name, e)
+    return mesh_check_result(job, row, busy + scn.dp)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """`python -m parity.worker`: run jobs read as JSON from stdin, one JSON line out per job.
 
 The int64 pass runs here, in its own process started with JAX_ENABLE_X64=1: fm_jax
-refuses int64 without JAX's x64 mode and never flips global config itself.
+refuses int64 without JAX's x64 mode and never flips global config itself. Mesh jobs
+run here too, in a process whose JAX sees dp * tp devices (parity.runner.worker_env).
 """
 
 from __future__ import annotations
