@@ -32,8 +32,8 @@ violation, or the map's input checks rejecting what it was handed."""
 class Job:
     """One run: a catalogue scenario in one dtype and debug mode (plain data: crosses
     into a worker process as JSON). With dp * tp > 1 it runs on a dp x tp mesh (rank d
-    runs the scenario built with seed d; `seed` is unused); kind MESH_CHECK runs the
-    sharded map's compile/collective check instead of a catalogue scenario."""
+    runs the scenario built with seed d); kind MESH_CHECK runs the sharded map's
+    compile/collective check (its DP scenario seeded with `seed`) instead."""
 
     scenario: str
     dtype: str
