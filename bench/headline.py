@@ -7,20 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.plan import Headline
+from bench.report import COLUMNS
 from bench.run import Key, build_series
 from bench.timing import Series, Stats
 from bench.workload import Config
 
-_VARIANTS = (
-    ("fm_jax", False),
-    ("fm_jax", True),
-    ("fm_jax_fused", False),
-    ("fm_jax_fused", True),
-    ("fm_torch", False),
-    ("fm_torch", True),
-    ("naive_jax", False),
-    ("floor", False),
-)
+_VARIANTS = COLUMNS  # every implementation, debug off and on where it has one
 _SPEC_VARIANTS = (("fm_jax", False), ("fm_jax", True), ("fm_torch", False), ("floor", False))
 
 

@@ -12,6 +12,7 @@ from jax.experimental import checkify
 
 from fm_jax._src import buckets as bk
 from fm_jax._src import checks
+from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.ops import future_map
 from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, SpecConfig
@@ -68,22 +69,11 @@ class FutureMap:
 
         ops = self.ops
 
-        def resolve_only(state: FutureMapState, batch: Batch) -> Resolved:
-            return ops.resolve(state, batch)[1]
-
-        self._publish = self._jit(ops.publish, donate=True)
-        self._stash = self._jit(ops.stash, donate=True)
-        # Without debug, resolve only reads the buffers: no donation, no state round trip.
-        self._resolve = self._jit(ops.resolve, donate=True) if debug else jax.jit(resolve_only)
+        self._publish, self._stash, self._resolve = jit_entry_points(ops, debug=debug)
         # Only the indices reach the compiler: the batch's other fields (maybe unpadded
         # host arrays) would otherwise key a compile per shape.
         self._sentinels = jax.jit(lambda idx: -idx.astype(ops.dtype))
         self._take_lens = jax.jit(lambda state, idx: state.new_seq_lens[idx])
-
-    def _jit(self, fn: Any, *, donate: bool) -> Any:
-        if self.debug:
-            fn = checkify.checkify(fn, errors=checkify.user_checks)
-        return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
     # ------------------------------------------------------------------------------ state
     @property

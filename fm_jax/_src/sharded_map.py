@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from fm_jax._src import buckets as bk
+from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.sharding import MeshLayout, per_rank, sharded_future_map
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
@@ -82,20 +83,10 @@ class ShardedFutureMap:
         sharding = self.layout.sharding
         ops = self.ops
 
-        def resolve_only(state: FutureMapState, batch: Batch) -> Resolved:
-            return ops.resolve(state, batch)[1]
-
         self._init = jax.jit(ops.init, out_shardings=sharding)
-        self._publish = self._jit(ops.publish, donate=True)
-        self._stash = self._jit(ops.stash, donate=True)
-        self._resolve = self._jit(ops.resolve, donate=True) if debug else jax.jit(resolve_only)
+        self._publish, self._stash, self._resolve = jit_entry_points(ops, debug=debug)
         self._invalidate = jax.jit(ops.invalidate)
         self._state: FutureMapState = self._init()
-
-    def _jit(self, fn: Any, *, donate: bool) -> Any:
-        if self.debug:
-            fn = checkify.checkify(fn, errors=checkify.user_checks)
-        return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
     # ------------------------------------------------------------------------------ state
     @property
