@@ -60,7 +60,7 @@ def warm_maps(compiles: CompileCounter) -> dict[bool, fj.FutureMap]:
 
 
 def jit_cache_sizes(fm: fj.FutureMap) -> list[int]:
-    fns = (fm._publish, fm._stash, fm._resolve, fm._sentinels, fm._take_lens)
+    fns = (fm._publish, fm._stash, fm._resolve, fm._finish, fm._sentinels, fm._take_lens)
     return [f._cache_size() for f in fns]
 
 
@@ -83,9 +83,13 @@ def run_host_step(fm: fj.FutureMap, rng: np.random.Generator) -> None:
     batch, idx = random_batch(rng, list(range(1, R)))
     res = fm.resolve(batch)
     n = len(idx)
-    fm.publish(idx, np.asarray(res.seq_lens)[:n] % 50 + 1)
-    fm.stash(idx, rng.integers(0, 50, n))
-    fm.invalidate(batch, idx)
+    lens, tokens = np.asarray(res.seq_lens)[:n] % 50 + 1, rng.integers(0, 50, n)
+    if rng.integers(0, 2):  # the tail per op, or in one call
+        fm.publish(idx, lens)
+        fm.stash(idx, tokens)
+        fm.invalidate(batch, idx)
+    else:
+        fm.finish(batch, idx, lens, tokens)
 
 
 def prefill_all(fm: fj.FutureMap) -> None:
@@ -241,3 +245,41 @@ def test_invalidate_does_not_compile_per_batch_shape(warm_maps, compiles) -> Non
         np.testing.assert_array_equal(out.input_ids, [-1, -2])
         np.testing.assert_array_equal(out.seq_lens, [-1, -2])
     assert compiles.count == before, compiles.since(before)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_finish_equals_publish_stash_invalidate(debug: bool) -> None:
+    """Pins the one-call tail drifting from the per-op tail: after the same steps, `finish`
+    must leave the same buffer bytes and the same sentinels as publish + stash + invalidate."""
+    maps = [
+        fj.FutureMap(R, debug=debug, batch_buckets=BUCKETS, token_buckets=BUCKETS) for _ in "ab"
+    ]
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        batch, idx = random_batch(rng, list(range(1, R)))
+        lens, tokens = rng.integers(1, 60, len(idx)), rng.integers(0, 99, len(idx))
+        a, b = maps
+        a.publish(idx, lens)
+        a.stash(idx, tokens)
+        sa = a.invalidate(batch, idx)
+        sb = b.finish(batch, idx, lens, tokens)
+        for x, y in ((sa.input_ids, sb.input_ids), (sa.seq_lens, sb.seq_lens)):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    for name in ("output_tokens", "new_seq_lens"):
+        assert np.asarray(getattr(maps[0].state, name))[1:].tobytes() == (
+            np.asarray(getattr(maps[1].state, name))[1:].tobytes()
+        ), name
+    for fm in maps:
+        fm.check()
+
+
+def test_finish_reports_a_duplicate_slot_in_debug_mode() -> None:
+    """Pins the one-call tail skipping the debug checks: a duplicate live slot passed to
+    `finish` as a device array must raise at check(), naming the op."""
+    fm = fj.FutureMap(R, debug=True, batch_buckets=BUCKETS, token_buckets=BUCKETS)
+    dev = jax.devices()[0]
+    idx = jax.device_put(np.array([3, 3], np.int32), dev)
+    fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, idx, idx), idx, idx, idx)
+    with pytest.raises(fj.InvariantViolation, match="finish") as info:
+        fm.check()
+    assert info.value.invariant == "duplicate live slot"

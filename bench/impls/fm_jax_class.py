@@ -1,4 +1,8 @@
-"""fm_jax through its `FutureMap` class: one jitted, donated call per op."""
+"""fm_jax through its `FutureMap` class: one jitted, donated call per op, or per phase.
+
+The whole step is two calls, one per phase: `resolve` (the head) and `finish` (the tail:
+publish, stash and invalidate in one donated call). Each single-op row is one call.
+"""
 
 from __future__ import annotations
 
@@ -53,12 +57,10 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         sync(fm.invalidate(decode, idx))
 
     def step() -> None:
-        # SPEC order: resolve, (forward), publish, stash, invalidate; the invalidated batch
-        # carries the sentinels the next step resolves.
+        # SPEC order: resolve, (forward), publish, stash, invalidate. The tail phase is one
+        # call; the invalidated batch carries the sentinels the next step resolves.
         r = fm.resolve(state["batch"])
-        fm.publish(idx, dd.lens)
-        fm.stash(idx, payload)
-        state["batch"] = fm.invalidate(state["batch"], idx)
+        state["batch"] = fm.finish(state["batch"], idx, dd.lens, payload)
         sync(r, state["batch"])
 
     table = {

@@ -11,11 +11,16 @@ from fm_jax._src.types import Batch, FutureMapState, Resolved
 
 
 class EntryPoints(NamedTuple):
-    """publish / stash / resolve, jitted. In debug mode each returns (checkify error, out)."""
+    """The jitted ops. In debug mode each returns (checkify error, out).
+
+    `finish` is the tail phase of a step in one donated call: publish, stash, and the
+    sentinels `-indices` that invalidate leaves for the next step.
+    """
 
     publish: Any
     stash: Any
     resolve: Any
+    finish: Any
 
 
 def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
@@ -35,5 +40,12 @@ def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
     def resolve_only(state: FutureMapState, batch: Batch) -> Resolved:
         return ops.resolve(state, batch)[1]  # type: ignore[no-any-return]
 
+    def finish(
+        state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
+    ) -> tuple[FutureMapState, jax.Array]:
+        state = ops.publish(state, indices, new_seq_lens)
+        state = ops.stash(state, indices, payload)
+        return state, -indices.astype(state.output_tokens.dtype)
+
     resolve = jit(ops.resolve, True) if debug else jax.jit(resolve_only)
-    return EntryPoints(jit(ops.publish, True), jit(ops.stash, True), resolve)
+    return EntryPoints(jit(ops.publish, True), jit(ops.stash, True), resolve, jit(finish, True))

@@ -69,7 +69,7 @@ class FutureMap:
 
         ops = self.ops
 
-        self._publish, self._stash, self._resolve = jit_entry_points(ops, debug=debug)
+        self._publish, self._stash, self._resolve, self._finish = jit_entry_points(ops, debug=debug)
         # Only the indices reach the compiler: the batch's other fields (maybe unpadded
         # host arrays) would otherwise key a compile per shape.
         self._sentinels = jax.jit(lambda idx: -idx.astype(ops.dtype))
@@ -183,21 +183,41 @@ class FutureMap:
         idx, n = self._slots("indices", indices)
         if n == 0:
             return  # DP idle: nothing ran, nothing to relay
+        self._apply("stash", self._stash, idx, self._payload(payload, idx.shape[0], n))
+
+    def finish(self, batch: Batch, indices: Any, new_seq_lens: Any, payload: Any) -> Batch:
+        """The tail of a step in one donated call: publish, stash, then invalidate.
+
+        Equivalent to `publish(indices, new_seq_lens)`, `stash(indices, payload)` and
+        `invalidate(batch, indices)`, for engines that hold lengths and tokens (or the whole
+        draft) together; one dispatch instead of three. Returns the invalidated batch.
+        """
+        idx, n = self._slots("indices", indices)
+        if n == 0:
+            return self.invalidate(batch, indices)  # DP idle: nothing to relay
         rows = idx.shape[0]
-        if isinstance(payload, DraftPayload):
-            payload = DraftPayload(
-                bonus_tokens=self._rows(
-                    "draft.bonus_tokens", payload.bonus_tokens, rows, n, ints=True
-                ),
-                topk_p=self._rows("draft.topk_p", payload.topk_p, rows, n, ints=False),
-                topk_index=self._rows("draft.topk_index", payload.topk_index, rows, n, ints=True),
-                hidden_states=None
-                if payload.hidden_states is None
-                else self._rows("draft.hidden_states", payload.hidden_states, rows, n, ints=False),
-            )
+        lens = self._rows("new_seq_lens", new_seq_lens, rows, n, ints=True)
+        args = (self._state, idx, lens, self._payload(payload, rows, n))
+        if self.debug:
+            err, (self._state, sentinel) = self._finish(*args)
+            self._record("finish", err)
         else:
-            payload = self._rows("tokens", payload, rows, n, ints=True)
-        self._apply("stash", self._stash, idx, payload)
+            self._state, sentinel = self._finish(*args)
+        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
+
+    def _payload(self, payload: Any, rows: int, n: int) -> Any:
+        """Stash's payload (tokens or a DraftPayload) on the device, padded to `rows`."""
+        if not isinstance(payload, DraftPayload):
+            return self._rows("tokens", payload, rows, n, ints=True)
+        hidden = payload.hidden_states
+        return DraftPayload(
+            bonus_tokens=self._rows("draft.bonus_tokens", payload.bonus_tokens, rows, n, ints=True),
+            topk_p=self._rows("draft.topk_p", payload.topk_p, rows, n, ints=False),
+            topk_index=self._rows("draft.topk_index", payload.topk_index, rows, n, ints=True),
+            hidden_states=None
+            if hidden is None
+            else self._rows("draft.hidden_states", hidden, rows, n, ints=False),
+        )
 
     def _apply(self, op: str, fn: Any, *args: Any) -> None:
         if self.debug:
@@ -258,7 +278,7 @@ class FutureMap:
         """Compile every entry point for every bucket, so that serving compiles nothing.
 
         Runs each op on all-padding batches (slot 0 only: its content is garbage by
-        contract, so no live slot changes): publish, stash, invalidate and
+        contract, so no live slot changes): publish, stash, invalidate, finish and
         resolve_seq_lens_cpu per batch bucket, resolve per (batch, token) bucket pair,
         and on a spec map also with draft_indices of the batch's bucket. A host sync.
         """
@@ -271,7 +291,9 @@ class FutureMap:
                 self.stash(zeros, zeros)
             else:
                 self.stash(zeros, self._zero_draft(b))
-            self.invalidate(Batch(zeros[0], zeros, zeros, zeros), zeros)
+            pad = Batch(zeros[0], zeros, zeros, zeros)
+            self.invalidate(pad, zeros)
+            self.finish(pad, zeros, zeros, zeros if self.spec is None else self._zero_draft(b))
             self.resolve_seq_lens_cpu(zeros)
             drafts = [None] if self.spec is None else [None, zeros]
             for t in self.token_buckets:
