@@ -14,6 +14,7 @@ from fm_jax._src import buckets as bk
 from fm_jax._src import checks
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.ops import future_map
 from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, SpecConfig
 
@@ -125,17 +126,7 @@ class FutureMap:
         if not isinstance(x, jax.Array):
             a = np.asarray(x)
             if a.ndim == 1 and np.issubdtype(a.dtype, np.integer) and a.size:
-                bad = a[(a < 0) | (a >= self.pool_size)]
-                if bad.size:
-                    raise FutureMapError(
-                        f"{name} holds slots {bad.tolist()} outside [0, {self.pool_size})"
-                    )
-                uniq, counts = np.unique(a[a != 0], return_counts=True)
-                if (counts > 1).any():
-                    raise FutureMapError(
-                        f"{name} holds live slots {uniq[counts > 1].tolist()} more than once "
-                        "in one batch"
-                    )
+                check_host_slots(name, a, self.pool_size)
         return self._flat(name, x, self.batch_buckets)
 
     def _on_device(self, x: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ from jax.experimental import checkify
 from fm_jax._src import buckets as bk
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError, InvariantViolation
+from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.sharding import MeshLayout, per_rank, sharded_future_map
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
 
@@ -140,18 +141,7 @@ class ShardedFutureMap:
         for rank, a in slots.items():
             if a.ndim != 1:
                 raise FutureMapError(f"{name}[rank {rank}] must be 1-D, got shape {a.shape}")
-            bad = a[(a < 0) | (a >= self.pool_size)]
-            if bad.size:
-                raise FutureMapError(
-                    f"{name}[rank {rank}] holds slots {bad.tolist()} outside the rank's pool "
-                    f"[0, {self.pool_size})"
-                )
-            uniq, counts = np.unique(a[a != 0], return_counts=True)
-            if (counts > 1).any():
-                raise FutureMapError(
-                    f"{name}[rank {rank}] holds live slots {uniq[counts > 1].tolist()} more "
-                    "than once in one batch"
-                )
+            check_host_slots(f"{name}[rank {rank}]", a, self.pool_size, where="the rank's")
 
     def _size(self, given: int | None, n: int, buckets: tuple[int, ...], what: str) -> int:
         """The per-rank padded size: `given`, or the bucket of the largest local rank."""
