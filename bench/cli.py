@@ -23,7 +23,17 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 IMPL_ORDER = ("fm_jax", "fm_jax_fused", "fm_torch", "naive_jax", "floor")
+
+
+def single_thread_xla() -> None:
+    """Keep XLA:CPU to one intra-op thread (via XLA_FLAGS); only possible before JAX starts."""
+    if "jax" in sys.modules:
+        raise RuntimeError("--xla-cpu-threads 1 must be set before JAX starts")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "intra_op_parallelism_threads" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_XLA}".strip()
 
 
 def _device() -> str:
@@ -158,9 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="timed repetitions per series (override)")
     ap.add_argument("--no-int64", action="store_true", help="skip the int64 child process")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument(
+        "--xla-cpu-threads",
+        choices=("all", "1"),
+        default="all",
+        help="XLA:CPU intra-op threads: all (default) or 1 (no worker-thread hand-offs; set "
+        "through XLA_FLAGS before JAX starts, inherited by the int64 child)",
+    )
     ap.add_argument("--plan", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--child-int64", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.xla_cpu_threads == "1":
+        try:
+            single_thread_xla()
+        except RuntimeError as err:
+            ap.error(str(err))
     if args.plan is None:
         args.plan = "quick" if args.quick else "full"
 
@@ -195,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": p.name,
             "torch_device": str(torch_device()),
             "torch_threads": torch.get_num_threads(),
+            "xla_cpu_threads": args.xla_cpu_threads,
             "load_start": load_start,
             "load_end": _load(),
             "wall_s": round(time.perf_counter() - t0, 1),

@@ -78,7 +78,8 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
         f"# fm-bench ({meta['plan']} run)",
         "",
         f"- device: {doc['device']}",
-        f"- torch device: {meta['torch_device']}, torch threads: {meta['torch_threads']}",
+        f"- torch device: {meta['torch_device']}, torch threads: {meta['torch_threads']}, "
+        f"XLA:CPU intra-op threads: {meta.get('xla_cpu_threads', 'all')}",
         f"- load average (1/5/15 min) at start: {meta['load_start']}, at end: {meta['load_end']}",
         f"- wall time: {meta['wall_s']:.0f} s",
         "",

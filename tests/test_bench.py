@@ -100,3 +100,31 @@ def test_int64_runs_in_an_x64_child(
     assert rows and all(r["dtype"] == "int64" for r in rows)
     assert {"fm_jax", "fm_torch", "naive_jax"} <= {r["impl"] for r in rows}
     assert all(set(r) >= ROW_KEYS for r in rows)
+
+
+def test_single_thread_xla_is_set_before_jax_starts() -> None:
+    """Pins --xla-cpu-threads 1 being applied too late or silently ignored: in a fresh
+    process it must put the single-thread flags into XLA_FLAGS before jax is imported, and
+    in a process that already runs JAX it must refuse rather than measure the wrong setup."""
+    code = (
+        "import os, sys\n"
+        "from bench import cli\n"
+        "cli.single_thread_xla()\n"
+        "print('jax' in sys.modules, os.environ['XLA_FLAGS'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(cli.__file__).parents[1],
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    jax_loaded, flags = proc.stdout.split(" ", 1)
+    assert jax_loaded == "False" and "intra_op_parallelism_threads=1" in flags
+    import jax  # noqa: F401  (this process runs JAX already)
+
+    with pytest.raises(SystemExit):
+        cli.main(["--xla-cpu-threads", "1", "--plan", "tiny"])
