@@ -60,7 +60,8 @@ def warm_maps(compiles: CompileCounter) -> dict[bool, fj.FutureMap]:
 
 
 def jit_cache_sizes(fm: fj.FutureMap) -> list[int]:
-    fns = (fm._publish, fm._stash, fm._resolve, fm._finish, fm._sentinels, fm._take_lens)
+    fns = (fm._publish, fm._stash, fm._resolve, *fm._resolve_by_mode, fm._finish)
+    fns += (fm._sentinels, fm._take_lens)
     return [f._cache_size() for f in fns]
 
 

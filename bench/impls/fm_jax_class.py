@@ -24,8 +24,9 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     idx = dd.idx
     draft = fj.DraftPayload(dd.tokens, dd.topk_p, dd.topk_index, dd.hidden)
     payload = draft if cfg.spec else dd.tokens
-    decode = fj.Batch(dd.decode_mode, idx, -idx, -idx, idx if cfg.spec else None)
-    mixed = fj.Batch(dd.mixed_mode, idx, dd.mixed_ids, dd.mixed_lens)
+    # The host knows each batch's kind: the class then runs an executable with it fixed.
+    decode = fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx, idx if cfg.spec else None)
+    mixed = fj.Batch(fj.ForwardMode.MIXED, idx, dd.mixed_ids, dd.mixed_lens)
     fm.publish(idx, dd.lens)
     fm.stash(idx, payload)
     jax.block_until_ready(fm.state)

@@ -7,19 +7,22 @@ from typing import Any, NamedTuple
 import jax
 from jax.experimental import checkify
 
-from fm_jax._src.types import Batch, FutureMapState, Resolved
+from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
 
 
 class EntryPoints(NamedTuple):
     """The jitted ops. In debug mode each returns (checkify error, out).
 
-    `finish` is the tail phase of a step in one donated call: publish, stash, and the
-    sentinels `-indices` that invalidate leaves for the next step.
+    `resolve` takes the mode from the batch (a traced scalar); `resolve_by_mode[decode]`
+    are the same op with the mode fixed when traced (DECODE or not), for callers that know it
+    on the host: no branch in the executable. `finish` is the tail phase of a step in one
+    donated call: publish, stash, and the sentinels `-indices` that invalidate leaves.
     """
 
     publish: Any
     stash: Any
     resolve: Any
+    resolve_by_mode: tuple[Any, Any]
     finish: Any
 
 
@@ -37,8 +40,18 @@ def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
             fn = checkify.checkify(fn, errors=checkify.user_checks)
         return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
-    def resolve_only(state: FutureMapState, batch: Batch) -> Resolved:
-        return ops.resolve(state, batch)[1]  # type: ignore[no-any-return]
+    def jit_resolve(fixed_mode: ForwardMode | None) -> Any:
+        """resolve, with the batch's mode replaced by `fixed_mode` when one is given."""
+
+        def full(state: FutureMapState, batch: Batch) -> Any:
+            if fixed_mode is not None:
+                batch = batch._replace(forward_mode=fixed_mode)
+            return ops.resolve(state, batch)
+
+        def read_only(state: FutureMapState, batch: Batch) -> Resolved:
+            return full(state, batch)[1]  # type: ignore[no-any-return]
+
+        return jit(full, True) if debug else jax.jit(read_only)
 
     def finish(
         state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
@@ -47,5 +60,7 @@ def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
         state = ops.stash(state, indices, payload)
         return state, -indices.astype(state.output_tokens.dtype)
 
-    resolve = jit(ops.resolve, True) if debug else jax.jit(resolve_only)
-    return EntryPoints(jit(ops.publish, True), jit(ops.stash, True), resolve, jit(finish, True))
+    by_mode = (jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE))
+    return EntryPoints(
+        jit(ops.publish, True), jit(ops.stash, True), jit_resolve(None), by_mode, jit(finish, True)
+    )

@@ -16,7 +16,7 @@ from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.ops import future_map
-from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, SpecConfig
+from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
 
 MAX_PENDING_ERRORS = 4096
 """Debug errors kept on device before the map checks them itself (one host sync per this many)."""
@@ -70,7 +70,9 @@ class FutureMap:
 
         ops = self.ops
 
-        self._publish, self._stash, self._resolve, self._finish = jit_entry_points(ops, debug=debug)
+        (self._publish, self._stash, self._resolve, self._resolve_by_mode, self._finish) = (
+            jit_entry_points(ops, debug=debug)
+        )
         # Only the indices reach the compiler: the batch's other fields (maybe unpadded
         # host arrays) would otherwise key a compile per shape.
         self._sentinels = jax.jit(lambda idx: -idx.astype(ops.dtype))
@@ -238,10 +240,16 @@ class FutureMap:
         ids, _ = self._flat("input_ids", batch.input_ids, self.token_buckets)
         lens = self._rows("seq_lens", batch.seq_lens, idx.shape[0], n, ints=True)
         mode = batch.forward_mode
+        resolve = self._resolve
         if isinstance(mode, jax.Array):
             mode = self._on_device(mode)
         else:
-            mode = jax.device_put(np.int32(int(mode)), self.device)
+            # Known on the host: an executable with the mode fixed (no branch inside).
+            try:
+                decode = ForwardMode(int(mode)) == ForwardMode.DECODE
+            except (TypeError, ValueError) as bad:
+                raise FutureMapError(f"forward_mode must be a ForwardMode, got {mode!r}") from bad
+            resolve, mode = self._resolve_by_mode[decode], None
         draft_idx = None
         if batch.draft_indices is not None and self.spec is None:
             raise FutureMapError("batch.draft_indices given but the map was built without spec")
@@ -250,10 +258,10 @@ class FutureMap:
         b = Batch(mode, idx, ids, lens, draft_idx)
         self.step += 1
         if self.debug:
-            err, (self._state, out) = self._resolve(self._state, b)
+            err, (self._state, out) = resolve(self._state, b)
             self._record("resolve", err)
             return out
-        return self._resolve(self._state, b)  # type: ignore[no-any-return]
+        return resolve(self._state, b)  # type: ignore[no-any-return]
 
     def invalidate(self, batch: Batch, indices: Any) -> Batch:
         """Sentinels for the next step: ids and lengths := -indices (padding rows: 0).
@@ -270,10 +278,13 @@ class FutureMap:
 
         Runs each op on all-padding batches (slot 0 only: its content is garbage by
         contract, so no live slot changes): publish, stash, invalidate, finish and
-        resolve_seq_lens_cpu per batch bucket, resolve per (batch, token) bucket pair,
-        and on a spec map also with draft_indices of the batch's bucket. A host sync.
+        resolve_seq_lens_cpu per batch bucket, resolve per (batch, token) bucket pair, for a
+        mode fixed on the host (DECODE or not) and a traced one, and on a spec map also with
+        draft_indices of the batch's bucket. A host sync.
         """
         step = self.step
+        traced = jax.device_put(np.int32(ForwardMode.EXTEND), self.device)
+        modes: tuple[Any, ...] = (ForwardMode.EXTEND, ForwardMode.DECODE, traced)
         for b in self.batch_buckets:
             # Host arrays stand in for jax arrays: the class takes either.
             zeros: Any = np.zeros(b, np.int32)
@@ -290,7 +301,8 @@ class FutureMap:
             for t in self.token_buckets:
                 for d in drafts:
                     tokens: Any = np.zeros(t, np.int32)
-                    self.resolve(Batch(zeros[0], zeros, tokens, zeros, d))
+                    for mode in modes:  # fixed EXTEND, fixed DECODE, and traced
+                        self.resolve(Batch(mode, zeros, tokens, zeros, d))
         jax.block_until_ready(self._state)
         self.check()
         self.step = step  # warm-up resolves are not serving steps

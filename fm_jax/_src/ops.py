@@ -229,19 +229,27 @@ def future_map(
         """
         idx = batch.req_pool_indices
         check_indices("req_pool_indices", idx)
-        s.check_scalar_int("forward_mode", batch.forward_mode)
+        mode = batch.forward_mode
+        if not isinstance(mode, int | np.integer):  # a host int branches when traced
+            s.check_scalar_int("forward_mode", mode)
         s.check_1d_int("input_ids", batch.input_ids)
         s.check_1d_int("seq_lens", batch.seq_lens)
         s.check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
 
-        is_decode = batch.forward_mode == ForwardMode.DECODE
-        # A branch, not a per-row select: only DECODE gathers, and the op stays a few flops
-        # per row (XLA:CPU runs computations under ~1000 flops inline, without a thread hop).
-        seq_lens = jax.lax.cond(
-            is_decode,
-            lambda: _gather(state.new_seq_lens, idx),
-            lambda: batch.seq_lens.astype(dt),
-        )
+        if isinstance(mode, int | np.integer):
+            # The mode is known when traced: only a DECODE executable gathers lengths.
+            decode = int(mode) == ForwardMode.DECODE
+            is_decode: jax.Array = jnp.asarray(decode)
+            seq_lens = _gather(state.new_seq_lens, idx) if decode else batch.seq_lens.astype(dt)
+        else:
+            is_decode = jnp.asarray(mode == ForwardMode.DECODE)
+            # A branch, not a per-row select: only DECODE gathers, and the op stays a few
+            # flops per row (XLA:CPU runs computations under ~1000 flops inline).
+            seq_lens = jax.lax.cond(
+                is_decode,
+                lambda: _gather(state.new_seq_lens, idx),
+                lambda: batch.seq_lens.astype(dt),
+            )
         if debug:
             checks.positive_lengths(is_decode, seq_lens, idx)
 

@@ -85,7 +85,9 @@ class ShardedFutureMap:
         ops = self.ops
 
         self._init = jax.jit(ops.init, out_shardings=sharding)
-        self._publish, self._stash, self._resolve, self._finish = jit_entry_points(ops, debug=debug)
+        self._publish, self._stash, self._resolve, _, self._finish = jit_entry_points(
+            ops, debug=debug
+        )
         self._invalidate = jax.jit(ops.invalidate)
         self._state: FutureMapState = self._init()
 

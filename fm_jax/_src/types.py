@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +62,13 @@ class Batch(NamedTuple):
 
     `input_ids` is flat ([T]): an EXTEND row contributes all its tokens, a decode row one.
     `forward_mode` is an int32 scalar (a ForwardMode value), traced, so one compiled step
-    serves every batch kind. `draft_indices` ([B]) is set on a spec DECODE batch: the slots
-    whose draft to gather; None on batches without a draft input (static).
+    serves every batch kind; a host int (e.g. ForwardMode.DECODE) fixes the mode when the op
+    is traced instead (no branch in the executable; one executable per mode). None is only
+    used inside FutureMap's fixed-mode entry points. `draft_indices` ([B]) is set on a spec
+    DECODE batch: the slots whose draft to gather; None on batches without a draft input.
     """
 
-    forward_mode: jax.Array
+    forward_mode: Any  # ForwardMode: a traced int32 scalar, or a host int (see above)
     req_pool_indices: jax.Array  # [B]
     input_ids: jax.Array  # [T]
     seq_lens: jax.Array  # [B]
