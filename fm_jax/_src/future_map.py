@@ -14,15 +14,13 @@ from fm_jax._src import buckets as bk
 from fm_jax._src import checks
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.held_state import HeldState
 from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.ops import future_map
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
 
-MAX_PENDING_ERRORS = 4096
-"""Debug errors kept on device before the map checks them itself (one host sync per this many)."""
 
-
-class FutureMap:
+class FutureMap(HeldState):
     """A FutureMap that holds its state and updates it in place through donated jitted ops.
 
     Inputs may be numpy arrays (checked by value on the host, padded to a bucket, then put
@@ -157,11 +155,6 @@ class FutureMap:
             raise FutureMapError(f"{name} has dtype {a.dtype}, not a dtype the map stores")
         return jax.device_put(bk.pad_rows(a, rows), self.device)
 
-    def _record(self, op: str, err: checkify.Error) -> None:
-        self._pending.append((self.step, op, err))
-        if len(self._pending) >= MAX_PENDING_ERRORS:
-            self.check()
-
     # -------------------------------------------------------------------------------- ops
     def publish(self, indices: Any, new_seq_lens: Any) -> None:
         """`new_seq_lens[indices] := new_seq_lens`, in place. Empty indices is a no-op."""
@@ -211,13 +204,6 @@ class FutureMap:
             if hidden is None
             else self._rows("draft.hidden_states", hidden, rows, n, ints=False),
         )
-
-    def _apply(self, op: str, fn: Any, *args: Any) -> None:
-        if self.debug:
-            err, self._state = fn(self._state, *args)
-            self._record(op, err)
-        else:
-            self._state = fn(self._state, *args)
 
     def resolve(self, batch: Batch) -> Resolved:
         """Fill the batch's placeholders from the buffers (see `future_map`'s resolve).

@@ -22,6 +22,7 @@ from jax.experimental import checkify
 from fm_jax._src import buckets as bk
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError, InvariantViolation
+from fm_jax._src.held_state import HeldState
 from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.sharding import MeshLayout, per_rank, sharded_future_map
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
@@ -32,7 +33,7 @@ RankArrays = Mapping[int, Any]
 _MAPPED = re.compile(r"^at mapped index (\d+): (.*)$", re.S)
 
 
-class ShardedFutureMap:
+class ShardedFutureMap(HeldState):
     """A FutureMap with one pool of `pool_size` slots per DP rank of `mesh`, donated in place.
 
     Layout: see `fm_jax.sharded_future_map` (global [DP*R] buffers sharded over `dp_axis`,
@@ -364,16 +365,6 @@ class ShardedFutureMap:
         return {r: lens[r][a] for r, a in slots.items()}
 
     # ------------------------------------------------------------------------------ debug
-    def _apply(self, op: str, fn: Any, *args: Any) -> None:
-        if self.debug:
-            err, self._state = fn(self._state, *args)
-            self._record(op, err)
-        else:
-            self._state = fn(self._state, *args)
-
-    def _record(self, op: str, err: checkify.Error) -> None:
-        self._pending.append((self.step, op, err))
-
     def check(self) -> None:
         """Raise InvariantViolation for the first failed debug check since the last call.
 
