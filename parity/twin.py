@@ -50,3 +50,37 @@ class Twin(Protocol):
     def stash(self, slots: np.ndarray, payload: Any) -> None: ...
     def draft_payload(self, bonus: np.ndarray, draft: Any) -> Any: ...
     def invalidate(self, hb: HostBatch, res: ResolvedOut | None) -> tuple[Any, Any]: ...
+
+
+def run_forward(
+    model: Any,
+    payload_type: Any,
+    res: ResolvedOut,
+    hb: HostBatch,
+    slots: Any,
+    last: Any,
+    spec: Any,
+    offset: int,
+) -> ForwardOut:
+    """The toy model's forward for one batch, shared by both twins.
+
+    Args:
+      model: the framework's toy model module (toy_model_jax or toy_model_torch).
+      payload_type: the twin's DraftPayload class (spec payloads are built as it).
+      res: what resolve handed the forward; hb: the host batch.
+      slots, last: hb's slots and last-token indices as framework arrays.
+      spec: the scenario's spec settings, or None; offset: the scenario's token offset.
+    """
+    if spec is None:
+        tokens, new_lens = model.forward_tokens(res.input_ids, res.seq_lens, slots, last, offset)
+        return ForwardOut(new_lens, tokens, tokens, None, None)
+    if hb.spec_decode:
+        d = res.draft
+        draft = model.tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states)
+        accept, new_lens, nd = model.forward_spec_decode(draft, res.seq_lens, slots, spec, offset)
+    else:
+        accept, new_lens, nd = model.forward_spec_extend(
+            res.input_ids, res.seq_lens, slots, last, spec, offset
+        )
+    payload = payload_type(nd.bonus, nd.topk_p, nd.topk_index, nd.hidden)
+    return ForwardOut(new_lens, payload, nd.bonus, accept, payload)

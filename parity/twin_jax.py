@@ -18,7 +18,7 @@ from parity import exchange
 from parity import toy_model_jax as model
 from parity.host_batch import HostBatch
 from parity.scenario import Scenario
-from parity.twin import ForwardOut, ResolvedOut
+from parity.twin import ForwardOut, ResolvedOut, run_forward
 
 
 def jax_device(device: str) -> jax.Device:
@@ -112,23 +112,7 @@ class JaxTwin:
 
     def forward(self, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
         slots, last = self._dev(hb.slots), self._dev(hb.last_index)
-        if self.spec is None:
-            tokens, new_lens = model.forward_tokens(
-                res.input_ids, res.seq_lens, slots, last, offset
-            )
-            return ForwardOut(new_lens, tokens, tokens, None, None)
-        if hb.spec_decode:
-            d = res.draft
-            draft = model.tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states)
-            accept, new_lens, nd = model.forward_spec_decode(
-                draft, res.seq_lens, slots, self.spec, offset
-            )
-        else:
-            accept, new_lens, nd = model.forward_spec_extend(
-                res.input_ids, res.seq_lens, slots, last, self.spec, offset
-            )
-        payload = fm_jax.DraftPayload(nd.bonus, nd.topk_p, nd.topk_index, nd.hidden)
-        return ForwardOut(new_lens, payload, nd.bonus, accept, payload)
+        return run_forward(model, fm_jax.DraftPayload, res, hb, slots, last, self.spec, offset)
 
     def publish(self, slots: np.ndarray, lens: Any) -> None:
         self.fm.publish(slots, lens)

@@ -16,7 +16,7 @@ from parity import exchange
 from parity import toy_model_torch as model
 from parity.host_batch import HostBatch
 from parity.scenario import Scenario
-from parity.twin import ForwardOut, ResolvedOut
+from parity.twin import ForwardOut, ResolvedOut, run_forward
 
 TORCH_INT = {"int32": torch.int32, "int64": torch.int64}
 
@@ -107,23 +107,9 @@ class TorchTwin:
     def forward(self, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
         slots, last = self._t(hb.slots), self._t(hb.last_index)
         with self.fm.forward_stream():
-            if self.spec is None:
-                tokens, new_lens = model.forward_tokens(
-                    res.input_ids, res.seq_lens, slots, last, offset
-                )
-                return ForwardOut(new_lens, tokens, tokens, None, None)
-            if hb.spec_decode:
-                d = res.draft
-                draft = model.tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states)
-                accept, new_lens, nd = model.forward_spec_decode(
-                    draft, res.seq_lens, slots, self.spec, offset
-                )
-            else:
-                accept, new_lens, nd = model.forward_spec_extend(
-                    res.input_ids, res.seq_lens, slots, last, self.spec, offset
-                )
-        payload = fm_torch.DraftPayload(nd.bonus, nd.topk_p, nd.topk_index, nd.hidden)
-        return ForwardOut(new_lens, payload, nd.bonus, accept, payload)
+            return run_forward(
+                model, fm_torch.DraftPayload, res, hb, slots, last, self.spec, offset
+            )
 
     def publish(self, slots: np.ndarray, lens: Any) -> None:
         with self.fm.forward_stream():
