@@ -6,6 +6,7 @@ with donated, in-place entry points for engines that call ops one by one.
 
 from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax._src.checks import raise_if_violated
+from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
@@ -41,6 +42,7 @@ __all__ = [
     "ShardedFutureMap",
     "ShardedFutureMapOps",
     "SpecConfig",
+    "compiler_options",
     "future_map",
     "mesh_layout",
     "pad_to_bucket",

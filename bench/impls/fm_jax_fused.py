@@ -59,8 +59,10 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         return state, batch._replace(seq_lens=lens), out
 
     fn = checkify.checkify(with_ops, errors=checkify.user_checks) if debug else with_ops
-    engine = jax.jit(fn, donate_argnums=(0,))
-    model_only = jax.jit(without_ops, donate_argnums=(0,))
+    # Compiled as fm_jax advises an engine to (on CPU: FutureMap ops on the calling thread).
+    options = fj.compiler_options(jax.devices()[0].platform)
+    engine = jax.jit(fn, donate_argnums=(0,), compiler_options=options)
+    model_only = jax.jit(without_ops, donate_argnums=(0,), compiler_options=options)
 
     box: dict[str, Any] = {}
     state0 = fmo.publish(fmo.init(), idx, dd.lens)

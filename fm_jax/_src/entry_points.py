@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.experimental import checkify
 
+from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
 
 
@@ -26,8 +27,11 @@ class EntryPoints(NamedTuple):
     finish: Any
 
 
-def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
+def jit_entry_points(ops: Any, *, debug: bool, platform: str) -> EntryPoints:
     """Jit `ops.publish`, `ops.stash` and `ops.resolve` with the state (argument 0) donated.
+
+    Compiled for `platform` with `compiler_options(platform)` (on CPU: on the calling
+    thread, so the cost stays O(batch) at any pool size).
 
     Without debug, resolve only reads the buffers: it is jitted without donation and returns
     only the Resolved outputs (returning a non-donated state would make XLA copy it).
@@ -35,10 +39,12 @@ def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
     writes the consume poison back.
     """
 
+    options = compiler_options(platform)
+
     def jit(fn: Any, donate: bool) -> Any:
         if debug:
             fn = checkify.checkify(fn, errors=checkify.user_checks)
-        return jax.jit(fn, donate_argnums=(0,) if donate else ())
+        return jax.jit(fn, donate_argnums=(0,) if donate else (), compiler_options=options)
 
     def jit_resolve(fixed_mode: ForwardMode | None) -> Any:
         """resolve, with the batch's mode replaced by `fixed_mode` when one is given."""
@@ -51,7 +57,7 @@ def jit_entry_points(ops: Any, *, debug: bool) -> EntryPoints:
         def read_only(state: FutureMapState, batch: Batch) -> Resolved:
             return full(state, batch)[1]  # type: ignore[no-any-return]
 
-        return jit(full, True) if debug else jax.jit(read_only)
+        return jit(full, True) if debug else jax.jit(read_only, compiler_options=options)
 
     def finish(
         state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any

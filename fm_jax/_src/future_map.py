@@ -12,12 +12,19 @@ from jax.experimental import checkify
 
 from fm_jax._src import buckets as bk
 from fm_jax._src import checks
+from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.held_state import HeldState
 from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.ops import future_map
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
+
+_INT_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+)
+_IS_DECODE = {int(m): m == ForwardMode.DECODE for m in ForwardMode}
 
 
 class FutureMap(HeldState):
@@ -69,12 +76,15 @@ class FutureMap(HeldState):
         ops = self.ops
 
         (self._publish, self._stash, self._resolve, self._resolve_by_mode, self._finish) = (
-            jit_entry_points(ops, debug=debug)
+            jit_entry_points(ops, debug=debug, platform=self.device.platform)
         )
         # Only the indices reach the compiler: the batch's other fields (maybe unpadded
         # host arrays) would otherwise key a compile per shape.
-        self._sentinels = jax.jit(lambda idx: -idx.astype(ops.dtype))
-        self._take_lens = jax.jit(lambda state, idx: state.new_seq_lens[idx])
+        options = compiler_options(self.device.platform)
+        self._sentinels = jax.jit(lambda idx: -idx.astype(ops.dtype), compiler_options=options)
+        self._take_lens = jax.jit(
+            lambda state, idx: state.new_seq_lens[idx], compiler_options=options
+        )
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -101,17 +111,21 @@ class FutureMap(HeldState):
 
     def _flat(self, name: str, x: Any, buckets: tuple[int, ...]) -> tuple[jax.Array, int]:
         """A 1-D int input as a device array of bucket size, and its unpadded length."""
-        if isinstance(x, jax.Array) and x.size == 0:
-            x = np.zeros(x.shape, x.dtype)  # empty: padded on the host like numpy input
         if isinstance(x, jax.Array):
-            if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
-                raise FutureMapError(f"{name} must be a 1-D integer array, got {x.shape} {x.dtype}")
-            if x.shape[0] not in buckets:
+            shape = x.shape
+            # The per-step case first: a bucket-sized int array (kept cheap: every op pays it).
+            if len(shape) == 1 and shape[0] in buckets and x.dtype in _INT_DTYPES:
+                return self._on_device(x), shape[0]
+            if x.size != 0:
+                if len(shape) != 1 or x.dtype not in _INT_DTYPES:
+                    raise FutureMapError(
+                        f"{name} must be a 1-D integer array, got {shape} {x.dtype}"
+                    )
                 raise FutureMapError(
-                    f"{name} has {x.shape[0]} entries, not a bucket size {buckets}: pad it "
+                    f"{name} has {shape[0]} entries, not a bucket size {buckets}: pad it "
                     "(fm_jax.pad_to_bucket) or pass a numpy array"
                 )
-            return self._on_device(x), x.shape[0]
+            x = np.zeros(shape, x.dtype)  # empty: padded on the host like numpy input
         a = np.asarray(x)
         if a.ndim != 1:
             raise FutureMapError(f"{name} must be 1-D, got shape {a.shape}")
@@ -139,12 +153,13 @@ class FutureMap(HeldState):
 
     def _rows(self, name: str, x: Any, rows: int, n: int, *, ints: bool) -> jax.Array:
         """A per-row payload matched to `n` real rows and padded to `rows` (the bucket)."""
-        if isinstance(x, jax.Array) and x.size == 0:
-            x = np.zeros(x.shape, x.dtype)  # empty: padded on the host like numpy input
         if isinstance(x, jax.Array):
-            if x.ndim < 1 or x.shape[0] != rows:
-                raise FutureMapError(f"{name} has {x.shape[:1]} rows, indices have {rows}")
-            return self._on_device(x)
+            shape = x.shape
+            if shape and shape[0] == rows:  # rows >= 1: a bucket
+                return self._on_device(x)
+            if x.size != 0:
+                raise FutureMapError(f"{name} has {shape[:1]} rows, indices have {rows}")
+            x = np.zeros(shape, x.dtype)  # empty: padded on the host like numpy input
         a = np.asarray(x)
         if a.ndim < 1 or a.shape[0] != n:
             raise FutureMapError(f"{name} has {a.shape[:1]} rows, indices have {n}")
@@ -232,8 +247,8 @@ class FutureMap(HeldState):
         else:
             # Known on the host: an executable with the mode fixed (no branch inside).
             try:
-                decode = ForwardMode(int(mode)) == ForwardMode.DECODE
-            except (TypeError, ValueError) as bad:
+                decode = _IS_DECODE[int(mode)]
+            except (TypeError, ValueError, KeyError) as bad:
                 raise FutureMapError(f"forward_mode must be a ForwardMode, got {mode!r}") from bad
             resolve, mode = self._resolve_by_mode[decode], None
         draft_idx = None

@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from fm_jax._src import buckets as bk
+from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.held_state import HeldState
@@ -85,11 +86,13 @@ class ShardedFutureMap(HeldState):
         sharding = self.layout.sharding
         ops = self.ops
 
-        self._init = jax.jit(ops.init, out_shardings=sharding)
+        platform = mesh.devices.flat[0].platform
+        options = compiler_options(platform)
+        self._init = jax.jit(ops.init, out_shardings=sharding, compiler_options=options)
         self._publish, self._stash, self._resolve, _, self._finish = jit_entry_points(
-            ops, debug=debug
+            ops, debug=debug, platform=platform
         )
-        self._invalidate = jax.jit(ops.invalidate)
+        self._invalidate = jax.jit(ops.invalidate, compiler_options=options)
         self._state: FutureMapState = self._init()
 
     # ------------------------------------------------------------------------------ state
