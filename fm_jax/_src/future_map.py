@@ -25,6 +25,14 @@ _INT_DTYPES = frozenset(
     for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 )
 _IS_DECODE = {int(m): m == ForwardMode.DECODE for m in ForwardMode}
+_MAX_KNOWN_SHARDINGS = 256
+
+
+def _with_sentinels(batch: Batch, sentinel: jax.Array) -> Batch:
+    """`batch` with ids and lengths replaced by `sentinel` (cheaper than NamedTuple._replace)."""
+    return Batch(
+        batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
+    )
 
 
 class FutureMap(HeldState):
@@ -69,6 +77,7 @@ class FutureMap(HeldState):
         self.token_buckets = bk.normalize_buckets(token_buckets or bk.power_of_two_buckets(8192))
         self.device = device or jax.devices()[0]
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
+        self._same_sharding: dict[int, jax.sharding.Sharding] = {}
         self._state: FutureMapState = jax.device_put(jax.jit(self.ops.init)(), self.device)
         self.step = 0
         self._pending: list[tuple[int, str, checkify.Error]] = []
@@ -147,8 +156,17 @@ class FutureMap(HeldState):
         """`x` committed to the map's device. Jit keys its cache on commitment, so an
         uncommitted array (e.g. from `jnp.asarray`) would compile again. No copy when `x`
         already lives there; no device_put call either (it costs more than the op itself)."""
-        if x.committed and x.sharding == self._sharding:
-            return x
+        if x.committed:
+            sh = x.sharding
+            # Shardings already found equal, by identity (an == costs ~1 us per input). The
+            # dict holds the objects, so an id cannot be reused while it is in there.
+            if self._same_sharding.get(id(sh)) is sh:
+                return x
+            if sh == self._sharding:
+                if len(self._same_sharding) >= _MAX_KNOWN_SHARDINGS:
+                    self._same_sharding.clear()
+                self._same_sharding[id(sh)] = sh
+                return x
         return jax.device_put(x, self.device)
 
     def _rows(self, name: str, x: Any, rows: int, n: int, *, ints: bool) -> jax.Array:
@@ -204,7 +222,7 @@ class FutureMap(HeldState):
             self._record("finish", err)
         else:
             self._state, sentinel = self._finish(*args)
-        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
+        return _with_sentinels(batch, sentinel)
 
     def _payload(self, payload: Any, rows: int, n: int) -> Any:
         """Stash's payload (tokens or a DraftPayload) on the device, padded to `rows`."""
@@ -272,7 +290,7 @@ class FutureMap(HeldState):
         """
         idx, _ = self._slots("indices", indices)
         sentinel = self._sentinels(idx)
-        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
+        return _with_sentinels(batch, sentinel)
 
     def warm_up(self) -> None:
         """Compile every entry point for every bucket, so that serving compiles nothing.
