@@ -23,17 +23,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 IMPL_ORDER = ("fm_jax", "fm_jax_fused", "fm_torch", "naive_jax", "floor")
-
-
-def single_thread_xla() -> None:
-    """Keep XLA:CPU to one intra-op thread (via XLA_FLAGS); only possible before JAX starts."""
-    if "jax" in sys.modules:
-        raise RuntimeError("--xla-cpu-threads 1 must be set before JAX starts")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "intra_op_parallelism_threads" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_XLA}".strip()
 
 
 def _device() -> str:
@@ -44,14 +34,21 @@ def _device() -> str:
     return f"jax {jax.__version__} {d.platform}:{d.device_kind} ({cpu})"
 
 
+def fj_compiler_options() -> dict[str, str]:
+    """The XLA options fm_jax compiles its class ops and the fused step with, here."""
+    import fm_jax
+
+    return fm_jax.compiler_options()
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
 def _measure_all(
-    plan: Any, int64: bool, bar: Any
+    plan: Any, int64: bool, bar: Any, sweeps: bool = True
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Headline group (int32 only), then one group per sweep configuration.
+    """Headline group (int32 only), then one group per sweep configuration (if `sweeps`).
 
     Each configuration is built (and compiled) once: the headline group takes its 'step'
     series from the same builds that the sweep groups then measure whole.
@@ -69,7 +66,7 @@ def _measure_all(
     figs: list[dict[str, Any]] = []
     if not int64:
         bar.set_description("headline group")
-        sweep = set(plan.sweep_configs(False))
+        sweep = set(plan.sweep_configs(False)) if sweeps else set()
         for cfg in plan.headline.configs().values():
             if cfg in sweep:
                 get(cfg)  # built whole once: its sweep group measures it again
@@ -87,7 +84,7 @@ def _measure_all(
         ]
         bar.update(1)
     rows: list[dict[str, Any]] = []
-    for cfg in plan.sweep_configs(int64):
+    for cfg in plan.sweep_configs(int64) if sweeps else []:
         bar.set_description(cfg.label())
         stats = run.measure(
             get(cfg),
@@ -169,20 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-int64", action="store_true", help="skip the int64 child process")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument(
-        "--xla-cpu-threads",
-        choices=("all", "1"),
-        default="all",
-        help="XLA:CPU intra-op threads: all (default) or 1 (no worker-thread hand-offs; set "
-        "through XLA_FLAGS before JAX starts, inherited by the int64 child)",
+        "--headline-only",
+        action="store_true",
+        help="only the headline group (about 1.5 min in a full run): no sweeps, int64, "
+        "in-place check or plots, and no files unless --out or --json is given",
     )
     ap.add_argument("--plan", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--child-int64", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.xla_cpu_threads == "1":
-        try:
-            single_thread_xla()
-        except RuntimeError as err:
-            ap.error(str(err))
     if args.plan is None:
         args.plan = "quick" if args.quick else "full"
 
@@ -197,11 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     t0, load_start = time.perf_counter(), _load()
-    n_groups = 1 + len(p.sweep_configs(False)) + (0 if args.no_int64 else 1)
+    sweeps = not args.headline_only
+    with_int64 = sweeps and not args.no_int64
+    n_groups = 1 + (len(p.sweep_configs(False)) if sweeps else 0) + int(with_int64)
     int64_error = None
     with tqdm(total=n_groups, file=sys.stderr, unit="group") as bar:
-        figs, rows = _measure_all(p, False, bar)
-        if not args.no_int64:
+        figs, rows = _measure_all(p, False, bar, sweeps)
+        if with_int64:
             bar.set_description("int64 (child process)")
             more, int64_error = _int64_child(args)
             rows += more
@@ -214,10 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "device": _device(),
         "meta": {
-            "plan": p.name,
+            "plan": p.name + ("" if sweeps else ", headline only"),
             "torch_device": str(torch_device()),
             "torch_threads": torch.get_num_threads(),
-            "xla_cpu_threads": args.xla_cpu_threads,
+            "fm_jax_compiler_options": fj_compiler_options(),
             "load_start": load_start,
             "load_end": _load(),
             "wall_s": round(time.perf_counter() - t0, 1),
@@ -228,18 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     from bench import plots, report
 
-    if p.inplace_check:
+    if p.inplace_check and sweeps:
         from bench import inplace
 
         doc["inplace_check"] = inplace.table(list(p.inplace_check))
-    sections = _sections(p, rows)
+    sections = _sections(p, rows) if sweeps else []
     md = report.markdown(doc, sections)
-    out_dir = args.out or (RESULTS_DIR if args.plan == "full" else None)
+    out_dir = args.out or (RESULTS_DIR if args.plan == "full" and sweeps else None)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
         (out_dir / "results.md").write_text(md)
-        if not args.no_plots:
+        if sweeps and not args.no_plots:
             plots.plot(
                 sections[0][2],
                 "batch",

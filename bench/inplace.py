@@ -3,7 +3,9 @@
 For each fm_jax op (jitted with the state donated, as the class does) and for the fused
 engine step, count the instructions of the optimised module that produce an array with the
 pool's leading dimension R other than the in-place writes themselves (copies, converts,
-bitcast-converts). Zero means the op moves batch-sized data only.
+bitcast-converts). Zero means the op moves batch-sized data only. Each op is compiled with
+`fm_jax.compiler_options()`, as the class compiles it; the last column counts instructions
+that XLA:CPU would still split over threads (0: the op runs on the calling thread).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from bench.workload import Config, host_data
 
 _WHOLE = re.compile(r"=\s*\w+\[(\d+)(?:,\d+)*\]\{[^}]*\}\s+(copy|convert|bitcast-convert|fusion)\(")
 _KIND = re.compile(r"calls=%(\w+)")
+_SPLIT = "outer_dimension_partitions"  # an XLA:CPU instruction split over threads
 
 
 def whole_buffer_ops(hlo: str, pool: int) -> list[str]:
@@ -72,13 +75,15 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
         "resolve_spec" if cfg.spec else "resolve_decode": (resolve, (state, batch), debug),
         "fused step": (engine, (state, batch), True),
     }
+    options = fj.compiler_options(jax.devices()[0].platform)  # as the class compiles them
     out: dict[str, Any] = {}
     for name, (fn, args, donate) in table.items():
-        jitted = jax.jit(wrap(fn), donate_argnums=(0,) if donate else ())
+        jitted = jax.jit(wrap(fn), donate_argnums=(0,) if donate else (), compiler_options=options)
         hlo = jitted.lower(*args).compile().as_text()
         out[name] = {
             "whole_buffer_ops": len(whole_buffer_ops(hlo, cfg.pool)),
             "aliased": (not donate) or "input_output_alias" in hlo,
+            "thread_splits": hlo.count(_SPLIT),
         }
     return out
 
@@ -86,14 +91,16 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
 def table(cfgs: list[Config]) -> str:
     """Markdown: whole-buffer rewrites per op, debug off and on, for each configuration."""
     lines = [
-        "| config | op | whole-buffer rewrites (debug off) | (debug on) | donated state aliased |",
-        "| --- | --- | ---: | ---: | --- |",
+        "| config | op | whole-buffer rewrites (debug off) | (debug on) | donated state aliased "
+        "| split over threads (off / on) |",
+        "| --- | --- | ---: | ---: | --- | ---: |",
     ]
     for cfg in cfgs:
         off, on = check(cfg, False), check(cfg, True)
         for op in off:
             lines.append(
                 f"| {cfg.label()} | {op} | {off[op]['whole_buffer_ops']} | "
-                f"{on[op]['whole_buffer_ops']} | {'yes' if off[op]['aliased'] else 'NO'} |"
+                f"{on[op]['whole_buffer_ops']} | {'yes' if off[op]['aliased'] else 'NO'} | "
+                f"{off[op]['thread_splits']} / {on[op]['thread_splits']} |"
             )
     return "\n".join(lines)

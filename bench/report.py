@@ -78,8 +78,9 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
         f"# fm-bench ({meta['plan']} run)",
         "",
         f"- device: {doc['device']}",
-        f"- torch device: {meta['torch_device']}, torch threads: {meta['torch_threads']}, "
-        f"XLA:CPU intra-op threads: {meta.get('xla_cpu_threads', 'all')}",
+        f"- torch device: {meta['torch_device']}, torch threads: {meta['torch_threads']}",
+        f"- fm_jax compiler options (class ops and fused step): "
+        f"{meta.get('fm_jax_compiler_options') or 'none'}",
         f"- load average (1/5/15 min) at start: {meta['load_start']}, at end: {meta['load_end']}",
         f"- wall time: {meta['wall_s']:.0f} s",
         "",
@@ -97,7 +98,9 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
             "## In place: whole-buffer rewrites in the compiled HLO",
             "",
             "Instructions that copy or convert a whole [R, ...] buffer (an in-place scatter",
-            "is not one). 0 means the op moves batch-sized data only.",
+            "is not one). 0 means the op moves batch-sized data only. 'Split over threads'",
+            "counts instructions XLA:CPU hands to its thread pool (compiled with",
+            "`fm_jax.compiler_options()`; 0: the op runs on the calling thread).",
             "",
             doc["inplace_check"],
             "",

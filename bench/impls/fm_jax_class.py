@@ -62,7 +62,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         # call; the invalidated batch carries the sentinels the next step resolves.
         r = fm.resolve(state["batch"])
         state["batch"] = fm.finish(state["batch"], idx, dd.lens, payload)
-        sync(r, state["batch"])
+        sync(r, state["batch"].input_ids)  # the outputs: resolved, state, sentinels
 
     table = {
         "publish": Op(publish),

@@ -20,7 +20,7 @@ from bench.serve.config import (
 from bench.serve.host_cost import KINDS
 from bench.serve.requests import make_requests
 
-SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 
 
 def _ratios(text: str) -> list[float]:
@@ -51,8 +51,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--xla-cpu-threads",
         choices=("1", "all"),
         default="1",
-        help="CPU device only: '1' keeps XLA on one core so that the simulated host work has "
-        "the other (as a GPU host would); 'all' lets XLA's thread pool use every core",
+        help="CPU device only: '1' runs XLA's matmuls (Eigen) on the calling thread, so that "
+        "the simulated host work mostly has the other core (as a GPU host would); 'all' lets "
+        "Eigen use every core",
     )
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and requests")
@@ -73,7 +74,7 @@ def _configure_xla_threads(choice: str) -> str:
     if "jax" in sys.modules:
         return "unchanged (jax was already imported)"
     flags = os.environ.get("XLA_FLAGS", "")
-    if "intra_op_parallelism_threads" not in flags:
+    if "xla_cpu_multi_thread_eigen" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_XLA}".strip()
     return "1"
 
