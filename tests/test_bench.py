@@ -130,3 +130,13 @@ def test_whole_buffer_ops_counts_the_naive_copy() -> None:
 
     hlo = jax.jit(naive).lower(jnp.zeros(pool, jnp.int32), jnp.arange(8)).compile().as_text()
     assert inplace.whole_buffer_ops(hlo, pool)
+
+
+def test_thread_split_benchmark_runs_on_tiny_sizes() -> None:
+    """bench.thread_split: both option sets measured per pool, splits counted."""
+    from bench import thread_split
+
+    rows = thread_split.measure(batch=8, pools=[64, 128], reps=3)
+    assert [r["pool"] for r in rows] == [64, 128]
+    assert all(r["default_us"] > 0 and r["fm_jax_us"] > 0 for r in rows)
+    assert all(r["fm_jax_splits"] == 0 for r in rows)

@@ -8,6 +8,7 @@ import jax
 from jax.experimental import checkify
 
 from fm_jax._src.compile_options import compiler_options
+from fm_jax._src.packed_errors import ErrorPacker
 from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
 
 
@@ -27,7 +28,9 @@ class EntryPoints(NamedTuple):
     finish: Any
 
 
-def jit_entry_points(ops: Any, *, debug: bool, platform: str) -> EntryPoints:
+def jit_entry_points(
+    ops: Any, *, debug: bool, platform: str, errors: ErrorPacker | None = None
+) -> EntryPoints:
     """Jit `ops.publish`, `ops.stash` and `ops.resolve` with the state (argument 0) donated.
 
     Compiled for `platform` with `compiler_options(platform)` (on CPU: on the calling
@@ -36,7 +39,8 @@ def jit_entry_points(ops: Any, *, debug: bool, platform: str) -> EntryPoints:
     Without debug, resolve only reads the buffers: it is jitted without donation and returns
     only the Resolved outputs (returning a non-donated state would make XLA copy it).
     With debug, every op is checkified (user checks) and resolve donates the state, since it
-    writes the consume poison back.
+    writes the consume poison back; with `errors`, each op returns its error packed by it
+    (one int array) instead of a checkify.Error.
     """
 
     options = compiler_options(platform)
@@ -44,6 +48,8 @@ def jit_entry_points(ops: Any, *, debug: bool, platform: str) -> EntryPoints:
     def jit(fn: Any, donate: bool) -> Any:
         if debug:
             fn = checkify.checkify(fn, errors=checkify.user_checks)
+            if errors is not None:
+                fn = _packing(fn, errors)
         return jax.jit(fn, donate_argnums=(0,) if donate else (), compiler_options=options)
 
     def jit_resolve(fixed_mode: ForwardMode | None) -> Any:
@@ -70,3 +76,13 @@ def jit_entry_points(ops: Any, *, debug: bool, platform: str) -> EntryPoints:
     return EntryPoints(
         jit(ops.publish, True), jit(ops.stash, True), jit_resolve(None), by_mode, jit(finish, True)
     )
+
+
+def _packing(checked: Any, errors: ErrorPacker) -> Any:
+    """`checked` (a checkified op) returning its error packed by `errors`."""
+
+    def packed(*args: Any) -> Any:
+        err, out = checked(*args)
+        return errors.pack(err), out
+
+    return packed

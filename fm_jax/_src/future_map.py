@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from fm_jax._src import buckets as bk
 from fm_jax._src import checks
@@ -18,6 +17,7 @@ from fm_jax._src.errors import FutureMapError
 from fm_jax._src.held_state import HeldState
 from fm_jax._src.host_checks import check_host_slots
 from fm_jax._src.ops import future_map
+from fm_jax._src.packed_errors import ErrorPacker
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
 
 _INT_DTYPES = frozenset(
@@ -80,12 +80,13 @@ class FutureMap(HeldState):
         self._same_sharding: dict[int, jax.sharding.Sharding] = {}
         self._state: FutureMapState = jax.device_put(jax.jit(self.ops.init)(), self.device)
         self.step = 0
-        self._pending: list[tuple[int, str, checkify.Error]] = []
+        self._pending: list[tuple[int, str, Any]] = []  # errors packed by self._errors
+        self._errors = ErrorPacker()
 
         ops = self.ops
 
         (self._publish, self._stash, self._resolve, self._resolve_by_mode, self._finish) = (
-            jit_entry_points(ops, debug=debug, platform=self.device.platform)
+            jit_entry_points(ops, debug=debug, platform=self.device.platform, errors=self._errors)
         )
         # Only the indices reach the compiler: the batch's other fields (maybe unpadded
         # host arrays) would otherwise key a compile per shape.
@@ -351,5 +352,8 @@ class FutureMap(HeldState):
         A host sync. Naming the step (resolves so far) and op where the check failed.
         """
         pending, self._pending = self._pending, []
-        for step, op, err in pending:
-            checks.raise_if_violated(err, step=step, op=op)
+        if not pending:
+            return
+        host = jax.device_get([packed for _, _, packed in pending])  # one transfer
+        for (step, op, _), packed in zip(pending, host, strict=True):
+            checks.raise_if_violated(self._errors.unpack(packed), step=step, op=op)

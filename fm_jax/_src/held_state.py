@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.experimental import checkify
-
 from fm_jax._src.types import FutureMapState
 
 MAX_PENDING_ERRORS = 4096
@@ -19,7 +17,7 @@ class HeldState:
     debug: bool
     step: int
     _state: FutureMapState
-    _pending: list[tuple[int, str, checkify.Error]]
+    _pending: list[tuple[int, str, Any]]  # (step, op, checkify.Error or a packed error)
 
     def check(self) -> None:
         raise NotImplementedError
@@ -32,7 +30,7 @@ class HeldState:
         else:
             self._state = fn(self._state, *args)
 
-    def _record(self, op: str, err: checkify.Error) -> None:
+    def _record(self, op: str, err: Any) -> None:
         self._pending.append((self.step, op, err))
         if len(self._pending) >= MAX_PENDING_ERRORS:
             self.check()
