@@ -8,8 +8,9 @@ Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not b
 - every check passes the same payload, one scalar of the map's int dtype (the slot, or the
   sentinel), so checkify merges all checks of an op into one error (a pred, a code and one
   payload output) whatever their number;
-- the offending slot is found with masked max/min reductions (one pass over the rows), not
-  argmax plus a gather (a variadic reduce, ~8x the flops);
+- the offending slot is found with masked max reductions (one pass over the rows), not
+  argmax plus a gather (a variadic reduce, ~8x the flops), and all of an op's reductions
+  are one stacked max (`OpChecks`): fewer kernels per executable;
 - slot range and duplicate live slots share one sort of the indices (its ends are the min
   and max); no check allocates or touches anything of pool size, so the cost is flat in R.
 """
@@ -17,6 +18,7 @@ Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not b
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,12 +39,64 @@ def _check(ok: jax.Array, msg: str, dtype: Any, value: jax.Array) -> None:
     checkify.check(ok, msg, value=value.astype(dtype))
 
 
-def _masked_max(mask: jax.Array, values: jax.Array) -> jax.Array:
-    """max(values where mask, else 0): for non-negative `values`, 0 means none is masked."""
-    return jnp.max(jnp.where(mask, values, 0))
+class OpChecks:
+    """The debug checks of one op, with their row reductions evaluated together.
+
+    A check that needs a reduction over rows gives a vector whose max is its witness (a
+    slot, 0 when clean); all vectors are padded, stacked and max-reduced at once by `run`,
+    which then emits every check in the order it was added. XLA:CPU turns each scalar
+    reduction into two kernels and runs an executable of more than 8 kernels across its
+    thread pool: one reduction per check made a debug resolve 17 kernels.
+    """
+
+    def __init__(self) -> None:
+        self._terms: list[tuple[jax.Array | None, Callable[[jax.Array], None]]] = []
+
+    def add(self, vector: jax.Array | None, emit: Callable[[jax.Array], None]) -> int | None:
+        """Queue a check: `emit(max(vector))` at `run` (`emit(None)` when vector is None).
+
+        Returns the position of `max(vector)` in `run`'s result (None without a vector).
+        """
+        self._terms.append((vector, emit))
+        if vector is None:
+            return None
+        return sum(v is not None for v, _ in self._terms) - 1
+
+    def run(self) -> jax.Array | None:
+        """Reduce every queued vector in one stacked max, then emit the checks in order.
+
+        Returns:
+          the maxima ([checks with a vector]): they data-depend on every queued vector.
+          None when no check has a vector.
+        """
+        vectors = [v for v, _ in self._terms if v is not None]
+        maxima = None
+        if vectors:
+            wide = jnp.result_type(*(v.dtype for v in vectors))
+            n = max(v.shape[0] for v in vectors)
+            low = jnp.iinfo(wide).min
+            rows = [
+                jnp.pad(v.astype(wide), (0, n - v.shape[0]), constant_values=low) for v in vectors
+            ]
+            maxima = jnp.max(jnp.stack(rows), axis=1)
+        k = 0
+        for vector, emit in self._terms:
+            if vector is None:
+                emit(None)  # type: ignore[arg-type]
+            else:
+                assert maxima is not None
+                emit(maxima[k])
+                k += 1
+        self._terms = []
+        return maxima
 
 
-def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any) -> None:
+def _witness(mask: jax.Array, slots: jax.Array) -> jax.Array:
+    """slots where mask, else 0: its max is a masked slot, 0 when none (slots >= 0)."""
+    return jnp.where(mask, slots, 0)
+
+
+def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any, into: OpChecks) -> None:
     """Every slot of `indices` lies in [0, pool_size) and no live slot (>= 1) repeats.
 
     Slot 0 (padding) may repeat. One unstable sort serves both checks: its ends are the
@@ -53,40 +107,51 @@ def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any) -> No
     s = jax.lax.sort(indices, is_stable=False)
     lo, hi = s[0], s[-1]
     in_range = (lo >= 0) & (hi < pool_size)
-    _check(
-        in_range,
-        f"[{SLOT_RANGE}] {name} holds slot {{value}} outside [0, {pool_size})",
-        dtype,
-        jnp.where(hi >= pool_size, hi, lo),
+    into.add(
+        None,
+        lambda _: _check(
+            in_range,
+            f"[{SLOT_RANGE}] {name} holds slot {{value}} outside [0, {pool_size})",
+            dtype,
+            jnp.where(hi >= pool_size, hi, lo),
+        ),
     )
     if indices.shape[0] < 2:
         return
     # With every slot in range, a repeat of slot 0 yields 0 (no violation); out of range,
     # the range check above already fired and comes first.
-    dup = _masked_max(s[1:] == s[:-1], s[1:])
-    _check(
-        ~in_range | (dup == 0),
-        f"[{DUPLICATE_SLOT}] {name} holds live slot {{value}} more than once",
-        dtype,
-        dup,
+    into.add(
+        _witness(s[1:] == s[:-1], s[1:]),
+        lambda dup: _check(
+            ~in_range | (dup == 0),
+            f"[{DUPLICATE_SLOT}] {name} holds live slot {{value}} more than once",
+            dtype,
+            dup,
+        ),
     )
 
 
-def sentinels_in_range(input_ids: jax.Array, pool_size: int) -> None:
+def sentinels_in_range(input_ids: jax.Array, pool_size: int, into: OpChecks) -> None:
     """A sentinel -s names a slot s in [0, pool_size)."""
     if input_ids.shape[0] == 0:
         return
-    lo = jnp.min(input_ids)
-    _check(
-        lo > -pool_size,
-        f"[{SENTINEL_RANGE}] input_ids holds sentinel {{value}} naming a slot outside "
-        f"[0, {pool_size})",
-        input_ids.dtype,
-        lo,
-    )
+
+    def emit(not_lo: jax.Array) -> None:
+        lo = ~not_lo.astype(input_ids.dtype)  # max(~x) = ~min(x), with no overflow
+        _check(
+            lo > -pool_size,
+            f"[{SENTINEL_RANGE}] input_ids holds sentinel {{value}} naming a slot outside "
+            f"[0, {pool_size})",
+            input_ids.dtype,
+            lo,
+        )
+
+    into.add(~input_ids, emit)
 
 
-def positive_lengths(is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Array) -> None:
+def positive_lengths(
+    is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Array, into: OpChecks
+) -> None:
     """After a DECODE restore, every live row's length is > 0 (it was published).
 
     Assumes `indices` >= 0 (checked first). Slot 0 is padding: its length is garbage. The
@@ -95,36 +160,40 @@ def positive_lengths(is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Arr
     """
     if indices.shape[0] == 0:
         return
-    slot = _masked_max(seq_lens <= 0, indices)  # 0: none (or only padding rows)
-    _check(
-        ~is_decode | (slot == 0),
-        f"[{POSITIVE_LENGTHS}] DECODE restored a length <= 0 for slot {{value}}: "
-        "the slot's length was never published",
-        seq_lens.dtype,
-        slot,
+    into.add(
+        _witness(seq_lens <= 0, indices),  # max 0: none (or only padding rows)
+        lambda slot: _check(
+            ~is_decode | (slot == 0),
+            f"[{POSITIVE_LENGTHS}] DECODE restored a length <= 0 for slot {{value}}: "
+            "the slot's length was never published",
+            seq_lens.dtype,
+            slot,
+        ),
     )
 
 
-def consumed_values_valid(values: jax.Array, source_slots: jax.Array) -> jax.Array:
+def consumed_values_valid(values: jax.Array, source_slots: jax.Array, into: OpChecks) -> int | None:
     """Every value gathered from a live slot of output_tokens is >= 0 (a -1 is an RR or a
     read before the first write). Reads of slot 0 (padding rows) are garbage, never checked.
 
     Assumes `source_slots` >= 0 (0 where a row read nothing).
 
     Returns:
-      the reported slot (0 when clean): a scalar that data-depends on all of `values`.
+      the position in `into.run()`'s result of a scalar that data-depends on all of
+      `values` (None when there are no rows).
     """
     if values.shape[0] == 0:
-        return jnp.zeros((), values.dtype)
-    slot = _masked_max(values < 0, source_slots)
-    _check(
-        slot == 0,
-        f"[{CONSUME}] slot {{value}} was read with no write since its last read (RR) "
-        "or before its first write",
-        values.dtype,
-        slot,
+        return None
+    return into.add(
+        _witness(values < 0, source_slots),
+        lambda slot: _check(
+            slot == 0,
+            f"[{CONSUME}] slot {{value}} was read with no write since its last read (RR) "
+            "or before its first write",
+            values.dtype,
+            slot,
+        ),
     )
-    return slot
 
 
 _INVARIANT = re.compile(r"^\[([^\]]+)\]")

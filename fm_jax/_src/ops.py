@@ -94,6 +94,18 @@ def _poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
     return jnp.broadcast_to(dep, (rows,))
 
 
+def _poison(
+    state: FutureMapState, slots: jax.Array, maxima: jax.Array | None, k: int | None
+) -> FutureMapState:
+    """POISON written to `output_tokens` at `slots`, ordered after the reads that
+    `maxima[k]` (the consume check's witness among the op's check maxima) was reduced from."""
+    if maxima is None or k is None or slots.shape[0] == 0:
+        return state
+    tokens = state.output_tokens
+    poison = _poison_after(maxima[k], slots.shape[0], tokens.dtype)
+    return state._replace(output_tokens=_scatter(tokens, slots, poison))
+
+
 def _gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
     """`buf[indices]`; out-of-range slots clip to [0, R) (a negative slot reads slot 0).
 
@@ -151,10 +163,15 @@ def future_map(
             hidden_states=hidden,
         )
 
-    def check_indices(name: str, indices: Any) -> None:
+    def check_indices(name: str, indices: Any, into: checks.OpChecks | None = None) -> None:
+        """Shape checks; in debug mode the slot checks too, queued `into` the op's checks
+        (or, without them, emitted at once)."""
         s.check_1d_int(name, indices)
         if debug:
-            checks.valid_slots(name, indices, r, dt)
+            own = into or checks.OpChecks()
+            checks.valid_slots(name, indices, r, dt, own)
+            if into is None:
+                own.run()
 
     def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
         """`new_seq_lens[indices] := new_seq_lens`; empty indices is a no-op."""
@@ -228,7 +245,8 @@ def future_map(
         3. Debug: consume check on what was gathered, then -1 written back to those slots.
         """
         idx = batch.req_pool_indices
-        check_indices("req_pool_indices", idx)
+        chk = checks.OpChecks() if debug else None
+        check_indices("req_pool_indices", idx, chk)
         mode = batch.forward_mode
         if not isinstance(mode, int | np.integer):  # a host int branches when traced
             s.check_scalar_int("forward_mode", mode)
@@ -250,31 +268,29 @@ def future_map(
                 lambda: _gather(state.new_seq_lens, idx),
                 lambda: batch.seq_lens.astype(dt),
             )
-        if debug:
-            checks.positive_lengths(is_decode, seq_lens, idx)
+        if chk is not None:
+            checks.positive_lengths(is_decode, seq_lens, idx, chk)
 
         if spec is None:
             ids = batch.input_ids.astype(dt)
-            if debug:
-                checks.sentinels_in_range(ids, r)
+            if chk is not None:
+                checks.sentinels_in_range(ids, r, chk)
             is_ref = ids < 0
             # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
             input_ids = jnp.where(is_ref, _gather(state.output_tokens, -ids), ids)
-            if debug:
+            if chk is not None:
                 # A row with ids >= 0 keeps ids >= 0, so it is never flagged; a reference
                 # row's source slot is -ids (>= 1 once sentinels are in range).
-                seen = checks.consumed_values_valid(input_ids, -ids)
-                state = state._replace(
-                    output_tokens=_scatter(
-                        state.output_tokens, idx, _poison_after(seen, idx.shape[0], dt)
-                    )
-                )
+                k = checks.consumed_values_valid(input_ids, -ids, chk)
+                state = _poison(state, idx, chk.run(), k)
             return state, Resolved(input_ids, seq_lens)
 
         if batch.draft_indices is None:
+            if chk is not None:
+                chk.run()
             return state, Resolved(batch.input_ids, seq_lens)  # prefill: no draft input
         didx = batch.draft_indices
-        check_indices("draft_indices", didx)
+        check_indices("draft_indices", didx, chk)
         assert state.topk_p is not None and state.topk_index is not None
         bonus = _gather(state.output_tokens, didx)
         draft = DraftPayload(
@@ -287,13 +303,9 @@ def future_map(
                 _gather(state.hidden_states, didx), spec.hidden_dtype
             ),
         )
-        if debug:
-            seen = checks.consumed_values_valid(bonus, didx)
-            state = state._replace(
-                output_tokens=_scatter(
-                    state.output_tokens, didx, _poison_after(seen, didx.shape[0], dt)
-                )
-            )
+        if chk is not None:
+            k = checks.consumed_values_valid(bonus, didx, chk)
+            state = _poison(state, didx, chk.run(), k)
         return state, Resolved(batch.input_ids, seq_lens, draft)
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
