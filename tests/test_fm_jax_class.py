@@ -62,6 +62,8 @@ def warm_maps(compiles: CompileCounter) -> dict[bool, fj.FutureMap]:
 def jit_cache_sizes(fm: fj.FutureMap) -> list[int]:
     fns = (fm._publish, fm._stash, fm._resolve, *fm._resolve_by_mode, fm._finish)
     fns += (fm._sentinels, fm._take_lens)
+    if fm._unchecked is not None:  # debug: the tail ops without slot checks
+        fns += (fm._unchecked.publish, fm._unchecked.stash, fm._unchecked.finish)
     return [f._cache_size() for f in fns]
 
 
@@ -284,3 +286,26 @@ def test_finish_reports_a_duplicate_slot_in_debug_mode() -> None:
     with pytest.raises(fj.InvariantViolation, match="finish") as info:
         fm.check()
     assert info.value.invariant == "duplicate live slot"
+
+
+def test_debug_checks_each_slot_array_once_per_step() -> None:
+    """Pins the tail skipping checks it must run, or running ones it need not: `finish` on
+    the very device array this step's resolve checked records no error of its own, a
+    duplicate in it is still reported (by resolve), and any other device array is checked."""
+    fm = fj.FutureMap(R, debug=True, batch_buckets=BUCKETS, token_buckets=BUCKETS)
+    dev = jax.devices()[0]
+    idx = jax.device_put(np.array([3, 3], np.int32), dev)
+    fm.publish(np.array([3]), np.array([4]))
+    fm.stash(np.array([3]), np.array([7]))
+    assert fm._pending == []  # host slots were checked on the host
+    fm.resolve(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx))
+    fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, idx, idx)
+    assert [op for _, op, _ in fm._pending] == ["resolve"]
+    with pytest.raises(fj.InvariantViolation) as info:
+        fm.check()
+    assert info.value.op == "resolve" and info.value.invariant == "duplicate live slot"
+    other = jax.device_put(np.array([3, 3], np.int32), dev)  # equal values, another array
+    fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), other, idx, idx)
+    assert [op for _, op, _ in fm._pending] == ["finish"]
+    with pytest.raises(fj.InvariantViolation, match="finish"):
+        fm.check()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,11 @@ class FutureMap(HeldState):
     must already be a bucket size, so that no new shape reaches the compiler). Outputs are
     padded to the bucket; padding rows carry slot 0 and token 0.
 
-    Debug mode adds no host sync per step: each op's checkify error stays on device and is
-    raised by `check()`, by `resolve_seq_lens_cpu` (which syncs anyway), or after
-    MAX_PENDING_ERRORS ops.
+    Debug mode checks every slot array once (host arrays on the host; device arrays on the
+    device, where `finish`, `publish` and `stash` skip the very array that this step's
+    `resolve` checked). It adds no host sync per step: each op's checkify error stays on
+    device and is raised by `check()`, by `resolve_seq_lens_cpu` (which syncs anyway), or
+    after MAX_PENDING_ERRORS ops.
 
     Args:
       pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
@@ -88,6 +91,19 @@ class FutureMap(HeldState):
         (self._publish, self._stash, self._resolve, self._resolve_by_mode, self._finish) = (
             jit_entry_points(ops, debug=debug, platform=self.device.platform, errors=self._errors)
         )
+        # Debug: the tail ops' only checks are slot checks. Slots already checked (on the
+        # host, or by this step's resolve) take these unchecked executables instead.
+        self._unchecked = (
+            jit_entry_points(
+                future_map(pool_size, dtype=dtype, spec=spec),
+                debug=False,
+                platform=self.device.platform,
+            )
+            if debug
+            else None
+        )
+        # The last resolve's req_pool_indices, weakly: holding it would keep it alive.
+        self._checked_slots: weakref.ref[jax.Array] | None = None
         # Only the indices reach the compiler: the batch's other fields (maybe unpadded
         # host arrays) would otherwise key a compile per shape.
         options = compiler_options(self.device.platform)
@@ -153,6 +169,36 @@ class FutureMap(HeldState):
                 check_host_slots(name, a, self.pool_size)
         return self._flat(name, x, self.batch_buckets)
 
+    def _tail_op(self, op: str, indices: Any, idx: jax.Array) -> tuple[Any, bool]:
+        """The executable of tail op `op` for slots `indices` (`idx` on the device), and
+        whether it returns a debug error.
+
+        A debug map checks every slot array once: a host array on the host (always), a
+        device array on the device, unless it is the very array this step's resolve
+        checked (jax arrays are immutable: a second check would find the same). Slots
+        already checked take the executable without checks.
+        """
+        if self._unchecked is None:
+            return getattr(self, f"_{op}"), False
+        checked_by_resolve = self._checked_slots is not None and idx is self._checked_slots()
+        if not isinstance(indices, jax.Array) or checked_by_resolve:
+            return getattr(self._unchecked, op), False
+        return getattr(self, f"_{op}"), True
+
+    def _run_tail(self, op: str, indices: Any, idx: jax.Array, *args: Any) -> Any:
+        """Run tail op `op` (publish, stash or finish) on the state; returns its extra output."""
+        fn, with_error = self._tail_op(op, indices, idx)
+        if with_error:
+            err, out = fn(self._state, idx, *args)
+            self._record(op, err)
+        else:
+            out = fn(self._state, idx, *args)
+        if op == "finish":
+            self._state, sentinel = out
+            return sentinel
+        self._state = out
+        return None
+
     def _on_device(self, x: jax.Array) -> jax.Array:
         """`x` committed to the map's device. Jit keys its cache on commitment, so an
         uncommitted array (e.g. from `jnp.asarray`) would compile again. No copy when `x`
@@ -196,14 +242,14 @@ class FutureMap(HeldState):
         if n == 0:
             return  # DP idle: nothing ran, nothing to relay
         lens = self._rows("new_seq_lens", new_seq_lens, idx.shape[0], n, ints=True)
-        self._apply("publish", self._publish, idx, lens)
+        self._run_tail("publish", indices, idx, lens)
 
     def stash(self, indices: Any, payload: Any) -> None:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place."""
         idx, n = self._slots("indices", indices)
         if n == 0:
             return  # DP idle: nothing ran, nothing to relay
-        self._apply("stash", self._stash, idx, self._payload(payload, idx.shape[0], n))
+        self._run_tail("stash", indices, idx, self._payload(payload, idx.shape[0], n))
 
     def finish(self, batch: Batch, indices: Any, new_seq_lens: Any, payload: Any) -> Batch:
         """The tail of a step in one donated call: publish, stash, then invalidate.
@@ -217,12 +263,7 @@ class FutureMap(HeldState):
             return self.invalidate(batch, indices)  # DP idle: nothing to relay
         rows = idx.shape[0]
         lens = self._rows("new_seq_lens", new_seq_lens, rows, n, ints=True)
-        args = (self._state, idx, lens, self._payload(payload, rows, n))
-        if self.debug:
-            err, (self._state, sentinel) = self._finish(*args)
-            self._record("finish", err)
-        else:
-            self._state, sentinel = self._finish(*args)
+        sentinel = self._run_tail("finish", indices, idx, lens, self._payload(payload, rows, n))
         return _with_sentinels(batch, sentinel)
 
     def _payload(self, payload: Any, rows: int, n: int) -> Any:
@@ -278,6 +319,7 @@ class FutureMap(HeldState):
         b = Batch(mode, idx, ids, lens, draft_idx)
         self.step += 1
         if self.debug:
+            self._checked_slots = weakref.ref(idx)
             err, (self._state, out) = resolve(self._state, b)
             self._record("resolve", err)
             return out
@@ -316,6 +358,11 @@ class FutureMap(HeldState):
             pad = Batch(zeros[0], zeros, zeros, zeros)
             self.invalidate(pad, zeros)
             self.finish(pad, zeros, zeros, zeros if self.spec is None else self._zero_draft(b))
+            if self.debug:  # device slots take the checked tail executables
+                dz = jax.device_put(zeros, self.device)
+                self.publish(dz, zeros)
+                self.stash(dz, zeros if self.spec is None else self._zero_draft(b))
+                self.finish(pad, dz, zeros, zeros if self.spec is None else self._zero_draft(b))
             self.resolve_seq_lens_cpu(zeros)
             drafts = [None] if self.spec is None else [None, zeros]
             for t in self.token_buckets:
