@@ -45,7 +45,7 @@ class FutureMap(HeldState):
     padded to the bucket; padding rows carry slot 0 and token 0.
 
     Debug mode checks every slot array once (host arrays on the host; device arrays on the
-    device, where `finish`, `publish` and `stash` skip the very array that this step's
+    device, where `finish`, `publish` and `stash` skip the very array that the last
     `resolve` checked). It adds no host sync per step: each op's checkify error stays on
     device and is raised by `check()`, by `resolve_seq_lens_cpu` (which syncs anyway), or
     after MAX_PENDING_ERRORS ops.
@@ -92,7 +92,7 @@ class FutureMap(HeldState):
             jit_entry_points(ops, debug=debug, platform=self.device.platform, errors=self._errors)
         )
         # Debug: the tail ops' only checks are slot checks. Slots already checked (on the
-        # host, or by this step's resolve) take these unchecked executables instead.
+        # host, or by the last resolve) take these unchecked executables instead.
         self._unchecked = (
             jit_entry_points(
                 future_map(pool_size, dtype=dtype, spec=spec),
@@ -174,7 +174,7 @@ class FutureMap(HeldState):
         whether it returns a debug error.
 
         A debug map checks every slot array once: a host array on the host (always), a
-        device array on the device, unless it is the very array this step's resolve
+        device array on the device, unless it is the very array the last resolve
         checked (jax arrays are immutable: a second check would find the same). Slots
         already checked take the executable without checks.
         """
