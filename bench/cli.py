@@ -233,24 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
         (out_dir / "results.md").write_text(md)
         if sweeps and not args.no_plots:
-            plots.plot(
-                sections[0][2],
-                "batch",
-                plots.PLOT_OPS,
-                sections[0][0],
-                out_dir / "cost_vs_batch.png",
-            )
-            plots.plot(
-                sections[1][2], "pool", plots.PLOT_OPS, sections[1][0], out_dir / "cost_vs_pool.png"
-            )
-            if len(sections) > 3:
-                plots.plot(
-                    sections[2][2],
-                    "pool",
-                    plots.SPEC_PLOT_OPS,
-                    sections[2][0],
-                    out_dir / "spec_vs_pool.png",
-                )
+            figures = [(0, "batch", plots.PLOT_OPS, "cost_vs_batch.png")]
+            figures.append((1, "pool", plots.PLOT_OPS, "cost_vs_pool.png"))
+            if len(sections) > 3:  # a spec sweep
+                figures.append((2, "pool", plots.SPEC_PLOT_OPS, "spec_vs_pool.png"))
+            for i, vary, ops, name in figures:
+                title, rows_i = sections[i][0], sections[i][2]
+                plots.plot(rows_i, vary, ops, title, out_dir / name)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

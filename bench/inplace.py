@@ -23,7 +23,8 @@ from bench.workload import Config, host_data
 
 _WHOLE = re.compile(r"=\s*\w+\[(\d+)(?:,\d+)*\]\{[^}]*\}\s+(copy|convert|bitcast-convert|fusion)\(")
 _KIND = re.compile(r"calls=%(\w+)")
-_SPLIT = "outer_dimension_partitions"  # an XLA:CPU instruction split over threads
+THREAD_SPLIT = "outer_dimension_partitions"
+"""Marks an instruction XLA:CPU hands to its thread pool, in compiled HLO text."""
 
 
 def whole_buffer_ops(hlo: str, pool: int) -> list[str]:
@@ -83,7 +84,7 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
         out[name] = {
             "whole_buffer_ops": len(whole_buffer_ops(hlo, cfg.pool)),
             "aliased": (not donate) or "input_output_alias" in hlo,
-            "thread_splits": hlo.count(_SPLIT),
+            "thread_splits": hlo.count(THREAD_SPLIT),
         }
     return out
 

@@ -20,14 +20,15 @@ import jax
 
 import fm_jax as fj
 from bench.impls.jax_common import device_data
+from bench.inplace import THREAD_SPLIT
 from bench.timing import Series, measure_group
 from bench.workload import Config, host_data
 
-SPLIT = "outer_dimension_partitions"
-"""Marks an instruction XLA:CPU hands to its thread pool in the compiled HLO."""
 
+def engine_step(ops: fj.FutureMapOps) -> Any:
+    """A minimal engine step around `ops`: resolve, publish and stash of values computed
+    from what was resolved, invalidate. (state, batch) -> (state, next batch)."""
 
-def _engine_step(ops: fj.FutureMapOps) -> Any:
     def step(state: fj.FutureMapState, batch: fj.Batch) -> Any:
         state, res = ops.resolve(state, batch)
         idx = batch.req_pool_indices
@@ -43,11 +44,11 @@ def build(cfg: Config, options: dict[str, str]) -> tuple[Series, int]:
     """A timed step for `cfg` compiled with `options`, and its count of thread splits."""
     dd = device_data(cfg, host_data(cfg))
     ops = fj.future_map(cfg.pool)
-    step = jax.jit(_engine_step(ops), donate_argnums=(0,), compiler_options=options)
+    step = jax.jit(engine_step(ops), donate_argnums=(0,), compiler_options=options)
     idx = dd.idx
     state = ops.stash(ops.publish(ops.init(), idx, dd.lens), idx, dd.tokens)
     batch = fj.Batch(dd.decode_mode, idx, -idx, -idx)
-    splits = step.lower(state, batch).compile().as_text().count(SPLIT)
+    splits = step.lower(state, batch).compile().as_text().count(THREAD_SPLIT)
     box = {"state": state, "batch": batch}
 
     def run() -> None:

@@ -12,7 +12,7 @@ import pytest
 import fm_jax as fj
 from fm_jax._src.compile_options import CPU_PARALLEL_TASK_PASS
 
-SPLIT = "outer_dimension_partitions"
+SPLIT = "outer_dimension_partitions"  # XLA:CPU marks an instruction split over threads
 POOL = 1 << 18  # 1 MB int32 buffers: XLA:CPU splits their gathers/scatters by default
 B = 256
 
@@ -72,15 +72,10 @@ def test_without_the_options_xla_splits_the_same_ops() -> None:
 
 @cpu_only
 def test_an_engine_step_jitted_with_the_options_is_not_split() -> None:
+    from bench.thread_split import engine_step
+
     ops = fj.future_map(POOL)
-
-    def step(state: fj.FutureMapState, batch: fj.Batch) -> Any:
-        state, res = ops.resolve(state, batch)
-        idx = batch.req_pool_indices
-        state = ops.publish(state, idx, res.seq_lens + 1)
-        state = ops.stash(state, idx, res.input_ids + 1)
-        return state, ops.invalidate(batch, idx)
-
+    step = engine_step(ops)
     idx = jnp.asarray(np.arange(1, B + 1, dtype=np.int32))
     batch = fj.Batch(jnp.int32(1), idx, -idx, -idx)
     jitted = jax.jit(step, donate_argnums=(0,), compiler_options=fj.compiler_options())

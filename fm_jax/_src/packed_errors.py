@@ -10,7 +10,6 @@ sharded (no collective); the packer is used for single-device maps.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -57,5 +56,4 @@ class ErrorPacker:
         leaves = [
             flat[..., 1 + i].astype(dtype).reshape(shape) for i, (shape, dtype) in enumerate(metas)
         ]
-        assert all(math.prod(s) == leaf.size for (s, _), leaf in zip(metas, leaves, strict=True))
         return jax.tree_util.tree_unflatten(treedef, leaves)  # type: ignore[no-any-return]
