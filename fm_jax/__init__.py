@@ -1,16 +1,16 @@
 """fm_jax: a functional FutureMap for overlap-scheduled JAX serving engines.
 
-Pure ops (`future_map`) to inline in an engine's own jitted step, and a `FutureMap` class
-with donated, in-place entry points for engines that call ops one by one.
+Pure ops (`future_map`, `sharded_future_map` on a mesh) to inline in an engine's own
+jitted step, and a `FutureMap` class with donated, in-place entry points for engines that
+call ops one by one, on one device or a mesh.
 """
 
 from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
-from fm_jax._src.checks import raise_if_violated
 from fm_jax._src.compile_options import compiler_options
+from fm_jax._src.debug_channel import raise_if_violated
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
-from fm_jax._src.sharded_map import ShardedFutureMap
 from fm_jax._src.sharding import (
     MeshLayout,
     ShardedFutureMapOps,
@@ -39,7 +39,6 @@ __all__ = [
     "InvariantViolation",
     "MeshLayout",
     "Resolved",
-    "ShardedFutureMap",
     "ShardedFutureMapOps",
     "SpecConfig",
     "compiler_options",

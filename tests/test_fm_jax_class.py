@@ -60,11 +60,7 @@ def warm_maps(compiles: CompileCounter) -> dict[bool, fj.FutureMap]:
 
 
 def jit_cache_sizes(fm: fj.FutureMap) -> list[int]:
-    fns = (fm._publish, fm._stash, fm._resolve, *fm._resolve_by_mode, fm._finish)
-    fns += (fm._sentinels, fm._take_lens)
-    if fm._unchecked is not None:  # debug: the tail ops without slot checks
-        fns += (fm._unchecked.publish, fm._unchecked.stash, fm._unchecked.finish)
-    return [f._cache_size() for f in fns]
+    return [f._cache_size() for f in fm.executables().values()]
 
 
 def random_batch(rng: np.random.Generator, live: list[int]) -> tuple[fj.Batch, np.ndarray]:
@@ -297,15 +293,15 @@ def test_debug_checks_each_slot_array_once_per_step() -> None:
     idx = jax.device_put(np.array([3, 3], np.int32), dev)
     fm.publish(np.array([3]), np.array([4]))
     fm.stash(np.array([3]), np.array([7]))
-    assert fm._pending == []  # host slots were checked on the host
+    assert fm._debug.pending == 0  # host slots were checked on the host
     fm.resolve(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx))
     fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, idx, idx)
-    assert [op for _, op, _ in fm._pending] == ["resolve"]
+    assert [op for _, op, _ in fm._debug._pending] == ["resolve"]
     with pytest.raises(fj.InvariantViolation) as info:
         fm.check()
     assert info.value.op == "resolve" and info.value.invariant == "duplicate live slot"
     other = jax.device_put(np.array([3, 3], np.int32), dev)  # equal values, another array
     fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), other, idx, idx)
-    assert [op for _, op, _ in fm._pending] == ["finish"]
+    assert [op for _, op, _ in fm._debug._pending] == ["finish"]
     with pytest.raises(fj.InvariantViolation, match="finish"):
         fm.check()

@@ -37,12 +37,13 @@ def test_options_keep_the_passes_xla_flags_disables(monkeypatch: pytest.MonkeyPa
 def _class_args(fm: fj.FutureMap) -> dict[str, tuple[Any, tuple[Any, ...]]]:
     idx = jnp.arange(1, B + 1, dtype=jnp.int32)
     batch = fj.Batch(None, idx, -idx, -idx)
+    ex = fm.executables()
     return {
-        "publish": (fm._publish, (fm.state, idx, idx)),
-        "stash": (fm._stash, (fm.state, idx, idx)),
-        "resolve DECODE": (fm._resolve_by_mode[1], (fm.state, batch)),
-        "resolve traced": (fm._resolve, (fm.state, batch._replace(forward_mode=jnp.int32(1)))),
-        "finish": (fm._finish, (fm.state, idx, idx, idx)),
+        "publish": (ex["publish"], (fm.state, idx, idx)),
+        "stash": (ex["stash"], (fm.state, idx, idx)),
+        "resolve DECODE": (ex["resolve_fixed_decode"], (fm.state, batch)),
+        "resolve traced": (ex["resolve"], (fm.state, batch._replace(forward_mode=jnp.int32(1)))),
+        "finish": (ex["finish"], (fm.state, idx, idx, idx)),
     }
 
 

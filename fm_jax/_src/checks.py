@@ -17,7 +17,6 @@ Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not b
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from fm_jax._src.errors import InvariantViolation
 
 SLOT_RANGE = "slot range"
 DUPLICATE_SLOT = "duplicate live slot"
@@ -193,26 +191,4 @@ def consumed_values_valid(values: jax.Array, source_slots: jax.Array, into: OpCh
             values.dtype,
             slot,
         ),
-    )
-
-
-_INVARIANT = re.compile(r"^\[([^\]]+)\]")
-
-
-def raise_if_violated(err: checkify.Error, *, step: int | None = None, op: str = "") -> None:
-    """Raise InvariantViolation if `err` (from a checkified fm_jax step) holds a failure.
-
-    This reads the error on the host: a sync. Call it where the engine syncs anyway.
-    """
-    msg = err.get()
-    if msg is None:
-        return
-    m = _INVARIANT.match(msg)
-    where = "" if step is None else f"step {step}, "
-    where += f"{op}: " if op else ""
-    raise InvariantViolation(
-        f"FutureMap invariant violated at {where}{msg}",
-        invariant=m.group(1) if m else "",
-        step=step,
-        op=op,
     )

@@ -1,24 +1,32 @@
-"""Jitted, donated entry points over a FutureMap's pure ops, shared by the map classes."""
+"""The FutureMap class's jitted executables over its layout's ops, state donated.
+
+Every argument but the forward mode is placed with the layout's sharding by the jit itself:
+a host (numpy) argument is transferred in JAX's C++ dispatch path, with no Python
+`device_put`, and a jax array already there is taken as it is. One call of an entry point
+is one dispatch.
+"""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 import jax
-from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec
 
 from fm_jax._src.compile_options import compiler_options
-from fm_jax._src.packed_errors import ErrorPacker
+from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.sharding import ShardedFutureMapOps
 from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
 
 
 class EntryPoints(NamedTuple):
-    """The jitted ops. In debug mode each returns (checkify error, out).
+    """The jitted ops. With a debug channel each returns (packed error, out).
 
-    `resolve` takes the mode from the batch (a traced scalar); `resolve_by_mode[decode]`
-    are the same op with the mode fixed when traced (DECODE or not), for callers that know it
-    on the host: no branch in the executable. `finish` is the tail phase of a step in one
-    donated call: publish, stash, and the sentinels `-indices` that invalidate leaves.
+    `resolve` takes the mode from the batch (traced: a scalar or one per DP rank);
+    `resolve_by_mode[decode]` is the same op with the mode fixed when traced (DECODE or
+    not), for callers that know it on the host: no branch in the executable, and the
+    batch's `forward_mode` is None. `finish` is the tail phase of a step in one donated
+    call: publish, stash, and the sentinels `-indices` that invalidate leaves.
     """
 
     publish: Any
@@ -26,31 +34,37 @@ class EntryPoints(NamedTuple):
     resolve: Any
     resolve_by_mode: tuple[Any, Any]
     finish: Any
+    sentinels: Any
+    seq_lens_at: Any
 
 
-def jit_entry_points(
-    ops: Any, *, debug: bool, platform: str, errors: ErrorPacker | None = None
-) -> EntryPoints:
-    """Jit `ops.publish`, `ops.stash` and `ops.resolve` with the state (argument 0) donated.
+def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> EntryPoints:
+    """Jit `ops` for the class: state (argument 0) donated where the op writes it.
 
-    Compiled for `platform` with `compiler_options(platform)` (on CPU: on the calling
+    Compiled with `compiler_options` for the layout's platform (on CPU: on the calling
     thread, so the cost stays O(batch) at any pool size).
 
     Without debug, resolve only reads the buffers: it is jitted without donation and returns
     only the Resolved outputs (returning a non-donated state would make XLA copy it).
-    With debug, every op is checkified (user checks) and resolve donates the state, since it
-    writes the consume poison back; with `errors`, each op returns its error packed by it
-    (one int array) instead of a checkify.Error.
+    With debug, every op but `sentinels` is checked through `debug` and resolve donates the
+    state, since it writes the consume poison back.
     """
+    layout = ops.layout
+    options = compiler_options(layout.mesh.devices.flat[0].platform)
+    sh = layout.sharding
+    # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
+    mode_sh = sh if layout.mesh.devices.size == 1 else NamedSharding(layout.mesh, PartitionSpec())
+    batch_sh = Batch(mode_sh, sh, sh, sh, sh)
 
-    options = compiler_options(platform)
-
-    def jit(fn: Any, donate: bool) -> Any:
-        if debug:
-            fn = checkify.checkify(fn, errors=checkify.user_checks)
-            if errors is not None:
-                fn = _packing(fn, errors)
-        return jax.jit(fn, donate_argnums=(0,) if donate else (), compiler_options=options)
+    def jit(fn: Any, in_shardings: Any, *, donate: bool, checked: bool = True) -> Any:
+        if debug is not None and checked:
+            fn = debug.checked(fn)
+        return jax.jit(
+            fn,
+            in_shardings=in_shardings,
+            donate_argnums=(0,) if donate else (),
+            compiler_options=options,
+        )
 
     def jit_resolve(fixed_mode: ForwardMode | None) -> Any:
         """resolve, with the batch's mode replaced by `fixed_mode` when one is given."""
@@ -63,26 +77,31 @@ def jit_entry_points(
         def read_only(state: FutureMapState, batch: Batch) -> Resolved:
             return full(state, batch)[1]  # type: ignore[no-any-return]
 
-        return jit(full, True) if debug else jax.jit(read_only, compiler_options=options)
+        fn = full if debug is not None else read_only
+        return jit(fn, (sh, batch_sh), donate=debug is not None)
 
-    def finish(
+    local = ops.local
+
+    def local_finish(
         state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
     ) -> tuple[FutureMapState, jax.Array]:
-        state = ops.publish(state, indices, new_seq_lens)
-        state = ops.stash(state, indices, payload)
-        return state, -indices.astype(state.output_tokens.dtype)
+        state = local.publish(state, indices, new_seq_lens)
+        state = local.stash(state, indices, payload)
+        return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 
-    by_mode = (jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE))
+    # One shard_map for the whole tail: checkify cannot merge the errors of consecutive
+    # shard_maps (jax 0.10: "select cases must have the same shapes").
+    finish = layout.map(local_finish)
+
+    def sentinels(indices: jax.Array) -> jax.Array:
+        return ops.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+
     return EntryPoints(
-        jit(ops.publish, True), jit(ops.stash, True), jit_resolve(None), by_mode, jit(finish, True)
+        publish=jit(ops.publish, sh, donate=True),
+        stash=jit(ops.stash, sh, donate=True),
+        resolve=jit_resolve(None),
+        resolve_by_mode=(jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE)),
+        finish=jit(finish, sh, donate=True),
+        sentinels=jit(sentinels, sh, donate=False, checked=False),
+        seq_lens_at=jit(ops.seq_lens_at, sh, donate=False),
     )
-
-
-def _packing(checked: Any, errors: ErrorPacker) -> Any:
-    """`checked` (a checkified op) returning its error packed by `errors`."""
-
-    def packed(*args: Any) -> Any:
-        err, out = checked(*args)
-        return errors.pack(err), out
-
-    return packed

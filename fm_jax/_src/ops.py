@@ -46,6 +46,8 @@ class FutureMapOps(NamedTuple):
       stash: (state, indices, tokens | DraftPayload) -> state.
       resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths.
+      seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
+        `resolve_seq_lens_cpu` (debug: slot checks).
       pool_size, dtype, spec, debug: the static configuration.
     """
 
@@ -54,6 +56,7 @@ class FutureMapOps(NamedTuple):
     stash: Callable[[FutureMapState, Any, Any], FutureMapState]
     resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
     invalidate: Callable[[Batch, Any], Batch]
+    seq_lens_at: Callable[[FutureMapState, Any], jax.Array]
     pool_size: int
     dtype: np.dtype
     spec: SpecConfig | None
@@ -314,4 +317,9 @@ def future_map(
         sentinel = -jnp.asarray(indices).astype(dt)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
-    return FutureMapOps(init, publish, stash, resolve, invalidate, r, dt, spec, debug)
+    def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
+        """`new_seq_lens[indices]`; an out-of-range slot clips (never wraps to another)."""
+        check_indices("indices", indices)
+        return _gather(state.new_seq_lens, indices)
+
+    return FutureMapOps(init, publish, stash, resolve, invalidate, seq_lens_at, r, dt, spec, debug)

@@ -17,7 +17,7 @@ collectives and outputs keep the inputs' sharding (no resharding step to step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -51,8 +51,15 @@ class MeshLayout(NamedTuple):
         return PartitionSpec(self.dp_axis) if self.dp_axis else PartitionSpec()
 
     @property
-    def sharding(self) -> NamedSharding:
-        """The sharding of every state buffer and every batch field."""
+    def sharding(self) -> jax.sharding.Sharding:
+        """The sharding of every state buffer and every batch field.
+
+        On a one-device mesh, that device's SingleDeviceSharding: the sharding arrays
+        committed to one device carry, so that they, host arrays and the map's own outputs
+        all reach one executable (a NamedSharding argument would compile another).
+        """
+        if self.mesh.devices.size == 1:
+            return jax.sharding.SingleDeviceSharding(self.mesh.devices.flat[0])
         return NamedSharding(self.mesh, self.spec)
 
     def rank_of(self, device: jax.Device) -> int:
@@ -67,6 +74,60 @@ class MeshLayout(NamedTuple):
     def local_ranks(self) -> tuple[int, ...]:
         """The DP ranks with at least one device in this process, ascending."""
         return tuple(sorted({self.rank_of(d) for d in self.mesh.local_devices}))
+
+    @property
+    def single_process(self) -> bool:
+        """Every device of the mesh belongs to this process (host arrays can be placed whole)."""
+        return len(self.mesh.local_devices) == self.mesh.devices.size
+
+    def map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` run on each DP rank's block of every argument and result (`jax.shard_map`;
+        blocks along the leading axis, replicated over every other mesh axis)."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=self.spec, out_specs=self.spec)
+
+    def global_array(self, blocks: Mapping[int, np.ndarray], size: int, like: np.ndarray) -> Any:
+        """The global [DP*size, ...] array whose rank-d block is `blocks[d]` padded with zero
+        rows to `size`; local ranks missing from `blocks` get zeros (padding: slot 0, token 0).
+
+        In a single process the result is a host array (a jit with this layout's sharding
+        places it while dispatching); across processes, a global jax.Array built from this
+        process's blocks. `like` gives the trailing shape and dtype.
+        """
+        tail, dt = like.shape[1:], like.dtype
+        if self.single_process:
+            out = np.zeros((self.dp * size, *tail), dt)
+            for rank, block in blocks.items():
+                out[rank * size : rank * size + block.shape[0]] = block
+            return out
+        local = {}
+        for rank in self.local_ranks():
+            block = np.zeros((size, *tail), dt)
+            got = blocks.get(rank)
+            if got is not None:
+                block[: got.shape[0]] = got
+            local[rank] = block
+        sharding = NamedSharding(self.mesh, self.spec)
+        arrays = [
+            jax.device_put(local[self.rank_of(d)], d) for d in sharding.addressable_devices
+        ]
+        shape = (self.dp * size, *tail)
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis of type Auto: the FutureMap's arrays carry no sharding in
+    their types, so that host arrays, committed arrays and arrays of meshes with Explicit
+    axes (`jax.make_mesh`'s default) are all taken by its shard_maps alike."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None:
+        return mesh
+    names = tuple(mesh.axis_names)
+    return Mesh(mesh.devices, names, axis_types=(axis_type.Auto,) * len(names))
+
+
+def single_device_layout(device: jax.Device) -> MeshLayout:
+    """The layout of a map on one device: a one-device mesh, one DP rank."""
+    return mesh_layout(Mesh(np.array([device]), ("dp",)), "dp")
 
 
 def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = None) -> MeshLayout:
@@ -90,7 +151,7 @@ def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = No
     if dp_axis is not None and dp_axis == tp_axis:
         raise FutureMapError(f"dp_axis and tp_axis must differ, both are {dp_axis!r}")
     dp = int(mesh.shape[dp_axis]) if dp_axis is not None else 1
-    return MeshLayout(mesh, dp_axis, tp_axis, dp)
+    return MeshLayout(_auto_axes(mesh), dp_axis, tp_axis, dp)
 
 
 class ShardedFutureMapOps(NamedTuple):
@@ -100,8 +161,10 @@ class ShardedFutureMapOps(NamedTuple):
       init: () -> FutureMapState, global [DP*R, ...] buffers placed with `layout.sharding`.
       publish: (state, indices [DP*B], new_seq_lens [DP*B]) -> state.
       stash: (state, indices [DP*B], tokens [DP*B] | DraftPayload of [DP*B, ...]) -> state.
-      resolve: (state, batch) -> (state, Resolved); `batch.forward_mode` is [DP] int32.
+      resolve: (state, batch) -> (state, Resolved). `batch.forward_mode` is [DP] int32 (one
+        mode per rank), an int32 scalar (every rank's), or a host int (fixed when traced).
       invalidate: (batch, indices [DP*B]) -> batch with rank-local sentinels.
+      seq_lens_at: (state, indices [DP*B]) -> each rank's `new_seq_lens` at its slots.
       local: the single-pool ops each rank runs.
       layout: the mesh and its axes.
     """
@@ -111,6 +174,7 @@ class ShardedFutureMapOps(NamedTuple):
     stash: Callable[[FutureMapState, Any, Any], FutureMapState]
     resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
     invalidate: Callable[[Batch, Any], Batch]
+    seq_lens_at: Callable[[FutureMapState, Any], jax.Array]
     local: FutureMapOps
     layout: MeshLayout
 
@@ -136,6 +200,68 @@ def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> N
             )
 
 
+def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
+    """The single-pool `ops` over global arrays laid out by `layout`, each rank on its block.
+
+    See `sharded_future_map`; this is its body for ops already built.
+    """
+    pool_size, mesh, spec_ = ops.pool_size, layout.mesh, layout.spec
+
+    def init() -> FutureMapState:
+        return jax.shard_map(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
+
+    def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
+        _check_state(layout, state, pool_size)
+        _check_split(layout, (indices, new_seq_lens), "publish")
+        return layout.map(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
+
+    def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
+        _check_state(layout, state, pool_size)
+        _check_split(layout, (indices, payload), "stash")
+        return layout.map(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
+
+    def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
+        _check_state(layout, state, pool_size)
+        mode = batch.forward_mode
+        if isinstance(mode, int | np.integer):
+            fixed = mode  # known on the host: every rank's executable has it fixed
+
+            def fixed_resolve(state: FutureMapState, b: Batch) -> Any:
+                return ops.resolve(state, b._replace(forward_mode=fixed))
+
+            batch = batch._replace(forward_mode=None)
+            _check_split(layout, batch, "resolve")
+            return layout.map(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
+        shape = jnp.shape(mode)
+        if shape == ():
+            mode = jnp.broadcast_to(mode, (layout.dp,))
+        elif shape != (layout.dp,):
+            raise FutureMapError(
+                f"batch.forward_mode must be one mode for every rank (a scalar) or one per DP "
+                f"rank, shape ({layout.dp},), got {shape}"
+            )
+
+        def local_resolve(state: FutureMapState, b: Batch) -> Any:
+            # Each rank sees its [1] slice of the per-rank modes.
+            return ops.resolve(state, b._replace(forward_mode=b.forward_mode[0]))
+
+        batch = batch._replace(forward_mode=mode)
+        _check_split(layout, batch, "resolve")
+        return layout.map(local_resolve)(state, batch)  # type: ignore[no-any-return]
+
+    def invalidate(batch: Batch, indices: Any) -> Batch:
+        _check_split(layout, indices, "invalidate")
+        # Elementwise: every rank's sentinels are its own rank-local -indices.
+        return ops.invalidate(batch, indices)
+
+    def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
+        _check_state(layout, state, pool_size)
+        _check_split(layout, indices, "seq_lens_at")
+        return layout.map(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
+
+    return ShardedFutureMapOps(init, publish, stash, resolve, invalidate, seq_lens_at, ops, layout)
+
+
 def sharded_future_map(
     pool_size: int,
     mesh: Mesh,
@@ -151,7 +277,8 @@ def sharded_future_map(
     The ops can be inlined in an engine's own jitted step, like `future_map`'s; jit them
     with `donate_argnums` on the state for in-place writes. In debug mode wrap them in
     `checkify.checkify`; a failure message then starts with 'at mapped index i', the i-th
-    device of `mesh.devices.flat` (see `ShardedFutureMap.check`).
+    device of `mesh.devices.flat` (`fm_jax.raise_if_violated(err, layout=...)` names the
+    DP rank).
 
     Args:
       pool_size: R, slots per DP rank (max running requests per rank + 1); slot 0 pads.
@@ -166,46 +293,7 @@ def sharded_future_map(
       ShardedFutureMapOps over global arrays laid out as in the module docstring.
     """
     layout = mesh_layout(mesh, dp_axis, tp_axis)
-    ops = future_map(pool_size, dtype=dtype, spec=spec, debug=debug)
-    spec_ = layout.spec
-    shard = jax.shard_map
-
-    def init() -> FutureMapState:
-        return shard(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
-
-    def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
-        _check_state(layout, state, pool_size)
-        _check_split(layout, (indices, new_seq_lens), "publish")
-        return shard(ops.publish, mesh=mesh, in_specs=spec_, out_specs=spec_)(  # type: ignore[no-any-return]
-            state, indices, new_seq_lens
-        )
-
-    def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
-        _check_state(layout, state, pool_size)
-        _check_split(layout, (indices, payload), "stash")
-        return shard(ops.stash, mesh=mesh, in_specs=spec_, out_specs=spec_)(  # type: ignore[no-any-return]
-            state, indices, payload
-        )
-
-    def local_resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
-        # Each rank sees its [1] slice of the per-rank modes.
-        return ops.resolve(state, batch._replace(forward_mode=batch.forward_mode[0]))
-
-    def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
-        _check_state(layout, state, pool_size)
-        if jnp.shape(batch.forward_mode) != (layout.dp,):
-            raise FutureMapError(
-                f"batch.forward_mode must hold one mode per DP rank, shape ({layout.dp},), "
-                f"got {jnp.shape(batch.forward_mode)}"
-            )
-        _check_split(layout, batch, "resolve")
-        return shard(local_resolve, mesh=mesh, in_specs=spec_, out_specs=spec_)(state, batch)  # type: ignore[no-any-return]
-
-    def invalidate(batch: Batch, indices: Any) -> Batch:
-        _check_split(layout, (batch, indices), "invalidate")
-        return shard(ops.invalidate, mesh=mesh, in_specs=spec_, out_specs=spec_)(batch, indices)  # type: ignore[no-any-return]
-
-    return ShardedFutureMapOps(init, publish, stash, resolve, invalidate, ops, layout)
+    return lift(future_map(pool_size, dtype=dtype, spec=spec, debug=debug), layout)
 
 
 def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:

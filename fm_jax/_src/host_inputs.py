@@ -1,0 +1,331 @@
+"""What a FutureMap's caller passes, turned into what its executables take.
+
+Three forms, judged by the same rules on one device and on a mesh (one device is the
+one-rank layout):
+- a host array (numpy, a list): global rows, each DP rank's rows end to end, the same
+  number per rank (one device: any number). Checked by value here, each rank's part padded
+  with zero rows (slot 0, token 0) to a bucket, and handed to the executable as a host
+  array: the jit transfers it while dispatching.
+- a jax array: global rows as the executable takes them, each rank's part already a
+  bucket size; not read here (no sync), taken as it is.
+- a mapping DP rank -> host array (rank-local slots): the ranks of this process; a local
+  rank left out is idle (all padding). Every rank is padded to one size.
+
+Host value checks (slot range, duplicate live slots, int fit, sentinel range) raise
+`FutureMapError` naming the field before anything reaches the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from fm_jax._src.buckets import bucket_for
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.sharding import MeshLayout
+
+_INTS = frozenset(
+    np.dtype(t)
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+)
+
+
+class Rows(NamedTuple):
+    """One placed input, and the row layout that inputs matched to it must follow.
+
+    Attributes:
+      array: what the executable takes (a host array, or the caller's jax array).
+      size: rows per DP rank after padding (a bucket size).
+      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
+      by_rank: given as a mapping DP rank -> rows.
+    """
+
+    array: Any
+    size: int
+    counts: tuple[int, ...] | None
+    by_rank: bool
+
+    @property
+    def empty(self) -> bool:
+        """No real row on any rank (an idle call)."""
+        return self.counts is not None and not any(self.counts)
+
+
+class HostInputs:
+    """Input preparation for one map: its layout, pool size, int dtype and buckets."""
+
+    def __init__(
+        self,
+        layout: MeshLayout,
+        pool_size: int,
+        dtype: np.dtype,
+        batch_buckets: tuple[int, ...],
+        token_buckets: tuple[int, ...],
+    ) -> None:
+        self.layout = layout
+        self.dp = layout.dp
+        self.local_ranks = frozenset(layout.local_ranks())
+        self.single_process = layout.single_process
+        self.pool_size = pool_size
+        self.dtype = dtype
+        self.batch_buckets = batch_buckets
+        self.token_buckets = token_buckets
+        info = np.iinfo(dtype)
+        self._lo, self._hi = int(info.min), int(info.max)
+        # Int dtypes whose every value fits the map's dtype: cast without a value check.
+        self._safe = frozenset(d for d in _INTS if np.can_cast(d, dtype, "safe"))
+        self._zeros = np.zeros(0, dtype)
+
+    # ----------------------------------------------------------------- value checks
+    def _ints(self, name: str, a: np.ndarray) -> np.ndarray:
+        """`a` (host, integer) in the map's dtype; refuses values that do not fit."""
+        dt = a.dtype
+        if dt is self.dtype or dt == self.dtype:
+            return a
+        if dt in self._safe:
+            return a.astype(self.dtype)
+        if dt.kind not in "iu":
+            raise FutureMapError(f"{name} must have an integer dtype, got {dt}")
+        if a.size and (int(a.min()) < self._lo or int(a.max()) > self._hi):
+            raise FutureMapError(f"{name} holds values that do not fit the {self.dtype} buffer")
+        return a.astype(self.dtype)
+
+    def _check_slots(self, name: str, a: np.ndarray) -> None:
+        """Every slot in [0, R), no live slot (>= 1) twice. One sort serves both."""
+        if a.shape[0] < 2:
+            if a.shape[0] and not 0 <= a[0] < self.pool_size:
+                raise FutureMapError(
+                    f"{name} holds slots {a.tolist()} outside [0, {self.pool_size})"
+                )
+            return
+        s = np.sort(a)
+        if s[0] < 0 or s[-1] >= self.pool_size:
+            bad = a[(a < 0) | (a >= self.pool_size)]
+            raise FutureMapError(f"{name} holds slots {bad.tolist()} outside [0, {self.pool_size})")
+        rep = s[1:][s[1:] == s[:-1]]
+        if rep.size and rep[-1] != 0:  # sorted: a live repeat is the largest
+            live = np.unique(rep[rep != 0])
+            raise FutureMapError(
+                f"{name} holds live slots {live.tolist()} more than once in one batch"
+            )
+
+    def _check_sentinels(self, name: str, a: np.ndarray) -> None:
+        """A sentinel -s names a slot s in [0, R)."""
+        if a.size and a.min() <= -self.pool_size:
+            raise FutureMapError(
+                f"{name} holds sentinels {a[a <= -self.pool_size].tolist()} naming slots "
+                f"outside [0, {self.pool_size})"
+            )
+
+    # ----------------------------------------------------------------- forms
+    def _rank_parts(self, name: str, x: Mapping[Any, Any]) -> dict[int, np.ndarray]:
+        """A per-rank mapping's host arrays by rank, keys checked."""
+        out = {}
+        for rank, a in x.items():
+            if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+                raise FutureMapError(f"{name} is keyed by DP rank (an int), got {rank!r}")
+            if int(rank) not in self.local_ranks:
+                raise FutureMapError(
+                    f"{name} has rows for DP rank {rank}, which is not one of this process's "
+                    f"ranks {sorted(self.local_ranks)}"
+                )
+            out[int(rank)] = _host(name, a)
+        return out
+
+    def _jax(self, name: str, x: jax.Array, buckets: tuple[int, ...], size: int | None) -> Rows:
+        """A jax array of global rows, taken as it is: its shape and dtype are checked."""
+        shape = x.shape
+        if len(shape) != 1 or x.dtype not in _INTS:
+            raise FutureMapError(f"{name} must be a 1-D integer array, got {shape} {x.dtype}")
+        if x.dtype not in self._safe:
+            raise FutureMapError(
+                f"{name} has dtype {x.dtype}, which the map's {self.dtype} buffers cannot hold "
+                "without a value check: cast it on the device or pass a host array"
+            )
+        per = shape[0] // self.dp
+        if per * self.dp != shape[0] or per not in buckets or (size is not None and per != size):
+            want = "any bucket" if size is None else f"{size}"
+            raise FutureMapError(
+                f"{name} has {shape[0]} entries, not a bucket size {buckets} ({want} for each "
+                f"of {self.dp} DP rank(s)): pad it (fm_jax.pad_to_bucket) or pass a host array"
+            )
+        return Rows(x, per, None, False)
+
+    def _pad(self, parts: dict[int, np.ndarray], size: int, like: np.ndarray) -> Any:
+        if self.dp == 1:
+            a = parts.get(0, like[:0])
+            if a.shape[0] == size:
+                return a
+            out = np.zeros((size, *like.shape[1:]), like.dtype)
+            out[: a.shape[0]] = a
+            return out
+        return self.layout.global_array(parts, size, like)
+
+    def _size(self, n: int, buckets: tuple[int, ...], given: int | None, what: str) -> int:
+        """The per-rank padded size: `given` (a bucket), or the bucket of the largest rank."""
+        if given is None and n in buckets and self.single_process:
+            return n
+        if given is None:
+            if not self.single_process:
+                raise FutureMapError(
+                    f"a multi-process FutureMap needs an explicit {what}= (the per-rank size "
+                    "all processes agreed on), or processes would compile different shapes"
+                )
+            return bucket_for(max(n, 1), buckets, what)
+        if given not in buckets:
+            raise FutureMapError(f"{what}={given} is not one of the buckets {buckets}")
+        if given < n:
+            raise FutureMapError(f"{what}={given} is smaller than a rank's {n} entries")
+        return given
+
+    def _split(self, name: str, a: np.ndarray) -> dict[int, np.ndarray]:
+        """Global host rows as DP equal per-rank parts."""
+        if self.dp == 1:
+            return {0: a}
+        per = a.shape[0] // self.dp
+        if per * self.dp != a.shape[0]:
+            raise FutureMapError(
+                f"{name} has {a.shape[0]} rows, which do not split into {self.dp} equal "
+                "per-rank parts (or pass a mapping DP rank -> rows)"
+            )
+        return {d: a[d * per : (d + 1) * per] for d in range(self.dp)}
+
+    def _flat(
+        self,
+        name: str,
+        x: Any,
+        buckets: tuple[int, ...],
+        size: int | None,
+        *,
+        slots: bool,
+    ) -> Rows:
+        """A 1-D int input (slots or token ids) placed for the executable."""
+        if self.dp == 1 and type(x) is np.ndarray and x.ndim == 1 and self.single_process:
+            # The per-step case of one device, kept short: every host op pays it.
+            a = self._ints(name, x)
+            n = a.shape[0]
+            if slots:
+                self._check_slots(name, a)
+            else:
+                self._check_sentinels(name, a)
+            rows = self._size(n, buckets, size, "rows" if slots else "tokens")
+            if n != rows:
+                padded = np.zeros(rows, self.dtype)
+                padded[:n] = a
+                a = padded
+            return Rows(a, rows, (n,), False)
+        if isinstance(x, jax.Array) and x.size:
+            return self._jax(name, x, buckets, size)
+        by_rank = isinstance(x, Mapping)
+        parts = self._rank_parts(name, x) if by_rank else self._split(name, _host(name, x))
+        for rank, a in parts.items():
+            where = f"{name}[rank {rank}]" if self.dp > 1 else name
+            if a.ndim != 1:
+                raise FutureMapError(f"{where} must be 1-D, got shape {a.shape}")
+            a = parts[rank] = self._ints(where, a)
+            if slots:
+                self._check_slots(where, a)
+            else:
+                self._check_sentinels(where, a)
+        counts = tuple(parts[d].shape[0] if d in parts else 0 for d in range(self.dp))
+        rows = self._size(max(counts), buckets, size, "rows" if slots else "tokens")
+        return Rows(self._pad(parts, rows, self._zeros), rows, counts, by_rank)
+
+    # ----------------------------------------------------------------- public
+    def slots(self, name: str, x: Any, size: int | None = None) -> Rows:
+        """Slot indices (rank-local), checked: in [0, R), no live slot twice per rank."""
+        return self._flat(name, x, self.batch_buckets, size, slots=True)
+
+    def token_ids(self, name: str, x: Any, size: int | None = None) -> Rows:
+        """Flat token ids (sentinels for decode rows), checked: sentinels name a slot."""
+        return self._flat(name, x, self.token_buckets, size, slots=False)
+
+    def matched(self, name: str, x: Any, like: Rows, *, ints: bool) -> Any:
+        """A per-row input ([rows, ...]) laid out like `like`: the same rows per rank.
+
+        Args:
+          name: the field, named in errors.
+          x: the rows, in the same form as `like` (a mapping if `like` was one).
+          like: the slots these rows belong to.
+          ints: cast to the map's int dtype (values checked); else the dtype must be one
+            the map stores as given (no silent cast).
+        """
+        if isinstance(x, jax.Array) and x.size:
+            want = self.dp * like.size
+            if not x.shape or x.shape[0] != want:
+                raise FutureMapError(f"{name} has {x.shape[:1]} rows, indices have ({want},)")
+            if ints and x.dtype.kind not in "iu":
+                raise FutureMapError(f"{name} must have an integer dtype, got {x.dtype}")
+            if ints and x.dtype not in self._safe:
+                raise FutureMapError(
+                    f"{name} has dtype {x.dtype}, which the map's {self.dtype} buffers cannot "
+                    "hold without a value check: cast it on the device or pass a host array"
+                )
+            return x
+        if like.counts is None:  # rows of jax-array slots: already padded, not read
+            a = _host(name, x)
+            if a.ndim < 1 or a.shape[0] != self.dp * like.size:
+                raise FutureMapError(
+                    f"{name} has {a.shape[:1]} rows, indices have ({self.dp * like.size},)"
+                )
+            return self._dtype(name, a, ints)
+        if isinstance(x, Mapping) != like.by_rank:
+            form = "a mapping DP rank -> rows" if like.by_rank else "global rows"
+            raise FutureMapError(f"{name} must be given like the indices: {form}")
+        parts = self._rank_parts(name, x) if like.by_rank else self._split(name, _host(name, x))
+        tail = None
+        for d, n in enumerate(like.counts):
+            where = f"{name}[rank {d}]" if self.dp > 1 else name
+            a = parts.get(d)
+            if a is None:
+                if n:
+                    raise FutureMapError(f"{name} has no rows for DP rank {d}, indices have {n}")
+                continue
+            if a.ndim < 1 or a.shape[0] != n:
+                raise FutureMapError(f"{where} has {a.shape[:1]} rows, indices have ({n},)")
+            a = parts[d] = self._dtype(where, a, ints)
+            if tail is not None and (a.shape[1:], a.dtype) != tail:
+                raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
+            tail = (a.shape[1:], a.dtype)
+        like_a = next(iter(parts.values()), None)
+        if like_a is None:
+            raise FutureMapError(f"{name} is empty on every rank")
+        return self._pad(parts, like.size, like_a[:0])
+
+    def _dtype(self, name: str, a: np.ndarray, ints: bool) -> np.ndarray:
+        if ints:
+            return self._ints(name, a)
+        if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
+            # The transfer would cast (e.g. float64 -> float32 without x64): refuse instead.
+            raise FutureMapError(f"{name} has dtype {a.dtype}, not a dtype the map stores")
+        return a
+
+    def unpad(self, host: np.ndarray, like: Rows) -> Any:
+        """Host rows laid out like `like`, padding removed, in the form `like` was given."""
+        if like.counts is None:
+            return host
+        size = like.size
+        blocks = {
+            d: host[d * size : d * size + n] for d, n in enumerate(like.counts) if d in self.local_ranks
+        }
+        if like.by_rank:
+            return blocks
+        if self.dp == 1:
+            return blocks[0]
+        return np.concatenate([blocks[d] for d in range(self.dp)])
+
+
+def _host(name: str, x: Any) -> np.ndarray:
+    """`x` as a host array; a refused object names the field."""
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as bad:
+        raise FutureMapError(f"{name} is not an array: {bad}") from None
+    if a.dtype == object:
+        raise FutureMapError(f"{name} is not a numeric array (object dtype)")
+    return a
