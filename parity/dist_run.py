@@ -89,7 +89,7 @@ class DpSync:
     def __call__(self, step: int, rows: int, tokens: int) -> tuple[int, int]:
         from jax.experimental import multihost_utils
 
-        from fm_jax._src.buckets import bucket_for, power_of_two_buckets
+        from fm_jax import pad_to_bucket
 
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -107,9 +107,10 @@ class DpSync:
             timer.cancel()
         print(f"step {step}", flush=True)
         m = got.reshape(-1, 2).max(axis=0)
+        # The map's default buckets: powers of two (rows up to 1024, tokens up to 8192).
         return (
-            bucket_for(max(int(m[0]), 1), power_of_two_buckets(1024), "rows"),
-            bucket_for(max(int(m[1]), 1), power_of_two_buckets(8192), "tokens"),
+            pad_to_bucket(np.zeros(max(int(m[0]), 1))).shape[0],
+            pad_to_bucket(np.zeros(max(int(m[1]), 1))).shape[0],
         )
 
 

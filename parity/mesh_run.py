@@ -1,4 +1,4 @@
-"""Run a DP scenario on a mesh (`ShardedFutureMap`) and on one unsharded map per rank.
+"""Run a DP scenario on a mesh (`fm_jax.FutureMap(mesh=...)`) and on one unsharded map per rank.
 
 Both drivers follow SPEC.md's overlap step per rank (resolve, forward, publish, stash,
 invalidate) and record a trace: per (step, rank) the resolved ids and lengths, the
@@ -22,13 +22,13 @@ from jax.sharding import Mesh
 from fm_jax import (
     Batch,
     ForwardMode,
-    ShardedFutureMap,
+    FutureMap,
     future_map,
+    pad_to_bucket,
     per_rank,
     power_of_two_buckets,
     raise_if_violated,
 )
-from fm_jax._src.buckets import bucket_for, pad_rows
 from parity.mesh_scenario import RankStep, Scenario, data_parallel_scenario, forward_tokens
 
 Trace = dict[tuple[int, int], dict[str, np.ndarray]]
@@ -148,7 +148,7 @@ class MeshRun:
     """A sharded run's trace and what it shows about compiles and collectives."""
 
     trace: Trace
-    compiles: int = 0  # backend compiles on steps whose per-rank shape was seen before
+    compiles: int = 0  # backend compiles on steps whose shape and batch kinds were seen before
     compiles_total: int = 0  # all backend compiles during the steps
     shapes: set[tuple[int, int]] = field(default_factory=set)  # (rows, tokens) per rank seen
     collectives: dict[str, int] = field(default_factory=dict)  # op -> collectives in its HLO
@@ -163,7 +163,7 @@ def run_sharded(
     debug: bool = False,
     sizes: Any = None,
 ) -> MeshRun:
-    """Replay `scn` on a `ShardedFutureMap` over `mesh`, feeding this process's ranks.
+    """Replay `scn` on a `FutureMap` over `mesh`, feeding this process's ranks.
 
     Args:
       scn: the scenario; `scn.dp` must equal the mesh's 'dp' size.
@@ -177,11 +177,12 @@ def run_sharded(
     Returns:
       MeshRun with the local ranks' trace.
     """
-    fm = ShardedFutureMap(scn.pool_size, mesh, dp_axis="dp", tp_axis=tp_axis, debug=debug)
+    fm = FutureMap(scn.pool_size, mesh=mesh, dp_axis="dp", tp_axis=tp_axis, debug=debug)
     if fm.layout.dp != scn.dp:
         raise ValueError(f"scenario has {scn.dp} DP ranks, the mesh {fm.layout.dp}")
     state_sharding = fm.state.output_tokens.sharding
     run = MeshRun(trace={})
+    seen: set[tuple[int, int, frozenset[bool]]] = set()
     local = fm.local_ranks
     with count_compiles() as compiles:
         for s, ranks in enumerate(scn.steps):
@@ -195,7 +196,10 @@ def run_sharded(
                     max((st.slots.shape[0] for st in mine.values()), default=0),
                     max((st.input_ids.shape[0] for st in mine.values()), default=0),
                 )
-            first_of_shape = (rows, toks) not in run.shapes
+            # The map runs one of three resolve executables per shape: DECODE fixed, another
+            # kind fixed, or the kinds traced when ranks differ (DECODE next to not).
+            kind = frozenset(st.mode == ForwardMode.DECODE for st in mine.values())
+            first_of_shape = (rows, toks, kind) not in seen
             before = len(compiles)
             batches = {
                 d: Batch(int(st.mode), st.slots, st.input_ids, st.seq_lens)
@@ -211,9 +215,7 @@ def run_sharded(
                 slots[d] = st.slots
             fm.publish(slots, new_lens, rows=rows)
             fm.stash(slots, toks_by_rank, rows=rows)
-            g_idx = fm.to_global(slots, rows)
-            g_mode = fm.to_global({d: [int(st.mode)] for d, st in mine.items()}, 1, dtype=np.int32)
-            inv = fm.invalidate(Batch(g_mode, g_idx, out.input_ids, out.seq_lens), g_idx)
+            inv = fm.invalidate(Batch(None, None, out.input_ids, out.seq_lens), slots, rows=rows)
             inv_r = per_rank(inv.input_ids, fm.layout)
             for d, st in mine.items():
                 ids = ids_r[d][: st.input_ids.shape[0]]
@@ -223,22 +225,28 @@ def run_sharded(
             if not first_of_shape:
                 run.compiles += len(compiles) - before
             run.shapes.add((rows, toks))
+            seen.add((rows, toks, kind))
             if fm.state.output_tokens.sharding != state_sharding:
                 run.resharded = True
     run.compiles_total = len(compiles)
     fm.check()
-    for name, by_rank in fm.buffers().items():
-        for d, buf in by_rank.items():
+    for name, buffer in fm.buffers().items():
+        for d, buf in per_rank(buffer, fm.layout).items():
             run.trace.setdefault((-1, d), {})[name] = buf
     run.collectives = hlo_collectives(fm, rows, toks)
     return run
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    return bucket_for(max(n, 1), buckets, "rows")
+    return int(pad_to_bucket(np.zeros(max(n, 1)), buckets).shape[0])
 
 
-def hlo_collectives(fm: ShardedFutureMap, rows: int, tokens: int) -> dict[str, int]:
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """`x` with zero rows appended up to `rows` (slot 0, token 0)."""
+    return np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def hlo_collectives(fm: FutureMap, rows: int, tokens: int) -> dict[str, int]:
     """Count collective instructions in each op's compiled HLO at per-rank sizes (rows, tokens)."""
     dp, dt = fm.layout.dp, fm.dtype
     sh = fm.layout.sharding
@@ -249,12 +257,14 @@ def hlo_collectives(fm: ShardedFutureMap, rows: int, tokens: int) -> dict[str, i
     state = jax.tree.map(
         lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding), fm.state
     )
-    batch = Batch(arr(1, np.int32), arr(rows), arr(tokens), arr(rows), None)
+    mode = jax.ShapeDtypeStruct((dp,), np.int32)  # traced: one per rank, placed by the jit
+    batch = Batch(mode, arr(rows), arr(tokens), arr(rows), None)
+    ex = fm.executables()
     lowered = {
-        "publish": fm.compiled_ops()["publish"].lower(state, arr(rows), arr(rows)),
-        "stash": fm.compiled_ops()["stash"].lower(state, arr(rows), arr(rows)),
-        "resolve": fm.compiled_ops()["resolve"].lower(state, batch),
-        "invalidate": fm.compiled_ops()["invalidate"].lower(batch, arr(rows)),
+        "publish": ex["publish"].lower(state, arr(rows), arr(rows)),
+        "stash": ex["stash"].lower(state, arr(rows), arr(rows)),
+        "resolve": ex["resolve"].lower(state, batch),
+        "invalidate": ex["sentinels"].lower(arr(rows)),
     }
     out = {}
     for op, low in lowered.items():

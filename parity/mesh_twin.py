@@ -1,4 +1,4 @@
-"""Parity's JAX twin on one DP rank of a `ShardedFutureMap`, to run catalogue scenarios on a mesh.
+"""Parity's JAX twin on one DP rank of a mesh `FutureMap`, to run catalogue scenarios on a mesh.
 
 `RankView` gives one rank of a sharded map the single-pool `fm_jax.FutureMap` interface
 (every call feeds that rank's rows; the other ranks get all-padding parts, as idle ranks
@@ -21,9 +21,9 @@ from parity.twin_jax import JaxTwin
 
 
 class RankView:
-    """The single-pool FutureMap API over DP rank `rank` of a ShardedFutureMap."""
+    """The single-pool FutureMap API over DP rank `rank` of a mesh FutureMap."""
 
-    def __init__(self, fm: fm_jax.ShardedFutureMap, rank: int) -> None:
+    def __init__(self, fm: fm_jax.FutureMap, rank: int) -> None:
         if rank not in fm.local_ranks:
             raise ValueError(f"DP rank {rank} is not local to this process {fm.local_ranks}")
         self.fm, self.rank = fm, rank
@@ -42,7 +42,9 @@ class RankView:
         bufs = self.fm.buffers()
         return fm_jax.FutureMapState(
             **{
-                name: bufs[name][self.rank] if name in bufs else None
+                name: fm_jax.per_rank(bufs[name], self.fm.layout)[self.rank]
+                if name in bufs
+                else None
                 for name in fm_jax.FutureMapState._fields
             }
         )
@@ -72,28 +74,18 @@ class RankView:
         self.fm.stash({self.rank: slots}, {self.rank: payload}, rows=len(slots))
 
     def invalidate(self, batch: fm_jax.Batch, slots: np.ndarray) -> fm_jax.Batch:
-        fm, r, rows = self.fm, self.rank, len(slots)
-        ids = np.asarray(batch.input_ids)
-        g = fm_jax.Batch(
-            fm.to_global({r: [int(batch.forward_mode)]}, 1, dtype=np.int32),
-            fm.to_global({r: slots}, rows),
-            fm.to_global({r: ids}, len(ids)),
-            fm.to_global({r: np.asarray(batch.seq_lens)}, rows),
-        )
-        out = fm.invalidate(g, fm.to_global({r: slots}, rows))
+        out = self.fm.invalidate(batch, {self.rank: slots}, rows=len(slots))
         return out._replace(
             input_ids=self._block(out.input_ids), seq_lens=self._block(out.seq_lens)
         )
 
 
 class MeshRankTwin(JaxTwin):
-    """`JaxTwin` whose FutureMap is DP rank `rank` of a shared ShardedFutureMap."""
+    """`JaxTwin` whose FutureMap is DP rank `rank` of a shared mesh FutureMap."""
 
     name = "jax-mesh"
 
-    def __init__(
-        self, scenario: Scenario, dtype: str, fm: fm_jax.ShardedFutureMap, rank: int
-    ) -> None:
+    def __init__(self, scenario: Scenario, dtype: str, fm: fm_jax.FutureMap, rank: int) -> None:
         self.dtype = np.dtype(dtype)
         self.on_host = True
         sp = scenario.spec
@@ -105,13 +97,13 @@ class MeshRankTwin(JaxTwin):
 
 def sharded_map_for(
     scenario: Scenario, dp: int, tp: int, *, dtype: str = "int32", debug: bool = False
-) -> fm_jax.ShardedFutureMap:
-    """A ShardedFutureMap configured like JaxTwin's map for `scenario`, on a dp x tp mesh."""
+) -> fm_jax.FutureMap:
+    """A mesh FutureMap configured like JaxTwin's map for `scenario`, on a dp x tp mesh."""
     sp = scenario.spec
     cfg = None if sp is None else fm_jax.SpecConfig(sp.topk, sp.hidden, jax.numpy.bfloat16)
-    return fm_jax.ShardedFutureMap(
+    return fm_jax.FutureMap(
         scenario.pool_size,
-        make_mesh(dp, tp),
+        mesh=make_mesh(dp, tp),
         dp_axis="dp",
         tp_axis="tp",
         dtype=np.dtype(dtype),

@@ -39,10 +39,10 @@ def _parity_rows() -> dict[str, Any]:
 def _idle_ranks_compile_nothing() -> dict[str, Any]:
     import jax
 
-    from fm_jax import Batch, ForwardMode, ShardedFutureMap
+    from fm_jax import Batch, ForwardMode, FutureMap, per_rank
     from parity.mesh_run import count_compiles, make_mesh
 
-    fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
+    fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
     sharding = fm.state.output_tokens.sharding
 
     def step(busy: list[int], n: int) -> None:
@@ -51,7 +51,12 @@ def _idle_ranks_compile_nothing() -> dict[str, Any]:
             d: Batch(int(ForwardMode.EXTEND), s, s * 10 + n, np.full(2, 3, np.int32))
             for d, s in slots.items()
         }
-        with jax.transfer_guard("disallow"):  # explicit device_put only; no implicit moves
+        # Host rows go to the devices inside the jit's dispatch (the host path); nothing
+        # comes back to the host and nothing moves between devices.
+        with (
+            jax.transfer_guard_device_to_host("disallow"),
+            jax.transfer_guard_device_to_device("disallow"),
+        ):
             fm.resolve(batches, rows=4, tokens=4)
             fm.publish(slots, {d: np.full(2, 4, np.int32) for d in busy}, rows=4)
             fm.stash(slots, {d: s + n for d, s in slots.items()}, rows=4)
@@ -67,7 +72,10 @@ def _idle_ranks_compile_nothing() -> dict[str, Any]:
         "later_compiles": len(later),
         "patterns": len(patterns),
         "same_sharding": fm.state.output_tokens.sharding == sharding,
-        "final_tokens": {str(k): v.tolist() for k, v in fm.buffers()["output_tokens"].items()},
+        "final_tokens": {
+            str(k): v.tolist()
+            for k, v in per_rank(fm.buffers()["output_tokens"], fm.layout).items()
+        },
     }
 
 
@@ -88,11 +96,11 @@ def _collective_counter_sees_resharding() -> dict[str, Any]:
 
 
 def _layout() -> dict[str, Any]:
-    from fm_jax import ShardedFutureMap
+    from fm_jax import FutureMap
     from parity.mesh_run import make_mesh
 
     mesh = make_mesh(4, 2)
-    fm = ShardedFutureMap(POOL, mesh, dp_axis="dp", tp_axis="tp")
+    fm = FutureMap(POOL, mesh=mesh, dp_axis="dp", tp_axis="tp")
     buf = fm.state.new_seq_lens
     held = {}
     for d in range(4):
@@ -104,10 +112,10 @@ def _layout() -> dict[str, Any]:
 
 
 def _debug_violation_names_rank() -> dict[str, Any]:
-    from fm_jax import Batch, ForwardMode, InvariantViolation, ShardedFutureMap
+    from fm_jax import Batch, ForwardMode, FutureMap, InvariantViolation
     from parity.mesh_run import make_mesh
 
-    fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp", debug=True)
+    fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp", debug=True)
     ok = np.array([1], np.int32)
     fm.publish({0: ok, 2: ok}, {0: [5], 2: [5]})
     fm.stash({0: ok}, {0: [7]})  # rank 2's slot 1 gets a length but no token
@@ -121,11 +129,11 @@ def _debug_violation_names_rank() -> dict[str, Any]:
 
 
 def _bad_input_named() -> dict[str, Any]:
-    from fm_jax import FutureMapError, ShardedFutureMap
+    from fm_jax import FutureMap, FutureMapError, per_rank
     from parity.mesh_run import make_mesh
 
-    fm = ShardedFutureMap(POOL, make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
-    before = {k: v.copy() for k, v in fm.buffers()["output_tokens"].items()}
+    fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
+    before = per_rank(fm.buffers()["output_tokens"], fm.layout)
     msgs = {}
     for name, call in {
         "slot_range": lambda: fm.stash({1: np.array([2, POOL])}, {1: np.array([5, 6])}),
@@ -138,7 +146,7 @@ def _bad_input_named() -> dict[str, Any]:
             msgs[name] = None
         except FutureMapError as e:
             msgs[name] = str(e)
-    after = fm.buffers()["output_tokens"]
+    after = per_rank(fm.buffers()["output_tokens"], fm.layout)
     unchanged = all(np.array_equal(before[k], after[k]) for k in before)
     return {"messages": msgs, "unchanged": unchanged}
 
@@ -188,6 +196,65 @@ def _spec_draft_matches_per_rank() -> dict[str, Any]:
     return {"same": bool(same), "res_spec": str(res.draft.topk_p.sharding.spec)}
 
 
+def _same_calls_one_device_and_mesh() -> dict[str, Any]:
+    """One call sequence, global host arrays, on a one-device map and a 4x2 mesh map."""
+    import jax
+
+    from fm_jax import Batch, DraftPayload, ForwardMode, FutureMap, Resolved, SpecConfig
+    from parity.mesh_run import make_mesh
+
+    spec = SpecConfig(topk=2, hidden=0)
+
+    def run(fm: FutureMap, dp: int) -> list[Any]:
+        slots = np.tile(np.array([1, 2], np.int32), dp)
+        draft = DraftPayload(slots + 10, np.ones((2 * dp, 2), np.float32), slots[:, None] + [0, 1])
+        got: list[Any] = []
+        got.append(fm.publish(slots, slots + 4))
+        got.append(fm.stash(slots, draft))
+        batch = Batch(ForwardMode.DECODE, slots, -slots, -slots, slots)
+        got.append(fm.resolve(batch))
+        got.append(fm.finish(batch, slots, slots + 5, draft))
+        got.append(fm.invalidate(batch, slots))
+        got.append(fm.resolve_seq_lens_cpu(slots))
+        got.append(fm.check())
+        got.append(fm.buffers())
+        return got
+
+    one = run(FutureMap(POOL, spec=spec), 1)
+    mesh = run(FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp", spec=spec), 4)
+
+    def kinds(x: Any) -> Any:
+        return jax.tree.map(lambda a: type(a).__name__, x, is_leaf=lambda a: a is None)
+
+    return {
+        "one": str([kinds(x) for x in one]),
+        "mesh": str([kinds(x) for x in mesh]),
+        "resolved": isinstance(one[2], Resolved) and isinstance(mesh[2], Resolved),
+        "lens_one": one[5].tolist(),
+        "lens_mesh": mesh[5].tolist(),
+        "ids_one": np.asarray(one[2].draft.bonus_tokens).tolist(),
+        "ids_mesh": np.asarray(mesh[2].draft.bonus_tokens).tolist(),
+    }
+
+
+def _debug_on_make_mesh() -> dict[str, Any]:
+    """A debug map on `jax.make_mesh` (Explicit axes): a violation is reported, not lost."""
+    import jax
+
+    from fm_jax import Batch, ForwardMode, FutureMap, InvariantViolation
+
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    fm = FutureMap(8, mesh=mesh, dp_axis="dp", tp_axis="tp", debug=True)
+    s = np.array([1, 2])
+    fm.publish({2: s}, {2: np.array([4, 6])})
+    fm.resolve({2: Batch(ForwardMode.DECODE, s, -s, -s)})
+    try:
+        fm.check()
+    except InvariantViolation as e:
+        return {"raised": True, "message": str(e), "rank": e.rank}
+    return {"raised": False}
+
+
 CATALOGUE_RUNS = [("spec_decode", False), ("mixed_batches", True)]  # (scenario, debug), DP=2 x TP=2
 
 
@@ -212,6 +279,8 @@ CHECKS = {
         _bad_input_named,
         _spec_draft_matches_per_rank,
         _catalogue_on_mesh,
+        _same_calls_one_device_and_mesh,
+        _debug_on_make_mesh,
     )
 }
 
@@ -283,9 +352,10 @@ def test_steps_neither_recompile_nor_reshard(report, dp, tp):
         if (r["dp"], r["tp"]) == (dp, tp) and not r["debug"]
     )
     assert row["recompiles"] == 0
-    # At most: resolve and invalidate per (rows, tokens), publish and stash per rows, and init.
+    # At most: three resolves per (rows, tokens) (DECODE fixed, another kind fixed, kinds
+    # traced), publish, stash and invalidate per rows, and init.
     distinct_rows = {rows for rows, _ in row["shapes"]}
-    assert row["compiles_total"] <= 2 * len(row["shapes"]) + 2 * len(distinct_rows) + 1
+    assert row["compiles_total"] <= 3 * len(row["shapes"]) + 3 * len(distinct_rows) + 1
     assert not row["resharded"]
     assert row["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
 
@@ -360,6 +430,25 @@ def test_parity_catalogue_scenario_on_each_rank_matches_its_unsharded_twin(repor
     for r in rows:
         assert r["ok"], r
         assert r["ops_compared"] > 50 and r["errors"] == [None, None]
+
+
+def test_one_device_and_mesh_maps_take_the_same_calls(report):
+    """Pins the two map classes of old: the same call sequence (global host arrays) on a
+    one-device map and a mesh map returns the same types, and each mesh rank relays what
+    the one-device map relays."""
+    part = _part(report, "same_calls_one_device_and_mesh")
+    assert part["one"] == part["mesh"]
+    assert part["resolved"]
+    assert part["lens_one"] == [6, 7] and part["lens_mesh"] == [6, 7] * 4
+    assert part["ids_one"] == [11, 12] and part["ids_mesh"] == [11, 12] * 4
+
+
+def test_debug_check_on_an_explicit_axes_mesh_reports_the_violation(report):
+    """Pins check() crashing with ShardingTypeError on a `jax.make_mesh` mesh (Explicit
+    axes) after clearing its pending list, so that the violation was lost."""
+    part = _part(report, "debug_on_make_mesh")
+    assert part["raised"] and part["rank"] == 2
+    assert "DP rank 2" in part["message"] and "consume" in part["message"]
 
 
 # ----------------------------------------------------------------- single device, in process

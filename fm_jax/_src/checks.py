@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-
 SLOT_RANGE = "slot range"
 DUPLICATE_SLOT = "duplicate live slot"
 SENTINEL_RANGE = "sentinel range"

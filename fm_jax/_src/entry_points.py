@@ -54,7 +54,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
     mode_sh = sh if layout.mesh.devices.size == 1 else NamedSharding(layout.mesh, PartitionSpec())
-    batch_sh = Batch(mode_sh, sh, sh, sh, sh)
+    batch_sh: Any = Batch(mode_sh, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
 
     def jit(fn: Any, in_shardings: Any, *, donate: bool, checked: bool = True) -> Any:
         if debug is not None and checked:
@@ -84,7 +84,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
 
     def local_finish(
         state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
-    ) -> tuple[FutureMapState, jax.Array]:
+    ) -> tuple[FutureMapState, Any]:
         state = local.publish(state, indices, new_seq_lens)
         state = local.stash(state, indices, payload)
         return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
@@ -93,7 +93,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
     # shard_maps (jax 0.10: "select cases must have the same shapes").
     finish = layout.map(local_finish)
 
-    def sentinels(indices: jax.Array) -> jax.Array:
+    def sentinels(indices: jax.Array) -> Any:
         return ops.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 
     return EntryPoints(

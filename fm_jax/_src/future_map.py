@@ -218,7 +218,9 @@ class FutureMap:
             return self._invalidated(batch, idx)  # DP idle: nothing to relay
         lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True)
         self._state, sentinel = self._tail("finish", idx, lens, self._payload(payload, idx))
-        return Batch(batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices)
+        return Batch(
+            batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
+        )
 
     def _payload(self, payload: Payload, idx: Rows) -> Any:
         """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
@@ -276,7 +278,9 @@ class FutureMap:
         if isinstance(batch, Mapping):
             return self._resolve_by_rank(batch, rows, tokens)
         if not isinstance(batch, Batch):
-            raise FutureMapError(f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}")
+            raise FutureMapError(
+                f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
+            )
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
         ids = inputs.token_ids("input_ids", batch.input_ids, tokens)
         lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
@@ -349,7 +353,9 @@ class FutureMap:
 
     def _invalidated(self, batch: Batch, idx: Rows) -> Batch:
         sentinel = self._ep.sentinels(idx.array)
-        return Batch(batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices)
+        return Batch(
+            batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
+        )
 
     def resolve_seq_lens_cpu(self, indices: Any, *, rows: int | None = None) -> Any:
         """Host copy of `new_seq_lens[indices]` (a sync point: pending debug errors raise here).
@@ -363,7 +369,9 @@ class FutureMap:
             host = np.asarray(jax.device_get(out))
         else:
             blocks = per_rank(out, self.layout)
-            host = np.concatenate([blocks.get(d, np.zeros(idx.size, self.dtype)) for d in range(self.layout.dp)])
+            host = np.concatenate(
+                [blocks.get(d, np.zeros(idx.size, self.dtype)) for d in range(self.layout.dp)]
+            )
         self.check()
         return self._inputs.unpad(host, idx)
 

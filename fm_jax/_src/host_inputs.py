@@ -279,21 +279,23 @@ class HostInputs:
         tail = None
         for d, n in enumerate(like.counts):
             where = f"{name}[rank {d}]" if self.dp > 1 else name
-            a = parts.get(d)
-            if a is None:
+            if d not in parts:
                 if n:
                     raise FutureMapError(f"{name} has no rows for DP rank {d}, indices have {n}")
                 continue
+            a = parts[d]
             if a.ndim < 1 or a.shape[0] != n:
                 raise FutureMapError(f"{where} has {a.shape[:1]} rows, indices have ({n},)")
             a = parts[d] = self._dtype(where, a, ints)
             if tail is not None and (a.shape[1:], a.dtype) != tail:
                 raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
             tail = (a.shape[1:], a.dtype)
-        like_a = next(iter(parts.values()), None)
-        if like_a is None:
-            raise FutureMapError(f"{name} is empty on every rank")
-        return self._pad(parts, like.size, like_a[:0])
+        first = next(iter(parts.values()), None)
+        if first is None:  # no rank given (all idle): int rows are all padding
+            if not ints:
+                raise FutureMapError(f"{name} is given for no rank")
+            first = self._zeros
+        return self._pad(parts, like.size, first[:0])
 
     def _dtype(self, name: str, a: np.ndarray, ints: bool) -> np.ndarray:
         if ints:
@@ -309,7 +311,9 @@ class HostInputs:
             return host
         size = like.size
         blocks = {
-            d: host[d * size : d * size + n] for d, n in enumerate(like.counts) if d in self.local_ranks
+            d: host[d * size : d * size + n]
+            for d, n in enumerate(like.counts)
+            if d in self.local_ranks
         }
         if like.by_rank:
             return blocks

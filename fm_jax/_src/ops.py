@@ -247,7 +247,7 @@ def future_map(
            Spec: with `batch.draft_indices`, gather the draft extras and bonus tokens.
         3. Debug: consume check on what was gathered, then -1 written back to those slots.
         """
-        idx = batch.req_pool_indices
+        idx: jax.Array = batch.req_pool_indices  # type: ignore[assignment]  # traced here
         chk = checks.OpChecks() if debug else None
         check_indices("req_pool_indices", idx, chk)
         mode = batch.forward_mode
@@ -261,7 +261,9 @@ def future_map(
             # The mode is known when traced: only a DECODE executable gathers lengths.
             decode = int(mode) == ForwardMode.DECODE
             is_decode: jax.Array = jnp.asarray(decode)
-            seq_lens = _gather(state.new_seq_lens, idx) if decode else batch.seq_lens.astype(dt)
+            seq_lens = (
+                _gather(state.new_seq_lens, idx) if decode else jnp.asarray(batch.seq_lens, dt)
+            )
         else:
             is_decode = jnp.asarray(mode == ForwardMode.DECODE)
             # A branch, not a per-row select: only DECODE gathers, and the op stays a few
@@ -269,13 +271,13 @@ def future_map(
             seq_lens = jax.lax.cond(
                 is_decode,
                 lambda: _gather(state.new_seq_lens, idx),
-                lambda: batch.seq_lens.astype(dt),
+                lambda: jnp.asarray(batch.seq_lens, dt),
             )
         if chk is not None:
             checks.positive_lengths(is_decode, seq_lens, idx, chk)
 
         if spec is None:
-            ids = batch.input_ids.astype(dt)
+            ids = jnp.asarray(batch.input_ids, dt)
             if chk is not None:
                 checks.sentinels_in_range(ids, r, chk)
             is_ref = ids < 0
@@ -291,8 +293,9 @@ def future_map(
         if batch.draft_indices is None:
             if chk is not None:
                 chk.run()
-            return state, Resolved(batch.input_ids, seq_lens)  # prefill: no draft input
-        didx = batch.draft_indices
+            # A prefill batch: no draft input.
+            return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
+        didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices("draft_indices", didx, chk)
         assert state.topk_p is not None and state.topk_index is not None
         bonus = _gather(state.output_tokens, didx)
@@ -309,7 +312,7 @@ def future_map(
         if chk is not None:
             k = checks.consumed_values_valid(bonus, didx, chk)
             state = _poison(state, didx, chk.run(), k)
-        return state, Resolved(batch.input_ids, seq_lens, draft)
+        return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
         """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""

@@ -107,9 +107,7 @@ class MeshLayout(NamedTuple):
                 block[: got.shape[0]] = got
             local[rank] = block
         sharding = NamedSharding(self.mesh, self.spec)
-        arrays = [
-            jax.device_put(local[self.rank_of(d)], d) for d in sharding.addressable_devices
-        ]
+        arrays = [jax.device_put(local[self.rank_of(d)], d) for d in sharding.addressable_devices]
         shape = (self.dp * size, *tail)
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -232,9 +230,9 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
             batch = batch._replace(forward_mode=None)
             _check_split(layout, batch, "resolve")
             return layout.map(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
-        shape = jnp.shape(mode)
+        shape = jnp.shape(mode)  # type: ignore[arg-type]  # a traced mode here
         if shape == ():
-            mode = jnp.broadcast_to(mode, (layout.dp,))
+            mode = jnp.broadcast_to(mode, (layout.dp,))  # type: ignore[arg-type]
         elif shape != (layout.dp,):
             raise FutureMapError(
                 f"batch.forward_mode must be one mode for every rank (a scalar) or one per DP "
@@ -243,7 +241,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
 
         def local_resolve(state: FutureMapState, b: Batch) -> Any:
             # Each rank sees its [1] slice of the per-rank modes.
-            return ops.resolve(state, b._replace(forward_mode=b.forward_mode[0]))
+            return ops.resolve(state, b._replace(forward_mode=b.forward_mode[0]))  # type: ignore[index]
 
         batch = batch._replace(forward_mode=mode)
         _check_split(layout, batch, "resolve")

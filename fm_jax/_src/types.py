@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,31 +48,41 @@ class FutureMapState(NamedTuple):
     hidden_states: jax.Array | None = None
 
 
+Rows = jax.Array | np.ndarray
+"""Per-row data: a jax array, or a host array where the FutureMap class takes one."""
+
+
 class DraftPayload(NamedTuple):
     """Speculative draft state: what `stash` writes and what `resolve` gathers."""
 
-    bonus_tokens: jax.Array  # [B] int
-    topk_p: jax.Array  # [B, K] float32
-    topk_index: jax.Array  # [B, K] int
-    hidden_states: jax.Array | None = None  # [B, H], None when H == 0
+    bonus_tokens: Rows  # [B] int
+    topk_p: Rows  # [B, K] float32
+    topk_index: Rows  # [B, K] int
+    hidden_states: Rows | None = None  # [B, H], None when H == 0
+
+
+Mode = ForwardMode | int | jax.Array | None
+"""A batch's kind: known on the host (a ForwardMode), or traced (an int32 jax array). None
+stands for a mode fixed inside an executable."""
 
 
 class Batch(NamedTuple):
     """The fields of a scheduled batch that resolve and invalidate touch.
 
     `input_ids` is flat ([T]): an EXTEND row contributes all its tokens, a decode row one.
-    `forward_mode` is an int32 scalar (a ForwardMode value), traced, so one compiled step
-    serves every batch kind; a host int (e.g. ForwardMode.DECODE) fixes the mode when the op
-    is traced instead (no branch in the executable; one executable per mode). None is only
-    used inside FutureMap's fixed-mode entry points. `draft_indices` ([B]) is set on a spec
-    DECODE batch: the slots whose draft to gather; None on batches without a draft input.
+    `forward_mode` is an int32 jax scalar (a ForwardMode value), traced, so one compiled
+    step serves every batch kind (on a mesh: a scalar, or [DP], one mode per rank); a host
+    ForwardMode fixes the mode when the op is traced instead (no branch in the executable;
+    one executable per mode). `draft_indices` ([B]) is set on a spec DECODE batch: the slots
+    whose draft to gather; None on batches without a draft input. The FutureMap class also
+    takes host arrays for every field.
     """
 
-    forward_mode: Any  # ForwardMode: a traced int32 scalar, or a host int (see above)
-    req_pool_indices: jax.Array  # [B]
-    input_ids: jax.Array  # [T]
-    seq_lens: jax.Array  # [B]
-    draft_indices: jax.Array | None = None
+    forward_mode: Mode
+    req_pool_indices: Rows  # [B]
+    input_ids: Rows  # [T]
+    seq_lens: Rows  # [B]
+    draft_indices: Rows | None = None
 
 
 class Resolved(NamedTuple):
@@ -80,7 +90,7 @@ class Resolved(NamedTuple):
 
     input_ids: jax.Array  # [T]
     seq_lens: jax.Array  # [B]
-    draft: DraftPayload | None = None
+    draft: DraftPayload | None = None  # its fields are jax arrays
 
 
 def int_dtype(dtype: object) -> np.dtype:
