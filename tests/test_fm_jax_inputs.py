@@ -103,6 +103,20 @@ PLAIN_CASES = {
         "without spec",
     ),
     "invalidate_range": (lambda fm: fm.invalidate(batch([1], [1], [1]), np.array([R])), "outside"),
+    # A host mode is a ForwardMode: int() would make DECODE of 1.7, True and "1".
+    "mode_float": (lambda fm: fm.resolve(batch([1], [-1], [-1], mode=1.7)), "ForwardMode"),
+    "mode_bool": (lambda fm: fm.resolve(batch([1], [-1], [-1], mode=True)), "ForwardMode"),
+    "mode_str": (lambda fm: fm.resolve(batch([1], [-1], [-1], mode="1")), "ForwardMode"),
+    "mode_unknown": (lambda fm: fm.resolve(batch([1], [-1], [-1], mode=7)), "ForwardMode"),
+    "mode_traced_float": (
+        lambda fm: fm.resolve(batch([1], [-1], [-1], mode=jnp.float32(1))),
+        "int32",
+    ),
+    "object_tokens": (lambda fm: fm.stash(np.array([1]), np.array([None])), "integer dtype"),
+    "rank_key_bool": (lambda fm: fm.stash({True: np.array([1])}, {True: [1]}), "DP rank"),
+    "rank_key_float": (lambda fm: fm.stash({1.0: np.array([1])}, {1.0: [1]}), "DP rank"),
+    "foreign_rank": (lambda fm: fm.stash({1: np.array([1])}, {1: [1]}), "DP rank 1"),
+    "rows_not_a_bucket": (lambda fm: fm.publish(np.array([1]), np.array([3]), rows=3), "bucket"),
 }
 
 
