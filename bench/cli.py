@@ -1,8 +1,12 @@
-"""`fm-bench`: side-by-side cost of fm_jax, fm_torch and a naive JAX future map.
+"""`fm-bench`: side-by-side cost of fm_jax, fm_torch and the peers' future maps.
 
     fm-bench --quick              # tiny sweep, seconds; prints the tables
     fm-bench                      # full run (a few minutes) into bench/results/
     fm-bench --json out.json      # also write the results as JSON
+    fm-bench --headline-only --json h.json   # the headline group only; its rows as results
+
+The peers are SGLang's FutureMap (`sglang_torch`) and sglang-jax's future token map
+(`sglang_jax`), reproduced as they run; `naive_jax` and `floor` are references.
 
 int64 needs JAX's x64 mode, which fm_jax never turns on: that part runs in a child process
 with JAX_ENABLE_X64=1 and its rows are merged in.
@@ -22,8 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.plan import IMPLS
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-IMPL_ORDER = ("fm_jax", "fm_jax_fused", "fm_torch", "naive_jax", "floor")
+IMPL_ORDER = IMPLS
+"""Implementations measured in every group, in report order (see bench.plan.IMPLS)."""
 
 
 def _device() -> str:
@@ -45,13 +52,25 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _on_cpu() -> bool:
+    """Whether jax and torch both run on the CPU (some figures are targeted there only)."""
+    import jax
+
+    from bench.impls.sglang_torch import device as torch_device
+
+    return jax.default_backend() == "cpu" and torch_device().type == "cpu"
+
+
 def _measure_all(
     plan: Any, int64: bool, bar: Any, sweeps: bool = True
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Headline group (int32 only), then one group per sweep configuration (if `sweeps`).
 
     Each configuration is built (and compiled) once: the headline group takes its 'step'
     series from the same builds that the sweep groups then measure whole.
+
+    Returns:
+      (headline figures, sweep rows, the headline group's rows), rows in the JSON row schema.
     """
     from bench import headline, run
 
@@ -64,6 +83,7 @@ def _measure_all(
         return built[cfg]
 
     figs: list[dict[str, Any]] = []
+    head_rows: list[dict[str, Any]] = []
     if not int64:
         bar.set_description("headline group")
         sweep = set(plan.sweep_configs(False)) if sweeps else set()
@@ -79,9 +99,10 @@ def _measure_all(
         )
         figs = [
             f.evaluate(stats)
-            for f in headline.figures(plan.headline)
+            for f in headline.figures(plan.headline, on_cpu=_on_cpu())
             if f.num in stats and f.den in stats  # a plan may leave some variants out
         ]
+        head_rows = run.rows_of(stats)
         bar.update(1)
     rows: list[dict[str, Any]] = []
     for cfg in plan.sweep_configs(int64) if sweeps else []:
@@ -99,7 +120,7 @@ def _measure_all(
         bar.update(1)
     built.clear()
     gc.collect()
-    return figs, rows
+    return figs, rows, head_rows
 
 
 def _int64_child(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
@@ -182,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _plan(args)
     if args.child_int64:
         with tqdm(total=len(p.sweep_configs(True)), file=sys.stderr, leave=False) as bar:
-            _, rows = _measure_all(p, True, bar)
+            _, rows, _ = _measure_all(p, True, bar)
         if args.json:
             args.json.write_text(json.dumps({"results": rows}))
         return 0
@@ -193,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     n_groups = 1 + (len(p.sweep_configs(False)) if sweeps else 0) + int(with_int64)
     int64_error = None
     with tqdm(total=n_groups, file=sys.stderr, unit="group") as bar:
-        figs, rows = _measure_all(p, False, bar, sweeps)
+        figs, rows, head_rows = _measure_all(p, False, bar, sweeps)
         if with_int64:
             bar.set_description("int64 (child process)")
             more, int64_error = _int64_child(args)
@@ -216,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": round(time.perf_counter() - t0, 1),
             "int64_error": int64_error,
         },
-        "results": rows,
+        # A headline-only run has no sweeps: its results are the headline group's rows.
+        "results": rows if sweeps else head_rows,
         "headline": figs,
+        "headline_results": head_rows,
     }
     from bench import plots, report
 
@@ -233,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
         (out_dir / "results.md").write_text(md)
         if sweeps and not args.no_plots:
-            figures = [(0, "batch", plots.PLOT_OPS, "cost_vs_batch.png")]
+            figures: list[tuple[int, str, tuple[str, ...], str]] = [
+                (0, "batch", plots.PLOT_OPS, "cost_vs_batch.png")
+            ]
             figures.append((1, "pool", plots.PLOT_OPS, "cost_vs_pool.png"))
             if len(sections) > 3:  # a spec sweep
                 figures.append((2, "pool", plots.SPEC_PLOT_OPS, "spec_vs_pool.png"))

@@ -1,4 +1,8 @@
-"""The headline figures of issue 5: ratios of medians from one interleaved group."""
+"""The headline figures: ratios of medians from one interleaved group.
+
+Targets come from the issues (11: the host path and the floor; 12: the peers as they run)
+and never change here; a figure that misses is reported as missed.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,13 @@ from bench.timing import Series, Stats
 from bench.workload import Config
 
 _VARIANTS = COLUMNS  # every implementation, debug off and on where it has one
-_SPEC_VARIANTS = (("fm_jax", False), ("fm_jax", True), ("fm_torch", False), ("floor", False))
+_SPEC_VARIANTS = (
+    ("fm_jax", False),
+    ("fm_jax", True),
+    ("fm_torch", False),
+    ("sglang_torch", False),
+    ("floor", False),
+)
 
 
 def variants(spec: bool) -> tuple[tuple[str, bool], ...]:
@@ -34,8 +44,9 @@ def headline_series(h: Headline, built: dict[Config, list[Series]]) -> list[Seri
             built[cfg] = build_series(cfg, sorted(want), ("step",))
         for s in built[cfg]:
             k = s.key
-            impl = k.impl.removesuffix("/baseline")
-            if isinstance(k, Key) and k.op == "step" and (impl, k.debug) in want:
+            if not isinstance(k, Key) or k.op != "step":
+                continue
+            if (k.impl.removesuffix("/baseline"), k.debug) in want:
                 out.append(s)
     return out
 
@@ -51,6 +62,7 @@ class Figure:
     at_least: bool = False  # True: ratio must be >= target (a speed-up)
 
     def evaluate(self, stats: dict[Hashable, Stats]) -> dict[str, Any]:
+        """The figure as a JSON row: both medians, the ratio, the target and pass/miss."""
         n, d = stats[self.num].median_us, stats[self.den].median_us
         # A marginal cost can come out <= 0 (indistinguishable from nothing): no ratio then.
         ratio = n / d if d > 0 else None
@@ -77,32 +89,95 @@ def _describe(k: Key) -> str:
     return s + (f" spec H={c.hidden}" if c.spec else "")
 
 
-def figures(h: Headline) -> list[Figure]:
-    """The issue's figures (targets) and a few reported-only companions."""
+def figures(h: Headline, on_cpu: bool = True) -> list[Figure]:
+    """The issues' figures (targets) and reported-only companions.
+
+    Issue 11 (host path) and issue 12 (the real peers) at both non-spec pool sizes, then the
+    flat-in-R figures kept from issue 5. `on_cpu`: jax and torch both run on the CPU; the
+    figures targeted on CPU only are reported elsewhere.
+    """
     c = h.configs()
     small, large, ss, sl = c["small"], c["large"], c["spec_small"], c["spec_large"]
     s32 = [] if "spec32_small" not in c else [(c["spec32_small"], c["spec32_large"])]
+    cpu_only = 1.0 if on_cpu else None
 
     def k(impl: str, cfg: Any, debug: bool = False) -> Key:
         return Key(impl, debug, "step", cfg)
 
-    return [
+    out: list[Figure] = []
+    for cfg in (small, large):  # issue 11
+        r = f"R={cfg.pool}"
+        out += [
+            Figure(
+                f"fm_jax class step, numpy inputs vs floor_host, {r}",
+                k("fm_jax_host", cfg),
+                k("floor_host", cfg),
+                1.5,
+            ),
+            Figure(
+                f"fm_jax class step, jax inputs vs floor (2 dispatches each), {r}",
+                k("fm_jax", cfg),
+                k("floor", cfg),
+                1.3,
+            ),
+            Figure(
+                f"fm_jax class vs sglang_torch step (target on CPU), {r}",
+                k("fm_jax", cfg),
+                k("sglang_torch", cfg),
+                cpu_only,
+            ),
+            Figure(
+                f"fm_jax debug vs debug off, {r}", k("fm_jax", cfg, True), k("fm_jax", cfg), 1.5
+            ),
+        ]
+    for cfg, fused, cls in ((small, 0.2, 0.5), (large, 0.05, 0.1)):  # issue 12
+        r = f"R={cfg.pool}"
+        out += [
+            Figure(
+                f"fm_jax fused (marginal) vs sglang_jax step, {r}",
+                k("fm_jax_fused", cfg),
+                k("sglang_jax", cfg),
+                fused,
+            ),
+            Figure(
+                f"fm_jax class, jax inputs vs sglang_jax step, {r}",
+                k("fm_jax", cfg),
+                k("sglang_jax", cfg),
+                cls,
+            ),
+            Figure(
+                f"fm_jax class, numpy inputs vs sglang_jax step, {r}",
+                k("fm_jax_host", cfg),
+                k("sglang_jax", cfg),
+                cls,
+            ),
+            Figure(
+                f"fm_jax class, numpy inputs vs sglang_torch step, {r}",
+                k("fm_jax_host", cfg),
+                k("sglang_torch", cfg),
+                None,
+            ),
+        ]
+    for cfg in (ss, sl):
+        out.append(
+            Figure(
+                f"fm_jax spec step vs sglang_torch spec step (H={cfg.hidden}), R={cfg.pool}",
+                k("fm_jax", cfg),
+                k("sglang_torch", cfg),
+                None,
+            )
+        )
+    out += [
         Figure(
-            "fm_jax class vs fm_torch eager (debug off)",
-            k("fm_jax", small),
-            k("fm_torch", small),
-            1.0,
-        ),
-        Figure(
-            "fm_jax fused (marginal) vs fm_torch eager",
-            k("fm_jax_fused", small),
-            k("fm_torch", small),
-            0.5,
-        ),
-        Figure(
-            f"fm_jax step, R={large.pool} vs R={small.pool}",
+            f"fm_jax step, R={large.pool} vs R={small.pool} (flat in R)",
             k("fm_jax", large),
             k("fm_jax", small),
+            1.3,
+        ),
+        Figure(
+            f"fm_jax debug step, R={large.pool} vs R={small.pool} (flat in R)",
+            k("fm_jax", large, True),
+            k("fm_jax", small, True),
             1.3,
         ),
         Figure(
@@ -128,34 +203,9 @@ def figures(h: Headline) -> list[Figure]:
             at_least=True,
         ),
         Figure(
-            f"fm_jax debug vs debug off, R={small.pool}",
-            k("fm_jax", small, True),
-            k("fm_jax", small),
-            2.0,
-        ),
-        Figure(
-            f"fm_jax debug vs debug off, R={large.pool}",
-            k("fm_jax", large, True),
-            k("fm_jax", large),
-            2.0,
-        ),
-        Figure(
-            f"fm_jax debug step, R={large.pool} vs R={small.pool} (flat in R)",
-            k("fm_jax", large, True),
-            k("fm_jax", small, True),
-            1.3,
-        ),
-        Figure("fm_jax class vs floor (aim)", k("fm_jax", small), k("floor", small), 3.0),
-        Figure(
-            "fm_jax fused debug (marginal) vs fm_torch eager debug",
-            k("fm_jax_fused", small, True),
-            k("fm_torch", small, True),
-            None,
-        ),
-        Figure(
-            "fm_jax debug vs fm_torch eager debug",
-            k("fm_jax", small, True),
-            k("fm_torch", small, True),
+            f"fm_jax class step, numpy inputs, R={large.pool} vs R={small.pool}",
+            k("fm_jax_host", large),
+            k("fm_jax_host", small),
             None,
         ),
         Figure(
@@ -165,6 +215,29 @@ def figures(h: Headline) -> list[Figure]:
             None,
         ),
         Figure(
-            f"fm_jax spec vs fm_torch spec, R={ss.pool}", k("fm_jax", ss), k("fm_torch", ss), None
+            f"sglang_jax step, R={large.pool} vs R={small.pool}",
+            k("sglang_jax", large),
+            k("sglang_jax", small),
+            None,
+        ),
+        Figure(
+            f"fm_jax debug vs sglang_torch debug (CI mode), R={small.pool}",
+            k("fm_jax", small, True),
+            k("sglang_torch", small, True),
+            None,
+        ),
+        Figure(
+            f"fm_jax class vs fm_torch eager, R={small.pool}",
+            k("fm_jax", small),
+            k("fm_torch", small),
+            None,
+        ),
+        Figure(
+            f"fm_torch eager vs sglang_torch step (the twin's checks), R={small.pool}",
+            k("fm_torch", small),
+            k("sglang_torch", small),
+            None,
         ),
     ]
+    # A plan whose small and large sizes coincide (tests) would list a figure twice.
+    return list({f.name: f for f in out}.values())

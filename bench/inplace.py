@@ -80,7 +80,7 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (fn, args, donate) in table.items():
         jitted = jax.jit(wrap(fn), donate_argnums=(0,) if donate else (), compiler_options=options)
-        hlo = jitted.lower(*args).compile().as_text()
+        hlo = jitted.lower(*args).compile().as_text() or ""
         out[name] = {
             "whole_buffer_ops": len(whole_buffer_ops(hlo, cfg.pool)),
             "aliased": (not donate) or "input_output_alias" in hlo,

@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 
 from bench.workload import Config
 
-IMPLS = ("fm_jax", "fm_jax_fused", "fm_torch", "naive_jax", "floor")
+IMPLS = (
+    "fm_jax",
+    "fm_jax_host",
+    "fm_jax_fused",
+    "fm_torch",
+    "sglang_torch",
+    "sglang_jax",
+    "naive_jax",
+    "floor",
+    "floor_host",
+)
 """Implementation names as they appear in the JSON (`debug` tells the debug variants apart)."""
 
 
@@ -63,7 +73,9 @@ class Plan:
     min_reps: int = 20
     headline_budget_s: float | None = None
     inplace_check: tuple[Config, ...] = ()
-    debug_variants: tuple[str, ...] = field(default=("fm_jax", "fm_jax_fused", "fm_torch"))
+    debug_variants: tuple[str, ...] = field(
+        default=("fm_jax", "fm_jax_fused", "fm_torch", "sglang_torch")
+    )
 
     def sweep_configs(self, int64: bool) -> list[Config]:
         """Distinct configurations of the int32 sweeps (or of the int64 one), in order."""
@@ -122,7 +134,7 @@ def _tiny() -> Plan:
         group_budget_s=0.2,
         headline_reps=3,
         min_reps=2,
-        debug_variants=("fm_jax", "fm_torch"),
+        debug_variants=("fm_jax", "fm_torch", "sglang_torch"),
     )
 
 

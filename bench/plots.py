@@ -39,7 +39,8 @@ def plot(
                 ax.plot(
                     xs,
                     ys,
-                    marker="o",
+                    # Colours repeat past the cycle's length: the marker tells those apart.
+                    marker="os^"[(n // len(colors)) % 3],
                     linestyle="--" if debug else "-",
                     color=colors[n % len(colors)],
                     label=column_name(impl, debug),

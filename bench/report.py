@@ -8,12 +8,17 @@ from typing import Any
 COLUMNS = (
     ("fm_jax", False),
     ("fm_jax", True),
+    ("fm_jax_host", False),
     ("fm_jax_fused", False),
     ("fm_jax_fused", True),
     ("fm_torch", False),
     ("fm_torch", True),
+    ("sglang_torch", False),
+    ("sglang_torch", True),
+    ("sglang_jax", False),
     ("naive_jax", False),
     ("floor", False),
+    ("floor_host", False),
 )
 
 
@@ -41,6 +46,29 @@ def headline_table(figs: Sequence[dict[str, Any]]) -> str:
             f"| {f['figure']} | {f['numerator_us']:.1f} | {f['denominator_us']:.1f} | "
             f"{ratio} | {f['target'] or 'reported'} | {res} |"
         )
+    return "\n".join(lines)
+
+
+def _config_label(r: dict[str, Any]) -> str:
+    s = f"B={r['batch']} R={r['pool']}"
+    return s + (f" spec H={r['hidden']} {r['hidden_dtype']}" if r["spec"] else "")
+
+
+def step_table(rows: Iterable[dict[str, Any]]) -> str:
+    """The headline group's step medians: a row per configuration, a column per impl."""
+    by: dict[str, dict[tuple[str, bool], dict[str, Any]]] = {}
+    for r in rows:
+        if r["op"] == "step":
+            by.setdefault(_config_label(r), {})[(r["impl"], r["debug"])] = r
+    if not by:
+        return ""
+    cols = [c for c in COLUMNS if any(c in v for v in by.values())]
+    lines = [
+        "| configuration | " + " | ".join(column_name(*c) for c in cols) + " |",
+        "| --- | " + " | ".join("---:" for _ in cols) + " |",
+    ]
+    for label, cells in by.items():
+        lines.append(f"| {label} | " + " | ".join(_cell(cells.get(c)) for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -88,9 +116,21 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
         "",
         headline_table(doc["headline"]),
         "",
-        "`fm_jax_fused` is the marginal cost: the jitted engine step with the FutureMap ops",
-        "minus the same step without them, per repetition. `floor` is one jitted no-op dispatch",
-        "on the same arrays. `min bytes` is what the op must move at the least (batch-sized).",
+    ]
+    steps = step_table(doc.get("headline_results") or [])
+    if steps:
+        parts += ["### Headline group: step, median µs (p10–p90)", "", steps, ""]
+    parts += [
+        "`fm_jax` is the FutureMap class fed jax arrays, `fm_jax_host` the class fed numpy",
+        "arrays (a step is `resolve` + `finish`). `fm_jax_fused` is the marginal cost: the",
+        "jitted engine step with the FutureMap ops minus the same step without them, per",
+        "repetition. `sglang_torch` is SGLang's FutureMap as it runs in production (int64",
+        "buffers, eager indexing, no host checks; debug: its CI-mode consume check);",
+        "`sglang_jax` is sglang-jax's future token map (int32 map of R + 2 replicated on the",
+        "mesh, not donated; tokens only: no lengths, spec or debug). Both keep their peer's",
+        "dtype in every configuration. `floor` / `floor_host` are jitted no-op dispatches on",
+        "the arrays each class call takes (jax / numpy), two for a step. `min bytes` is what",
+        "the op must move at the least (batch-sized).",
         "",
     ]
     if doc.get("inplace_check"):

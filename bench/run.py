@@ -7,15 +7,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import timing
-from bench.impls import Op, floor, fm_jax_class, fm_jax_fused, fm_torch_eager, naive_jax
+from bench.impls import (
+    Op,
+    floor,
+    fm_jax_class,
+    fm_jax_fused,
+    fm_torch_eager,
+    naive_jax,
+    sglang_jax,
+    sglang_torch,
+)
 from bench.workload import Config, host_data, min_bytes
 
 BUILDERS: dict[str, Callable[..., dict[str, Op]]] = {
     "fm_jax": fm_jax_class.build,
+    "fm_jax_host": fm_jax_class.build_host,
     "fm_jax_fused": fm_jax_fused.build,
     "fm_torch": fm_torch_eager.build,
+    "sglang_torch": sglang_torch.build,
+    "sglang_jax": sglang_jax.build,
     "naive_jax": naive_jax.build,
     "floor": floor.build,
+    "floor_host": floor.build_host,
 }
 
 

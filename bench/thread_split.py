@@ -48,8 +48,8 @@ def build(cfg: Config, options: dict[str, str]) -> tuple[Series, int]:
     idx = dd.idx
     state = ops.stash(ops.publish(ops.init(), idx, dd.lens), idx, dd.tokens)
     batch = fj.Batch(dd.decode_mode, idx, -idx, -idx)
-    splits = step.lower(state, batch).compile().as_text().count(THREAD_SPLIT)
-    box = {"state": state, "batch": batch}
+    splits = (step.lower(state, batch).compile().as_text() or "").count(THREAD_SPLIT)
+    box: dict[str, Any] = {"state": state, "batch": batch}
 
     def run() -> None:
         box["state"], box["batch"] = step(box["state"], box["batch"])

@@ -1,15 +1,25 @@
-"""The floor: a jitted no-op on the op's batch arrays (one dispatch, no work)."""
+"""The floor: jitted no-ops on the arrays each class call takes (dispatches, no work).
+
+An op is one no-op dispatch on the arrays that op's class call puts on the device; the step
+is two, as the class step is two calls: `resolve` (the batch: slots, ids, lengths, and a
+spec batch's draft slots) and `finish` (slots, new lengths and the payload). The batch's
+forward mode is known on the host (the class fixes it in its executable): no mode array.
+
+`floor` takes jax arrays already on the device; `floor_host` takes the same values as numpy
+arrays, which the jitted call's dispatch transfers, as the class's host path does.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.impls import Op
-from bench.impls.jax_common import device_data
+from bench.impls.jax_common import device_data, int_dtype
 from bench.workload import Config, HostData
 
 
@@ -19,19 +29,55 @@ def _noop(*arrays: Any) -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
+def _run(*calls: tuple[Any, ...]) -> Callable[[], object]:
+    """One timed run: a no-op dispatch per argument tuple, then a wait for all of them."""
+
+    def run() -> object:
+        return jax.block_until_ready([_noop(*a) for a in calls])
+
+    return run
+
+
+def _build(cfg: Config, arrays: Any, ops: Sequence[str]) -> dict[str, Op]:
+    a = arrays
+    neg = a["neg"]
+    payload: tuple[Any, ...] = (a["tokens"],)
+    if cfg.spec:
+        payload = (a["tokens"], a["topk_p"], a["topk_index"], a["hidden"])
+    resolve = (a["idx"], neg, neg, a["idx"]) if cfg.spec else (a["idx"], neg, neg)
+    calls: dict[str, list[tuple[Any, ...]]] = {
+        "publish": [(a["idx"], a["lens"])],
+        "stash": [(a["idx"], a["tokens"])],
+        "stash_spec": [(a["idx"], *payload)],
+        "resolve_decode": [resolve],
+        "resolve_mixed": [(a["idx"], a["mixed_ids"], a["mixed_lens"])],
+        "resolve_spec": [resolve],
+        "invalidate": [(a["idx"],)],
+        "step": [resolve, (a["idx"], a["lens"], *payload)],
+    }
+    return {op: Op(_run(*calls[op])) for op in ops if op in calls}
+
+
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """One no-op dispatch per op, taking the arrays that op takes."""
+    """No-op dispatches on device arrays: one per op, two for the step."""
     if debug:
         return {}
     dd = device_data(cfg, data)
-    args = {
-        "publish": (dd.idx, dd.lens),
-        "stash": (dd.idx, dd.tokens),
-        "stash_spec": (dd.idx, dd.tokens, dd.topk_p, dd.topk_index, dd.hidden),
-        "resolve_decode": (dd.decode_mode, dd.idx, dd.idx, dd.idx),
-        "resolve_mixed": (dd.mixed_mode, dd.idx, dd.mixed_ids, dd.mixed_lens),
-        "resolve_spec": (dd.decode_mode, dd.idx, dd.idx, dd.idx, dd.idx),
-        "invalidate": (dd.idx, dd.idx, dd.idx),
-        "step": (dd.decode_mode, dd.idx, dd.idx, dd.idx, dd.lens, dd.tokens),
+    arrays = dd._asdict()
+    arrays["neg"] = jax.device_put(-data.idx.astype(int_dtype(cfg)), jax.devices()[0])
+    return _build(cfg, arrays, ops)
+
+
+def build_host(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
+    """The same dispatches on numpy arrays (each call transfers its inputs)."""
+    if debug:
+        return {}
+    dt = int_dtype(cfg)
+    arrays: dict[str, np.ndarray] = {
+        k: getattr(data, k).astype(dt)
+        for k in ("idx", "tokens", "lens", "mixed_ids", "mixed_lens", "topk_index")
     }
-    return {op: Op(lambda a=args[op]: jax.block_until_ready(_noop(*a))) for op in ops if op in args}
+    arrays["neg"] = -arrays["idx"]
+    arrays["topk_p"] = data.topk_p
+    arrays["hidden"] = data.hidden.astype(jnp.dtype(cfg.hidden_dtype))
+    return _build(cfg, arrays, ops)

@@ -2,13 +2,19 @@
 
 The whole step is two calls, one per phase: `resolve` (the head) and `finish` (the tail:
 publish, stash and invalidate in one donated call). Each single-op row is one call.
+
+`fm_jax` feeds the class jax arrays already on the device (the batch a step's `finish`
+returns is the next step's input); `fm_jax_host` feeds it numpy arrays, as a host
+scheduler that builds every batch on the host does, and the class transfers them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import fm_jax as fj
 from bench.impls import Op
@@ -17,17 +23,43 @@ from bench.workload import Config, HostData
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The class ops of `cfg` (spec ops on a spec map, the others on a plain one)."""
-    dd = device_data(cfg, data)
-    spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
+    """The class ops of `cfg` on jax arrays (spec ops on a spec map, the others on a plain one).
+
+    'step' returns its resolve's output.
+    """
+    return _build(cfg, device_data(cfg, data)._asdict(), debug, ops, host=False)
+
+
+def build_host(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
+    """The class ops of `cfg` on numpy arrays, every batch built on the host.
+
+    'step' returns its resolve's output.
+    """
+    dt = int_dtype(cfg)
+    arrays: dict[str, Any] = {
+        k: getattr(data, k).astype(dt)
+        for k in ("idx", "tokens", "lens", "mixed_ids", "mixed_lens", "topk_index")
+    }
+    arrays["topk_p"] = data.topk_p
+    arrays["hidden"] = data.hidden.astype(jnp.dtype(cfg.hidden_dtype))
+    return _build(cfg, arrays, debug, ops, host=True)
+
+
+def _build(
+    cfg: Config, a: dict[str, Any], debug: bool, ops: Sequence[str], *, host: bool
+) -> dict[str, Op]:
+    hidden = a["hidden"]
+    spec = fj.SpecConfig(cfg.topk, cfg.hidden, hidden.dtype) if cfg.spec else None
     fm = fj.FutureMap(cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug)
-    idx = dd.idx
-    draft = fj.DraftPayload(dd.tokens, dd.topk_p, dd.topk_index, dd.hidden)
-    payload = draft if cfg.spec else dd.tokens
+    idx = a["idx"]
+    draft = fj.DraftPayload(a["tokens"], a["topk_p"], a["topk_index"], hidden)
+    payload = draft if cfg.spec else a["tokens"]
+    neg = -idx
     # The host knows each batch's kind: the class then runs an executable with it fixed.
-    decode = fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx, idx if cfg.spec else None)
-    mixed = fj.Batch(fj.ForwardMode.MIXED, idx, dd.mixed_ids, dd.mixed_lens)
-    fm.publish(idx, dd.lens)
+    decode = fj.Batch(fj.ForwardMode.DECODE, idx, neg, neg, idx if cfg.spec else None)
+    mixed = fj.Batch(fj.ForwardMode.MIXED, idx, a["mixed_ids"], a["mixed_lens"])
+    lens = a["lens"]
+    fm.publish(idx, lens)
     fm.stash(idx, payload)
     jax.block_until_ready(fm.state)
     state = {"batch": decode}
@@ -44,7 +76,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         jax.block_until_ready(fm.state)
 
     def publish() -> None:
-        fm.publish(idx, dd.lens)
+        fm.publish(idx, lens)
         sync()
 
     def stash() -> None:
@@ -57,16 +89,24 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     def invalidate() -> None:
         sync(fm.invalidate(decode, idx))
 
-    def step() -> None:
+    def step() -> fj.Resolved:
         # SPEC order: resolve, (forward), publish, stash, invalidate. The tail phase is one
         # call; the invalidated batch carries the sentinels the next step resolves.
         r = fm.resolve(state["batch"])
-        state["batch"] = fm.finish(state["batch"], idx, dd.lens, payload)
+        state["batch"] = fm.finish(state["batch"], idx, lens, payload)
         sync(r, state["batch"].input_ids)  # the outputs: resolved, state, sentinels
+        return r
+
+    def step_host() -> fj.Resolved:
+        # The host builds each batch itself (its own sentinels); the class's invalidated
+        # batch is an output like the others.
+        r = fm.resolve(decode)
+        sync(r, fm.finish(decode, idx, lens, payload).input_ids)
+        return r
 
     table = {
         "publish": Op(publish),
-        "step": Op(step, restash),
+        "step": Op(step_host if host else step, restash),
         "invalidate": Op(invalidate),
     }
     if cfg.spec:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import checkify
 
 import fm_jax as fj
@@ -54,7 +55,8 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
 
     def without_ops(state: fj.FutureMapState, batch: fj.Batch) -> Any:
         # The same model on the batch as it comes (no resolve), nothing stored.
-        res = fj.Resolved(batch.input_ids, batch.seq_lens, draft_in if cfg.spec else None)
+        ids, seq_lens = jnp.asarray(batch.input_ids), jnp.asarray(batch.seq_lens)  # traced
+        res = fj.Resolved(ids, seq_lens, draft_in if cfg.spec else None)
         out, lens = _model(res)
         return state, batch._replace(seq_lens=lens), out
 
