@@ -24,11 +24,20 @@ from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows
 from fm_jax._src.ops import future_map
 from fm_jax._src.sharding import MeshLayout, lift, mesh_layout, per_rank, single_device_layout
-from fm_jax._src.types import Batch, DraftPayload, ForwardMode, FutureMapState, Resolved, SpecConfig
+from fm_jax._src.types import (
+    Batch,
+    DraftPayload,
+    ForwardMode,
+    FutureMapState,
+    Resolved,
+    RowsInput,
+    SpecConfig,
+)
 
 _MODES = {int(m): m for m in ForwardMode}
-Payload = Any  # tokens, or a DraftPayload (spec), in any form `host_inputs` takes
-"""What `stash` writes: tokens [B] (non-spec) or a DraftPayload of [B, ...] rows (spec)."""
+Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
+"""What `stash` writes: tokens [B] (non-spec) or a DraftPayload of [B, ...] rows (spec), or
+per-rank mappings of either."""
 
 
 def _host_mode(mode: Any, where: str) -> ForwardMode:
@@ -132,7 +141,7 @@ class FutureMap:
         """
         return {k: v for k, v in self._state._asdict().items() if v is not None}
 
-    def executables(self) -> dict[str, Any]:
+    def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
         """The jitted entry points by name (for compile counting and HLO inspection).
 
         `resolve` takes a traced mode, `resolve_fixed_{extend,decode}` a mode known on the
@@ -170,7 +179,9 @@ class FutureMap:
         return getattr(self._unchecked, op)(self._state, idx.array, *args)
 
     # -------------------------------------------------------------------------------- ops
-    def publish(self, indices: Any, new_seq_lens: Any, *, rows: int | None = None) -> None:
+    def publish(
+        self, indices: RowsInput, new_seq_lens: RowsInput, *, rows: int | None = None
+    ) -> None:
         """`new_seq_lens[indices] := new_seq_lens`, in place. No real row: a no-op.
 
         Args:
@@ -184,7 +195,7 @@ class FutureMap:
         lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True)
         self._state = self._tail("publish", idx, lens)
 
-    def stash(self, indices: Any, payload: Payload, *, rows: int | None = None) -> None:
+    def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place.
 
         Args:
@@ -201,8 +212,8 @@ class FutureMap:
     def finish(
         self,
         batch: Batch,
-        indices: Any,
-        new_seq_lens: Any,
+        indices: RowsInput,
+        new_seq_lens: RowsInput,
         payload: Payload,
         *,
         rows: int | None = None,
@@ -343,7 +354,7 @@ class FutureMap:
             self._checked = weakref.ref(idx.array) if idx.counts is None else None
         return out  # type: ignore[no-any-return]
 
-    def invalidate(self, batch: Batch, indices: Any, *, rows: int | None = None) -> Batch:
+    def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
         """Sentinels for the next step: ids and lengths := -indices (padding rows: 0).
 
         Returns `batch` with `input_ids` and `seq_lens` replaced by the sentinels, global
@@ -357,7 +368,9 @@ class FutureMap:
             batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
         )
 
-    def resolve_seq_lens_cpu(self, indices: Any, *, rows: int | None = None) -> Any:
+    def resolve_seq_lens_cpu(
+        self, indices: RowsInput, *, rows: int | None = None
+    ) -> np.ndarray | dict[int, np.ndarray]:
         """Host copy of `new_seq_lens[indices]` (a sync point: pending debug errors raise here).
 
         Returns the lengths in the form `indices` was given: [B] host rows (global, padding

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,10 @@ class FutureMapState(NamedTuple):
 
 Rows = jax.Array | np.ndarray
 """Per-row data: a jax array, or a host array where the FutureMap class takes one."""
+
+RowsInput = jax.Array | np.ndarray | Sequence[Any] | Mapping[int, Any]
+"""What a FutureMap method takes for per-row data: global rows (a jax array, a host array or
+a list), or a mapping DP rank -> host rows."""
 
 
 class DraftPayload(NamedTuple):
