@@ -75,3 +75,54 @@ def test_check_reports_every_pending_violation() -> None:
     found = [(v.op, v.invariant) for v in got.value.violations]
     assert found == [("publish", "duplicate live slot"), ("stash", "slot range")]
     fm.check()  # reported once: nothing left pending
+
+
+def test_a_refused_resolve_does_not_mark_its_slots_checked() -> None:
+    """Pins a resolve refused while tracing (float seq_lens) marking its device slots as
+    checked, so that finish on the same array skipped its slot checks and a duplicate live
+    slot passed unreported."""
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    idx = jax.device_put(np.array([3, 3], np.int32))
+    with pytest.raises(fj.FutureMapError):
+        fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, idx, idx, jnp.ones(2, jnp.float32)))
+    fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, idx, idx)
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    assert (got.value.op, got.value.invariant) == ("finish", "duplicate live slot")
+
+
+def test_resolve_seq_lens_cpu_checks_slots_and_never_wraps() -> None:
+    """Pins resolve_seq_lens_cpu reading slot R-1 for a slot -1 (negative wrap) and never
+    checking device slots in debug: host slots are refused, device slots reported."""
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    fm.publish(np.array([7]), np.array([5]))
+    with pytest.raises(fj.FutureMapError, match="outside"):
+        fm.resolve_seq_lens_cpu(np.array([-1]))
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.resolve_seq_lens_cpu(jax.device_put(np.array([-1, 7], np.int32)))
+    assert got.value.invariant == "slot range"
+    plain = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(2,))
+    plain.publish(np.array([7]), np.array([5]))
+    lens = plain.resolve_seq_lens_cpu(jax.device_put(np.array([-1, 7], np.int32)))
+    assert lens.tolist() == [0, 5]  # -1 clips to slot 0 (padding), not slot 7
+
+
+def test_a_full_pending_list_keeps_the_failures_and_raises_nowhere_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pins the pending-error flush raising inside an unrelated later call (after that call
+    had run): past the limit the map fetches its errors, keeps the failed ones pending, and
+    only check() reports them."""
+    from fm_jax._src import debug_channel
+
+    monkeypatch.setattr(debug_channel, "MAX_PENDING_ERRORS", 3)
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    dup = jax.device_put(np.array([3, 3], np.int32))
+    fm.publish(dup, np.array([1, 1]))  # a violation
+    ok = jax.device_put(np.array([1, 2], np.int32))
+    for _ in range(5):  # past the limit: no raise here
+        fm.publish(ok, np.array([4, 4]))
+    assert fm._debug.pending == 1
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    assert (got.value.op, got.value.invariant) == ("publish", "duplicate live slot")
