@@ -403,9 +403,10 @@ class FutureMap:
 
         Runs each op on all-padding batches (slot 0 only: its content is garbage by
         contract, so no live slot changes), with host inputs placed exactly as serving
-        places them: publish, stash, invalidate, finish and resolve_seq_lens_cpu per batch
-        bucket, resolve per (batch, token) bucket pair, for a mode fixed on the host (DECODE
-        or not) and a traced one, and on a spec map also with draft_indices. A host sync.
+        places them (sizes given, as every process of a multi-process map must): publish,
+        stash, invalidate, finish and resolve_seq_lens_cpu per batch bucket, resolve per
+        (batch, token) bucket pair, for a mode fixed on the host (DECODE or not) and a traced
+        one, and on a spec map also with draft_indices. A host sync.
         """
         step, dp = self.step, self.layout.dp
         # A traced mode as an engine holds it: a scalar on one device, one per rank on a mesh.
@@ -414,23 +415,23 @@ class FutureMap:
         for b in self.batch_buckets:
             zeros = np.zeros(dp * b, self.dtype)
             payload = zeros if self.spec is None else self._zero_draft(dp * b)
-            self.publish(zeros, zeros)
-            self.stash(zeros, payload)
+            self.publish(zeros, zeros, rows=b)
+            self.stash(zeros, payload, rows=b)
             pad = Batch(ForwardMode.EXTEND, zeros, zeros, zeros)
-            self.invalidate(pad, zeros)
-            self.finish(pad, zeros, zeros, payload)
+            self.invalidate(pad, zeros, rows=b)
+            self.finish(pad, zeros, zeros, payload, rows=b)
             if self.debug:  # slots on the device take the tail executables with checks
                 placed = jax.device_put(zeros, self.layout.sharding)
-                self.publish(placed, zeros)
-                self.stash(placed, payload)
-                self.finish(pad, placed, zeros, payload)
-            self.resolve_seq_lens_cpu(zeros)
+                self.publish(placed, zeros, rows=b)
+                self.stash(placed, payload, rows=b)
+                self.finish(pad, placed, zeros, payload, rows=b)
+            self.resolve_seq_lens_cpu(zeros, rows=b)
             drafts = [None] if self.spec is None else [None, zeros]
             for t in self.token_buckets:
                 tokens = np.zeros(dp * t, self.dtype)
                 for d in drafts:
                     for mode in modes:  # fixed EXTEND, fixed DECODE, and traced
-                        self.resolve(Batch(mode, zeros, tokens, zeros, d))
+                        self.resolve(Batch(mode, zeros, tokens, zeros, d), rows=b, tokens=t)
         jax.block_until_ready(self._state)
         self.check()
         self.step = step  # warm-up resolves are not serving steps
