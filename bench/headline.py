@@ -90,11 +90,11 @@ def _describe(k: Key) -> str:
 
 
 def figures(h: Headline, on_cpu: bool = True) -> list[Figure]:
-    """The issues' figures (targets) and reported-only companions.
+    """The headline figures (targets) and reported-only companions.
 
-    Issue 11 (host path) and issue 12 (the real peers) at both non-spec pool sizes, then the
-    flat-in-R figures kept from issue 5. `on_cpu`: jax and torch both run on the CPU; the
-    figures targeted on CPU only are reported elsewhere.
+    The class's host path against the floors and the real peers (sglang_jax, sglang_torch)
+    at both non-spec pool sizes, then the flat-in-R figures. `on_cpu`: jax and torch both
+    run on the CPU; the figures targeted on CPU only are reported elsewhere.
     """
     c = h.configs()
     small, large, ss, sl = c["small"], c["large"], c["spec_small"], c["spec_large"]
@@ -105,7 +105,7 @@ def figures(h: Headline, on_cpu: bool = True) -> list[Figure]:
         return Key(impl, debug, "step", cfg)
 
     out: list[Figure] = []
-    for cfg in (small, large):  # issue 11
+    for cfg in (small, large):  # the class's host path, against the floors
         r = f"R={cfg.pool}"
         out += [
             Figure(
@@ -130,7 +130,7 @@ def figures(h: Headline, on_cpu: bool = True) -> list[Figure]:
                 f"fm_jax debug vs debug off, {r}", k("fm_jax", cfg, True), k("fm_jax", cfg), 1.5
             ),
         ]
-    for cfg, fused, cls in ((small, 0.2, 0.5), (large, 0.05, 0.1)):  # issue 12
+    for cfg, fused, cls in ((small, 0.2, 0.5), (large, 0.05, 0.1)):  # the real peers
         r = f"R={cfg.pool}"
         out += [
             Figure(

@@ -1,4 +1,4 @@
-"""Data-parallel ranks across processes: jax.distributed on 127.0.0.1 with gloo (issue 6).
+"""Data-parallel ranks across processes: jax.distributed on 127.0.0.1 with gloo.
 
 Each test starts its worker processes itself (`parity.dist_run.launch`), bounds the run's
 wall time and always kills what is left. The reference is the single-process run: one

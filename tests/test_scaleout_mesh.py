@@ -1,4 +1,4 @@
-"""The sharded FutureMap on one process with 8 virtual CPU devices (issue 6, single process).
+"""The sharded FutureMap on one process with 8 virtual CPU devices (single process).
 
 The pytest process has already started JAX with one device, so the 8-device checks run
 once in a subprocess (`_inner`, this file run with XLA_FLAGS set) that prints a JSON

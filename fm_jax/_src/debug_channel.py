@@ -174,18 +174,20 @@ class DebugChannel:
         """How many op errors wait for `check()`."""
         return len(self._pending)
 
-    def _failures(self, pending: list[tuple[int, str, Any]]) -> list[tuple[int, str, Any]]:
-        """The entries of `pending` that hold a failure, fetched to the host (one transfer)."""
-        host = jax.device_get([packed for _, _, packed in pending])
-        return [
-            (step, op, h)
-            for (step, op, _), h in zip(pending, host, strict=True)
-            if self.unpack(h).get() is not None
-        ]
+    def _failures(self) -> list[tuple[int, str, Any, str]]:
+        """The pending entries that hold a failure, fetched to the host (one transfer), each
+        with its failure message."""
+        host = jax.device_get([packed for _, _, packed in self._pending])
+        out = []
+        for (step, op, _), h in zip(self._pending, host, strict=True):
+            msg = self.unpack(h).get()
+            if msg is not None:
+                out.append((step, op, h, msg))
+        return out
 
     def _flush(self) -> None:
         """Fetch the pending errors and keep only the failed ones (a host sync)."""
-        self._pending = self._failures(self._pending)
+        self._pending = [(step, op, h) for step, op, h, _ in self._failures()]
 
     def check(self) -> None:
         """Raise InvariantViolation listing every failed check since the last call.
@@ -195,11 +197,10 @@ class DebugChannel:
         """
         if not self._pending:
             return
-        failed = self._failures(self._pending)
         found = [
             v
-            for step, op, h in failed
-            for v in _violations(self.unpack(h).get() or "", step, op, self.layout)
+            for step, op, _, msg in self._failures()
+            for v in _violations(msg, step, op, self.layout)
         ]
         self._pending = []
         _raise_all(found)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
@@ -53,8 +52,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
     options = compiler_options(layout.mesh.devices.flat[0].platform)
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
-    mode_sh = sh if layout.mesh.devices.size == 1 else NamedSharding(layout.mesh, PartitionSpec())
-    batch_sh: Any = Batch(mode_sh, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
+    batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
 
     def jit(fn: Any, in_shardings: Any, *, donate: bool, checked: bool = True) -> Any:
         if debug is not None and checked:

@@ -62,6 +62,13 @@ class MeshLayout(NamedTuple):
             return jax.sharding.SingleDeviceSharding(self.mesh.devices.flat[0])
         return NamedSharding(self.mesh, self.spec)
 
+    @property
+    def replicated(self) -> jax.sharding.Sharding:
+        """A sharding that holds the whole array on every device (one device: as `sharding`)."""
+        if self.mesh.devices.size == 1:
+            return self.sharding
+        return NamedSharding(self.mesh, PartitionSpec())
+
     def rank_of(self, device: jax.Device) -> int:
         """The DP rank whose pool `device` holds (a replica of)."""
         pos = np.argwhere(self.mesh.devices == device)
