@@ -1,15 +1,17 @@
-"""The PyTorch FutureMap: SGLang's request-pool-indexed relay, as SPEC.md states it.
+"""The PyTorch FutureMap: the contract's twin (docs/CONTRACT.md), modelled on SGLang's
+sentinel-era request-pool-indexed relay of late May 2026 (PRs #25862 to #26108).
 
 One device-side buffer row per request-pool slot. Between two forwards the host leaves
 sentinels (-slot) in a batch; `resolve` replaces them from the buffers that the previous
 forward's `publish` and `stash` wrote.
 
-Checks, always on (metadata only, no device sync): rank, shape, dtype and device of every
-input; spec payload shapes against the lazily fixed K, H and hidden dtype.
-Checks on CPU tensors, and in debug mode on any device (they read values): slots in
-[0, R) (publish, stash, resolve, invalidate, resolve_seq_lens_cpu), no live slot twice in
-a batch, int64 values (tokens, lengths, top-k ids, input ids) fit an int32 buffer,
-sentinels name slots in [0, R).
+Checks SGLang's class does not have ('Checks beyond SGLang' in the contract). Always on
+(metadata only, no device sync): rank, shape, dtype and device of every input, the forward
+mode, spec payload shapes against the lazily fixed K, H and hidden dtype. On CPU tensors,
+and in debug mode on any device (they read values): slots in [0, R) (publish, stash,
+resolve, invalidate, resolve_seq_lens_cpu), no live slot twice in a batch, int64 values
+(tokens, lengths, top-k ids, input ids) fit an int32 buffer, sentinels name slots in
+[0, R), tokens and lengths relayed are >= 0.
 Every check runs before anything is written: a rejected call leaves the buffers and the
 batch as they were.
 Debug-mode invariants (consume tracking, positive restored lengths): on CPU they raise
@@ -124,6 +126,7 @@ class FutureMap:
         if self._values_checked:
             v.check_slots("indices", indices, self.pool_size)
             v.check_fits("new_seq_lens", new_seq_lens, self.dtype)
+            v.check_non_negative("new_seq_lens", new_seq_lens)
         self.new_seq_lens[indices] = new_seq_lens.to(self.dtype)
         if self.spec and self.device.type != "cpu":
             if self.publish_ready is None:
@@ -144,15 +147,18 @@ class FutureMap:
         if isinstance(payload, DraftPayload):
             if not self.spec:
                 raise FutureMapError("stash got a DraftPayload but this FutureMap has spec=False")
-            tokens = self._check_draft(payload, rows)
+            tokens, name = self._check_draft(payload, rows), "draft.bonus_tokens"
         else:
             if self.spec:
-                raise FutureMapError("stash on a spec FutureMap takes a DraftPayload, got a tensor")
-            tokens = v.check_1d_int("tokens", payload, self.device)
+                raise FutureMapError(
+                    f"stash on a spec FutureMap takes a DraftPayload, got {type(payload).__name__}"
+                )
+            tokens, name = v.check_1d_int("tokens", payload, self.device), "tokens"
             v.check_rows("tokens", tokens, rows)
         if self._values_checked:
             v.check_slots("indices", indices, self.pool_size)
-            v.check_fits("tokens", tokens, self.dtype)
+            v.check_fits(name, tokens, self.dtype)
+            v.check_non_negative(name, tokens)
             if isinstance(payload, DraftPayload):
                 v.check_fits("draft.topk_index", payload.topk_index.reshape(-1), self.dtype)
         # Every check has passed: only now is anything written.
@@ -224,11 +230,15 @@ class FutureMap:
         """
         indices = v.check_1d_int("req_pool_indices", batch.req_pool_indices, self.device)
         ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
-        is_decode = batch.forward_mode == ForwardMode.DECODE
+        host_lens = v.check_1d_int("seq_lens", batch.seq_lens, self.device)
+        v.check_rows("seq_lens", host_lens, indices.shape[0])
+        is_decode = v.check_mode(batch.forward_mode) == ForwardMode.DECODE
         if is_decode and not self.spec:
             v.check_rows("input_ids of a DECODE batch", ids, indices.shape[0])
         draft_indices = None
-        if self.spec and batch.draft is not None:
+        if batch.draft is not None:
+            if not self.spec:
+                raise FutureMapError("batch.draft given but this FutureMap has spec=False")
             draft_indices = v.check_1d_int("draft.indices", batch.draft.indices, self.device)
             if not self._spec_shaped:
                 raise FutureMapError("resolve of spec extras before any draft was stashed")
@@ -236,9 +246,9 @@ class FutureMap:
             v.check_slots("req_pool_indices", indices, self.pool_size)
             if draft_indices is not None:
                 v.check_slots("draft.indices", draft_indices, self.pool_size)
-            if not self.spec:
-                v.check_sentinels("input_ids", ids, self.pool_size)
-                v.check_fits("input_ids", ids, self.dtype)
+            v.check_sentinels("input_ids", ids, self.pool_size)
+            v.check_fits("input_ids", ids, self.dtype)
+            v.check_fits("seq_lens", host_lens, self.dtype)
 
         seq_lens = self.new_seq_lens[indices] if is_decode else None
         if seq_lens is not None and self.debug:
@@ -310,7 +320,12 @@ class FutureMap:
         self, values: torch.Tensor, indices: torch.Tensor, source_slots: torch.Tensor
     ) -> None:
         """Consume tracking: values gathered from live slots are >= 0, then the batch's
-        slots are poisoned again. Reads of slot 0 (padding rows) are garbage, never checked.
+        slots and the slots read (`source_slots`, 0 where a row read nothing) are poisoned
+        again. Reads of slot 0 (padding rows) are garbage, never checked.
+
+        On a valid batch every slot read is one of the batch's (SGLang poisons only those):
+        the same bytes. A sentinel naming a slot outside the batch is consumed by its read
+        too, so a second read of that slot is caught.
         """
         ok = (values >= 0) | (source_slots == 0)
         if self.device.type != "cpu":
@@ -322,3 +337,9 @@ class FutureMap:
                 source_slots[~ok].tolist(),
             )
         self.output_tokens[indices] = POISON
+        # Rows that read nothing write slot 0's current value back to it: no device sync
+        # (a boolean mask would need one), and slot 0 keeps what the line above left.
+        read = source_slots.to(torch.int64)
+        self.output_tokens[read] = torch.where(
+            read != 0, torch.full_like(values, POISON), self.output_tokens[read]
+        )

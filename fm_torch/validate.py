@@ -1,15 +1,21 @@
 """Input checks for the PyTorch FutureMap.
 
 Structural checks (rank, shape, dtype, device) read only metadata and are always on.
-Value checks (slot range, duplicate live slots, int32 fit, sentinel range) read tensor
-contents; they run on CPU tensors (no device sync there) and, on other devices, only in
-debug mode, where a host sync is acceptable.
+Value checks (slot range, duplicate live slots, int32 fit, sentinel range, no negative
+token or length relayed) read tensor contents; they run on CPU tensors (no device sync
+there) and, on other devices, only in debug mode, where a host sync is acceptable.
+
+These are the rules fm_jax applies to host arrays: both twins refuse the same inputs, each
+naming the field (tests/test_bad_input_table.py holds them to it).
 """
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
+from fm_torch.batch import ForwardMode
 from fm_torch.errors import FutureMapError
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -27,6 +33,17 @@ def check_1d_int(name: str, t: object, device: torch.device) -> torch.Tensor:
     if t.device != device:
         raise FutureMapError(f"{name} is on {t.device}, the FutureMap is on {device}")
     return t
+
+
+def check_mode(mode: object) -> ForwardMode:
+    """A batch's forward mode as a ForwardMode: an int of a ForwardMode value, never a bool,
+    float, string or tensor (int() would make DECODE of True, 1.7 and "1")."""
+    if isinstance(mode, bool) or not isinstance(mode, numbers.Integral):
+        raise FutureMapError(f"forward_mode must be a ForwardMode, got {mode!r}")
+    try:
+        return ForwardMode(int(mode))
+    except ValueError:
+        raise FutureMapError(f"forward_mode must be a ForwardMode, got {mode!r}") from None
 
 
 def check_rows(name: str, t: torch.Tensor, rows: int) -> None:
@@ -78,6 +95,14 @@ def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:
     info = torch.iinfo(dtype)
     if int(values.min()) < info.min or int(values.max()) > info.max:
         raise FutureMapError(f"{name} holds values that do not fit the {dtype} buffer")
+
+
+def check_non_negative(name: str, values: torch.Tensor) -> None:
+    """Value check: tokens and lengths a forward relays are >= 0 (a stashed -1 would read
+    as the consume poison, a negative length as a sentinel)."""
+    if values.numel() and int(values.min()) < 0:
+        bad = torch.unique(values[values < 0])[:8].tolist()
+        raise FutureMapError(f"{name} holds negative values {bad}: token ids and lengths are >= 0")
 
 
 def check_sentinels(name: str, input_ids: torch.Tensor, pool_size: int) -> None:

@@ -78,14 +78,15 @@ def test_check_reports_every_pending_violation() -> None:
 
 
 def test_a_refused_resolve_does_not_mark_its_slots_checked() -> None:
-    """Pins a resolve refused while tracing (float seq_lens) marking its device slots as
-    checked, so that finish on the same array skipped its slot checks and a duplicate live
-    slot passed unreported."""
+    """Pins a resolve refused while tracing (seq_lens of shape [B, 1]: only the trace sees
+    it) marking its device slots as checked, so that finish on the same array skipped its
+    slot checks and a duplicate live slot passed unreported."""
     fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
     idx = jax.device_put(np.array([3, 3], np.int32))
-    with pytest.raises(fj.FutureMapError):
-        fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, idx, idx, jnp.ones(2, jnp.float32)))
-    fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, idx, idx)
+    with pytest.raises(fj.FutureMapError, match="seq_lens must be 1-D"):
+        fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, idx, idx, jnp.ones((2, 1), jnp.int32)))
+    host = np.array([1, 1])  # host values: only the slots can make finish run its checks
+    fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, host, host)
     with pytest.raises(fj.InvariantViolation) as got:
         fm.check()
     assert (got.value.op, got.value.invariant) == ("finish", "duplicate live slot")
@@ -126,3 +127,70 @@ def test_a_full_pending_list_keeps_the_failures_and_raises_nowhere_else(
     with pytest.raises(fj.InvariantViolation) as got:
         fm.check()
     assert (got.value.op, got.value.invariant) == ("publish", "duplicate live slot")
+
+
+def test_each_violation_names_invariant_step_op_and_slots() -> None:
+    """Pins a report that says which invariant failed but not where: every violation in
+    one report carries its invariant, step, op and the slot its check names (the DP rank
+    on a mesh: tests/test_scaleout_mesh.py)."""
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    fm.publish(dv(3, 5), np.array([4, 4]))
+    fm.stash(dv(6, 6), np.array([1, 2]))
+    fm.resolve(fj.Batch(fj.ForwardMode.MIXED, dv(1, 2), dv(-5, 3), np.array([2, 2])))
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    found = [(v.invariant, v.step, v.op, v.slots) for v in got.value.violations]
+    assert found == [
+        ("duplicate live slot", 0, "stash", [6]),
+        ("consume (WRWR)", 1, "resolve", [5]),  # slot 5 was never stashed
+    ]
+    assert got.value.slots == [6]  # the report's own attributes: its first violation's
+
+
+def test_a_crash_while_reporting_drops_no_violation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pins check() clearing its pending list before the report was built, so that a crash
+    while translating (or fetching) lost every violation: the crash is raised, and the next
+    check() reports them all."""
+    from fm_jax._src import debug_channel
+
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    fm.stash(dv(3, 3), np.array([1, 1]))
+    fm.publish(dv(9, 1), np.array([1, 1]))
+
+    def crash(*args: object) -> None:
+        raise RuntimeError("translation failed")
+
+    monkeypatch.setattr(debug_channel, "_violations", crash)
+    with pytest.raises(RuntimeError, match="translation failed"):
+        fm.check()
+    monkeypatch.undo()
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    assert [v.op for v in got.value.violations] == ["stash", "publish"]
+
+
+def test_a_failed_fetch_at_the_pending_bound_raises_nowhere_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pins the bounded pending list raising a fetch failure inside an unrelated op (after
+    that op ran): the op returns, everything stays pending, check() reports it."""
+    from fm_jax._src import debug_channel
+
+    monkeypatch.setattr(debug_channel, "MAX_PENDING_ERRORS", 2)
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    fm.publish(dv(3, 3), np.array([1, 1]))  # a violation
+
+    def fail(self: object) -> None:
+        raise RuntimeError("fetch failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(DebugChannel, "_failures", fail)
+        fm.publish(dv(1, 2), np.array([4, 4]))  # reaches the bound: the fetch fails, quietly
+    assert fm._debug.pending == 2
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    assert (got.value.op, got.value.invariant) == ("publish", "duplicate live slot")
+
+
+def dv(*xs: int) -> jax.Array:
+    return jax.device_put(np.array(xs, np.int32))

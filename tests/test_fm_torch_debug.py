@@ -1,4 +1,4 @@
-"""fm_torch debug mode: consume tracking (WRWR) and positive restored lengths (SPEC.md).
+"""fm_torch debug mode: consume tracking (WRWR) and positive restored lengths (docs/CONTRACT.md).
 
 On CPU every violation must raise InvariantViolation at the offending call.
 """
@@ -14,6 +14,7 @@ from fm_torch import (
     DraftPayload,
     ForwardMode,
     FutureMap,
+    FutureMapError,
     InvariantViolation,
     ScheduleBatch,
     debug_from_env,
@@ -205,14 +206,18 @@ def test_decode_of_a_never_published_slot_raises_positive_lengths():
     assert batch.seq_lens.tolist() == [-1, -2]
 
 
-def test_published_sentinel_length_is_caught():
-    """Pins: publishing the invalidated seq_lens (-slot) instead of the new lengths going unseen."""
-    fm = FutureMap(4, debug=True)
+@pytest.mark.parametrize("debug", [True, False])
+def test_published_sentinel_length_is_caught(debug: bool):
+    """Pins: publishing the invalidated seq_lens (-slot) instead of the new lengths going
+    unseen, or seen only at the next DECODE as an unpublished length: the publish itself
+    is refused (a length is never negative) and stores nothing."""
+    fm = FutureMap(4, debug=debug)
     fm.stash(t([3]), t([1]))
     stale = decode([3])
-    fm.publish(t([3]), stale.seq_lens)  # the bug: lengths published after invalidate
-    with pytest.raises(InvariantViolation, match=r"seq_lens > 0"):
-        fm.resolve(decode([3]))
+    before = fm.new_seq_lens.clone()
+    with pytest.raises(FutureMapError, match=r"new_seq_lens holds negative values \[-3\]"):
+        fm.publish(t([3]), stale.seq_lens)  # the bug: lengths published after invalidate
+    assert torch.equal(fm.new_seq_lens, before)
 
 
 def test_positive_lengths_ignore_padding_rows_and_non_decode_batches():

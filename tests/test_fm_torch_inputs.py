@@ -256,7 +256,7 @@ def test_resolve_batch_fields_of_wrong_rank_or_dtype_are_rejected():
 
 
 SPEC_BAD = [
-    pytest.param(lambda: t([1, 2]), "takes a DraftPayload, got a tensor", id="tensor-payload"),
+    pytest.param(lambda: t([1, 2]), "takes a DraftPayload, got Tensor", id="tensor-payload"),
     pytest.param(
         lambda: draft(2, bonus=torch.tensor([1.0, 2.0])), "bonus_tokens must be int", id="bonus-f"
     ),

@@ -5,9 +5,12 @@ mapped back to it. These run only when the ops were built with debug=True; the c
 wraps its jitted step in `checkify.checkify(..., errors=checkify.user_checks)`.
 
 Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not bandwidth):
-- every check passes the same payload, one scalar of the map's int dtype (the slot, or the
-  sentinel), so checkify merges all checks of an op into one error (a pred, a code and one
-  payload output) whatever their number;
+- every check passes the same payload, one scalar of the map's int dtype (the slot it
+  names, or the forward mode), so checkify merges all checks of an op into one error (a
+  pred, a code and one payload output) whatever their number. The price: an op call
+  reports its first failed check only, in the order the op adds them (slots, forward
+  mode, lengths, sentinels, consume; tail ops: slots, then values); most later checks
+  assume the earlier ones held. Every failed op call is reported;
 - the offending slot is found with masked max reductions (one pass over the rows), not
   argmax plus a gather (a variadic reduce, ~8x the flops), and all of an op's reductions
   are one stacked max (`OpChecks`): fewer kernels per executable;
@@ -17,6 +20,7 @@ Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op, not b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +28,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from fm_jax._src.types import ForwardMode
+
 SLOT_RANGE = "slot range"
 DUPLICATE_SLOT = "duplicate live slot"
 SENTINEL_RANGE = "sentinel range"
 POSITIVE_LENGTHS = "seq_lens > 0"
 CONSUME = "consume (WRWR)"
+FORWARD_MODE = "forward mode"
+PUBLISHED_LENGTHS = "published lengths >= 0"
+STASHED_TOKENS = "stashed tokens >= 0"
+
+SLOT_NAMED = re.compile(r"\bslot (-?\d+)")
+"""Where a check's message names the slot it failed at (every check's but the mode's)."""
 
 
 def _check(ok: jax.Array, msg: str, dtype: Any, value: jax.Array) -> None:
@@ -137,13 +149,50 @@ def sentinels_in_range(input_ids: jax.Array, pool_size: int, into: OpChecks) -> 
         lo = ~not_lo.astype(input_ids.dtype)  # max(~x) = ~min(x), with no overflow
         _check(
             lo > -pool_size,
-            f"[{SENTINEL_RANGE}] input_ids holds sentinel {{value}} naming a slot outside "
+            f"[{SENTINEL_RANGE}] input_ids holds a sentinel naming slot {{value}}, outside "
             f"[0, {pool_size})",
             input_ids.dtype,
-            lo,
+            -lo,
         )
 
     into.add(~input_ids, emit)
+
+
+def known_mode(mode: jax.Array, dtype: Any, into: OpChecks) -> None:
+    """A traced forward mode is one of the ForwardMode values (0..3)."""
+    top = max(int(m) for m in ForwardMode)
+    into.add(
+        None,
+        lambda _: _check(
+            (mode >= 0) & (mode <= top),
+            f"[{FORWARD_MODE}] forward_mode {{value}} is not a ForwardMode (0..{top}); "
+            "the batch ran as one that is not DECODE",
+            dtype,
+            mode,
+        ),
+    )
+
+
+def relayed_values(
+    name: str, invariant: str, values: jax.Array, indices: jax.Array, dtype: Any, into: OpChecks
+) -> None:
+    """Every token or length a forward relays is >= 0, padding rows included.
+
+    Token ids and lengths are never negative (docs/CONTRACT.md, 'Sentinels'): a stashed -1 would
+    read as the consume poison, a negative length as a sentinel. Names the largest slot
+    written a negative value (-1 when none).
+    """
+    if indices.shape[0] == 0:
+        return
+    into.add(
+        jnp.where(values < 0, indices, -1),
+        lambda slot: _check(
+            slot < 0,
+            f"[{invariant}] {name} holds a negative value for slot {{value}}",
+            dtype,
+            slot,
+        ),
+    )
 
 
 def positive_lengths(

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from fm_jax._src.checks import SLOT_NAMED
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.sharding import MeshLayout
 
@@ -59,6 +60,7 @@ def _violations(
             continue
         named = rank if layout is not None and layout.dp > 1 else None
         inv = _INVARIANT.match(line)
+        slot = SLOT_NAMED.search(line)
         where = f"DP rank {named}, " if named is not None else ""
         where += "" if step is None else f"step {step}, "
         where += f"{op}: " if op else ""
@@ -68,6 +70,7 @@ def _violations(
             step=step,
             op=op,
             rank=named,
+            slots=[int(slot.group(1))] if slot else [],
         )
     return list(out.values())
 
@@ -86,6 +89,7 @@ def _raise_all(found: list[InvariantViolation]) -> None:
         op=first.op,
         rank=first.rank,
         violations=found,
+        slots=first.slots,
     )
 
 
@@ -186,8 +190,16 @@ class DebugChannel:
         return out
 
     def _flush(self) -> None:
-        """Fetch the pending errors and keep only the failed ones (a host sync)."""
-        self._pending = [(step, op, h) for step, op, h, _ in self._failures()]
+        """Fetch the pending errors and keep only the failed ones (a host sync).
+
+        Never raises: it runs inside an unrelated op. If the fetch fails, everything stays
+        pending and `check()` meets the same failure.
+        """
+        try:
+            failed = self._failures()
+        except Exception:  # noqa: BLE001  # reported by check(), not by this op
+            return
+        self._pending = [(step, op, h) for step, op, h, _ in failed]
 
     def check(self) -> None:
         """Raise InvariantViolation listing every failed check since the last call.

@@ -20,6 +20,8 @@ class InvariantViolation(RuntimeError):
       step: the FutureMap step (number of resolves so far) of the failing op, if known.
       op: the op that failed, if known.
       rank: the DP rank whose pool failed, on a map with more than one; else None.
+      slots: the slots the failed check names (rank-local; one, the largest offending
+        slot of that check), or [] (a bad forward mode names none).
       violations: every violation reported with this one, in op order.
     """
 
@@ -31,10 +33,12 @@ class InvariantViolation(RuntimeError):
         op: str = "",
         rank: int | None = None,
         violations: Sequence[InvariantViolation] = (),
+        slots: Sequence[int] = (),
     ) -> None:
         self.invariant = invariant
         self.step = step
         self.op = op
         self.rank = rank
+        self.slots = list(slots)
         self.violations: list[InvariantViolation] = list(violations) or [self]
         super().__init__(message)

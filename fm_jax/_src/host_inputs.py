@@ -11,8 +11,10 @@ one-rank layout):
 - a mapping DP rank -> host array (rank-local slots): the ranks of this process; a local
   rank left out is idle (all padding). Every rank is padded to one size.
 
-Host value checks (slot range, duplicate live slots, int fit, sentinel range) raise
-`FutureMapError` naming the field before anything reaches the device.
+Host value checks (slot range, duplicate live slots, int fit, sentinel range, no negative
+token or length relayed, one input id per row of a non-spec DECODE batch) raise
+`FutureMapError` naming the field before anything reaches the device. A jax array is not
+read: in debug mode the op checks it on the device.
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ class HostInputs:
         """Global host rows as DP equal per-rank parts."""
         if self.dp == 1:
             return {0: a}
+        if a.ndim == 0:
+            raise FutureMapError(f"{name} must hold rows, got a scalar {a!r}")
         per = a.shape[0] // self.dp
         if per * self.dp != a.shape[0]:
             raise FutureMapError(
@@ -243,7 +247,7 @@ class HostInputs:
         """Flat token ids (sentinels for decode rows), checked: sentinels name a slot."""
         return self._flat(name, x, self.token_buckets, size, slots=False)
 
-    def matched(self, name: str, x: Any, like: Rows, *, ints: bool) -> Any:
+    def matched(self, name: str, x: Any, like: Rows, *, ints: bool, relayed: bool = False) -> Any:
         """A per-row input ([rows, ...]) laid out like `like`: the same rows per rank.
 
         Args:
@@ -252,6 +256,7 @@ class HostInputs:
           like: the slots these rows belong to.
           ints: cast to the map's int dtype (values checked); else the dtype must be one
             the map stores as given (no silent cast).
+          relayed: tokens or lengths a forward relays: host values must be >= 0.
         """
         if isinstance(x, jax.Array) and x.size:
             want = self.dp * like.size
@@ -271,7 +276,7 @@ class HostInputs:
                 raise FutureMapError(
                     f"{name} has {a.shape[:1]} rows, indices have ({self.dp * like.size},)"
                 )
-            return self._dtype(name, a, ints)
+            return _non_negative(name, self._dtype(name, a, ints), relayed)
         if isinstance(x, Mapping) != like.by_rank:
             form = "a mapping DP rank -> rows" if like.by_rank else "global rows"
             raise FutureMapError(f"{name} must be given like the indices: {form}")
@@ -286,7 +291,7 @@ class HostInputs:
             a = parts[d]
             if a.ndim < 1 or a.shape[0] != n:
                 raise FutureMapError(f"{where} has {a.shape[:1]} rows, indices have ({n},)")
-            a = parts[d] = self._dtype(where, a, ints)
+            a = parts[d] = _non_negative(where, self._dtype(where, a, ints), relayed)
             if tail is not None and (a.shape[1:], a.dtype) != tail:
                 raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
             tail = (a.shape[1:], a.dtype)
@@ -296,6 +301,23 @@ class HostInputs:
                 raise FutureMapError(f"{name} is given for no rank")
             first = self._zeros
         return self._pad(parts, like.size, first[:0])
+
+    def one_id_per_row(self, ids: Rows, idx: Rows, decode: list[bool]) -> None:
+        """A non-spec DECODE rank's batch has one input id per row (host rows only).
+
+        Args:
+          ids, idx: the placed input ids and slots.
+          decode: per DP rank, whether its batch is DECODE; one entry stands for every rank.
+        """
+        if ids.counts is None or idx.counts is None:
+            return  # a jax array: its real rows are not known here
+        for d, (t, b) in enumerate(zip(ids.counts, idx.counts, strict=True)):
+            if decode[d if len(decode) > 1 else 0] and t != b:
+                where = f" on DP rank {d}" if self.dp > 1 else ""
+                raise FutureMapError(
+                    f"input_ids of a DECODE batch has {t} ids for {b} rows{where}: a decode "
+                    "row carries one id"
+                )
 
     def _dtype(self, name: str, a: np.ndarray, ints: bool) -> np.ndarray:
         if ints:
@@ -320,6 +342,30 @@ class HostInputs:
         if self.dp == 1:
             return blocks[0]
         return np.concatenate([blocks[d] for d in range(self.dp)])
+
+
+def on_device(x: Any) -> bool:
+    """Whether `x` (an input as the caller gave it: rows, a DraftPayload, a mapping or a
+    tuple of them) holds a jax array: not read on the host, so a debug map checks it on the
+    device."""
+    if type(x) is np.ndarray:  # the per-step case, kept short
+        return False
+    if isinstance(x, jax.Array):
+        return True
+    if isinstance(x, Mapping):
+        x = list(x.values())
+    return isinstance(x, tuple | list) and any(on_device(v) for v in x)
+
+
+def _non_negative(name: str, a: np.ndarray, relayed: bool) -> np.ndarray:
+    """`a`, refused if `relayed` and it holds a negative value (token ids and lengths are
+    >= 0; a stashed -1 would read as the consume poison)."""
+    if relayed and a.size and a.min() < 0:
+        raise FutureMapError(
+            f"{name} holds negative values {np.unique(a[a < 0])[:8].tolist()}: token ids and "
+            "lengths are >= 0"
+        )
+    return a
 
 
 def _host(name: str, x: Any) -> np.ndarray:

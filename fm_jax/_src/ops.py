@@ -28,6 +28,7 @@ from fm_jax._src.types import (
     FutureMapState,
     Resolved,
     SpecConfig,
+    host_mode,
     int_dtype,
 )
 
@@ -169,7 +170,7 @@ def future_map(
     def check_indices(name: str, indices: Any, into: checks.OpChecks | None = None) -> None:
         """Shape checks; in debug mode the slot checks too, queued `into` the op's checks
         (or, without them, emitted at once)."""
-        s.check_1d_int(name, indices)
+        s.check_1d_int(name, indices, dt)
         if debug:
             own = into or checks.OpChecks()
             checks.valid_slots(name, indices, r, dt, own)
@@ -178,16 +179,27 @@ def future_map(
 
     def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
         """`new_seq_lens[indices] := new_seq_lens`; empty indices is a no-op."""
-        check_indices("indices", indices)
-        s.check_1d_int("new_seq_lens", new_seq_lens)
+        chk = checks.OpChecks() if debug else None
+        check_indices("indices", indices, chk)
+        s.check_1d_int("new_seq_lens", new_seq_lens, dt)
         s.check_rows("new_seq_lens", new_seq_lens, jnp.shape(indices)[0])
+        if chk is not None:
+            checks.relayed_values(
+                "new_seq_lens",
+                checks.PUBLISHED_LENGTHS,
+                jnp.asarray(new_seq_lens),
+                jnp.asarray(indices),
+                dt,
+                chk,
+            )
+            chk.run()
         if jnp.shape(indices)[0] == 0:
             return state  # DP idle: nothing ran, nothing to relay
         return state._replace(new_seq_lens=_scatter(state.new_seq_lens, indices, new_seq_lens))
 
     def check_draft(draft: DraftPayload, rows: int) -> None:
         assert spec is not None
-        s.check_1d_int("draft.bonus_tokens", draft.bonus_tokens)
+        s.check_1d_int("draft.bonus_tokens", draft.bonus_tokens, dt)
         s.check_rows("draft.bonus_tokens", draft.bonus_tokens, rows)
         k = spec.topk
         s.check_array("draft.topk_p", draft.topk_p, (rows, k), (np.dtype(np.float32),))
@@ -197,6 +209,7 @@ def future_map(
             (rows, k),
             (np.dtype(np.int32), np.dtype(np.int64)),
         )
+        s.check_fits("draft.topk_index", draft.topk_index, dt)
         if spec.hidden == 0:
             if draft.hidden_states is not None:
                 raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
@@ -210,17 +223,25 @@ def future_map(
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op."""
-        check_indices("indices", indices)
+        chk = checks.OpChecks() if debug else None
+        check_indices("indices", indices, chk)
         rows = jnp.shape(indices)[0]
         if spec is None:
             if isinstance(payload, DraftPayload):
                 raise FutureMapError("stash got a DraftPayload but the map was built without spec")
-            s.check_1d_int("tokens", payload)
+            s.check_1d_int("tokens", payload, dt)
             s.check_rows("tokens", payload, rows)
+            tokens, name = payload, "tokens"
         else:
             if not isinstance(payload, DraftPayload):
                 raise FutureMapError("stash on a spec map takes a DraftPayload")
             check_draft(payload, rows)
+            tokens, name = payload.bonus_tokens, "draft.bonus_tokens"
+        if chk is not None:
+            checks.relayed_values(
+                name, checks.STASHED_TOKENS, jnp.asarray(tokens), jnp.asarray(indices), dt, chk
+            )
+            chk.run()
         if rows == 0:
             return state  # DP idle: nothing ran, nothing to relay
         if spec is None:
@@ -245,16 +266,23 @@ def future_map(
         1. DECODE: `seq_lens := new_seq_lens[req_pool_indices]` (debug: live rows > 0).
         2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
            Spec: with `batch.draft_indices`, gather the draft extras and bonus tokens.
-        3. Debug: consume check on what was gathered, then -1 written back to those slots.
+        3. Debug: consume check on what was gathered, then -1 written back to the batch's
+           slots (spec: the draft's) and, non-spec, to the slots its sentinels read.
         """
         idx: jax.Array = batch.req_pool_indices  # type: ignore[assignment]  # traced here
         chk = checks.OpChecks() if debug else None
+        if spec is None and batch.draft_indices is not None:
+            raise FutureMapError("batch.draft_indices given but the map was built without spec")
         check_indices("req_pool_indices", idx, chk)
         mode = batch.forward_mode
-        if not isinstance(mode, int | np.integer):  # a host int branches when traced
+        if isinstance(mode, int | np.integer):  # a host int branches when traced
+            mode = host_mode(mode, "forward_mode")
+        else:
             s.check_scalar_int("forward_mode", mode)
-        s.check_1d_int("input_ids", batch.input_ids)
-        s.check_1d_int("seq_lens", batch.seq_lens)
+            if chk is not None:
+                checks.known_mode(mode, dt, chk)  # type: ignore[arg-type]  # traced here
+        s.check_1d_int("input_ids", batch.input_ids, dt)
+        s.check_1d_int("seq_lens", batch.seq_lens, dt)
         s.check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
 
         if isinstance(mode, int | np.integer):
@@ -287,9 +315,15 @@ def future_map(
                 # A row with ids >= 0 keeps ids >= 0, so it is never flagged; a reference
                 # row's source slot is -ids (>= 1 once sentinels are in range).
                 k = checks.consumed_values_valid(input_ids, -ids, chk)
-                state = _poison(state, idx, chk.run(), k)
+                # Poisoned: the batch's slots and the slots its sentinels read (on a valid
+                # batch, among them; rows that read nothing aim at slot R, dropped).
+                read = jnp.where(is_ref, -ids, r)
+                slots = jnp.concatenate([jnp.asarray(idx, dt), read])
+                state = _poison(state, slots, chk.run(), k)
             return state, Resolved(input_ids, seq_lens)
 
+        if chk is not None:
+            checks.sentinels_in_range(jnp.asarray(batch.input_ids, dt), r, chk)
         if batch.draft_indices is None:
             if chk is not None:
                 chk.run()
@@ -316,7 +350,7 @@ def future_map(
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
         """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""
-        s.check_1d_int("indices", indices)
+        s.check_1d_int("indices", indices, dt)
         sentinel = -jnp.asarray(indices).astype(dt)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,13 +15,25 @@ def _dtype(x: Any) -> np.dtype:
     return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
 
 
-def check_1d_int(name: str, x: Any) -> None:
-    """Raise FutureMapError unless `x` is a 1-D integer array."""
+def check_1d_int(name: str, x: Any, into: np.dtype | None = None) -> None:
+    """Raise FutureMapError unless `x` is a 1-D integer array (whose values all fit `into`)."""
     shape = jnp.shape(x)
     if len(shape) != 1:
         raise FutureMapError(f"{name} must be 1-D, got shape {shape}")
     if not np.issubdtype(_dtype(x), np.integer):
         raise FutureMapError(f"{name} must have an integer dtype, got {_dtype(x)}")
+    check_fits(name, x, into)
+
+
+def check_fits(name: str, x: Any, into: np.dtype | None) -> None:
+    """Raise unless every value of `x`'s dtype (as JAX holds it) fits `into` without a cast
+    that could change it: an int64 array into an int32 buffer is refused, not truncated."""
+    held = jax.dtypes.canonicalize_dtype(_dtype(x))
+    if into is not None and not np.can_cast(held, into, "safe"):
+        raise FutureMapError(
+            f"{name} has dtype {held}, which the {np.dtype(into)} buffers cannot hold without "
+            "a value check: cast it first"
+        )
 
 
 def check_rows(name: str, x: Any, rows: int) -> None:
@@ -40,7 +53,14 @@ def check_array(name: str, x: Any, shape: tuple[int, ...], dtypes: tuple[np.dtyp
         raise FutureMapError(f"{name} must have dtype in ({allowed}), got {_dtype(x)}")
 
 
+def check_int_array(name: str, x: Any) -> None:
+    """Raise unless `x` is an integer array or scalar (of any shape)."""
+    if x is None or isinstance(x, str) or not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must be an int array, got {x!r}")
+
+
 def check_scalar_int(name: str, x: Any) -> None:
     """Raise unless `x` is a 0-d integer (the forward mode)."""
-    if jnp.shape(x) != () or not np.issubdtype(_dtype(x), np.integer):
-        raise FutureMapError(f"{name} must be an int scalar, got shape {jnp.shape(x)} {_dtype(x)}")
+    shape = np.shape(x)  # no jnp.shape: it will refuse None and strings
+    if shape != () or not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must be an int scalar, got shape {shape} {_dtype(x)}")

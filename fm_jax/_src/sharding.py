@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.ops import FutureMapOps, future_map
+from fm_jax._src.shapes import check_int_array
 from fm_jax._src.types import Batch, FutureMapState, Resolved, SpecConfig
 
 
@@ -237,7 +238,8 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
             batch = batch._replace(forward_mode=None)
             _check_split(layout, batch, "resolve")
             return layout.map(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
-        shape = jnp.shape(mode)  # type: ignore[arg-type]  # a traced mode here
+        check_int_array("forward_mode", mode)  # a traced mode here: a scalar or one per rank
+        shape = jnp.shape(mode)  # type: ignore[arg-type]
         if shape == ():
             mode = jnp.broadcast_to(mode, (layout.dp,))  # type: ignore[arg-type]
         elif shape != (layout.dp,):

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fm_jax._src.errors import FutureMapError
+
 
 class ForwardMode(enum.IntEnum):
-    """What kind of forward a batch runs (SPEC.md, 'Batch kinds'); carried as an int32 scalar."""
+    """What kind of forward a batch runs (docs/CONTRACT.md, 'Batch kinds'); an int32 scalar."""
 
     EXTEND = 0  # prefill or a prefill chunk: real ids and lengths
     DECODE = 1  # ids and lengths are sentinels until resolve
@@ -78,7 +80,9 @@ class Batch(NamedTuple):
     `forward_mode` is an int32 jax scalar (a ForwardMode value), traced, so one compiled
     step serves every batch kind (on a mesh: a scalar, or [DP], one mode per rank); a host
     ForwardMode fixes the mode when the op is traced instead (no branch in the executable;
-    one executable per mode). `draft_indices` ([B]) is set on a spec DECODE batch: the slots
+    one executable per mode). A host mode that is not a ForwardMode value (7, True, 1.0,
+    "1") is refused; a traced one runs as a batch that is not DECODE, and debug mode
+    reports it ('forward mode'). `draft_indices` ([B]) is set on a spec DECODE batch: the slots
     whose draft to gather; None on batches without a draft input. The FutureMap class also
     takes host arrays for every field.
     """
@@ -98,10 +102,19 @@ class Resolved(NamedTuple):
     draft: DraftPayload | None = None  # its fields are jax arrays
 
 
+def host_mode(mode: Any, where: str) -> ForwardMode:
+    """A forward mode given on the host, as a ForwardMode: an int of a ForwardMode value,
+    never a bool, float or string (int() would make DECODE of True, 1.7 and "1")."""
+    if isinstance(mode, bool | np.bool_) or not isinstance(mode, int | np.integer):
+        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}")
+    try:
+        return ForwardMode(int(mode))
+    except ValueError:
+        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}") from None
+
+
 def int_dtype(dtype: object) -> np.dtype:
     """Normalise a user's int dtype to int32 or int64, refusing int64 without x64 mode."""
-    from fm_jax._src.errors import FutureMapError
-
     try:
         d = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:

@@ -1,0 +1,331 @@
+"""Regression tests for inputs at the edges of the contract, in both twins.
+
+Each test's docstring names the bug it pins. Bad input in general (every field, every
+entry point) is tests/test_bad_input_table.py; the debug channel's own reporting is
+tests/test_fm_jax_debug_channel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.experimental import checkify
+
+import fm_jax as fj
+import fm_torch as ft
+
+R = 8
+DECODE, MIXED = fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
+
+
+def jax_map(debug: bool = True) -> fj.FutureMap:
+    return fj.FutureMap(R, debug=debug, batch_buckets=(2, 4), token_buckets=(2, 4))
+
+
+def dev(*xs: int) -> jax.Array:
+    return jax.device_put(np.array(xs, np.int32), jax.devices()[0])
+
+
+def t(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def violation(fm: fj.FutureMap) -> fj.InvariantViolation:
+    with pytest.raises(fj.InvariantViolation) as info:
+        fm.check()
+    return info.value
+
+
+# ------------------------------------------------------------------------ forward mode
+@pytest.mark.parametrize("mode", [7, -1])
+def test_a_traced_mode_outside_forward_mode_is_reported_in_debug(mode: int) -> None:
+    """Pins a traced forward_mode of 7 or -1 running silently as 'not DECODE' (a sentinel
+    then left in seq_lens): debug mode reports it; without debug it runs as not DECODE,
+    as documented (no value of a traced mode is read on the host)."""
+    fm = jax_map()
+    fm.publish(np.array([3]), np.array([5]))
+    fm.stash(np.array([3]), np.array([9]))
+    fm.resolve(fj.Batch(jnp.int32(mode), np.array([3]), np.array([-3]), np.array([-3])))
+    got = violation(fm)
+    assert got.invariant == "forward mode" and f"forward_mode {mode}" in str(got)
+    assert (got.op, got.step, got.slots) == ("resolve", 1, [])
+    plain = jax_map(debug=False)
+    out = plain.resolve(fj.Batch(jnp.int32(mode), np.array([3]), np.array([-3]), np.array([-3])))
+    assert np.asarray(out.seq_lens)[0] == -3  # not DECODE: the lengths as given
+
+
+def test_pure_ops_report_a_traced_mode_outside_forward_mode() -> None:
+    """Pins the pure resolve under an engine's checkify taking a traced mode of 7 as 'not
+    DECODE' without a word."""
+    ops = fj.future_map(R, debug=True)
+    step = jax.jit(checkify.checkify(ops.resolve, errors=checkify.user_checks))
+    err, _ = step(ops.init(), fj.Batch(jnp.int32(7), dev(0), dev(0), dev(0)))
+    with pytest.raises(fj.InvariantViolation) as info:
+        fj.raise_if_violated(err)
+    assert info.value.invariant == "forward mode"
+
+
+@pytest.mark.parametrize("mode", [7, -1, True, 1.0, "DECODE", None, torch.tensor(1)])
+def test_fm_torch_refuses_a_mode_that_is_not_a_forward_mode(mode: Any) -> None:
+    """Pins fm_torch taking any forward_mode (7, -1, "DECODE", None) and leaving -slot in
+    seq_lens for a mode that is not DECODE; True and 1.0 are not DECODE either."""
+    fm = ft.FutureMap(R)
+    batch = ft.ScheduleBatch(mode, t(3), t(-3), t(-3))
+    with pytest.raises(ft.FutureMapError, match="forward_mode must be a ForwardMode"):
+        fm.resolve(batch)
+    assert batch.seq_lens.tolist() == [-3] and batch.forward_mode is mode
+
+
+def test_both_twins_take_the_forward_modes_as_ints_and_enums_alike() -> None:
+    """Pins the twins' one rule for a host mode accepting different spellings: a
+    ForwardMode member of either package, a plain int and a numpy int all run."""
+    for mode in (fj.ForwardMode.DECODE, ft.ForwardMode.DECODE, 1, np.int64(1)):
+        tm = ft.FutureMap(R)
+        tm.publish(t(3), t(5))
+        batch = ft.ScheduleBatch(mode, t(3), t(-3), t(-3))
+        tm.resolve(batch)
+        jm = jax_map(debug=False)
+        jm.publish(np.array([3]), np.array([5]))
+        out = jm.resolve(fj.Batch(mode, np.array([3]), np.array([-3]), np.array([-3])))
+        assert batch.seq_lens.tolist() == [5] and np.asarray(out.seq_lens)[:1].tolist() == [5]
+
+
+# --------------------------------------------------------------- int64 under x64 (subprocess)
+def _x64_inner() -> None:
+    """With x64 on: int64 jax arrays into an int32 map, every entry point; prints JSON."""
+    assert jax.config.read("jax_enable_x64")
+    spec = fj.SpecConfig(2, 0)
+    rows: list[dict[str, Any]] = []
+
+    def case(name: str, fm: Any, field: str, call: Any) -> None:
+        before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+        try:
+            call()
+            kind, msg = "accepted", ""
+        except fj.FutureMapError as e:
+            kind, msg = "refused", str(e)
+        except Exception as e:  # noqa: BLE001  # the test judges the type
+            kind, msg = type(e).__name__, str(e)
+        after = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+        rows.append({"name": name, "kind": kind, "named": field in msg, "intact": after == before})
+
+    i64 = lambda *xs: jnp.asarray(np.array(xs, np.int64))  # noqa: E731
+    i32 = lambda *xs: jnp.asarray(np.array(xs, np.int32))  # noqa: E731
+    sentinel = -(2**32) + 3  # truncated to int32, it would no longer be this sentinel
+    slots, lens = i32(3, 4), i32(-3, -4)
+    bad_ids = fj.Batch(DECODE, slots, i64(sentinel, -4), lens)
+    bad_slots = fj.Batch(DECODE, i64(3, 4), i32(-3, -4), lens)
+    host = fj.Batch(DECODE, np.array([3]), np.array([sentinel]), np.array([-3]))
+
+    def on_int32_map(debug: bool) -> None:
+        fm = fj.FutureMap(R, debug=debug, batch_buckets=(2,), token_buckets=(2,))
+        assert fm.dtype == np.int32
+        fm.publish(np.array([3, 4]), np.array([5, 6]))
+        fm.stash(np.array([3, 4]), np.array([33, 44]))
+        d = f"debug={debug}"
+        case(f"resolve input_ids {d}", fm, "input_ids", lambda: fm.resolve(bad_ids))
+        case(f"resolve slots {d}", fm, "req_pool_indices", lambda: fm.resolve(bad_slots))
+        case(f"publish slots {d}", fm, "indices", lambda: fm.publish(i64(3, 4), i32(1, 1)))
+        case(f"publish lens {d}", fm, "new_seq_lens", lambda: fm.publish(slots, i64(2**32, 1)))
+        case(f"stash tokens {d}", fm, "tokens", lambda: fm.stash(slots, i64(2**32 + 7, 1)))
+        case(f"host sentinel {d}", fm, "input_ids", lambda: fm.resolve(host))
+
+    on_int32_map(False)
+    on_int32_map(True)
+    sm = fj.FutureMap(R, spec=spec, batch_buckets=(2,), token_buckets=(2,))
+    wide_k = jnp.full((2, 2), 2**32 + 5, jnp.int64)
+    draft = fj.DraftPayload(i32(1, 2), jnp.zeros((2, 2), jnp.float32), wide_k)
+    case("stash topk_index", sm, "topk_index", lambda: sm.stash(i32(3, 4), draft))
+    ops = fj.future_map(R)
+    st = ops.init()
+    pure = [
+        (
+            "ops resolve input_ids",
+            "input_ids",
+            lambda: jax.jit(ops.resolve)(
+                st, fj.Batch(jnp.int32(1), i32(3), i64(sentinel), i32(-3))
+            ),
+        ),
+        ("ops publish lens", "new_seq_lens", lambda: jax.jit(ops.publish)(st, i32(3), i64(2**32))),
+        ("ops stash slots", "indices", lambda: jax.jit(ops.stash)(st, i64(3), i32(1))),
+    ]
+    for name, field, call in pure:
+        try:
+            call()
+            kind, msg = "accepted", ""
+        except fj.FutureMapError as e:
+            kind, msg = "refused", str(e)
+        rows.append({"name": name, "kind": kind, "named": field in msg, "intact": True})
+    wide = fj.FutureMap(R, dtype=jnp.int64, batch_buckets=(2,), token_buckets=(2,))
+    wide.stash(i64(3, 4), i64(2**32 + 7, 1))  # an int64 map takes int64 values whole
+    out = wide.resolve(fj.Batch(MIXED, i64(3, 4), i64(-3, -4), i64(1, 1)))
+    got = int(np.asarray(out.input_ids)[0])
+    print("REPORT " + json.dumps({"rows": rows, "wide": got}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def x64_report() -> dict[str, Any]:
+    env = dict(os.environ, JAX_ENABLE_X64="1")
+    code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_x64_inner']()"
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert p.returncode == 0 and lines, f"x64 subprocess failed:\n{p.stdout}\n{p.stderr}"
+    return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+
+
+def test_int64_device_arrays_into_an_int32_map_are_refused_under_x64(x64_report) -> None:
+    """Pins int64 device arrays into an int32 map (x64 on) being truncated silently, debug
+    included (a sentinel -(2**32) + 3 resolving another slot's token, errors naming the
+    truncated slot): every entry point, the pure ops when traced included, refuses them
+    naming the field and writes nothing; an int64 map takes them whole."""
+    rows = x64_report["rows"]
+    assert len(rows) == 16
+    for row in rows:
+        assert row["kind"] == "refused" and row["named"] and row["intact"], row
+    assert x64_report["wide"] == 2**32 + 7
+
+
+# --------------------------------------------------------- negative tokens and lengths
+def test_a_negative_token_from_the_device_is_reported_at_its_stash() -> None:
+    """Pins a stashed -1 being stored silently and read later as an RR (a consume
+    violation blamed on the wrong op): debug mode reports the stash, naming the slot."""
+    fm = jax_map()
+    fm.publish(np.array([3, 4]), np.array([5, 5]))
+    fm.stash(dev(3, 4), dev(7, -1))  # a forward's tokens, on the device
+    got = violation(fm)
+    assert (got.invariant, got.op, got.slots) == ("stashed tokens >= 0", "stash", [4])
+
+
+def test_a_negative_length_from_the_device_is_reported_at_its_publish() -> None:
+    """Pins a published negative length being stored silently (read later as a sentinel,
+    or as an unpublished length at the next DECODE)."""
+    fm = jax_map()
+    fm.publish(dev(3, 4), dev(-2, 5))
+    got = violation(fm)
+    assert (got.invariant, got.op, got.slots) == ("published lengths >= 0", "publish", [3])
+
+
+def test_finish_checks_device_values_even_on_slots_resolve_checked() -> None:
+    """Pins the tail op skipping its device checks for the slots the last resolve checked,
+    and with them the check of the forward's tokens and lengths."""
+    fm = jax_map()
+    fm.publish(np.array([3, 4]), np.array([5, 5]))
+    fm.stash(np.array([3, 4]), np.array([7, 8]))
+    idx = dev(3, 4)
+    batch = fj.Batch(DECODE, idx, -idx, -idx)
+    fm.resolve(batch)
+    fm.check()
+    fm.finish(batch, idx, dev(6, 6), dev(9, -4))
+    got = violation(fm)
+    assert (got.invariant, got.op, got.slots) == ("stashed tokens >= 0", "finish", [4])
+
+
+def test_host_negative_tokens_and_lengths_are_refused_by_both_twins() -> None:
+    """Pins host tokens and lengths below 0 being stored (both twins, debug or not):
+    refused before anything is written, naming the field."""
+    for debug in (False, True):
+        fm = jax_map(debug)
+        with pytest.raises(fj.FutureMapError, match=r"tokens holds negative values \[-1\]"):
+            fm.stash(np.array([3]), np.array([-1]))
+        with pytest.raises(fj.FutureMapError, match="new_seq_lens holds negative"):
+            fm.publish(np.array([3]), np.array([-3]))
+        tm = ft.FutureMap(R, debug=debug)
+        with pytest.raises(ft.FutureMapError, match=r"tokens holds negative values \[-1\]"):
+            tm.stash(t(3), t(-1))
+        with pytest.raises(ft.FutureMapError, match="new_seq_lens holds negative"):
+            tm.publish(t(3), t(-3))
+
+
+def test_pure_ops_report_negative_relayed_values() -> None:
+    """Pins the pure publish and stash under an engine's checkify storing negative values
+    without a word."""
+    ops = fj.future_map(R, debug=True)
+    stash = jax.jit(checkify.checkify(ops.stash, errors=checkify.user_checks))
+    publish = jax.jit(checkify.checkify(ops.publish, errors=checkify.user_checks))
+    err, st = stash(ops.init(), dev(2, 0), dev(1, -9))
+    with pytest.raises(fj.InvariantViolation, match="slot 0") as info:
+        fj.raise_if_violated(err)  # a padding row's token is a token too: never negative
+    assert info.value.invariant == "stashed tokens >= 0"
+    err, _ = publish(st, dev(5, 6), dev(-1, 2))
+    with pytest.raises(fj.InvariantViolation, match="slot 5") as info:
+        fj.raise_if_violated(err)
+    assert info.value.invariant == "published lengths >= 0"
+
+
+# ------------------------------------------------------------ consume: the slots read
+def _both_twins_read(slots_in_batch: list[int], sentinels: list[int]) -> tuple[Any, Any]:
+    """Stash slots 5 and 4, then resolve a MIXED batch of `slots_in_batch` carrying
+    `sentinels`, twice, on both twins (debug). Every call's rows are a bucket size: the
+    class pads nothing, so slot 0 compares too. Returns (fm_jax violation, fm_torch's)."""
+    fm = jax_map()
+    tm = ft.FutureMap(R, dtype=torch.int32, debug=True)
+    fm.stash(np.array([5, 4]), np.array([9, 8]))
+    tm.stash(t(5, 4), t(9, 8))
+    idx, ids = np.array(slots_in_batch), np.array(sentinels)
+    lens = np.full(len(slots_in_batch), 3)
+    out = fm.resolve(fj.Batch(MIXED, idx, ids, lens))
+    batch = ft.ScheduleBatch(ft.ForwardMode.MIXED, t(*idx), t(*ids), t(*lens))
+    tm.resolve(batch)
+    fm.check()
+    assert np.asarray(out.input_ids)[: len(ids)].tolist() == batch.input_ids.tolist()
+    assert 9 in batch.input_ids.tolist()
+    got_jax = got_torch = None
+    jax_tokens = np.asarray(fm.buffers()["output_tokens"])
+    assert jax_tokens.tobytes() == tm.output_tokens.numpy().tobytes()
+    fm.resolve(fj.Batch(MIXED, idx, ids, lens))
+    try:
+        fm.check()
+    except fj.InvariantViolation as e:
+        got_jax = e
+    try:
+        tm.resolve(ft.ScheduleBatch(ft.ForwardMode.MIXED, t(*idx), t(*ids), t(*lens)))
+    except ft.InvariantViolation as e:
+        got_torch = e
+    return got_jax, got_torch
+
+
+def test_a_sentinel_naming_a_slot_outside_the_batch_is_consumed_by_its_read() -> None:
+    """Pins the consume poison going only to the batch's req_pool_indices, so that a
+    sentinel naming a slot outside the batch could be read any number of times unflagged:
+    the slot read is poisoned too, and the second read is caught, by both twins alike."""
+    got_jax, got_torch = _both_twins_read([1, 2], [4, -5])  # slot 5 is not in the batch
+    assert got_jax is not None and got_torch is not None
+    assert (got_jax.invariant, got_jax.slots) == ("consume (WRWR)", [5])
+    assert (got_torch.invariant, got_torch.slots) == ("consume (WRWR)", [5])
+
+
+def test_a_valid_batch_poisons_exactly_its_own_slots() -> None:
+    """Pins the extra poison touching anything on a valid batch (every sentinel names a
+    slot of the batch; padding rows read nothing): the buffer after resolve equals SGLang's,
+    -1 at the batch's slots and nothing else changed, in both twins."""
+    fm = jax_map()
+    tm = ft.FutureMap(R, dtype=torch.int32, debug=True)
+    for slots, tokens in (([0, 1, 2, 3], [50, 11, 12, 13]), ([6, 5], [16, 15])):
+        fm.stash(np.array(slots), np.array(tokens))
+        tm.stash(t(*slots), t(*tokens))
+    # MIXED: prefill slot 2 (one token), decode slot 3; rows and tokens a bucket (no padding)
+    idx, ids, lens = [2, 3], [7, -3], [4, 4]
+    fm.resolve(fj.Batch(MIXED, np.array(idx), np.array(ids), np.array(lens)))
+    tm.resolve(ft.ScheduleBatch(ft.ForwardMode.MIXED, t(*idx), t(*ids), t(*lens)))
+    fm.check()
+    # Slot 0 is in no row of this batch: its (garbage) 50 stays. Slots 4, 7: never written.
+    want = np.array([50, 11, -1, -1, -1, 15, 16, -1], np.int32)
+    assert np.asarray(fm.buffers()["output_tokens"]).tobytes() == want.tobytes()
+    assert tm.output_tokens.numpy().tobytes() == want.tobytes()
