@@ -4,6 +4,7 @@
     fm-bench                      # full run (a few minutes) into bench/results/
     fm-bench --json out.json      # also write the results as JSON
     fm-bench --headline-only --json h.json   # the headline group only; its rows as results
+    fm-bench --startup-only       # the start-up table only (warm_up cold and from disk)
 
 The peers are SGLang's FutureMap (`sglang_torch`) and sglang-jax's future token map
 (`sglang_jax`), reproduced as they run; `naive_jax` and `floor` are references.
@@ -192,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the headline group (about 1.5 min in a full run): no sweeps, int64, "
         "in-place check or plots, and no files unless --out or --json is given",
     )
+    ap.add_argument(
+        "--startup-only",
+        action="store_true",
+        help="only the start-up table (fresh processes: warm_up cold, filling and reading "
+        "JAX's persistent cache); no files unless --out or --json is given",
+    )
+    ap.add_argument("--no-startup", action="store_true", help="skip the start-up table")
     ap.add_argument("--plan", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--child-int64", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -203,32 +211,52 @@ def main(argv: list[str] | None = None) -> int:
     p = _plan(args)
     if args.child_int64:
         with tqdm(total=len(p.sweep_configs(True)), file=sys.stderr, leave=False) as bar:
-            _, rows, _ = _measure_all(p, True, bar)
+            _, int64_rows, _ = _measure_all(p, True, bar)
         if args.json:
-            args.json.write_text(json.dumps({"results": rows}))
+            args.json.write_text(json.dumps({"results": int64_rows}))
         return 0
 
     t0, load_start = time.perf_counter(), _load()
-    sweeps = not args.headline_only
+    only_startup = args.startup_only
+    sweeps = not (args.headline_only or only_startup)
     with_int64 = sweeps and not args.no_int64
-    n_groups = 1 + (len(p.sweep_configs(False)) if sweeps else 0) + int(with_int64)
+    with_startup = p.startup is not None and not args.no_startup and not args.headline_only
+    n_groups = (
+        int(not only_startup)
+        + (len(p.sweep_configs(False)) if sweeps else 0)
+        + int(with_int64)
+        + int(with_startup)
+    )
     int64_error = None
+    figs: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    head_rows: list[dict[str, Any]] = []
+    startup_rows: list[dict[str, Any]] = []
     with tqdm(total=n_groups, file=sys.stderr, unit="group") as bar:
-        figs, rows, head_rows = _measure_all(p, False, bar, sweeps)
+        if not only_startup:
+            figs, rows, head_rows = _measure_all(p, False, bar, sweeps)
         if with_int64:
             bar.set_description("int64 (child process)")
             more, int64_error = _int64_child(args)
             rows += more
+            bar.update(1)
+        if with_startup:
+            from bench import startup
+
+            bar.set_description("start-up (fresh processes)")
+            s = p.startup
+            startup_rows = startup.measure(s.runs, s.pool, s.small, s.maps)
             bar.update(1)
 
     import torch
 
     from bench.impls.fm_torch_eager import device as torch_device
 
+    part = "" if sweeps else (", start-up only" if only_startup else ", headline only")
     doc: dict[str, Any] = {
         "device": _device(),
         "meta": {
-            "plan": p.name + ("" if sweeps else ", headline only"),
+            "plan": p.name + part,
             "torch_device": str(torch_device()),
             "torch_threads": torch.get_num_threads(),
             "fm_jax_compiler_options": fj_compiler_options(),
@@ -241,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows if sweeps else head_rows,
         "headline": figs,
         "headline_results": head_rows,
+        "startup": startup_rows,
     }
     from bench import plots, report
 

@@ -57,6 +57,23 @@ class Headline:
 
 
 @dataclass(frozen=True)
+class Startup:
+    """The start-up table's runs (`bench.startup`): fresh processes per map and mode.
+
+    Attributes:
+      runs: runs per map and mode (medians and ranges over them).
+      pool: R of every map.
+      small: tiny buckets instead of the defaults (a machinery check, not a figure).
+      maps: which maps (plain, spec, debug, mesh).
+    """
+
+    runs: int
+    pool: int = 4097
+    small: bool = False
+    maps: tuple[str, ...] = ("plain", "spec", "debug", "mesh")
+
+
+@dataclass(frozen=True)
 class Plan:
     """A whole run: sweep configurations, headline sizes and repetition counts."""
 
@@ -76,6 +93,7 @@ class Plan:
     debug_variants: tuple[str, ...] = field(
         default=("fm_jax", "fm_jax_fused", "fm_torch", "sglang_torch")
     )
+    startup: Startup | None = None
 
     def sweep_configs(self, int64: bool) -> list[Config]:
         """Distinct configurations of the int32 sweeps (or of the int64 one), in order."""
@@ -98,6 +116,7 @@ def _full() -> Plan:
         headline_reps=400,
         headline_budget_s=90.0,
         inplace_check=(Config(256, 1 << 20), Config(256, 16384, spec=True, hidden=h)),
+        startup=Startup(runs=3),
     )
 
 
@@ -116,6 +135,7 @@ def _quick() -> Plan:
         headline_reps=30,
         min_reps=5,
         inplace_check=(Config(64, 16384),),
+        startup=Startup(runs=1, pool=65, small=True, maps=("plain", "mesh")),
     )
 
 
@@ -135,6 +155,7 @@ def _tiny() -> Plan:
         headline_reps=3,
         min_reps=2,
         debug_variants=("fm_jax", "fm_torch", "sglang_torch"),
+        startup=Startup(runs=1, pool=65, small=True, maps=("plain",)),
     )
 
 

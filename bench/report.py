@@ -112,6 +112,25 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
         f"- load average (1/5/15 min) at start: {meta['load_start']}, at end: {meta['load_end']}",
         f"- wall time: {meta['wall_s']:.0f} s",
         "",
+    ]
+    if doc.get("startup"):
+        from bench.startup import table as startup_table
+
+        parts += [
+            "## Start-up: `FutureMap.warm_up()` in a fresh process",
+            "",
+            "Per map: a process without JAX's persistent cache, one filling an empty cache",
+            "directory (`fm_jax.use_persistent_cache`), one starting from it. Default",
+            "buckets unless the plan says small; spec: K = 8, H = 4096 bf16; mesh: DP = 4 x",
+            "TP = 2 (8 virtual CPU devices on a CPU machine). 'process s' adds importing",
+            "jax and fm_jax and building the map.",
+            "",
+            startup_table(doc["startup"]),
+            "",
+        ]
+    if not doc["headline"]:
+        return "\n".join(parts)
+    parts += [
         "## Headline figures (one interleaved group, medians)",
         "",
         headline_table(doc["headline"]),

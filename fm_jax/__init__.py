@@ -6,7 +6,7 @@ call ops one by one, on one device or a mesh.
 """
 
 from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
-from fm_jax._src.compile_options import compiler_options
+from fm_jax._src.compile_options import compiler_options, use_persistent_cache
 from fm_jax._src.debug_channel import raise_if_violated
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
@@ -26,6 +26,7 @@ from fm_jax._src.types import (
     Resolved,
     SpecConfig,
 )
+from fm_jax._src.warm_up import WarmUpReport
 
 __all__ = [
     "POISON",
@@ -41,6 +42,7 @@ __all__ = [
     "Resolved",
     "ShardedFutureMapOps",
     "SpecConfig",
+    "WarmUpReport",
     "compiler_options",
     "future_map",
     "mesh_layout",
@@ -49,4 +51,5 @@ __all__ = [
     "power_of_two_buckets",
     "raise_if_violated",
     "sharded_future_map",
+    "use_persistent_cache",
 ]

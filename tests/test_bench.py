@@ -335,3 +335,17 @@ def test_floor_step_is_two_dispatches_on_the_arrays_the_class_takes(
     assert all(isinstance(x, kind) for a in calls for x in a)
     np.testing.assert_array_equal(np.asarray(calls[0][1]), -data.idx)
     np.testing.assert_array_equal(np.asarray(calls[1][2]), data.tokens)
+
+
+def test_startup_table_comes_from_fresh_processes(tiny_run) -> None:
+    """The tiny run's start-up rows: each mode measured in its own process; the process
+    that starts from the filled persistent cache compiles nothing and loads every
+    executable; the report prints the table."""
+    doc, out, _ = tiny_run
+    rows = {r["mode"]: r for r in doc["startup"] if r["map"] == "plain"}
+    assert set(rows) == {"no cache", "filling the cache", "from the cache"}
+    assert all(r["runs"] == 1 and r["warm_up_s"] > 0 for r in rows.values())
+    assert rows["no cache"]["compiled"] == rows["no cache"]["executables"] > 0
+    assert rows["from the cache"]["compiled"] == 0
+    assert rows["from the cache"]["from_cache"] == rows["from the cache"]["executables"]
+    assert "## Start-up" in (out / "results.md").read_text()

@@ -18,8 +18,9 @@ MESH_DEVICES = 8  # the scale-out example builds a 4 x 2 mesh
 
 
 def _run(block: str, index: int) -> str:
-    """Run one block: in-process, or in a child with 8 virtual CPU devices if it needs a mesh."""
-    if "make_mesh" not in block:
+    """Run one block: in-process, or in a child (with 8 virtual CPU devices) if it needs a
+    mesh or turns on the process-wide persistent compilation cache."""
+    if "make_mesh" not in block and "use_persistent_cache" not in block:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(block, f"README.md[python block {index}]", "exec"), {})

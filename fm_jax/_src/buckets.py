@@ -38,6 +38,27 @@ def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
     return buckets[i]
 
 
+def resolve_sizes(
+    rows: int, tokens: int, batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...]
+) -> tuple[int, int]:
+    """The per-rank (rows, tokens) a resolve is padded to: a function of the token bucket.
+
+    Tokens go to the smallest token bucket holding max(tokens, rows); rows to the batch
+    bucket of min(that, the largest batch bucket). A batch has at least one token per row
+    (a decode row one, a prefill row its chunk), so rows <= tokens; a spec batch may carry
+    fewer ids than rows, and its ids are padded up to its rows. Either way the pair is
+    fixed by one token bucket: resolve compiles once per token bucket (and mode), not once
+    per (batch bucket, token bucket) pair, at the price of padding a prefill batch's rows
+    up to its token bucket (row work is a few flops a row).
+
+    Args:
+      rows, tokens: per-rank sizes (already padded, or real counts).
+      batch_buckets, token_buckets: the map's sorted buckets.
+    """
+    t = bucket_for(max(tokens, rows, 1), token_buckets, "tokens")
+    return bucket_for(max(min(t, batch_buckets[-1]), rows), batch_buckets, "rows"), t
+
+
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     """Pad `x` with zero rows to `rows` leading entries (slot 0, token 0, length 0)."""
     if x.shape[0] == rows:

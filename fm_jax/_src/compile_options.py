@@ -14,6 +14,7 @@ import os
 import re
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
 """The XLA:CPU pass that splits instructions over threads (by bytes, not by work)."""
@@ -43,3 +44,25 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
         return {}
     passes = list(dict.fromkeys([*_passes_disabled_by_env(), CPU_PARALLEL_TASK_PASS]))
     return {_FLAG: ",".join(passes)}
+
+
+def use_persistent_cache(path: str | os.PathLike[str], *, min_compile_seconds: float = 0.0) -> None:
+    """Turn on JAX's persistent compilation cache in directory `path`, for this process.
+
+    A process started later with the same call loads the executables it finds there
+    instead of compiling them (`FutureMap.warm_up` reports how many). JAX's own default
+    writes only compiles that took at least a second, which no FutureMap executable does
+    (each takes ~20-80 ms on CPU), so this writes every compile at or over
+    `min_compile_seconds` (0: all, the setting sglang-jax serves with). Process-wide: it
+    applies to the engine's other compiles too. Call it before the first compile.
+
+    Args:
+      path: the cache directory (created if missing); trusted: whoever can write it can
+        change what this process runs.
+      min_compile_seconds: compiles faster than this are not written.
+    """
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    # JAX decides once per process whether the cache is used: decide again with it on.
+    compilation_cache.reset_cache()

@@ -8,6 +8,8 @@ both; `host_inputs` says what a caller may pass.
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,7 +23,7 @@ from fm_jax._src import buckets as bk
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_inputs import HostInputs, Rows
+from fm_jax._src.host_inputs import HostInputs, Rows, on_device
 from fm_jax._src.ops import future_map
 from fm_jax._src.sharding import MeshLayout, lift, mesh_layout, per_rank, single_device_layout
 from fm_jax._src.types import (
@@ -32,22 +34,39 @@ from fm_jax._src.types import (
     Resolved,
     RowsInput,
     SpecConfig,
+    host_mode,
+)
+from fm_jax._src.warm_up import (
+    Guarded,
+    Key,
+    WarmUpReport,
+    compile_plan,
+    counting_compiles,
+    describe,
+    plan,
+    report,
 )
 
-_MODES = {int(m): m for m in ForwardMode}
+_log = logging.getLogger("fm_jax")
+_FIXED = ("resolve_fixed_extend", "resolve_fixed_decode")
+"""The resolve executables with the mode fixed when traced: not DECODE, DECODE."""
 Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 """What `stash` writes: tokens [B] (non-spec) or a DraftPayload of [B, ...] rows (spec), or
 per-rank mappings of either."""
 
 
-def _host_mode(mode: Any, where: str) -> ForwardMode:
-    """A forward mode given on the host, validated (no bool, no float, no string)."""
-    if isinstance(mode, bool | np.bool_) or not isinstance(mode, int | np.integer):
-        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}")
-    got = _MODES.get(int(mode))
-    if got is None:
-        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}")
-    return got
+_host_mode = host_mode  # the one rule for a mode given on the host (types.py)
+
+
+def _rows_per_rank(x: Any, dp: int) -> int | None:
+    """Rows per DP rank of a host input before it is placed (a mapping: its largest
+    rank's); None when `x` has no length (placing it then names what is wrong)."""
+    try:
+        if isinstance(x, Mapping):
+            return max((len(v) for v in x.values()), default=0)
+        return len(x) // dp
+    except TypeError:
+        return None
 
 
 class FutureMap:
@@ -127,6 +146,9 @@ class FutureMap:
         self._checked: weakref.ref[jax.Array] | None = None
         init = jax.jit(self.ops.init, out_shardings=self.layout.sharding)
         self._state: FutureMapState = init()
+        self._fns = self.executables()
+        # After warm_up(guard=True): the only executables serving may run, by key.
+        self._serving: dict[Key, Guarded] | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -157,26 +179,43 @@ class FutureMap:
                     out[prefix + name] = fn
         return out
 
-    def _apply(self, op: str, fn: Any, *args: Any) -> Any:
-        """`fn(state, *args)`, its debug error (if any) recorded; returns its outputs."""
-        out = fn(self._state, *args)
+    def _exe(self, key: Key) -> Any:
+        """The executable for `key` (entry point name, per-rank sizes): the jitted entry
+        point (compiling on a new shape), or under the serving guard a warmed one only."""
+        if self._serving is None:
+            return self._fns[key[0]]
+        exe = self._serving.get(key)
+        if exe is None:
+            raise FutureMapError(
+                f"serving guard: {describe(key)} was not compiled by warm_up() (batch buckets "
+                f"{self.batch_buckets}, token buckets {self.token_buckets}); a call would "
+                "compile it: add its bucket, or pass inputs padded to a warmed one"
+            )
+        return exe
+
+    def _apply(self, op: str, key: Key, *args: Any) -> Any:
+        """Executable `key` on (state, *args), its debug error (if any) recorded as `op`'s;
+        returns its outputs."""
+        out = self._exe(key)(self._state, *args)
         if self._debug is None:
             return out
         err, out = out
         self._debug.record(self.step, op, err)
         return out
 
-    def _tail(self, op: str, idx: Rows, *args: Any) -> Any:
+    def _tail(self, op: str, idx: Rows, *args: Any, given: Any = ()) -> Any:
         """Run tail op `op` (publish, stash or finish) at slots `idx`; returns its outputs.
 
         A debug map checks every slot array once: host slots on the host (always), a jax
-        array on the device unless it is the very array the last resolve checked.
+        array on the device unless it is the very array the last resolve checked. Values
+        `given` as jax arrays (a forward's tokens and lengths) are checked on the device.
         """
-        if self._debug is not None and idx.counts is None:
+        if self._debug is not None:
             last = self._checked() if self._checked is not None else None
-            if idx.array is not last:
-                return self._apply(op, getattr(self._ep, op), idx.array, *args)
-        return getattr(self._unchecked, op)(self._state, idx.array, *args)
+            if (idx.counts is None and idx.array is not last) or on_device(given):
+                return self._apply(op, (op, idx.size), idx.array, *args)
+            op = "unchecked_" + op
+        return self._exe((op, idx.size))(self._state, idx.array, *args)
 
     # -------------------------------------------------------------------------------- ops
     def publish(
@@ -192,8 +231,8 @@ class FutureMap:
         idx = self._inputs.slots("indices", indices, rows)
         if idx.empty:
             return  # DP idle: nothing ran, nothing to relay
-        lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True)
-        self._state = self._tail("publish", idx, lens)
+        lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True, relayed=True)
+        self._state = self._tail("publish", idx, lens, given=new_seq_lens)
 
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place.
@@ -207,7 +246,7 @@ class FutureMap:
         idx = self._inputs.slots("indices", indices, rows)
         if idx.empty:
             return  # DP idle: nothing ran, nothing to relay
-        self._state = self._tail("stash", idx, self._payload(payload, idx))
+        self._state = self._tail("stash", idx, self._payload(payload, idx), given=payload)
 
     def finish(
         self,
@@ -227,8 +266,10 @@ class FutureMap:
         idx = self._inputs.slots("indices", indices, rows)
         if idx.empty:
             return self._invalidated(batch, idx)  # DP idle: nothing to relay
-        lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True)
-        self._state, sentinel = self._tail("finish", idx, lens, self._payload(payload, idx))
+        lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True, relayed=True)
+        self._state, sentinel = self._tail(
+            "finish", idx, lens, self._payload(payload, idx), given=(new_seq_lens, payload)
+        )
         return Batch(
             batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
         )
@@ -241,18 +282,21 @@ class FutureMap:
         if self.spec is None:
             if any(is_draft):
                 raise FutureMapError("stash got a DraftPayload but the map was built without spec")
-            return inputs.matched("tokens", payload, idx, ints=True)
+            return inputs.matched("tokens", payload, idx, ints=True, relayed=True)
         if not drafts or not all(is_draft):
             raise FutureMapError("stash on a spec map takes a DraftPayload (per rank on a mapping)")
 
         def field(i: int, name: str, ints: bool) -> Any:
+            relayed = name == "bonus_tokens"  # the token relayed to output_tokens
             if isinstance(payload, Mapping):
                 got = {r: p[i] for r, p in payload.items()}
                 if any(v is None for v in got.values()):
                     return None if all(v is None for v in got.values()) else got
-                return inputs.matched(f"draft.{name}", got, idx, ints=ints)
+                return inputs.matched(f"draft.{name}", got, idx, ints=ints, relayed=relayed)
             value = payload[i]
-            return None if value is None else inputs.matched(f"draft.{name}", value, idx, ints=ints)
+            if value is None:
+                return None
+            return inputs.matched(f"draft.{name}", value, idx, ints=ints, relayed=relayed)
 
         hidden = field(3, "hidden_states", False)
         if isinstance(hidden, dict):
@@ -292,10 +336,40 @@ class FutureMap:
             raise FutureMapError(
                 f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
             )
+        rows, tokens = self._resolve_sizes(batch.req_pool_indices, batch.input_ids, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
         ids = inputs.token_ids("input_ids", batch.input_ids, tokens)
         lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
         return self._resolve(batch.forward_mode, idx, ids, lens, batch.draft_indices)
+
+    def _resolve_sizes(
+        self, slots: Any, ids: Any, rows: int | None, tokens: int | None
+    ) -> tuple[int | None, int | None]:
+        """A resolve's per-rank padded sizes: for host inputs the (rows, tokens) pair its
+        token bucket fixes (`buckets.resolve_sizes`: one executable per token bucket);
+        jax arrays keep the sizes they have."""
+        if (
+            type(slots) is np.ndarray
+            and type(ids) is np.ndarray
+            and slots.ndim == ids.ndim == 1
+            and rows is tokens is None
+        ):
+            dp = self.layout.dp  # the per-step case, kept short
+            n, t = slots.shape[0] // dp, ids.shape[0] // dp
+            return bk.resolve_sizes(n, t, self.batch_buckets, self.token_buckets)
+        if isinstance(slots, jax.Array) or isinstance(ids, jax.Array):
+            return rows, tokens
+        for given, buckets, what in (
+            (rows, self.batch_buckets, "rows"),
+            (tokens, self.token_buckets, "tokens"),
+        ):
+            if given is not None and given not in buckets:
+                raise FutureMapError(f"{what}={given} is not one of the buckets {buckets}")
+        n = rows if rows is not None else _rows_per_rank(slots, self.layout.dp)
+        t = tokens if tokens is not None else _rows_per_rank(ids, self.layout.dp)
+        if n is None or t is None:
+            return rows, tokens  # not an array: placing it names the field
+        return bk.resolve_sizes(n, t, self.batch_buckets, self.token_buckets)
 
     def _resolve_by_rank(
         self, batches: Mapping[int, Batch], rows: int | None, tokens: int | None
@@ -305,6 +379,9 @@ class FutureMap:
             if not isinstance(b, Batch):
                 raise FutureMapError(f"batch[rank {r}] must be a Batch, got {type(b).__name__}")
         field = lambda f: {r: getattr(b, f) for r, b in batches.items()}  # noqa: E731
+        rows, tokens = self._resolve_sizes(
+            field("req_pool_indices"), field("input_ids"), rows, tokens
+        )
         idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
         ids = inputs.token_ids("input_ids", field("input_ids"), tokens)
         lens = inputs.matched("seq_lens", field("seq_lens"), idx, ints=True)
@@ -318,28 +395,31 @@ class FutureMap:
 
     def _resolve(self, mode: Any, idx: Rows, ids: Rows, lens: Any, draft: Any) -> Resolved:
         """Resolve placed inputs; `mode` is host (a ForwardMode or one per rank) or traced."""
-        ep = self._ep
         if isinstance(mode, jax.Array):
             if mode.dtype != np.int32 or mode.shape not in ((), (self.layout.dp,)):
                 raise FutureMapError(
                     f"a traced forward_mode must be int32 of shape () or ({self.layout.dp},), "
                     f"got {mode.dtype}{list(mode.shape)}"
                 )
-            resolve = ep.resolve
+            resolve, decoding = "resolve", []  # traced: rows not checked against the mode
         elif type(mode) is ForwardMode:  # the per-step case: one mode known on the host
-            resolve, mode = ep.resolve_by_mode[mode is ForwardMode.DECODE], None
+            decoding = [mode is ForwardMode.DECODE]
+            resolve, mode = _FIXED[decoding[0]], None
         else:
             if isinstance(mode, np.ndarray) and mode.ndim == 1:
                 modes = [_host_mode(m, "forward_mode") for m in mode.tolist()]
             else:
                 modes = [_host_mode(mode, "forward_mode")]
+            decoding = [m == ForwardMode.DECODE for m in modes]
             decode = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
             if len(decode) > 1:
                 # Ranks differ in kind: one executable with the per-rank modes traced.
-                resolve, mode = ep.resolve, np.asarray(modes, np.int32)
+                resolve, mode = "resolve", np.asarray(modes, np.int32)
             else:
                 # Known on the host: an executable with the mode fixed (no branch inside).
-                resolve, mode = ep.resolve_by_mode[decode == {True}], None
+                resolve, mode = _FIXED[decode == {True}], None
+        if self.spec is None and decoding:
+            self._inputs.one_id_per_row(ids, idx, decoding)
         draft_idx = None
         if draft is not None:
             if self.spec is None:
@@ -347,7 +427,7 @@ class FutureMap:
             draft_idx = self._inputs.slots("draft_indices", draft, idx.size).array
         b = Batch(mode, idx.array, ids.array, lens, draft_idx)
         self.step += 1
-        out = self._apply("resolve", resolve, b)
+        out = self._apply("resolve", (resolve, idx.size, ids.size, draft is not None), b)
         if self._debug is not None:
             self._state, out = out  # debug: the consume poison was written
             # Only now, the resolve having run: its slots were checked on the device.
@@ -363,7 +443,7 @@ class FutureMap:
         return self._invalidated(batch, self._inputs.slots("indices", indices, rows))
 
     def _invalidated(self, batch: Batch, idx: Rows) -> Batch:
-        sentinel = self._ep.sentinels(idx.array)
+        sentinel = self._exe(("sentinels", idx.size))(idx.array)
         return Batch(
             batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
         )
@@ -377,7 +457,7 @@ class FutureMap:
         removed for host input), or a mapping DP rank -> lengths.
         """
         idx = self._inputs.slots("indices", indices, rows)
-        out = self._apply("resolve_seq_lens_cpu", self._ep.seq_lens_at, idx.array)
+        out = self._apply("resolve_seq_lens_cpu", ("seq_lens_at", idx.size), idx.array)
         if self._inputs.single_process:
             host = np.asarray(jax.device_get(out))
         else:
@@ -398,50 +478,44 @@ class FutureMap:
             self._debug.check()
 
     # ---------------------------------------------------------------------------- warm-up
-    def warm_up(self) -> None:
-        """Compile every entry point for every bucket, so that serving compiles nothing.
+    def warm_up(
+        self, *, guard: bool = False, traced_modes: bool = True, threads: int | None = None
+    ) -> WarmUpReport:
+        """Compile every executable serving calls, for every bucket, ahead of time.
 
-        Runs each op on all-padding batches (slot 0 only: its content is garbage by
-        contract, so no live slot changes), with host inputs placed exactly as serving
-        places them (sizes given, as every process of a multi-process map must): publish,
-        stash, invalidate, finish and resolve_seq_lens_cpu per batch bucket, resolve per
-        (batch, token) bucket pair, for a mode fixed on the host (DECODE or not) and a traced
-        one, and on a spec map also with draft_indices. A host sync.
+        The executables (`warm_up.plan`): publish, stash, finish and the sentinels per
+        batch bucket (a debug map's tail ops also unchecked; a spec map's `seq_lens_at`
+        too); resolve per token bucket (which fixes its rows), with the mode fixed (not
+        DECODE; DECODE, on a non-spec map only up to the largest batch's tokens) and
+        traced, each with and without a draft on a spec map. Traced and lowered with
+        arguments placed as serving places its host inputs, compiled on `threads`
+        threads; nothing runs and no buffer changes. Logs the report at INFO on the
+        "fm_jax" logger.
+
+        Args:
+          guard: afterwards, serve only the warmed executables: a call that would compile
+            (a shape, dtype or sharding not warmed) raises FutureMapError naming the op,
+            its sizes and the buckets, before anything runs.
+          traced_modes: also warm resolve with a traced forward mode (a jax array, and a
+            mesh's ranks in different kinds); False for an engine that gives every batch
+            a host ForwardMode on one device.
+          threads: compile threads; default min(8, CPU count).
+
+        Returns:
+          What was compiled, what came from JAX's persistent cache, and the time.
         """
-        step, dp = self.step, self.layout.dp
-        # A traced mode as an engine holds it: a scalar on one device, one per rank on a mesh.
-        traced = jnp.full((dp,) if dp > 1 else (), int(ForwardMode.EXTEND), jnp.int32)
-        modes: tuple[Any, ...] = (ForwardMode.EXTEND, ForwardMode.DECODE, traced)
-        for b in self.batch_buckets:
-            zeros = np.zeros(dp * b, self.dtype)
-            payload = zeros if self.spec is None else self._zero_draft(dp * b)
-            self.publish(zeros, zeros, rows=b)
-            self.stash(zeros, payload, rows=b)
-            pad = Batch(ForwardMode.EXTEND, zeros, zeros, zeros)
-            self.invalidate(pad, zeros, rows=b)
-            self.finish(pad, zeros, zeros, payload, rows=b)
-            if self.debug:  # slots on the device take the tail executables with checks
-                placed = jax.device_put(zeros, self.layout.sharding)
-                self.publish(placed, zeros, rows=b)
-                self.stash(placed, payload, rows=b)
-                self.finish(pad, placed, zeros, payload, rows=b)
-            self.resolve_seq_lens_cpu(zeros, rows=b)
-            drafts = [None] if self.spec is None else [None, zeros]
-            for t in self.token_buckets:
-                tokens = np.zeros(dp * t, self.dtype)
-                for d in drafts:
-                    for mode in modes:  # fixed EXTEND, fixed DECODE, and traced
-                        self.resolve(Batch(mode, zeros, tokens, zeros, d), rows=b, tokens=t)
-        jax.block_until_ready(self._state)
-        self.check()
-        self.step = step  # warm-up resolves are not serving steps
-
-    def _zero_draft(self, rows: int) -> DraftPayload:
-        assert self.spec is not None
-        k, h = self.spec.topk, self.spec.hidden
-        return DraftPayload(
-            np.zeros(rows, self.dtype),
-            np.zeros((rows, k), np.float32),
-            np.zeros((rows, k), self.dtype),
-            np.zeros((rows, h), self.spec.hidden_dtype) if h else None,
+        t0 = time.perf_counter()
+        planned = plan(
+            self._fns,
+            self._inputs,
+            self._state,
+            self.spec,
+            debug=self.debug,
+            traced_modes=traced_modes,
         )
+        with counting_compiles() as counter:
+            compiled = compile_plan(planned, threads)
+        summary = report(planned, counter, time.perf_counter() - t0)
+        self._serving = {k: Guarded(c, k) for k, c in compiled.items()} if guard else None
+        _log.info("%s", summary)
+        return summary

@@ -1,0 +1,225 @@
+"""The executables a FutureMap serves, one per bucket, compiled ahead of time.
+
+A plan lists every (entry point, per-rank sizes) that serving reaches for a map's buckets:
+the tail ops (publish, stash, finish, the sentinels, and `seq_lens_at` on a spec map) once
+per batch bucket; resolve once per token bucket and mode (the token bucket fixes its rows,
+`buckets.resolve_sizes`), twice on a spec map (with and without a draft). So the count
+grows with the sum of the buckets, not their product. Each is traced and lowered (no
+argument is read or donated) and compiled on a thread pool: XLA's compile releases the
+GIL, tracing and lowering do not. The arguments are placed as serving's host inputs are,
+so a compiled plan fills the jit's own cache and the serving calls that follow find their
+executables there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+from jax import monitoring
+
+from fm_jax._src.buckets import resolve_sizes
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_inputs import HostInputs, Rows
+from fm_jax._src.types import Batch, DraftPayload, FutureMapState, SpecConfig
+
+Key = tuple[Any, ...]
+"""An executable's key: (entry point name, per-rank rows[, tokens, with a draft])."""
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache
+
+
+@dataclass(frozen=True)
+class WarmUpReport:
+    """What `FutureMap.warm_up` compiled.
+
+    Attributes:
+      executables: entry-point executables made ready (by name: `by_op`).
+      compiled: XLA compiles seen during warm-up.
+      from_cache: executables loaded from JAX's persistent compilation cache instead.
+      seconds: wall time of the warm-up.
+      by_op: executables per entry point name (as in `FutureMap.executables()`).
+    """
+
+    executables: int
+    compiled: int
+    from_cache: int
+    seconds: float
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return (
+            f"fm_jax warm-up: {self.executables} executables in {self.seconds:.2f} s "
+            f"({self.compiled} compiled, {self.from_cache} from the persistent cache)"
+        )
+
+
+class Planned(NamedTuple):
+    """One executable to make ready: its key, its jitted entry point, its arguments."""
+
+    key: Key
+    fn: Any
+    args: tuple[Any, ...]
+
+
+def plan(
+    fns: dict[str, Any],
+    inputs: HostInputs,
+    state: FutureMapState,
+    spec: SpecConfig | None,
+    *,
+    debug: bool,
+    traced_modes: bool,
+) -> list[Planned]:
+    """Every executable serving reaches for the map's buckets, with its arguments: zeros
+    placed by `inputs` exactly as serving's host inputs are (so with their shardings).
+
+    Args:
+      fns: the map's entry points by name (`FutureMap.executables()`).
+      inputs: the map's input placement (its layout, int dtype and buckets).
+      state: the map's state (read for its types only).
+      spec: the map's spec shapes, or None.
+      debug: a debug map (its tail ops also serve unchecked, for slots already checked).
+      traced_modes: also resolve with a traced forward mode (one per rank on a mesh).
+    """
+    dp, dt = inputs.dp, inputs.dtype
+    batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
+
+    def rows(like: Rows, *tail: int, dtype: Any = dt) -> Any:
+        zeros = np.zeros((dp * like.size, *tail), dtype)
+        return inputs.matched("warm-up rows", zeros, like, ints=dtype is dt)
+
+    def payload(idx: Rows) -> Any:
+        if spec is None:
+            return rows(idx)
+        hidden = rows(idx, spec.hidden, dtype=spec.hidden_dtype) if spec.hidden else None
+        return DraftPayload(
+            rows(idx), rows(idx, spec.topk, dtype=np.float32), rows(idx, spec.topk), hidden
+        )
+
+    out: list[Planned] = []
+    tails = ["publish", "stash", "finish"]
+    prefixes = ["", "unchecked_"] if debug else [""]
+    for b in batch_buckets:
+        idx = inputs.slots("warm-up slots", np.zeros(dp * b, dt), b)
+        args = {
+            "publish": (idx.array, rows(idx)),
+            "stash": (idx.array, payload(idx)),
+            "finish": (idx.array, rows(idx), payload(idx)),
+        }
+        for prefix in prefixes:
+            for name in tails:
+                out.append(Planned((prefix + name, b), fns[prefix + name], (state, *args[name])))
+        out.append(Planned(("sentinels", b), fns["sentinels"], (idx.array,)))
+        if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
+            out.append(Planned(("seq_lens_at", b), fns["seq_lens_at"], (state, idx.array)))
+
+    traced = np.zeros((dp,) if dp > 1 else (), np.int32)
+    largest = batch_buckets[-1]
+    _, decode_tokens = resolve_sizes(largest, largest, batch_buckets, token_buckets)
+    for t in token_buckets:
+        b, _ = resolve_sizes(0, t, batch_buckets, token_buckets)
+        idx = inputs.slots("warm-up slots", np.zeros(dp * b, dt), b)
+        ids = inputs.token_ids("warm-up tokens", np.zeros(dp * t, dt), t).array
+        modes: list[tuple[str, Any]] = [("resolve_fixed_extend", None)]
+        if spec is not None or t <= decode_tokens:  # a non-spec decode row is one token
+            modes.append(("resolve_fixed_decode", None))
+        if traced_modes:
+            modes.append(("resolve", traced))
+        for draft in [None, idx.array] if spec is not None else [None]:
+            for name, mode in modes:
+                batch = Batch(mode, idx.array, ids, rows(idx), draft)
+                key = (name, b, t, draft is not None)
+                out.append(Planned(key, fns[name], (state, batch)))
+    return out
+
+
+def compile_plan(planned: list[Planned], threads: int | None = None) -> dict[Key, Any]:
+    """Lower each planned executable, compile them on `threads` threads; by key."""
+    lowered = [p.fn.trace(*p.args).lower() for p in planned]
+    workers = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        compiled = list(pool.map(lambda lo: lo.compile(), lowered))
+    return {p.key: c for p, c in zip(planned, compiled, strict=True)}
+
+
+class _Counter:
+    """Counts compile events (compiles and persistent-cache loads) while registered."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.executables = 0
+        self.cache_hits = 0
+
+    def duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == _COMPILE_EVENT:
+            with self.lock:
+                self.executables += 1
+
+    def event(self, event: str, **kwargs: str | int) -> None:
+        if event == _CACHE_HIT_EVENT:
+            with self.lock:
+                self.cache_hits += 1
+
+
+@contextmanager
+def counting_compiles() -> Iterator[_Counter]:
+    """Count the process's compiles and cache loads inside the block (every thread's)."""
+    counter = _Counter()
+    monitoring.register_event_duration_secs_listener(counter.duration)
+    monitoring.register_event_listener(counter.event)
+    try:
+        yield counter
+    finally:
+        monitoring.unregister_event_duration_listener(counter.duration)
+        monitoring.unregister_event_listener(counter.event)
+
+
+def report(planned: list[Planned], counter: _Counter, seconds: float) -> WarmUpReport:
+    """The summary of a compiled plan."""
+    by_op: dict[str, int] = {}
+    for p in planned:
+        by_op[p.key[0]] = by_op.get(p.key[0], 0) + 1
+    return WarmUpReport(
+        executables=len(planned),
+        compiled=counter.executables - counter.cache_hits,
+        from_cache=counter.cache_hits,
+        seconds=seconds,
+        by_op=by_op,
+    )
+
+
+class Guarded:
+    """A compiled executable that refuses, instead of compiling, arguments it was not built
+    for (a shape, dtype or sharding serving did not warm)."""
+
+    __slots__ = ("compiled", "key")
+
+    def __init__(self, compiled: Any, key: Key) -> None:
+        self.compiled = compiled
+        self.key = key
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.compiled(*args)
+        except TypeError as e:  # raised while matching arguments: nothing ran
+            raise FutureMapError(
+                f"serving guard: {describe(self.key)} was warmed for other arguments and would "
+                f"compile again: {e}"
+            ) from None
+
+
+def describe(key: Key) -> str:
+    """`key` in words: the op and its per-rank sizes."""
+    name, b, *rest = key
+    if not rest:
+        return f"{name} at {b} rows per rank"
+    t, draft = rest
+    return f"{name} at {b} rows x {t} tokens per rank{' with a draft' if draft else ''}"
