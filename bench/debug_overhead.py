@@ -2,7 +2,7 @@
 
 Runs fm-bench's own class workload (bench.impls.fm_jax_class) with debug on and off, every
 series interleaved round by round (bench.timing), and prints medians and the on/off ratio
-per op and for the whole step (resolve + publish + stash + invalidate, SPEC.md order).
+per op and for the whole step (resolve + publish + stash + invalidate, docs/CONTRACT.md order).
 The headline figure: step ratio <= 1.5x, and flat in R.
 
 Run: `python -m bench.debug_overhead [--reps N] [--pools 4096,1048576] [--batch 256]`.

@@ -22,7 +22,7 @@ OPS = (
     "invalidate",
     "step",
 )
-"""Measured ops; `step` is resolve + publish + stash + invalidate in SPEC.md order."""
+"""Measured ops; `step` is resolve + publish + stash + invalidate in docs/CONTRACT.md order."""
 
 SPEC_OPS = ("stash_spec", "resolve_spec", "step")
 """Ops measured on a spec map (publish and invalidate do not change with spec)."""

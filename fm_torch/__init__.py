@@ -1,4 +1,14 @@
-"""fm_torch: the PyTorch FutureMap twin, faithful to SGLang, the parity reference for fm_jax."""
+"""fm_torch: the PyTorch twin of the FutureMap contract, the parity reference for fm_jax.
+
+The contract is docs/CONTRACT.md. `FutureMap` is modelled on SGLang's sentinel-era
+FutureMap (`python/sglang/srt/managers/overlap_utils.py`, late May 2026: PRs #25862 to
+#26108), written for this project, not copied. What it checks that SGLang's class does not:
+every input's rank, shape, dtype and device, the forward mode and spec payload shapes
+(always, metadata only); and, on CPU tensors (no device sync there) or in debug mode on any
+device, their values: slots in [0, R), no live slot twice in a batch, sentinels naming a
+slot in [0, R), values fitting an int32 buffer, relayed tokens and lengths >= 0. All of them
+run before anything is written.
+"""
 
 from fm_torch.batch import DraftInput, DraftPayload, ForwardMode, ScheduleBatch
 from fm_torch.errors import FutureMapError, InvariantViolation

@@ -9,7 +9,7 @@ import torch
 
 
 class ForwardMode(enum.IntEnum):
-    """What kind of forward a batch runs (SPEC.md, 'Batch kinds')."""
+    """What kind of forward a batch runs (docs/CONTRACT.md, 'Batch kinds')."""
 
     EXTEND = 0  # prefill or a prefill chunk: real ids and lengths
     DECODE = 1  # ids and lengths are sentinels until resolve

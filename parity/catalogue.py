@@ -232,6 +232,37 @@ def random_spec_mix(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def dp_overlap(size: int = 1, seed: int = 0) -> Scenario:
+    """Data-parallel ranks out of step: each seed arrives, mixes and idles at its own steps.
+
+    On a mesh rank d runs seed d, so at one step some ranks are IDLE while others run, and
+    busy ranks differ in kind (DECODE beside EXTEND or MIXED). The pool size does not
+    depend on the seed: every rank fits one sharded map.
+    """
+    rng = random.Random(seed + 31337)
+    reqs = tuple(
+        Request(i, rng.randint(1, 6), rng.randint(1, 5), arrival=rng.randint(0, 14))
+        for i in range(12 * size)
+    )
+    pol = Policy(
+        mixed=True,
+        max_prefill_rows=3,
+        max_prefill_tokens=12,
+        idle_every=5,
+        idle_phase=seed % 5,
+        max_running=7,
+    )
+    return Scenario(
+        "dp_overlap",
+        "DP ranks idle and mix kinds at different steps",
+        reqs,
+        8,
+        pol,
+        batch_buckets=(4, 8),
+        token_buckets=(16, 32),
+    )
+
+
 def long_run(size: int = 1, seed: int = 0) -> Scenario:
     """1,000+ steps with 256 requests running at once (size scales nothing: it is long)."""
     rng = random.Random(seed + 104729)
@@ -267,6 +298,7 @@ CATALOGUE: dict[str, Builder] = {
     "spec_decode": spec_decode,
     "random_mix": random_mix,
     "random_spec_mix": random_spec_mix,
+    "dp_overlap": dp_overlap,
     "long_run": long_run,
 }
 """Scenario name -> builder(size, seed). The default run takes every entry at size 1."""

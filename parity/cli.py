@@ -16,7 +16,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 MESH_STEPS = 6
 """Default --steps with --dp/--tp: a mesh run is mostly compile time, so the whole default
-mesh run (all scenarios, int32, debug off) stays near a minute on a 2-core CPU."""
+mesh run (all scenarios, int32, debug off) stays within a minute on a 2-core CPU."""
 
 
 def _positive_int(text: str) -> int:
@@ -50,9 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="stop each scenario after this many scheduler steps (default: run to the end; "
-        f"with --dp/--tp: {MESH_STEPS}, and the length of the sharded map's DP check)",
+        f"with --dp/--tp: {MESH_STEPS})",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random-mix scenarios")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the seeded scenarios (DP rank d runs seed + d)",
+    )
     p.add_argument(
         "--dtype",
         choices=("int32", "int64", "all"),
@@ -91,13 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="with --tp: run the scenarios on a DP=N x TP=M mesh of one sharded fm_jax map "
-        "(rank d runs the scenario with seed d; each rank's trace bit for bit against an "
-        "unsharded fm_jax twin, its streams against the reference loop), plus the sharded "
-        "map's own check (no recompile, resharding or collective in the compiled HLO). "
-        "Runs in a subprocess with N*M devices: on CPU virtual ones "
+        "(rank d runs the scenario with seed + d; each rank's trace bit for bit against "
+        "fm_torch's map for that rank, its streams against the reference loop), and check "
+        "the sharded map itself (no recompile, resharding or collective in the compiled "
+        "HLO). Runs in a subprocess with N*M devices: on CPU virtual ones "
         "(XLA_FLAGS=--xla_force_host_platform_device_count), with --device cuda N*M GPUs",
     )
     p.add_argument("--tp", type=_positive_int, default=1, metavar="M", help="see --dp")
+    p.add_argument(
+        "--processes",
+        type=_positive_int,
+        default=1,
+        metavar="P",
+        help="run the --dp/--tp mesh over P processes on 127.0.0.1 (jax.distributed, gloo; "
+        "CPU only), each holding N*M/P devices and driving its own DP ranks; the ranks' "
+        "traces are merged and judged as one run",
+    )
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -117,11 +131,11 @@ def _device_description(device: str) -> str:
     return f"cuda ({torch.cuda.get_device_name()}; jax {jd.device_kind})"
 
 
-def _mesh_device_description(device: str, dp: int, tp: int) -> str:
+def _mesh_device_description(device: str, dp: int, tp: int, processes: int) -> str:
     """The devices a dp x tp mesh run uses; RuntimeError when there are too few GPUs."""
     n = dp * tp
     if device == "cpu":
-        return f"cpu ({n} host devices)"
+        return f"cpu ({n} host devices)" + (f" over {processes} processes" if processes > 1 else "")
     import jax
 
     try:
@@ -135,15 +149,16 @@ def _mesh_device_description(device: str, dp: int, tp: int) -> str:
     return f"cuda ({n} x {gpus[0].device_kind})"
 
 
-def _mesh_unfit(names: Sequence[str], dp: int) -> dict[str, str]:
+def _mesh_unfit(names: Sequence[str], dp: int, seed: int) -> dict[str, str]:
     """Scenarios that cannot run on dp ranks of one sharded map, and why."""
     from parity import catalogue
 
     out = {}
     for name in names:
-        pools = {catalogue.build(name, seed=d).pool_size for d in range(dp)}
+        pools = {catalogue.build(name, seed=seed + d).pool_size for d in range(dp)}
         if len(pools) > 1:
-            out[name] = f"pool size depends on the seed ({sorted(pools)} over seeds 0..{dp - 1})"
+            seeds = f"seeds {seed}..{seed + dp - 1}"
+            out[name] = f"pool size depends on the seed ({sorted(pools)} over {seeds})"
     return out
 
 
@@ -153,6 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from parity.catalogue import CATALOGUE
 
     mesh = args.dp * args.tp > 1
+    if args.processes > 1:
+        n = args.dp * args.tp
+        if n % args.processes or (n // args.processes) % args.tp or args.device != "cpu":
+            print(
+                f"fm-parity: --processes {args.processes} needs --dp x --tp devices ({n}) to "
+                "split into whole TP groups per process, on --device cpu",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
     if args.dtype is None:
         args.dtype = "int32" if mesh else "all"
     if args.debug is None:
@@ -177,12 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mutations:
             print("fm-parity: --mutations runs unsharded; not with --dp/--tp", file=sys.stderr)
             return EXIT_USAGE
-        skipped = _mesh_unfit(names, args.dp)
+        skipped = _mesh_unfit(names, args.dp, args.seed)
         if skipped and args.scenario:
             why = "; ".join(f"{n}: {w}" for n, w in skipped.items())
             print(
                 f"fm-parity: cannot run on {args.dp} DP ranks of one sharded map (rank d runs "
-                f"seed d): {why}",
+                f"seed + d): {why}",
                 file=sys.stderr,
             )
             return EXIT_USAGE
@@ -195,11 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from parity import report
     from parity.mutations import MUTATIONS
     from parity.runner import run_jobs
-    from parity.suite import MESH_CHECK, Job, check_mutation
+    from parity.suite import Job, check_mutation
 
     try:
         if mesh:
-            device = _mesh_device_description(args.device, args.dp, args.tp)
+            device = _mesh_device_description(args.device, args.dp, args.tp, args.processes)
         else:
             device = _device_description(args.device)
     except RuntimeError as e:
@@ -208,26 +232,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = ("int32", "int64") if args.dtype == "all" else (args.dtype,)
     debugs = {"on": (True,), "off": (False,), "both": (False, True)}[args.debug]
     jobs = [
-        Job(n, dt, dbg, args.device, args.steps, args.seed, dp=args.dp, tp=args.tp)
+        Job(
+            n,
+            dt,
+            dbg,
+            args.device,
+            args.steps,
+            args.seed,
+            dp=args.dp,
+            tp=args.tp,
+            processes=args.processes,
+        )
         for n in names
         for dt in dtypes
         for dbg in debugs
     ]
-    if mesh:
-        jobs += [
-            Job(
-                MESH_CHECK,
-                "int32",
-                dbg,
-                args.device,
-                args.steps,
-                args.seed,
-                dp=args.dp,
-                tp=args.tp,
-                kind=MESH_CHECK,
-            )
-            for dbg in debugs
-        ]
     n_mut = len(MUTATIONS) if args.mutations else 0
     bar = tqdm(
         total=len(jobs) + n_mut,
@@ -272,9 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.write_json(args.json, doc)
     failed = [r for r in results if not r.ok]
     missed = [m for m in mutations if m.caught_by is None]
+    procs = f" over {args.processes} processes" if args.processes > 1 else ""
     what = (
-        f" on a DP={args.dp} x TP={args.tp} mesh, and no unexpected compile, resharding or "
-        "collective"
+        f" on a DP={args.dp} x TP={args.tp} mesh{procs}, and no unexpected compile, "
+        "resharding or collective"
         if mesh
         else ""
     )

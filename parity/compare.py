@@ -16,6 +16,7 @@ class Divergence:
     """Where two traces first differ, with both values (value and bit pattern)."""
 
     scenario: str
+    rank: int
     step: int
     op: str
     field: str
@@ -26,7 +27,8 @@ class Divergence:
     names: tuple[str, str] = ("jax", "torch")
 
     def __str__(self) -> str:
-        where = f"{self.scenario}: step {self.step}, op {self.op}, field {self.field}"
+        where = f"{self.scenario}: rank {self.rank}, step {self.step}, op {self.op}"
+        where += f", field {self.field}"
         if self.slot is not None:
             where += f", slot {self.slot}"
         if self.index is not None:
@@ -90,10 +92,13 @@ def _field_divergence(
     fb: Field | None,
     names: tuple[str, str],
 ) -> Divergence | None:
+    def at(slot: int | None, index: tuple[int, ...] | None, a: str, b: str) -> Divergence:
+        return Divergence(scenario, rec.rank, rec.step, rec.op, name, slot, index, a, b, names)
+
     if fa is None or fb is None:
-        a = "absent" if fa is None else "present"
-        b = "absent" if fb is None else "present"
-        return Divergence(scenario, rec.step, rec.op, name, None, None, a, b, names)
+        return at(
+            None, None, "absent" if fa is None else "present", "absent" if fb is None else "present"
+        )
     diff = first_difference(fa.value, fb.value)
     if diff is None:
         return None
@@ -101,54 +106,69 @@ def _field_divergence(
     slot = None
     if index is not None and index and index[0] < len(fa.slots):
         slot = int(fa.slots[index[0]])
-    return Divergence(scenario, rec.step, rec.op, name, slot, index, va, vb, names)
+    return at(slot, index, va, vb)
+
+
+def _by_rank(run: RunResult) -> dict[int, list[OpRecord]]:
+    out: dict[int, list[OpRecord]] = {}
+    for rec in run.records:
+        out.setdefault(rec.rank, []).append(rec)
+    return out
 
 
 def compare_traces(
     scenario: str, a: RunResult, b: RunResult, names: tuple[str, str] = ("jax", "torch")
 ) -> Comparison:
-    """Compare two runs' traces record by record, field by field, byte by byte.
+    """Compare two runs' traces rank by rank, record by record, field by field, byte by byte.
 
-    Records are matched by position; if their (step, op) differ, the runs took different
-    paths and comparison stops there (counted as one divergence).
+    A rank's records are matched by position; if their (step, op) differ, the runs took
+    different paths on that rank and its comparison stops there (one divergence). A rank
+    whose records one run lacks, or a trace that ends early, is a length mismatch. The
+    reported first divergence is the earliest step's (the lowest rank on a tie).
     """
-    first: Divergence | None = None
+    ta, tb = _by_rank(a), _by_rank(b)
+    found: list[Divergence] = []
     diverged = compared = 0
-    for ra, rb in zip(a.records, b.records, strict=False):
-        if (ra.step, ra.op) != (rb.step, rb.op):
-            d = Divergence(
-                scenario,
-                ra.step,
-                ra.op,
-                "<op sequence>",
-                None,
-                None,
-                f"step {ra.step} {ra.op}",
-                f"step {rb.step} {rb.op}",
-                names,
-            )
-            return Comparison(compared, diverged + 1, False, first or d)
-        compared += 1
-        for name in sorted(set(ra.fields) | set(rb.fields)):
-            d = _field_divergence(
-                scenario, ra, name, ra.fields.get(name), rb.fields.get(name), names
-            )
-            if d is not None:
+    mismatch = False
+    for rank in sorted(set(ta) | set(tb)):
+        ra_all, rb_all = ta.get(rank, []), tb.get(rank, [])
+        for ra, rb in zip(ra_all, rb_all, strict=False):
+            if (ra.step, ra.op) != (rb.step, rb.op):
                 diverged += 1
-                first = first or d
-    mismatch = len(a.records) != len(b.records)
-    if mismatch and first is None:
-        longer, shorter = (a, b) if len(a.records) > len(b.records) else (b, a)
-        rec = longer.records[len(shorter.records)]
-        first = Divergence(
-            scenario,
-            rec.step,
-            rec.op,
-            "<trace end>",
-            None,
-            None,
-            f"stopped: {a.error}" if a is shorter else "ran on",
-            f"stopped: {b.error}" if b is shorter else "ran on",
-            names,
-        )
+                sa, sb = f"step {ra.step} {ra.op}", f"step {rb.step} {rb.op}"
+                found.append(
+                    Divergence(
+                        scenario, rank, ra.step, ra.op, "<op sequence>", None, None, sa, sb, names
+                    )
+                )
+                break
+            compared += 1
+            for name in sorted(set(ra.fields) | set(rb.fields)):
+                d = _field_divergence(
+                    scenario, ra, name, ra.fields.get(name), rb.fields.get(name), names
+                )
+                if d is not None:
+                    diverged += 1
+                    found.append(d)
+        else:
+            if len(ra_all) != len(rb_all):
+                mismatch = True
+                longer = ra_all if len(ra_all) > len(rb_all) else rb_all
+                rec = longer[min(len(ra_all), len(rb_all))]
+                ended_a, ended_b = len(ra_all) < len(rb_all), len(rb_all) < len(ra_all)
+                found.append(
+                    Divergence(
+                        scenario,
+                        rank,
+                        rec.step,
+                        rec.op,
+                        "<trace end>",
+                        None,
+                        None,
+                        f"stopped: {a.error}" if ended_a else "ran on",
+                        f"stopped: {b.error}" if ended_b else "ran on",
+                        names,
+                    )
+                )
+    first = min(found, key=lambda d: (d.step, d.rank), default=None)
     return Comparison(compared, diverged, mismatch, first)

@@ -1,30 +1,44 @@
-"""Data-parallel ranks across processes: the DP scenario under `jax.distributed` on loopback.
+"""Data-parallel ranks across processes: parity jobs under `jax.distributed` on loopback.
 
 `launch` starts N worker processes on 127.0.0.1 (a free port), each with its own CPU
-devices and gloo collectives; together they form one ('dp', 'tp') mesh and each feeds
-only the DP ranks whose devices it holds. Every step the workers agree on the per-rank
-padded sizes with one all-gather (the DP batch-size sync an engine does anyway); that
-collective is where a dead peer shows: a worker whose sync fails or stalls prints which
-peers stopped heartbeating and exits non-zero at once instead of hanging.
+devices and gloo collectives; together they form one ('dp', 'tp') mesh and one sharded
+fm_jax map, and each runs the one overlap driver (parity.driver) over the DP ranks whose
+devices it holds, saving its part of the trace. Every step the workers agree on the
+per-rank padded sizes with one all-gather (the DP batch-size sync an engine does anyway);
+that collective is where a dead peer shows: a worker whose sync fails or stalls prints
+which peers stopped heartbeating and exits non-zero at once instead of hanging.
 
-Run a worker by hand: `python -m parity.dist_run --process-id 0 --num-processes 2 --port P`.
+`run_dist_jobs` merges each job's parts into one run and judges it like every other job
+(parity.suite.evaluate): against fm_torch over every rank, run here, byte for byte, and
+against the reference loop.
+
+Run a worker by hand: `python -m parity.dist_run --process-id 0 --num-processes 2 --port P
+--jobs JOBS.json --out-dir DIR` (JOBS.json: a list of parity.suite.Job fields).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from parity.mesh import merge_reports
+from parity.suite import Job, ScenarioResult, evaluate, failed, lanes_for
+from parity.trace import RunResult, merge
+from parity.twin import Sizes
 
 EXIT_PEER_FAILED = 3
 """Worker exit status when a DP sync failed or timed out (a peer died or hung)."""
@@ -40,22 +54,19 @@ def free_port() -> int:
 
 
 # --------------------------------------------------------------------------------- worker
-class PeerFailure(RuntimeError):
-    """A cross-process DP sync failed or timed out."""
-
-
 class DpSync:
-    """Agree per-rank padded sizes across processes, with heartbeats and a watchdog.
+    """Agree each step's per-rank padded sizes across processes, with heartbeats and a watchdog.
 
-    Each call publishes this process's heartbeat (its step) in the coordination service's
-    key-value store, then all-gathers (rows, tokens). If the all-gather raises (gloo sees a
-    closed connection) or takes longer than `timeout_s`, the worker reports the peers whose
+    A `parity.driver.Sync`. Each call publishes this process's heartbeat (its count of
+    syncs, printed as 'step N') in the coordination service's key-value store, then
+    all-gathers (rows, tokens, running). If the all-gather raises (gloo sees a closed
+    connection) or takes longer than `timeout_s`, the worker reports the peers whose
     heartbeat lags and exits with EXIT_PEER_FAILED, skipping JAX's shutdown barrier (which
     would wait for the dead peer).
     """
 
     def __init__(self, process_id: int, num_processes: int, timeout_s: float, delay_s: float):
-        from jax._src import distributed
+        from jax._src import distributed  # the coordination service's key-value store
 
         self.pid, self.n, self.timeout_s, self.delay_s = (
             process_id,
@@ -63,9 +74,13 @@ class DpSync:
             timeout_s,
             delay_s,
         )
-        self.client = distributed.global_state.client
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("DpSync needs jax.distributed.initialize() first")
+        self.client = client
+        self.calls = 0
 
-    def _lagging(self, step: int) -> str:
+    def _lagging(self, count: int) -> str:
         out = []
         for p in range(self.n):
             if p == self.pid:
@@ -74,48 +89,49 @@ class DpSync:
                 got = self.client.key_value_try_get(f"{_HEARTBEAT_KEY}{p}")
             except Exception:  # the coordinator itself (process 0) may be the dead one
                 return "coordinator (process 0) unreachable"
-            if int(got) < step:
+            if int(got) < count:
                 out.append(f"process {p} (last heartbeat at step {got})")
         return ", ".join(out) or "none lagging (a peer failed inside the collective)"
 
-    def _fail(self, step: int, why: str) -> None:
+    def _fail(self, count: int, why: str) -> None:
         msg = (
-            f"fm-parity dist: process {self.pid}: DP sync at step {step} {why}; "
-            f"dead or hung peers: {self._lagging(step)}"
+            f"fm-parity dist: process {self.pid}: DP sync at step {count} {why}; "
+            f"dead or hung peers: {self._lagging(count)}"
         )
         print(msg, file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_FAILED)
 
-    def __call__(self, step: int, rows: int, tokens: int) -> tuple[int, int]:
+    def __call__(self, step: int, sizes: Sizes, running: bool) -> tuple[Sizes, bool]:
         from jax.experimental import multihost_utils
-
-        from fm_jax import pad_to_bucket
 
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.client.key_value_set(f"{_HEARTBEAT_KEY}{self.pid}", str(step), allow_overwrite=True)
+        self.calls += 1
+        n = self.calls
+        self.client.key_value_set(f"{_HEARTBEAT_KEY}{self.pid}", str(n), allow_overwrite=True)
         timer = threading.Timer(
-            self.timeout_s, self._fail, (step, f"timed out after {self.timeout_s:.0f} s")
+            self.timeout_s, self._fail, (n, f"timed out after {self.timeout_s:.0f} s")
         )
         timer.daemon = True
         timer.start()
         try:
-            got = np.asarray(multihost_utils.process_allgather(np.array([rows, tokens])))
+            mine = np.array([sizes.rows, sizes.tokens, int(running)])
+            got = np.asarray(multihost_utils.process_allgather(mine))
         except Exception as e:  # gloo: connection closed by a dead peer
-            self._fail(step, f"failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+            self._fail(n, f"failed ({type(e).__name__}: {str(e).splitlines()[0]})")
         finally:
             timer.cancel()
-        print(f"step {step}", flush=True)
-        m = got.reshape(-1, 2).max(axis=0)
-        # The map's default buckets: powers of two (rows up to 1024, tokens up to 8192).
-        return (
-            pad_to_bucket(np.zeros(max(int(m[0]), 1))).shape[0],
-            pad_to_bucket(np.zeros(max(int(m[1]), 1))).shape[0],
-        )
+        print(f"step {n}", flush=True)
+        m = got.reshape(-1, 3).max(axis=0)
+        return Sizes(int(m[0]), int(m[1])), bool(m[2])
+
+
+def _part_path(out_dir: Path, job: int, process: int) -> Path:
+    return out_dir / f"job{job}.process{process}.pkl"
 
 
 def worker(args: argparse.Namespace) -> int:
-    """One process of a distributed run: join, replay its ranks, save their trace."""
+    """One process of a distributed run: join, run every job over its ranks, save each part."""
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
@@ -131,98 +147,118 @@ def worker(args: argparse.Namespace) -> int:
         heartbeat_timeout_seconds=int(2 * args.timeout + 10),
         shutdown_timeout_seconds=int(max(args.timeout, 30)),
     )
-    from parity.mesh_run import make_mesh, run_sharded
-    from parity.mesh_scenario import data_parallel_scenario
+    from parity.driver import run_overlap
+    from parity.mutations import FlipByte
+    from parity.twin import Twin
+    from parity.twin_jax import JaxTwin
 
-    n_dev = len(jax.devices())
-    dp = n_dev // args.tp
-    scn = data_parallel_scenario(dp, pool_size=args.pool_size, steps=args.steps, seed=args.seed)
+    jobs = [Job(**j) for j in json.loads(Path(args.jobs).read_text())]
     sync = DpSync(args.process_id, args.num_processes, args.timeout, args.step_delay)
-    run = run_sharded(scn, make_mesh(dp, args.tp, jax.devices()), tp_axis="tp", sizes=sync)
-    flat = {
-        f"{s}|{d}|{name}": arr
-        for (s, d), arrays in run.trace.items()
-        for name, arr in arrays.items()
-    }
-    np.savez(args.out, **flat)  # type: ignore[arg-type]
-    print(f"done ranks={sorted({d for _, d in run.trace})}", flush=True)
+    for i, job in enumerate(jobs):
+        lanes = lanes_for(job)
+        twin = JaxTwin(lanes[0], job.dtype, job.debug, "cpu", dp=job.dp, tp=job.tp)
+        driven: Twin = twin if args.corrupt is None else FlipByte(twin, *args.corrupt)
+        mine = {r: lanes[r] for r in twin.ranks}
+        try:
+            run = run_overlap(mine, driven, job.dtype, job.steps, sync=sync)
+            report = twin.mesh_report()
+        except Exception as e:  # kept as the job's error; the next job still runs
+            print(f"job {i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            run = RunResult(error=f"{type(e).__name__}: {e}")  # fails the job when judged
+            report = {"recompiles": 0, "compiles_total": 0, "collectives": {}, "resharded": False}
+        with open(_part_path(Path(args.out_dir), i, args.process_id), "wb") as f:
+            pickle.dump((run, report), f)
+        print(f"done job {i} ranks={list(twin.ranks)}", flush=True)
     jax.distributed.shutdown()
     return 0
-
-
-def load_trace(path: str | Path) -> dict[tuple[int, int], dict[str, np.ndarray]]:
-    """Read a worker's saved trace back into the `parity.mesh_run.Trace` form."""
-    out: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-    with np.load(path) as z:
-        for key in z.files:
-            s, d, name = key.split("|")
-            out.setdefault((int(s), int(d)), {})[name] = z[key]
-    return out
 
 
 # ------------------------------------------------------------------------------- launcher
 @dataclass
 class DistResult:
-    """What the processes of one distributed run left behind."""
+    """What the processes of one distributed run left behind.
+
+    Attributes:
+      returncodes, logs: each process's exit status and output.
+      timed_out: some process outlived the run's bound and was killed.
+      parts: per job, the (run, mesh health report) each process saved, in process order.
+      seconds: the run's wall time.
+    """
 
     returncodes: list[int | None]
     logs: list[str]
-    timed_out: bool  # some process outlived `timeout_s` and was killed
-    traces: list[dict[tuple[int, int], dict[str, np.ndarray]]] = field(default_factory=list)
+    timed_out: bool
+    parts: list[list[tuple[RunResult, dict[str, Any]]]] = field(default_factory=list)
     seconds: float = 0.0
 
-    def union(self) -> dict[tuple[int, int], dict[str, np.ndarray]]:
-        """All processes' traces together; a (step, rank) seen twice must agree."""
-        out: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        for t in self.traces:
-            for k, v in t.items():
-                if k in out and any(out[k][n].tobytes() != v[n].tobytes() for n in v):
-                    raise AssertionError(f"processes disagree on step {k[0]} rank {k[1]}")
-                out[k] = v
-        return out
+    def problem(self) -> str | None:
+        """Why the run did not end cleanly (a timeout, a failed process), or None."""
+        if self.timed_out:
+            return "timed out: " + self._tails()
+        if any(code != 0 for code in self.returncodes):
+            return f"process exit statuses {self.returncodes}: " + self._tails()
+        return None
+
+    def _tails(self) -> str:
+        return " | ".join(
+            f"process {i}: {log.strip().splitlines()[-1] if log.strip() else '(no output)'}"
+            for i, (code, log) in enumerate(zip(self.returncodes, self.logs, strict=True))
+            if code != 0
+        )
 
 
 def launch(
+    jobs: Sequence[Job],
     num_processes: int,
     *,
     devices: int = 1,
-    tp: int = 1,
-    steps: int = 8,
-    pool_size: int = 8,
-    seed: int = 0,
     workdir: str | Path,
-    timeout_s: float = 120.0,
+    timeout_s: float | None = None,
     sync_timeout_s: float = 30.0,
     step_delay_s: float = 0.0,
     kill: tuple[int, int] | None = None,
     kill_signal: int = signal.SIGKILL,
+    corrupt: tuple[int, int] | None = None,
 ) -> DistResult:
-    """Run the DP scenario on `num_processes` processes x `devices` CPU devices each.
+    """Run `jobs` on `num_processes` processes x `devices` CPU devices each.
 
     Args:
+      jobs: the jobs, in order; each job's dp * tp must be num_processes * devices, and a
+        process should hold whole TP groups (devices a multiple of tp).
       num_processes: processes to start; process 0 hosts the coordinator.
-      devices: CPU devices per process; the mesh is (processes*devices/tp, tp).
-      tp: TP size (a process's devices should hold whole TP groups).
-      steps, pool_size, seed: the scenario (`data_parallel_scenario`).
-      workdir: where traces are written.
-      timeout_s: wall-clock bound for the whole run; processes still alive then are killed.
+      devices: CPU devices per process.
+      workdir: where the job list and the processes' parts are written.
+      timeout_s: wall-clock bound for the whole run (default 60 s + 30 s a job); processes
+        still alive then are killed.
       sync_timeout_s: a worker's bound on one DP sync before it declares peers dead.
       step_delay_s: sleep per step (keeps a run alive long enough to kill a process).
-      kill: (process_id, step): signal that process once it has printed 'step <step>'.
+      kill: (process_id, n): signal that process once it has printed 'step <n>'.
       kill_signal: SIGKILL (a dead peer) by default; SIGSTOP makes a hung one.
+      corrupt: (rank, step): flip one byte of that DP rank's buffer after that step's
+        stash (parity.mutations.FlipByte), in whichever process holds the rank.
 
     Returns:
-      DistResult; processes are always gone when it returns (killed if need be). A
-      process still running at `timeout_s` is killed and `timed_out` set.
+      DistResult; processes are always gone when it returns (killed if need be).
     """
+    for job in jobs:
+        if job.dp * job.tp != num_processes * devices:
+            raise ValueError(
+                f"{job.scenario}: dp={job.dp} x tp={job.tp} is not {num_processes} processes "
+                f"x {devices} devices"
+            )
+    work = Path(workdir)
+    (work / "jobs.json").write_text(json.dumps([asdict(j) for j in jobs]))
     port = free_port()
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["PYTHONUNBUFFERED"] = "1"
+    if any(j.dtype == "int64" for j in jobs):
+        env["JAX_ENABLE_X64"] = "1"
+    else:
+        env.pop("JAX_ENABLE_X64", None)
     procs: list[subprocess.Popen[str]] = []
     logs: list[list[str]] = [[] for _ in range(num_processes)]
     killed = threading.Event()
-    outs = [Path(workdir) / f"trace_{i}.npz" for i in range(num_processes)]
 
     def pump(i: int, p: subprocess.Popen[str]) -> None:
         assert p.stdout is not None
@@ -245,14 +281,13 @@ def launch(
                 f"--num-processes={num_processes}",
                 f"--port={port}",
                 f"--devices={devices}",
-                f"--tp={tp}",
-                f"--steps={steps}",
-                f"--pool-size={pool_size}",
-                f"--seed={seed}",
+                f"--jobs={work / 'jobs.json'}",
+                f"--out-dir={work}",
                 f"--timeout={sync_timeout_s}",
                 f"--step-delay={step_delay_s}",
-                f"--out={outs[i]}",
             ]
+            if corrupt is not None:
+                cmd.append(f"--corrupt={corrupt[0]},{corrupt[1]}")
             p = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
             )
@@ -260,7 +295,7 @@ def launch(
             th = threading.Thread(target=pump, args=(i, p), daemon=True)
             th.start()
             threads.append(th)
-        deadline = t0 + timeout_s
+        deadline = t0 + (60 + 30 * len(jobs) if timeout_s is None else timeout_s)
         while True:
             # Done when every process not deliberately killed or stopped has exited.
             waiting = [
@@ -284,8 +319,55 @@ def launch(
             th.join(timeout=5)
     res = DistResult([p.returncode for p in procs], ["".join(lg) for lg in logs], timed_out)
     res.seconds = time.monotonic() - t0
-    res.traces = [load_trace(o) for o in outs if o.exists()]
+    for i in range(len(jobs)):
+        paths = [_part_path(work, i, p) for p in range(num_processes)]
+        res.parts.append([_load(path) for path in paths if path.exists()])
     return res
+
+
+def _load(path: Path) -> tuple[RunResult, dict[str, Any]]:
+    with open(path, "rb") as f:
+        got: tuple[RunResult, dict[str, Any]] = pickle.load(f)  # written by our own workers
+    return got
+
+
+def run_dist_jobs(
+    jobs: Sequence[Job], workdir: str | Path, **launch_kw: Any
+) -> list[ScenarioResult]:
+    """Run jobs over several processes (one launch: `jobs[0]`'s processes, dp and tp) and
+    judge each like any other job (`judge`)."""
+    first = jobs[0]
+    devices = first.dp * first.tp // first.processes
+    return judge(jobs, launch(jobs, first.processes, devices=devices, workdir=workdir, **launch_kw))
+
+
+def judge(jobs: Sequence[Job], res: DistResult) -> list[ScenarioResult]:
+    """Each job's per-process parts merged into one fm_jax run, compared with fm_torch over
+    every rank (run here) and checked against the reference loop; their mesh health
+    reports merged. A job some process left no part for fails, naming why."""
+    from parity.driver import run_overlap
+    from parity.twin_torch import TorchTwin
+
+    out = []
+    for job, parts in zip(jobs, res.parts, strict=True):
+        if len(parts) != job.processes:
+            why = res.problem() or "a process left no result"
+            out.append(failed(job, f"{len(parts)} of {job.processes} processes finished: {why}"))
+            continue
+        lanes = lanes_for(job)
+        torch = TorchTwin(lanes[0], job.dtype, job.debug, job.device, ranks=tuple(lanes))
+        runs = {
+            "jax": merge([run for run, _ in parts]),
+            "torch": run_overlap(lanes, torch, job.dtype, job.steps),
+        }
+        out.append(evaluate(job, lanes, runs, merge_reports([rep for _, rep in parts])))
+    return out
+
+
+def _pair(text: str) -> tuple[int, int]:
+    """argparse type: 'a,b' -> (a, b)."""
+    a, b = text.split(",")
+    return int(a), int(b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,18 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-processes", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--devices", type=int, default=1)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--pool-size", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", required=True)
+    ap.add_argument("--out-dir", required=True)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--step-delay", type=float, default=0.0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--corrupt", type=_pair, default=None, metavar="RANK,STEP")
     return worker(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-__all__: list[Any] = ["DistResult", "launch", "load_trace", "free_port", "main"]

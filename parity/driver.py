@@ -1,38 +1,80 @@
-"""The overlap driver: SPEC.md's step protocol against one FutureMap twin, traced per op.
+"""The overlap driver: the contract's step order against one FutureMap twin, traced per op.
 
-Per step, in host order: build the batch (decode rows carry the sentinels the last
-invalidate left; MIXED decode rows get the host's seq_lens_cpu), spec only
-`resolve_seq_lens_cpu`, then `resolve`, the forward, `publish`, `stash`, `invalidate`.
-A PREBUILT step bootstraps with publish + stash and no forward; an IDLE step runs every
-op with empty indices. After each op the driver records what the op touched: buffers
-(slots 1..R-1), resolved ids and lengths, gathered spec extras, the sentinels, and at
-the end of the step the host's seq_lens_cpu. Per-row and per-token fields keep live rows
-and tokens only: padding rows are garbage by contract, and a twin may pad an empty (IDLE)
-batch to a bucket where the other keeps it empty.
+One driver for one device, a mesh and many processes: it steps the DP ranks it is given
+(each its own Scenario and Scheduler) in lockstep, and every op of a step is one twin call
+for all of them. Per step, in host order (docs/CONTRACT.md, 'One overlap step'): build
+each rank's batch (decode rows carry the sentinels the last invalidate left; MIXED decode
+rows get the host's seq_lens_cpu), spec only `resolve_seq_lens_cpu`, then `resolve`, the
+forward, `publish`, `stash`, `invalidate`. A PREBUILT rank bootstraps with publish + stash
+and no resolve or forward; an IDLE rank takes part with empty indices; a rank whose
+scenario has ended sits out. After each op the driver records, per rank, what the op
+touched: buffers (slots 1..R-1), resolved ids and lengths, gathered spec extras, the
+sentinels, and at the end of the step the host's seq_lens_cpu. Per-row and per-token
+fields keep live rows and tokens only: padding rows are garbage by contract.
+
+Across processes a `Sync` agrees each step's sizes (and whether any rank is still
+running) with the other processes, as an engine's DP batch-size sync does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from parity import host_batch
 from parity import toy_model as tm
+from parity.host_batch import HostBatch
 from parity.scenario import Kind, Row, Scenario, Scheduler, StepPlan
 from parity.trace import Field, OpRecord, RunResult
-from parity.twin import Twin
+from parity.twin import ForwardOut, ResolvedOut, Sizes, Twin
 
 DRAFT_FIELDS = ("bonus_tokens", "topk_p", "topk_index", "hidden_states")
 
+Sync = Callable[[int, Sizes, bool], tuple[Sizes, bool]]
+"""(step, this process's sizes, whether it has a running rank) -> (agreed sizes, whether
+any process has one). Called once per step; the run ends when no process has one."""
 
-def token_offset(dtype: str) -> int:
-    """Token ids sit above 2**32 in int64 runs (see toy_model.WIDE_OFFSET)."""
-    return tm.WIDE_OFFSET if dtype == "int64" else 0
+Fields = dict[str, tuple[Any, np.ndarray]]
+
+
+@dataclass
+class _Lane:
+    """One DP rank: its scenario, scheduler, and what the host carries between steps."""
+
+    scenario: Scenario
+    sched: Scheduler
+    sentinel: dict[int, tuple[int, int]] = field(default_factory=dict)
+    extras: bool = False  # spec buffers are shaped (recorded from the first draft stash on)
+    done: bool = False
+
+    def plan(self) -> StepPlan | None:
+        """The next step's plan, or None once the scenario has ended."""
+        if not self.done:
+            p = self.sched.next_step()
+            self.done = p is None
+            return p
+        return None
+
+    def placeholder(self, plan: StepPlan) -> host_batch.Placeholder:
+        """A decode row's (id, length) before resolve: the sentinels the host holds, with the
+        host's length in a MIXED batch."""
+
+        def held(row: Row) -> tuple[int, int]:
+            ids, lens = self.sentinel[row.rid]
+            return ids, (row.seq_len if plan.kind is Kind.MIXED else lens)
+
+        return held
 
 
 def append_streams(
-    streams: dict[int, list[int]], plan: StepPlan, token: np.ndarray, accept: np.ndarray | None
+    streams: dict[tuple[int, int], list[int]],
+    rank: int,
+    plan: StepPlan,
+    token: np.ndarray,
+    accept: np.ndarray | None,
 ) -> None:
     """Add what each row produced to its request's stream (intermediate chunks add nothing)."""
     toks = token.tolist()
@@ -40,7 +82,7 @@ def append_streams(
     for i, row in enumerate(plan.rows):
         if row.phase == "prefill" and not row.final:
             continue
-        s = streams.setdefault(row.rid, [])
+        s = streams.setdefault((rank, row.rid), [])
         if acc is not None and row.phase == "decode":
             s.append(acc[i])
         s.append(toks[i])
@@ -74,125 +116,197 @@ def bootstrap_rows(
 
 
 class _Recorder:
-    """Appends OpRecords; `extras` turns on spec-buffer recording (see buffers_recorded)."""
+    """Appends OpRecords per rank, with the rank's buffers after ops that write them."""
 
-    def __init__(self, twin: Twin, pool_size: int, result: RunResult) -> None:
+    def __init__(self, twin: Twin, lanes: Mapping[int, _Lane], result: RunResult) -> None:
         self.twin = twin
-        self.buf_slots = np.arange(1, pool_size)
+        self.lanes = lanes
+        self.buf_slots = {r: np.arange(1, ln.scenario.pool_size) for r, ln in lanes.items()}
         self.result = result
-        self.extras = False
 
-    def op(
-        self, step: int, op: str, fields: dict[str, tuple[Any, np.ndarray]], buffers: bool = True
-    ) -> None:
-        rec = {k: Field(v, s) for k, v_s in fields.items() for v, s in [v_s]}
-        if buffers:
-            for k, v in self.twin.buffers(self.extras).items():
-                rec[k] = Field(v, self.buf_slots)
-        self.result.records.append(OpRecord(step, op, rec))
+    def op(self, step: int, op: str, fields: Mapping[int, Fields], buffers: bool = True) -> None:
+        if not fields:
+            return
+        bufs = self.twin.buffers({r: self.lanes[r].extras for r in fields}) if buffers else {}
+        for rank, fs in fields.items():
+            rec = {k: Field(v, s) for k, (v, s) in fs.items()}
+            for k, v in bufs.get(rank, {}).items():
+                rec[k] = Field(v, self.buf_slots[rank])
+            self.result.records.append(OpRecord(step, op, rec, rank))
+
+
+def _resolved_fields(twin: Twin, res: ResolvedOut, hb: HostBatch) -> Fields:
+    n = hb.n_rows
+    f: Fields = {
+        "input_ids": (twin.snap(res.input_ids, hb.n_tokens), hb.token_slots[: hb.n_tokens]),
+        "seq_lens": (twin.snap(res.seq_lens, n), hb.live_slots),
+    }
+    if res.draft is not None:
+        for k in DRAFT_FIELDS:
+            v = getattr(res.draft, k)
+            if v is not None:
+                f[f"draft.{k}"] = (twin.snap(v, n), hb.live_slots)
+    return f
+
+
+def _forward_fields(twin: Twin, out: ForwardOut, hb: HostBatch) -> Fields:
+    n, live = hb.n_rows, hb.live_slots
+    f: Fields = {
+        "token": (twin.snap(out.token, n), live),
+        "new_seq_lens": (twin.snap(out.new_lens, n), live),
+    }
+    if out.accept is not None:
+        f["accept"] = (twin.snap(out.accept, n), live)
+    if out.draft is not None:
+        for k in DRAFT_FIELDS[1:]:
+            v = getattr(out.draft, k)
+            if v is not None:
+                f[f"draft.{k}"] = (twin.snap(v, n), live)
+    return f
 
 
 def run_overlap(
-    scenario: Scenario, twin: Twin, dtype: str, max_steps: int | None = None
+    lanes: Mapping[int, Scenario],
+    twin: Twin,
+    dtype: str,
+    max_steps: int | None = None,
+    sync: Sync | None = None,
 ) -> RunResult:
-    """Run `scenario` through `twin` with the overlap protocol; return trace and streams.
+    """Run each DP rank's scenario through `twin` with the overlap protocol, in lockstep.
 
-    Spec buffers (top-k, hidden) are recorded from the first non-empty draft stash on:
-    the torch twin shapes them lazily there. A FutureMap error (debug violation or
-    rejected input) stops the run and is kept in the result.
+    Args:
+      lanes: DP rank -> the scenario that rank runs (one device: {0: scenario}); the ranks
+        must be among `twin.ranks`.
+      twin: the FutureMap twin.
+      dtype: 'int32' or 'int64' (token ids of int64 runs sit above 2**32).
+      max_steps: stop each rank after this many scheduler steps.
+      sync: agrees sizes across processes (see `Sync`); None: this process alone.
+
+    Returns:
+      The trace and streams of every rank. Spec buffers (top-k, hidden) are recorded from
+      a rank's first non-empty draft stash on (the torch twin shapes them lazily there).
+      A FutureMap error (debug violation or rejected input) stops the run and is kept.
     """
-    offset, npdt = token_offset(dtype), np.dtype(dtype)
-    sched = Scheduler(scenario, max_steps)
+    offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
+    state = {r: _Lane(s, Scheduler(s, max_steps)) for r, s in sorted(lanes.items())}
     result = RunResult()
-    rec = _Recorder(twin, scenario.pool_size, result)
-    sentinel: dict[int, tuple[int, int]] = {}
+    rec = _Recorder(twin, state, result)
+    step = 0
     try:
-        while (plan := sched.next_step()) is not None:
-            result.steps = step = plan.step
-
-            def placeholder(row: Row, plan: StepPlan = plan) -> tuple[int, int]:
-                ids, lens = sentinel[row.rid]
-                return ids, (row.seq_len if plan.kind is Kind.MIXED else lens)
-
-            hb = host_batch.build(plan, scenario, npdt, offset, placeholder)
-            n, live = hb.n_rows, hb.live_slots
-            tok_slots = hb.token_slots[: hb.n_tokens]
-            rids = [r.rid for r in plan.rows]
-            res = None
-            if plan.kind is Kind.PREBUILT:
-                lens, toks, d = bootstrap_rows(plan, sched, scenario, npdt, offset, len(hb.slots))
-                twin.publish(hb.slots, lens)
-                rec.op(step, "publish", {})
-                twin.stash(hb.slots, toks if d is None else twin.draft_payload(toks, d))
-                rec.extras = rec.extras or d is not None
-                rec.op(step, "stash", {})
-                append_streams(result.streams, plan, toks, None)
-            else:
-                if hb.spec_decode:
-                    host_lens = twin.resolve_seq_lens_cpu(live)
-                    rec.op(
-                        step,
-                        "resolve_seq_lens_cpu",
-                        {"seq_lens": (np.array(host_lens), live)},
-                        buffers=False,
-                    )
-                    sched.observe(dict(zip(rids, host_lens.tolist(), strict=True)))
-                res = twin.resolve(hb)
-                f = {
-                    "input_ids": (twin.snap(res.input_ids, hb.n_tokens), tok_slots),
-                    "seq_lens": (twin.snap(res.seq_lens, n), live),
-                }
-                if res.draft is not None:
-                    for k in DRAFT_FIELDS:
-                        v = getattr(res.draft, k)
-                        if v is not None:
-                            f[f"draft.{k}"] = (twin.snap(v, n), live)
-                rec.op(step, "resolve", f)
-                if plan.kind is Kind.IDLE:
-                    empty = np.zeros(0, dtype=npdt)
-                    twin.publish(hb.slots, empty)
-                    rec.op(step, "publish", {})
-                    twin.stash(hb.slots, empty)
-                    rec.op(step, "stash", {})
-                else:
-                    out = twin.forward(res, hb, offset)
-                    f = {
-                        "token": (twin.snap(out.token, n), live),
-                        "new_seq_lens": (twin.snap(out.new_lens, n), live),
-                    }
-                    if out.accept is not None:
-                        f["accept"] = (twin.snap(out.accept, n), live)
-                    if out.draft is not None:
-                        for k in DRAFT_FIELDS[1:]:
-                            v = getattr(out.draft, k)
-                            if v is not None:
-                                f[f"draft.{k}"] = (twin.snap(v, n), live)
-                    rec.op(step, "forward", f, buffers=False)
-                    twin.publish(hb.slots, out.new_lens)
-                    rec.op(step, "publish", {})
-                    twin.stash(hb.slots, out.payload)
-                    rec.extras = rec.extras or out.draft is not None
-                    rec.op(step, "stash", {})
-                    acc = None if out.accept is None else twin.host(out.accept)
-                    append_streams(result.streams, plan, twin.host(out.token), acc)
-            ids_s, lens_s = twin.invalidate(hb, res)
-            ids_h, lens_h = twin.host(ids_s), twin.host(lens_s)
-            rec.op(
-                step,
-                "invalidate",
-                {
-                    "sentinel.input_ids": (ids_h[:n].copy(), live),
-                    "sentinel.seq_lens": (lens_h[:n].copy(), live),
-                },
-                buffers=False,
+        while True:
+            step += 1
+            plans = {r: p for r, ln in state.items() if (p := ln.plan()) is not None}
+            hbs = {
+                r: host_batch.build(p, state[r].scenario, npdt, offset, state[r].placeholder(p))
+                for r, p in plans.items()
+            }
+            sizes = Sizes(
+                max((len(hb.slots) for hb in hbs.values()), default=0),
+                max((len(hb.input_ids) for hb in hbs.values()), default=0),
             )
-            sentinel.update(
-                zip(rids, zip(ids_h.tolist(), lens_h.tolist(), strict=False), strict=False)
-            )
-            host = np.array(sched.host_lens(rids), dtype=np.int64)
-            rec.op(step, "host", {"seq_lens_cpu": (host, live)}, buffers=False)
-            twin.check()
+            more = bool(plans)
+            if sync is not None:
+                sizes, more = sync(step, sizes, more)
+            if not more:
+                break
+            if plans:
+                result.steps = step
+                _step(step, plans, hbs, state, twin, sizes, rec, npdt, offset)
     except twin.errors as e:
         result.error = f"{type(e).__name__}: {e}"
         result.error_kind = twin.error_kind(e)
+        while sync is not None and sync(step, Sizes(0, 0), False)[1]:
+            step += 1  # stay in the per-step sync until every process has stopped
     return result
+
+
+def _step(
+    step: int,
+    plans: Mapping[int, StepPlan],
+    hbs: Mapping[int, HostBatch],
+    lanes: Mapping[int, _Lane],
+    twin: Twin,
+    sizes: Sizes,
+    rec: _Recorder,
+    npdt: np.dtype,
+    offset: int,
+) -> None:
+    """One overlap step of every running rank."""
+    streams = rec.result.streams
+    kind = {r: p.kind for r, p in plans.items()}
+    resolving = {r: hb for r, hb in hbs.items() if kind[r] is not Kind.PREBUILT}
+    running = [r for r in resolving if kind[r] is not Kind.IDLE]
+
+    spec_decode = {r: hb.live_slots for r, hb in resolving.items() if hb.spec_decode}
+    if spec_decode:
+        host_lens = twin.resolve_seq_lens_cpu(spec_decode, sizes)
+        rec.op(
+            step,
+            "resolve_seq_lens_cpu",
+            {r: {"seq_lens": (np.array(host_lens[r]), s)} for r, s in spec_decode.items()},
+            buffers=False,
+        )
+        for r in spec_decode:
+            rids = [row.rid for row in plans[r].rows]
+            lanes[r].sched.observe(dict(zip(rids, host_lens[r].tolist(), strict=True)))
+
+    res = twin.resolve(resolving, sizes) if resolving else {}
+    rec.op(step, "resolve", {r: _resolved_fields(twin, res[r], hbs[r]) for r in resolving})
+
+    outs = {r: twin.forward(r, res[r], hbs[r], offset) for r in running}
+    rec.op(step, "forward", {r: _forward_fields(twin, outs[r], hbs[r]) for r in running}, False)
+
+    lens: dict[int, Any] = {}
+    payload: dict[int, Any] = {}
+    for r, hb in hbs.items():
+        if r in outs:
+            lens[r], payload[r] = outs[r].new_lens, outs[r].payload
+        elif kind[r] is Kind.PREBUILT:
+            ln = lanes[r]
+            lens[r], toks, d = bootstrap_rows(
+                plans[r], ln.sched, ln.scenario, npdt, offset, len(hb.slots)
+            )
+            payload[r] = toks if d is None else twin.draft_payload(toks, d)
+            append_streams(streams, r, plans[r], toks, None)
+        else:  # IDLE: empty indices, nothing to relay
+            lens[r] = payload[r] = np.zeros(0, dtype=npdt)
+    slots = {r: hb.slots for r, hb in hbs.items()}
+    twin.publish(slots, lens, sizes)
+    rec.op(step, "publish", {r: {} for r in hbs})
+    twin.stash(slots, payload, sizes)
+    for r in hbs:  # a spec rank's first draft stash shapes its extras
+        ln = lanes[r]
+        ln.extras = ln.extras or (ln.scenario.spec is not None and kind[r] is not Kind.IDLE)
+    rec.op(step, "stash", {r: {} for r in hbs})
+    for r in running:
+        acc = outs[r].accept
+        append_streams(
+            streams, r, plans[r], twin.host(outs[r].token), None if acc is None else twin.host(acc)
+        )
+
+    sentinels = twin.invalidate(hbs, res, sizes)
+    fields: dict[int, Fields] = {}
+    for r, hb in hbs.items():
+        ids, lns = (twin.host(x) for x in sentinels[r])
+        live = hb.live_slots
+        n = hb.n_rows
+        fields[r] = {
+            "sentinel.input_ids": (ids[:n].copy(), live),
+            "sentinel.seq_lens": (lns[:n].copy(), live),
+        }
+        rids = [row.rid for row in plans[r].rows]
+        lanes[r].sentinel.update(
+            zip(rids, zip(ids.tolist(), lns.tolist(), strict=False), strict=False)
+        )
+    rec.op(step, "invalidate", fields, buffers=False)
+    host = {
+        r: {
+            "seq_lens_cpu": (
+                np.array(lanes[r].sched.host_lens([row.rid for row in p.rows]), np.int64),
+                hbs[r].live_slots,
+            )
+        }
+        for r, p in plans.items()
+    }
+    rec.op(step, "host", host, buffers=False)
+    twin.check()

@@ -11,7 +11,7 @@ import numpy as np
 from parity.scenario import Kind, Row, Scenario, StepPlan
 from parity.toy_model import prompt_tokens
 
-# ForwardMode values shared by fm_jax and fm_torch (SPEC.md batch kinds).
+# ForwardMode values shared by fm_jax and fm_torch (docs/CONTRACT.md, 'Batch kinds').
 MODE = {Kind.EXTEND: 0, Kind.DECODE: 1, Kind.MIXED: 2, Kind.IDLE: 3, Kind.PREBUILT: 0}
 
 Placeholder = Callable[[Row], tuple[int, int]]

@@ -9,13 +9,16 @@ into both twins (then only the oracle or the debug checks can).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from parity.host_batch import MODE, HostBatch
 from parity.scenario import Kind
-from parity.twin import ResolvedOut, Twin
+from parity.twin import ResolvedOut, Sizes, Twin
+
+Slots = Mapping[int, np.ndarray]
 
 
 class Mutant:
@@ -29,18 +32,18 @@ class Mutant:
 
 
 class SkipStash(Mutant):
-    """Every third non-empty stash is dropped: the slot keeps its previous (read) token."""
+    """Every third non-empty stash is dropped: the slots keep their previous (read) tokens."""
 
     def __init__(self, inner: Twin) -> None:
         super().__init__(inner)
         self.calls = 0
 
-    def stash(self, slots: np.ndarray, payload: Any) -> None:
-        if len(slots):
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        if any(len(s) for s in slots.values()):
             self.calls += 1
             if self.calls % 3 == 0:
                 return
-        self.inner.stash(slots, payload)
+        self.inner.stash(slots, payload, sizes)
 
 
 class StashTwice(Mutant):
@@ -51,33 +54,39 @@ class StashTwice(Mutant):
 
     def __init__(self, inner: Twin) -> None:
         super().__init__(inner)
-        self.previous: tuple[np.ndarray, Any] | None = None
+        self.previous: tuple[Slots, Mapping[int, Any]] | None = None
 
-    def stash(self, slots: np.ndarray, payload: Any) -> None:
-        self.inner.stash(slots, payload)
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        self.inner.stash(slots, payload, sizes)
         if self.previous is not None:
-            self.inner.stash(*self.previous)
-        if len(slots):
-            self.previous = (slots, payload)
+            self.inner.stash(*self.previous, sizes)
+        busy = {r for r, s in slots.items() if len(s)}
+        if busy:
+            self.previous = ({r: slots[r] for r in busy}, {r: payload[r] for r in busy})
 
 
 class PublishWithoutPlusOne(Mutant):
     """publish writes the lengths one short (seq_lens instead of seq_lens + 1)."""
 
-    def publish(self, slots: np.ndarray, lens: Any) -> None:
-        self.inner.publish(slots, lens - 1)
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes) -> None:
+        self.inner.publish(slots, {r: v - 1 for r, v in lens.items()}, sizes)
 
 
 class SentinelOffByOne(Mutant):
     """invalidate leaves -(slot + 1) instead of -slot in live rows."""
 
-    def invalidate(self, hb: HostBatch, res: ResolvedOut | None) -> tuple[Any, Any]:
-        ids, lens = self.inner.invalidate(hb, res)
-        ids, lens = self.inner.host(ids).copy(), self.inner.host(lens).copy()
-        live = hb.slots != 0
-        ids[live] -= 1
-        lens[live] -= 1
-        return ids, lens
+    def invalidate(
+        self, batches: Mapping[int, HostBatch], res: Mapping[int, ResolvedOut], sizes: Sizes
+    ) -> dict[int, tuple[Any, Any]]:
+        out = {}
+        for r, (ids, lens) in self.inner.invalidate(batches, res, sizes).items():
+            ids, lens = self.inner.host(ids).copy(), self.inner.host(lens).copy()
+            live = np.zeros(len(ids), bool)
+            live[: len(batches[r].slots)] = batches[r].slots != 0
+            ids[live] -= 1
+            lens[live] -= 1
+            out[r] = (ids, lens)
+        return out
 
 
 class StaleSlotAfterReuse(Mutant):
@@ -91,27 +100,35 @@ class StaleSlotAfterReuse(Mutant):
 
     def __init__(self, inner: Twin) -> None:
         super().__init__(inner)
-        self.unread: set[int] = set()
+        self.unread: dict[int, set[int]] = {}
 
-    def resolve(self, hb: HostBatch) -> ResolvedOut:
-        read = hb.live_slots if hb.spec_decode else -hb.input_ids[hb.input_ids < 0]
-        self.unread -= set(read.tolist())
-        return self.inner.resolve(hb)
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        for r, hb in batches.items():
+            read = hb.live_slots if hb.spec_decode else -hb.input_ids[hb.input_ids < 0]
+            self.unread.setdefault(r, set()).difference_update(read.tolist())
+        return self.inner.resolve(batches, sizes)
 
-    def stash(self, slots: np.ndarray, payload: Any) -> None:
-        kept = slots.copy()
-        kept[np.isin(slots, list(self.unread)) & (slots != 0)] = 0  # to the padding row
-        self.unread |= set(slots[slots != 0].tolist())
-        self.inner.stash(kept, payload)
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        kept = {}
+        for r, s in slots.items():
+            unread = self.unread.setdefault(r, set())
+            k = s.copy()
+            k[np.isin(s, list(unread)) & (s != 0)] = 0  # to the padding row
+            unread |= set(s[s != 0].tolist())
+            kept[r] = k
+        self.inner.stash(kept, payload, sizes)
 
 
 class SkipDecodeRestore(Mutant):
     """resolve skips the DECODE length restore: the batch keeps its length sentinels."""
 
-    def resolve(self, hb: HostBatch) -> ResolvedOut:
-        if hb.mode == MODE[Kind.DECODE]:
-            hb = dataclasses.replace(hb, mode=MODE[Kind.EXTEND])
-        return self.inner.resolve(hb)
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        extend = MODE[Kind.EXTEND]
+        changed = {
+            r: dataclasses.replace(hb, mode=extend) if hb.mode == MODE[Kind.DECODE] else hb
+            for r, hb in batches.items()
+        }
+        return self.inner.resolve(changed, sizes)
 
 
 MUTATIONS: dict[str, type[Mutant]] = {
@@ -123,3 +140,21 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "skip_decode_restore": SkipDecodeRestore,
 }
 """Mutation name -> wrapper class."""
+
+
+class FlipByte(Mutant):
+    """After the stash of step `step`, one byte of rank `rank`'s buffer flips: the token of
+    the first slot stashed there (its lowest bit). Not a mutation of the check: it shows
+    that a one-byte difference in one DP rank is found and located."""
+
+    def __init__(self, inner: Twin, rank: int, step: int) -> None:
+        super().__init__(inner)
+        self.rank, self.step, self.calls = rank, step, 0
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        self.inner.stash(slots, payload, sizes)
+        self.calls += 1  # the driver stashes once per step
+        s = slots.get(self.rank)
+        if self.calls == self.step and s is not None and len(s) and s[0] != 0:
+            token = self.inner.host(payload[self.rank])[:1] ^ 1
+            self.inner.stash({self.rank: s[:1]}, {self.rank: token}, sizes)

@@ -1,85 +1,91 @@
-"""The synchronous reference loop: the same scenario with no FutureMap and no overlap.
+"""The synchronous reference loop: the same scenario with no FutureMap, no overlap, no padding.
 
-Each request's last token (spec: its draft) and length live in host dicts and go
-straight into the next batch; the numpy toy model runs the forward. What it produces per
-request is the oracle for both overlap runs.
+The oracle of both overlap runs. It shares only the scenario (its Scheduler) and the toy
+model with the driver it checks: each request's last token (spec: its draft) and length
+live in host dicts, every live row is computed on its own from them with the numpy model,
+and what each request produces is appended here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from parity import host_batch
 from parity import toy_model as tm
-from parity.driver import append_streams, bootstrap_rows, token_offset
-from parity.scenario import Kind, Row, Scenario, Scheduler
-from parity.trace import RunResult
+from parity.scenario import Kind, Scenario, Scheduler
+
+Streams = dict[int, list[int]]
+"""Request id -> non-spec: its tokens; spec: its first token, then accept length and bonus
+token per decode step (as the overlap runs record them)."""
 
 
-def _stack_rows(parts: list[tuple], k: int, pad: int) -> np.ndarray | None:
-    """Field k of each request's kept draft as one [B, ...] array, plus `pad` zero rows."""
-    if parts[0][k] is None:
-        return None
-    x = np.stack([p[k] for p in parts])
-    return np.concatenate([x, np.zeros((pad,) + x.shape[1:], dtype=x.dtype)])
-
-
-def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) -> RunResult:
-    """Run `scenario` synchronously; return the per-request streams (no trace)."""
-    offset, npdt = token_offset(dtype), np.dtype(dtype)
+def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) -> Streams:
+    """Run `scenario` synchronously; return what each request produced, in order."""
+    offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
     spec = None if scenario.spec is None else (scenario.spec.topk, scenario.spec.hidden)
     sched = Scheduler(scenario, max_steps)
-    result = RunResult()
-    last: dict[int, int] = {}
-    length: dict[int, int] = {}
-    drafts: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
-
-    def keep(
-        rows: tuple[Row, ...], token: np.ndarray, lens: np.ndarray, draft: tm.Draft | None
-    ) -> None:
-        for i, row in enumerate(rows):
-            if row.phase == "prefill" and not row.final:
-                continue
-            last[row.rid], length[row.rid] = int(token[i]), int(lens[i])
-            if draft is not None:
-                h = None if draft.hidden is None else draft.hidden[i]
-                drafts[row.rid] = (draft.topk_p[i], draft.topk_index[i], h)
+    streams: Streams = {}
+    last: dict[int, int] = {}  # request -> its last token (spec: bonus token)
+    length: dict[int, int] = {}  # request -> its length after its last forward
+    drafts: dict[int, tm.Draft] = {}  # spec: request -> its draft, one row
 
     while (plan := sched.next_step()) is not None:
-        result.steps = plan.step
         if plan.kind is Kind.IDLE:
             continue
+        rows = plan.rows
         if plan.kind is Kind.PREBUILT:
-            lens, toks, d = bootstrap_rows(plan, sched, scenario, npdt, offset, len(plan.rows))
-            keep(plan.rows, toks, lens, d)
-            append_streams(result.streams, plan, toks, None)
+            for row in rows:
+                req = sched.request(row.rid)
+                tok, d = tm.bootstrap(row.rid, req.prompt_len, row.slot, spec, offset, npdt)
+                last[row.rid], length[row.rid] = tok, row.seq_len
+                if d is not None:
+                    drafts[row.rid] = d
+                streams.setdefault(row.rid, []).append(tok)
             continue
-        hb = host_batch.build(
-            plan, scenario, npdt, offset, lambda row: (last[row.rid], length[row.rid])
-        )
-        n, pad = hb.n_rows, len(hb.slots) - hb.n_rows
+        ids, lens = [], []
+        for row in rows:
+            if row.phase == "prefill":
+                ids += tm.prompt_tokens(row.rid, row.end - 1, row.end, offset)
+                lens.append(row.end)
+            else:
+                ids.append(last[row.rid])
+                lens.append(length[row.rid])
+        ids_a, lens_a = np.array(ids, npdt), np.array(lens, npdt)
+        slots = np.array([row.slot for row in rows], npdt)
+        every = np.arange(len(rows))
         accept = None
         if spec is None:
-            token, new_lens = tm.forward_tokens(
-                hb.input_ids, hb.seq_lens, hb.slots, hb.last_index, tm.NUMPY, offset
-            )
+            token, new_lens = tm.forward_tokens(ids_a, lens_a, slots, every, tm.NUMPY, offset)
             draft = None
-        elif hb.spec_decode:
-            rids = [r.rid for r in plan.rows]
-            sched.observe({rid: length[rid] for rid in rids})
-            parts = [drafts[r] for r in rids]
-
-            gathered = tm.Draft(hb.input_ids, *(_stack_rows(parts, k, pad) for k in range(3)))
+        elif plan.kind is Kind.DECODE:
+            sched.observe({row.rid: length[row.rid] for row in rows})
+            held = [drafts[row.rid] for row in rows]
+            hidden = None if held[0].hidden is None else np.concatenate([d.hidden for d in held])
+            gathered = tm.Draft(
+                ids_a,
+                np.concatenate([d.topk_p for d in held]),
+                np.concatenate([d.topk_index for d in held]),
+                hidden,
+            )
             accept, new_lens, draft = tm.forward_spec_decode(
-                gathered, hb.seq_lens, hb.slots, tm.NUMPY, spec, offset
+                gathered, lens_a, slots, tm.NUMPY, spec, offset
             )
             token = draft.bonus
-        else:
-            accept, new_lens, draft = tm.forward_spec_extend(
-                hb.input_ids, hb.seq_lens, hb.slots, hb.last_index, tm.NUMPY, spec, offset
+        else:  # a spec prefill accepts nothing: its stream starts with the bonus token
+            _, new_lens, draft = tm.forward_spec_extend(
+                ids_a, lens_a, slots, every, tm.NUMPY, spec, offset
             )
             token = draft.bonus
-            accept = None  # a prefill accepts nothing: its stream starts with the bonus
-        keep(plan.rows, token, new_lens, draft)
-        append_streams(result.streams, plan, token[:n], None if accept is None else accept[:n])
-    return result
+        for i, row in enumerate(rows):
+            if row.phase == "prefill" and not row.final:
+                continue  # an intermediate chunk's token is never read
+            last[row.rid], length[row.rid] = int(token[i]), int(new_lens[i])
+            if draft is not None:
+                h = None if draft.hidden is None else draft.hidden[i : i + 1]
+                drafts[row.rid] = tm.Draft(
+                    draft.bonus[i : i + 1], draft.topk_p[i : i + 1], draft.topk_index[i : i + 1], h
+                )
+            s = streams.setdefault(row.rid, [])
+            if accept is not None:
+                s.append(int(accept[i]))
+            s.append(int(token[i]))
+    return streams

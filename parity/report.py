@@ -11,8 +11,8 @@ from parity.suite import MutationResult, ScenarioResult
 
 SCENARIO_COLUMNS = ("scenario", "dtype", "debug", "steps", "ops compared", "divergences", "oracle")
 MESH_COLUMNS = ("mesh", "HLO check")
-"""Added to the table when some runs are on a mesh: 'DPxTP', and for the sharded map's own
-check its recompiles and collectives ('-' for catalogue scenarios)."""
+"""Added to the table when some runs are on a mesh: 'DPxTP' (and the processes it spans),
+and the sharded map's recompiles and collectives ('-' for runs on one device)."""
 
 
 def _table(header: Sequence[str], rows: list[list[str]]) -> str:
@@ -47,7 +47,8 @@ def scenario_table(results: Sequence[ScenarioResult]) -> str:
     ]
     if any(r.dp is not None for r in results):
         for row, r in zip(rows, results, strict=True):
-            row += ["-" if r.dp is None else f"{r.dp}x{r.tp}", _hlo_check(r)]
+            procs = f" ({r.processes} processes)" if r.processes > 1 else ""
+            row += ["-" if r.dp is None else f"{r.dp}x{r.tp}{procs}", _hlo_check(r)]
             row[-1] += " FAIL" if r.failures else ""
         return _table(SCENARIO_COLUMNS + MESH_COLUMNS, rows)
     return _table(SCENARIO_COLUMNS, rows)
@@ -60,6 +61,7 @@ def failure_details(results: Sequence[ScenarioResult]) -> str:
         if r.ok:
             continue
         mesh = "" if r.dp is None else f", DP={r.dp} x TP={r.tp}"
+        mesh += f", {r.processes} processes" if r.processes > 1 else ""
         out.append(f"{r.name} ({r.dtype}, debug {'on' if r.debug else 'off'}{mesh}):")
         if r.first_divergence:
             out.append(f"  first divergence: {r.first_divergence}")

@@ -5,7 +5,8 @@ this process already has it, they run in `python -m parity.worker` started with
 JAX_ENABLE_X64=1. Mesh jobs (dp * tp > 1) need that many devices; on CPU that is
 XLA_FLAGS=--xla_force_host_platform_device_count=N, also fixed before JAX starts, so they
 run in a worker started with it. Workers run concurrently with the local jobs; their
-results stream back as JSON lines.
+results stream back as JSON lines. Jobs over several processes go to `parity.dist_run`,
+one launch per kind of worker they need.
 """
 
 from __future__ import annotations
@@ -14,24 +15,24 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import Any
 
-from parity.suite import Job, ScenarioResult, run_job
+from parity.dist_run import run_dist_jobs
+from parity.suite import Job, ScenarioResult, failed, run_job
 
 Progress = Callable[[Job, ScenarioResult], None]
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
-def needs_worker(job: Job) -> bool:
-    """Whether `job` cannot run in this process (int64 without x64 mode, or a mesh)."""
-    return worker_key(job) is not None
-
-
 def worker_key(job: Job) -> tuple[bool, int] | None:
-    """None if `job` runs here, else the worker it needs: (x64 mode, mesh devices or 0)."""
+    """None if `job` runs here, else the worker it needs: (x64 mode, mesh devices or 0).
+
+    Jobs over several processes are not run by these workers (see `run_jobs`)."""
     import jax
 
     x64 = job.dtype == "int64"
@@ -56,29 +57,15 @@ def worker_env(device: str, *, x64: bool = True, mesh_devices: int = 0) -> dict[
     return env
 
 
-def _failed(job: Job, why: str) -> ScenarioResult:
-    """A result for a job the worker never reported (it died): counted as failing."""
-    return ScenarioResult(
-        job.scenario,
-        job.dtype,
-        job.debug,
-        0,
-        0,
-        1,
-        False,
-        first_divergence=f"worker process: {why}",
-        dp=job.dp if job.mesh else None,
-        tp=job.tp if job.mesh else None,
-    )
-
-
 def run_jobs(jobs: Sequence[Job], progress: Progress | None = None) -> list[ScenarioResult]:
     """Run every job; results in the order of `jobs`."""
     results: list[ScenarioResult | None] = [None] * len(jobs)
     groups: dict[tuple[bool, int], list[int]] = {}
+    dist: dict[tuple[Any, ...], list[int]] = {}
     for i, job in enumerate(jobs):
-        key = worker_key(job)
-        if key is not None:
+        if job.processes > 1:
+            dist.setdefault(dist_key(job), []).append(i)
+        elif (key := worker_key(job)) is not None:
             groups.setdefault(key, []).append(i)
     lock = threading.Lock()
 
@@ -109,7 +96,7 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None) -> list[Scen
             code = proc.wait()
             for i in remote:
                 if results[i] is None:
-                    done(i, _failed(jobs[i], f"exited with status {code}"))
+                    done(i, failed(jobs[i], f"worker process exited with status {code}"))
 
         thread = threading.Thread(target=read, daemon=True)
         thread.start()
@@ -117,8 +104,17 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None) -> list[Scen
 
     threads = [start(key, remote) for key, remote in groups.items()]
     for i, job in enumerate(jobs):
-        if worker_key(job) is None:
+        if job.processes == 1 and worker_key(job) is None:
             done(i, run_job(job))
+    for remote in dist.values():
+        with tempfile.TemporaryDirectory(prefix="fm-parity-dist-") as workdir:
+            for i, r in zip(remote, run_dist_jobs([jobs[i] for i in remote], workdir), strict=True):
+                done(i, r)
     for thread in threads:
         thread.join()
     return [r for r in results if r is not None]
+
+
+def dist_key(job: Job) -> tuple[Any, ...]:
+    """Jobs with the same key share one launch of worker processes."""
+    return (job.processes, job.dp, job.tp, job.dtype == "int64", job.device)

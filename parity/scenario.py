@@ -4,8 +4,8 @@ A `Scenario` is host data only. A `Scheduler` walks it step by step and yields a
 per step (which requests run, which prompt chunk, which kind of batch). It never sees a
 device: it counts generated tokens on the host and, for speculative decoding, learns the
 lengths that `resolve_seq_lens_cpu` reports (one step late, as an overlap scheduler does).
-The overlap drivers and the reference loop each walk their own Scheduler over the same
-Scenario; identical observations give identical plans.
+The overlap driver (one Scheduler per data-parallel rank) and the reference loop each walk
+their own Scheduler over the same Scenario; identical observations give identical plans.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 
 class Kind(enum.Enum):
-    """What a step does (SPEC.md, 'Batch kinds'). PREBUILT runs no forward."""
+    """What a step does (docs/CONTRACT.md, 'Batch kinds'). PREBUILT runs no forward."""
 
     EXTEND = "extend"
     DECODE = "decode"
@@ -61,6 +61,8 @@ class Policy:
       max_prefill_rows: prefill rows per batch.
       max_prefill_tokens: prompt tokens per batch.
       idle_every: every this many steps the rank runs an IDLE batch (0: only when idle).
+      idle_phase: shifts those steps: step s is idle when (s + idle_phase) % idle_every == 0
+        (data-parallel ranks built with different phases go idle at different steps).
       max_running: requests holding a slot at once (<= pool_size - 1).
     """
 
@@ -69,6 +71,7 @@ class Policy:
     max_prefill_rows: int = 4
     max_prefill_tokens: int = 256
     idle_every: int = 0
+    idle_phase: int = 0
     max_running: int = 8
 
 
@@ -212,7 +215,7 @@ class Scheduler:
         if not self._running and not self._pending:
             return None
         pol = self.scenario.policy
-        if pol.idle_every and self.step % pol.idle_every == 0:
+        if pol.idle_every and (self.step + pol.idle_phase) % pol.idle_every == 0:
             return StepPlan(self.step, Kind.IDLE, ())
         # One pass: every running request is unfinished here (retirement ran first).
         boot, prefill, decode = [], [], []

@@ -28,6 +28,12 @@ VOCAB = 32_003
 WIDE_OFFSET = 2**32
 """int64 runs shift every token id above 2**32, so a truncating cast cannot hide."""
 
+
+def token_offset(dtype: str) -> int:
+    """What every token id of a run in `dtype` is shifted by (WIDE_OFFSET for int64)."""
+    return WIDE_OFFSET if dtype == "int64" else 0
+
+
 F32_SPECIALS = (
     0x7FC0_0000,  # quiet NaN
     0x7FC0_1234,  # quiet NaN with payload

@@ -1,29 +1,45 @@
-"""The interface the overlap driver sees: one FutureMap twin plus its toy model.
+"""The interface the overlap driver sees: one FutureMap twin over its DP ranks, plus its toy model.
 
-`JaxTwin` (twin_jax.py) and `TorchTwin` (twin_torch.py) implement it; mutations.py wraps
-either to make a deliberately broken FutureMap variant.
+`JaxTwin` (twin_jax.py: one fm_jax.FutureMap, on one device or a mesh) and `TorchTwin`
+(twin_torch.py: one fm_torch.FutureMap per rank, as each SGLang DP rank holds its own)
+implement it; mutations.py wraps either to make a deliberately broken FutureMap variant.
+Every op takes a mapping DP rank -> host rows for the ranks that take part in it; a rank
+left out is idle for that op.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from parity import toy_model as tm
 from parity.host_batch import HostBatch
 
 
+class Sizes(NamedTuple):
+    """The per-rank padded sizes of one step, as the DP ranks agreed on them.
+
+    The largest rank's batch rows and flat tokens (each a scenario bucket, or 0 when no
+    rank has any); a map that pads every rank to one size pads to these.
+    """
+
+    rows: int
+    tokens: int
+
+
 class ResolvedOut(NamedTuple):
-    """What resolve hands the forward (framework arrays, padded to buckets)."""
+    """What resolve hands one rank's forward (framework arrays, the rank's own rows)."""
 
     input_ids: Any  # [T]
     seq_lens: Any  # [B]
     draft: Any  # the twin's DraftPayload gathered for a spec DECODE batch, else None
-    batch: Any  # the twin's batch object (torch: resolved in place)
+    batch: Any  # the twin's batch object where it resolves in place (torch), else None
 
 
 class ForwardOut(NamedTuple):
-    """What the toy model produced for one batch (framework arrays, padded rows)."""
+    """What the toy model produced for one rank's batch (framework arrays, padded rows)."""
 
     new_lens: Any  # [B] what publish writes
     payload: Any  # what stash writes: tokens [B] or the twin's DraftPayload
@@ -33,23 +49,36 @@ class ForwardOut(NamedTuple):
 
 
 class Twin(Protocol):
-    """One framework's FutureMap and model; every op takes host numpy slots."""
+    """One framework's FutureMap over DP ranks `ranks`, and its model; slots are host numpy."""
 
     name: str
-    errors: tuple[type[BaseException], ...]
+    errors: tuple[type[Exception], ...]
+    ranks: tuple[int, ...]
 
     def error_kind(self, exc: BaseException) -> str: ...
     def snap(self, x: Any, n: int | None = None) -> Any: ...
     def host(self, x: Any) -> np.ndarray: ...
-    def buffers(self, extras: bool) -> dict[str, Any]: ...
+    def buffers(self, extras: Mapping[int, bool]) -> dict[int, dict[str, Any]]: ...
     def check(self) -> None: ...
-    def resolve_seq_lens_cpu(self, slots: np.ndarray) -> np.ndarray: ...
-    def resolve(self, hb: HostBatch) -> ResolvedOut: ...
-    def forward(self, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut: ...
-    def publish(self, slots: np.ndarray, lens: Any) -> None: ...
-    def stash(self, slots: np.ndarray, payload: Any) -> None: ...
-    def draft_payload(self, bonus: np.ndarray, draft: Any) -> Any: ...
-    def invalidate(self, hb: HostBatch, res: ResolvedOut | None) -> tuple[Any, Any]: ...
+    def mesh_report(self) -> dict[str, Any] | None: ...
+    def resolve_seq_lens_cpu(
+        self, slots: Mapping[int, np.ndarray], sizes: Sizes
+    ) -> dict[int, np.ndarray]: ...
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]: ...
+    def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut: ...
+    def publish(
+        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+    ) -> None: ...
+    def stash(
+        self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
+    ) -> None: ...
+    def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any: ...
+    def invalidate(
+        self,
+        batches: Mapping[int, HostBatch],
+        res: Mapping[int, ResolvedOut],
+        sizes: Sizes,
+    ) -> dict[int, tuple[Any, Any]]: ...
 
 
 def run_forward(
@@ -59,24 +88,24 @@ def run_forward(
     hb: HostBatch,
     slots: Any,
     last: Any,
-    spec: Any,
+    spec: tuple[int, int] | None,
     offset: int,
 ) -> ForwardOut:
-    """The toy model's forward for one batch, shared by both twins.
+    """The toy model's forward for one rank's batch, shared by both twins.
 
     Args:
-      model: the framework's toy model module (toy_model_jax or toy_model_torch).
+      model: the framework's toy model entry points (toy_model_jax or toy_model_torch).
       payload_type: the twin's DraftPayload class (spec payloads are built as it).
       res: what resolve handed the forward; hb: the host batch.
       slots, last: hb's slots and last-token indices as framework arrays.
-      spec: the scenario's spec settings, or None; offset: the scenario's token offset.
+      spec: the scenario's (top-k, hidden) widths, or None; offset: the token offset.
     """
     if spec is None:
         tokens, new_lens = model.forward_tokens(res.input_ids, res.seq_lens, slots, last, offset)
         return ForwardOut(new_lens, tokens, tokens, None, None)
     if hb.spec_decode:
         d = res.draft
-        draft = model.tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states)
+        draft = tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states)
         accept, new_lens, nd = model.forward_spec_decode(draft, res.seq_lens, slots, spec, offset)
     else:
         accept, new_lens, nd = model.forward_spec_extend(

@@ -1,12 +1,16 @@
-"""The JAX side of a parity run: fm_jax.FutureMap fed numpy host batches, and the toy model.
+"""The JAX side of a parity run: one fm_jax.FutureMap, on one device or a DP x TP mesh.
 
-Host inputs are numpy arrays padded to the scenario's buckets; the map's own buckets are
-set to the same sizes, so it pads nothing further and its outputs line up row for row
-with the torch twin's.
+One device is the one-rank layout; on a mesh the map holds one pool per DP rank and this
+process drives the ranks whose devices it holds (`fm.local_ranks`). Every op feeds the map
+a mapping DP rank -> host rows, padded by the map to the sizes the ranks agreed on; the
+map's buckets are the scenario's, so a lone rank is padded no further. Each rank's
+outputs are its own block of the map's global arrays (a one-device array on one of the
+rank's devices), on which the JAX toy model runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import jax
@@ -15,10 +19,12 @@ import numpy as np
 
 import fm_jax
 from parity import exchange
+from parity import toy_model as tm
 from parity import toy_model_jax as model
 from parity.host_batch import HostBatch
+from parity.mesh import MeshHealth, make_mesh
 from parity.scenario import Scenario
-from parity.twin import ForwardOut, ResolvedOut, run_forward
+from parity.twin import ForwardOut, ResolvedOut, Sizes, run_forward
 
 
 def jax_device(device: str) -> jax.Device:
@@ -32,29 +38,50 @@ def jax_device(device: str) -> jax.Device:
 
 
 class JaxTwin:
-    """fm_jax.FutureMap behind the driver's twin interface (see parity.twin.Twin)."""
+    """fm_jax.FutureMap behind the driver's twin interface (see parity.twin.Twin).
+
+    Args:
+      scenario: the scenario every rank runs a seed of (pool size, spec, buckets).
+      dtype: 'int32' or 'int64' (needs JAX's x64 mode).
+      debug: the map's debug mode.
+      device: 'cpu' or 'cuda'.
+      dp, tp: the mesh; 1 x 1 is one device. The mesh takes the first dp*tp devices of
+        the platform, every process's (`parity.mesh.make_mesh`).
+    """
 
     name = "jax"
-    errors = (fm_jax.InvariantViolation, fm_jax.FutureMapError)
+    errors: tuple[type[Exception], ...] = (fm_jax.InvariantViolation, fm_jax.FutureMapError)
 
-    def __init__(self, scenario: Scenario, dtype: str, debug: bool, device: str) -> None:
+    def __init__(
+        self, scenario: Scenario, dtype: str, debug: bool, device: str, *, dp: int = 1, tp: int = 1
+    ) -> None:
         if dtype == "int64" and not jax.config.read("jax_enable_x64"):
             raise RuntimeError("the int64 pass needs JAX_ENABLE_X64=1 (run it in its own process)")
         self.dtype = np.dtype(dtype)
         self.on_host = device == "cpu"
-        self.device = jax_device(device)
         sp = scenario.spec
         self.spec = None if sp is None else (sp.topk, sp.hidden)
         cfg = None if sp is None else fm_jax.SpecConfig(sp.topk, sp.hidden, jnp.bfloat16)
+        on_mesh = dp * tp > 1
+        first = jax_device(device)
+        mesh = make_mesh(dp, tp, jax.devices(first.platform)) if on_mesh else None
         self.fm = fm_jax.FutureMap(
             scenario.pool_size,
+            mesh=mesh,
+            tp_axis="tp" if on_mesh else None,
             dtype=self.dtype,
             spec=cfg,
             debug=debug,
             batch_buckets=scenario.batch_buckets,
             token_buckets=sorted(set(scenario.token_buckets) | set(scenario.batch_buckets)),
-            device=self.device,
+            device=None if on_mesh else first,
         )
+        layout = self.fm.layout
+        self.ranks: tuple[int, ...] = self.fm.local_ranks
+        self._device: dict[int, jax.Device] = {}
+        for d in layout.mesh.local_devices:
+            self._device.setdefault(layout.rank_of(d), d)
+        self.health = MeshHealth() if on_mesh else None
 
     # ---------------------------------------------------------------------------- helpers
     def error_kind(self, exc: BaseException) -> str:
@@ -72,62 +99,152 @@ class JaxTwin:
         """`x` on the host."""
         return np.asarray(jax.device_get(x))
 
-    def _dev(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(x, self.device)
+    def _block(self, x: Any, rank: int) -> Any:
+        """Rank `rank`'s block of a global array: a one-device array on one of its devices."""
+        if x is None:
+            return None
+        dev = self._device[rank]
+        return next(sh.data for sh in x.addressable_shards if sh.device == dev)
 
-    def buffers(self, extras: bool) -> dict[str, Any]:
-        """Buffer snapshots, slots 1..R-1 (slot 0 is padding garbage)."""
+    def _rows(self, x: Any, rank: int, n: int) -> Any:
+        """The first `n` rows of rank `rank`'s block of `x` (no slice when they are all)."""
+        b = self._block(x, rank)
+        return b if b.shape[0] == n else b[:n]
+
+    def _call(self, key: Hashable | None, sizes: Sizes, fn: Any, *args: Any, **kw: Any) -> Any:
+        """`fn(*args, **kw)`, watched by the mesh health check on a mesh."""
+        if self.health is None:
+            return fn(*args, **kw)
+        with self.health.call(self.fm, key, *self._sizes(sizes)):
+            return fn(*args, **kw)
+
+    def _sizes(self, sizes: Sizes) -> tuple[int, int]:
+        """The per-rank (rows, tokens) to pad to: the agreed sizes, or the smallest buckets
+        when no rank has any."""
+        return sizes.rows or self.fm.batch_buckets[0], sizes.tokens or self.fm.token_buckets[0]
+
+    def buffers(self, extras: Mapping[int, bool]) -> dict[int, dict[str, Any]]:
+        """Each rank's buffer snapshots, slots 1..R-1 (slot 0 is padding garbage)."""
         st = self.fm.state
-        out = {"output_tokens": st.output_tokens, "new_seq_lens": st.new_seq_lens}
-        if extras:
-            out.update(topk_p=st.topk_p, topk_index=st.topk_index)
-            if st.hidden_states is not None:
-                # fm_jax keeps hidden states as raw bits (uint16 for bf16): view them as the
-                # declared dtype, bit for bit, to compare with fm_torch's buffer.
-                assert self.fm.spec is not None
-                out["hidden_states"] = jax.lax.bitcast_convert_type(
-                    st.hidden_states, self.fm.spec.hidden_dtype
-                )
-        return {k: self.snap(v)[1:] for k, v in out.items()}
+        out: dict[int, dict[str, Any]] = {}
+        for rank, spec in extras.items():
+            bufs = {"output_tokens": st.output_tokens, "new_seq_lens": st.new_seq_lens}
+            if spec and st.topk_p is not None and st.topk_index is not None:
+                bufs.update(topk_p=st.topk_p, topk_index=st.topk_index)
+                if st.hidden_states is not None and self.fm.spec is not None:
+                    # fm_jax keeps hidden states as raw bits (uint16 for bf16): view them as
+                    # the declared dtype, bit for bit, to compare with fm_torch's buffer.
+                    bufs["hidden_states"] = jax.lax.bitcast_convert_type(
+                        self._block(st.hidden_states, rank), self.fm.spec.hidden_dtype
+                    )
+            out[rank] = {
+                k: self.snap(v if k == "hidden_states" else self._block(v, rank))[1:]
+                for k, v in bufs.items()
+            }
+        return out
 
     def check(self) -> None:
-        """Raise the first pending debug violation (a host sync; the driver calls it once per
-        step, and the violation names the op where it happened)."""
+        """Raise the pending debug violations (a host sync; the driver calls it once per
+        step, and each violation names its op and, on a mesh, its rank)."""
         self.fm.check()
 
+    def mesh_report(self) -> dict[str, Any] | None:
+        """On a mesh, what its calls showed (parity.mesh.MeshHealth.report); else None."""
+        return None if self.health is None else self.health.report(self.fm)
+
     # -------------------------------------------------------------------------------- ops
-    def resolve_seq_lens_cpu(self, slots: np.ndarray) -> np.ndarray:
-        return self.fm.resolve_seq_lens_cpu(slots)
+    def resolve_seq_lens_cpu(
+        self, slots: Mapping[int, np.ndarray], sizes: Sizes
+    ) -> dict[int, np.ndarray]:
+        rows, _ = self._sizes(sizes)
+        key = ("resolve_seq_lens_cpu", rows)
+        got = self._call(key, sizes, self.fm.resolve_seq_lens_cpu, dict(slots), rows=rows)
+        assert isinstance(got, dict)
+        return got
 
-    def resolve(self, hb: HostBatch) -> ResolvedOut:
-        batch = fm_jax.Batch(
-            np.int32(hb.mode),
-            hb.slots,
-            hb.input_ids,
-            hb.seq_lens,
-            hb.slots if hb.spec_decode else None,
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        rows, tokens = self._sizes(sizes)
+        spec_decode = any(hb.spec_decode for hb in batches.values())
+        bs = {
+            r: fm_jax.Batch(
+                int(hb.mode),
+                hb.slots,
+                hb.input_ids,
+                hb.seq_lens,
+                # A rank without a draft input reads its padding slot 0 (garbage by contract).
+                (hb.slots if hb.spec_decode else np.zeros_like(hb.slots)) if spec_decode else None,
+            )
+            for r, hb in batches.items()
+        }
+        # The executable the map picks: DECODE fixed, another kind fixed, or the kinds traced
+        # when busy ranks differ (idle ranks do not count).
+        kinds = frozenset(
+            hb.mode == fm_jax.ForwardMode.DECODE
+            for hb in batches.values()
+            if hb.mode != fm_jax.ForwardMode.IDLE
         )
-        r = self.fm.resolve(batch)
-        return ResolvedOut(r.input_ids, r.seq_lens, r.draft, batch)
+        key = ("resolve", rows, tokens, kinds, spec_decode)
+        out = self._call(key, sizes, self.fm.resolve, bs, rows=rows, tokens=tokens)
+        res = {}
+        for r, hb in batches.items():
+            n, t = len(hb.slots), len(hb.input_ids)
+            draft = None
+            if out.draft is not None and hb.spec_decode:
+                d = out.draft
+                hidden = d.hidden_states
+                draft = fm_jax.DraftPayload(
+                    self._rows(d.bonus_tokens, r, n),
+                    self._rows(d.topk_p, r, n),
+                    self._rows(d.topk_index, r, n),
+                    None if hidden is None else self._rows(hidden, r, n),
+                )
+            ids, lens = self._rows(out.input_ids, r, t), self._rows(out.seq_lens, r, n)
+            res[r] = ResolvedOut(ids, lens, draft, None)
+        return res
 
-    def forward(self, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
-        slots, last = self._dev(hb.slots), self._dev(hb.last_index)
+    def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
+        dev = self._device[rank]
+        slots, last = jax.device_put(hb.slots, dev), jax.device_put(hb.last_index, dev)
         return run_forward(model, fm_jax.DraftPayload, res, hb, slots, last, self.spec, offset)
 
-    def publish(self, slots: np.ndarray, lens: Any) -> None:
-        self.fm.publish(slots, lens)
+    def publish(
+        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+    ) -> None:
+        rows, _ = self._sizes(sizes)
+        host = {r: self.host(v) for r, v in lens.items()}
+        key = ("publish", rows) if any(len(s) for s in slots.values()) else None
+        self._call(key, sizes, self.fm.publish, dict(slots), host, rows=rows)
 
-    def stash(self, slots: np.ndarray, payload: Any) -> None:
-        self.fm.stash(slots, payload)
+    def stash(
+        self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
+    ) -> None:
+        rows, _ = self._sizes(sizes)
+        host: dict[int, Any] = {}
+        for r, p in payload.items():
+            if isinstance(p, fm_jax.DraftPayload):
+                hidden = None if p.hidden_states is None else self.host(p.hidden_states)
+                host[r] = fm_jax.DraftPayload(
+                    self.host(p.bonus_tokens), self.host(p.topk_p), self.host(p.topk_index), hidden
+                )
+            else:
+                host[r] = self.host(p)
+        key = ("stash", rows) if any(len(s) for s in slots.values()) else None
+        self._call(key, sizes, self.fm.stash, dict(slots), host, rows=rows)
 
-    def draft_payload(self, bonus: np.ndarray, draft: Any) -> Any:
+    def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
         return fm_jax.DraftPayload(bonus, draft.topk_p, draft.topk_index, draft.hidden)
 
-    def invalidate(self, hb: HostBatch, res: ResolvedOut | None) -> tuple[Any, Any]:
-        if res is not None:
-            batch = fm_jax.Batch(res.batch.forward_mode, hb.slots, res.input_ids, res.seq_lens)
-        else:
-            batch = fm_jax.Batch(np.int32(hb.mode), hb.slots, hb.input_ids, hb.seq_lens)
-        out = self.fm.invalidate(batch, hb.slots)
-        return out.input_ids, out.seq_lens
+    def invalidate(
+        self,
+        batches: Mapping[int, HostBatch],
+        res: Mapping[int, ResolvedOut],
+        sizes: Sizes,
+    ) -> dict[int, tuple[Any, Any]]:
+        rows, _ = self._sizes(sizes)
+        # invalidate reads only the indices; the batch's other fields pass through.
+        none = np.zeros(0, self.dtype)
+        batch = fm_jax.Batch(None, none, none, none)
+        slots = {r: hb.slots for r, hb in batches.items()}
+        out = self._call(("invalidate", rows), sizes, self.fm.invalidate, batch, slots, rows=rows)
+        return {r: (self._block(out.input_ids, r), self._block(out.seq_lens, r)) for r in batches}

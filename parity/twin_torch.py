@@ -1,11 +1,13 @@
-"""The PyTorch side of a parity run: fm_torch.FutureMap and the toy model in torch.
+"""The PyTorch side of a parity run: one fm_torch.FutureMap per DP rank, and the toy model.
 
-resolve, the forward, publish and stash run inside the map's forward_stream() (a
-separate CUDA stream on GPU, as in SGLang); invalidate runs on the schedule stream.
+As in SGLang, every DP rank has its own FutureMap; one device holds them all. resolve, the
+forward, publish and stash run inside a map's forward_stream() (a separate CUDA stream on
+GPU, as in SGLang); invalidate runs on the schedule stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,10 +15,11 @@ import torch
 
 import fm_torch
 from parity import exchange
+from parity import toy_model as tm
 from parity import toy_model_torch as model
 from parity.host_batch import HostBatch
 from parity.scenario import Scenario
-from parity.twin import ForwardOut, ResolvedOut, run_forward
+from parity.twin import ForwardOut, ResolvedOut, Sizes, run_forward
 
 TORCH_INT = {"int32": torch.int32, "int64": torch.int64}
 
@@ -29,24 +32,44 @@ def torch_device(device: str) -> torch.device:
 
 
 class TorchTwin:
-    """fm_torch.FutureMap behind the driver's twin interface (see parity.twin.Twin)."""
+    """fm_torch.FutureMap per DP rank behind the driver's twin interface (parity.twin.Twin).
+
+    Args:
+      scenario: the scenario every rank runs a seed of (pool size, spec).
+      dtype: 'int32' or 'int64'.
+      debug: the maps' debug mode.
+      device: 'cpu' or 'cuda'.
+      ranks: the DP ranks to hold a map for.
+    """
 
     name = "torch"
-    errors = (fm_torch.InvariantViolation, fm_torch.FutureMapError)
+    errors: tuple[type[Exception], ...] = (fm_torch.InvariantViolation, fm_torch.FutureMapError)
 
-    def __init__(self, scenario: Scenario, dtype: str, debug: bool, device: str) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        dtype: str,
+        debug: bool,
+        device: str,
+        *,
+        ranks: tuple[int, ...] = (0,),
+    ) -> None:
         self.device = torch_device(device)
         self.on_host = self.device.type == "cpu"
         self.dtype = TORCH_INT[dtype]
         sp = scenario.spec
         self.spec = None if sp is None else (sp.topk, sp.hidden)
-        self.fm = fm_torch.FutureMap(
-            scenario.pool_size,
-            device=self.device,
-            dtype=self.dtype,
-            spec=sp is not None,
-            debug=debug,
-        )
+        self.ranks = tuple(ranks)
+        self.fms = {
+            r: fm_torch.FutureMap(
+                scenario.pool_size,
+                device=self.device,
+                dtype=self.dtype,
+                spec=sp is not None,
+                debug=debug,
+            )
+            for r in self.ranks
+        }
 
     # ---------------------------------------------------------------------------- helpers
     def error_kind(self, exc: BaseException) -> str:
@@ -71,75 +94,110 @@ class TorchTwin:
         """`x` on the host."""
         return exchange.to_numpy(x)
 
-    def buffers(self, extras: bool) -> dict[str, Any]:
-        """Buffer snapshots, slots 1..R-1 (slot 0 is padding garbage)."""
-        fm = self.fm
-        out = {"output_tokens": fm.output_tokens, "new_seq_lens": fm.new_seq_lens}
-        if extras:
-            out.update(topk_p=fm.topk_p, topk_index=fm.topk_index)
-            if fm.hidden_states is not None:
-                out["hidden_states"] = fm.hidden_states
-        return {k: self.snap(v[1:]) for k, v in out.items()}
+    def buffers(self, extras: Mapping[int, bool]) -> dict[int, dict[str, Any]]:
+        """Each rank's buffer snapshots, slots 1..R-1 (slot 0 is padding garbage)."""
+        out: dict[int, dict[str, Any]] = {}
+        for rank, spec in extras.items():
+            fm = self.fms[rank]
+            bufs: dict[str, torch.Tensor] = {
+                "output_tokens": fm.output_tokens,
+                "new_seq_lens": fm.new_seq_lens,
+            }
+            if spec and fm.topk_p is not None and fm.topk_index is not None:
+                bufs.update(topk_p=fm.topk_p, topk_index=fm.topk_index)
+                if fm.hidden_states is not None:
+                    bufs["hidden_states"] = fm.hidden_states
+            out[rank] = {k: self.snap(v[1:]) for k, v in bufs.items()}
+        return out
 
     def check(self) -> None:
         """Nothing is pending on CPU (violations raise at the op); sync on CUDA."""
         if not self.on_host:
             torch.cuda.synchronize(self.device)
 
-    # -------------------------------------------------------------------------------- ops
-    def resolve_seq_lens_cpu(self, slots: np.ndarray) -> np.ndarray:
-        return self.fm.resolve_seq_lens_cpu(self._t(slots)).numpy()
+    def mesh_report(self) -> dict[str, Any] | None:
+        """None: the torch maps live on one device."""
+        return None
 
-    def resolve(self, hb: HostBatch) -> ResolvedOut:
-        slots = self._t(hb.slots)
-        batch = fm_torch.ScheduleBatch(
-            fm_torch.ForwardMode(hb.mode),
-            slots,
-            self._t(hb.input_ids),
-            self._t(hb.seq_lens),
-            fm_torch.DraftInput(slots) if hb.spec_decode else None,
-        )
-        with self.fm.forward_stream():
-            self.fm.resolve(batch)
-        draft = None if batch.draft is None else batch.draft.payload
-        return ResolvedOut(batch.input_ids, batch.seq_lens, draft, batch)
-
-    def forward(self, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
-        slots, last = self._t(hb.slots), self._t(hb.last_index)
-        with self.fm.forward_stream():
-            return run_forward(
-                model, fm_torch.DraftPayload, res, hb, slots, last, self.spec, offset
-            )
-
-    def publish(self, slots: np.ndarray, lens: Any) -> None:
-        with self.fm.forward_stream():
-            self.fm.publish(self._t(slots), self._t(lens))
-
-    def stash(self, slots: np.ndarray, payload: Any) -> None:
+    def _payload(self, payload: Any) -> Any:
         if isinstance(payload, fm_torch.DraftPayload):
-            payload = fm_torch.DraftPayload(
+            return fm_torch.DraftPayload(
                 self._t(payload.bonus_tokens),
                 self._t(payload.topk_p),
                 self._t(payload.topk_index),
                 None if payload.hidden_states is None else self._t(payload.hidden_states),
             )
-        with self.fm.forward_stream():
-            self.fm.stash(self._t(slots), self._t(payload))
+        return self._t(payload)
 
-    def draft_payload(self, bonus: np.ndarray, draft: Any) -> Any:
-        """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
-        return fm_torch.DraftPayload(bonus, draft.topk_p, draft.topk_index, draft.hidden)
+    # -------------------------------------------------------------------------------- ops
+    def resolve_seq_lens_cpu(
+        self, slots: Mapping[int, np.ndarray], sizes: Sizes
+    ) -> dict[int, np.ndarray]:
+        return {r: self.fms[r].resolve_seq_lens_cpu(self._t(s)).numpy() for r, s in slots.items()}
 
-    def invalidate(self, hb: HostBatch, res: ResolvedOut | None) -> tuple[Any, Any]:
-        slots = self._t(hb.slots)
-        if res is not None:
-            batch = res.batch
-        else:
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = {}
+        for r, hb in batches.items():
+            slots = self._t(hb.slots)
             batch = fm_torch.ScheduleBatch(
                 fm_torch.ForwardMode(hb.mode),
                 slots,
                 self._t(hb.input_ids),
                 self._t(hb.seq_lens),
+                fm_torch.DraftInput(slots) if hb.spec_decode else None,
             )
-        self.fm.invalidate(batch, slots)
-        return batch.input_ids, batch.seq_lens
+            with self.fms[r].forward_stream():
+                self.fms[r].resolve(batch)
+            draft = None if batch.draft is None else batch.draft.payload
+            out[r] = ResolvedOut(batch.input_ids, batch.seq_lens, draft, batch)
+        return out
+
+    def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
+        slots, last = self._t(hb.slots), self._t(hb.last_index)
+        with self.fms[rank].forward_stream():
+            return run_forward(
+                model, fm_torch.DraftPayload, res, hb, slots, last, self.spec, offset
+            )
+
+    def publish(
+        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+    ) -> None:
+        for r, s in slots.items():
+            with self.fms[r].forward_stream():
+                self.fms[r].publish(self._t(s), self._t(lens[r]))
+
+    def stash(
+        self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
+    ) -> None:
+        for r, s in slots.items():
+            with self.fms[r].forward_stream():
+                self.fms[r].stash(self._t(s), self._payload(payload[r]))
+
+    def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
+        """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
+        hidden = None if draft.hidden is None else self._t(draft.hidden)
+        return fm_torch.DraftPayload(
+            self._t(bonus), self._t(draft.topk_p), self._t(draft.topk_index), hidden
+        )
+
+    def invalidate(
+        self,
+        batches: Mapping[int, HostBatch],
+        res: Mapping[int, ResolvedOut],
+        sizes: Sizes,
+    ) -> dict[int, tuple[Any, Any]]:
+        out = {}
+        for r, hb in batches.items():
+            slots = self._t(hb.slots)
+            if r in res:
+                batch = res[r].batch  # the batch this step resolved (in place)
+            else:
+                batch = fm_torch.ScheduleBatch(
+                    fm_torch.ForwardMode(hb.mode),
+                    slots,
+                    self._t(hb.input_ids),
+                    self._t(hb.seq_lens),
+                )
+            self.fms[r].invalidate(batch, slots)
+            out[r] = (batch.input_ids, batch.seq_lens)
+        return out

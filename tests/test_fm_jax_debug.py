@@ -1,4 +1,4 @@
-"""fm_jax debug mode: the checkify invariants catch what SPEC.md says they catch.
+"""fm_jax debug mode: the checkify invariants catch what docs/CONTRACT.md says they catch.
 
 Slot roles in the shared map: 1..5 get a length and a token at prefill, 6 a token but no
 length, 7 nothing ever (so it still holds the -1 poison and a zero length).

@@ -6,7 +6,8 @@ step) with the same tiny deterministic integer "model":
 so tokens are often 0 (the token that must pass through resolve unchanged). The synchronous
 loop knows every token on the host. The overlap loop never does: a decode row carries the
 sentinels that `invalidate` left, and the forward sees only what `resolve` restored from the
-buffers (ids, and for DECODE the lengths), exactly as SPEC.md's 'One overlap step' orders it.
+buffers (ids, and for DECODE the lengths), exactly as docs/CONTRACT.md's 'One overlap step'
+orders it.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ def apply(fm: FutureMap, model: Model, op: tuple[str, list[int], list[int]]) -> 
     dtype=st.sampled_from([torch.int64, torch.int32]),
 )
 def test_future_map_matches_dict_model(program, debug: bool, dtype: torch.dtype):
-    """Pins: any divergence from SPEC.md's per-slot semantics on a random op sequence: a write
-    landing on the wrong slot, a failed call writing anything, an RR / read-before-write /
+    """Pins: any divergence from docs/CONTRACT.md's per-slot semantics on a random op sequence:
+    a write landing on the wrong slot, a failed call writing anything, an RR / read-before-write /
     unpublished length slipping through debug mode, or a false positive on a legal sequence."""
     fm = FutureMap(R, dtype=dtype, debug=debug)
     model = Model.fresh(debug)

@@ -1,4 +1,5 @@
-"""fm_torch.FutureMap op semantics against hand-worked expectations (SPEC.md, 'Operations').
+"""fm_torch.FutureMap op semantics against hand-worked expectations (docs/CONTRACT.md,
+'Operations').
 
 Every test runs on CPU; the `device` parameter also runs it on CUDA, skipped without a GPU.
 """

@@ -1,4 +1,5 @@
-"""fm-parity end to end: arguments, table, JSON schema, exit status."""
+"""fm-parity end to end: arguments, table, JSON schema, exit status (the report's fields:
+README, 'Parity'; what they compare: docs/CONTRACT.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import sys
 
 from parity import cli
 
-SCENARIO_KEYS = {"name", "dtype", "debug", "steps", "ops_compared", "divergences", "oracle_ok"}
+SCENARIO_KEYS = {
+    "name",
+    "dtype",
+    "debug",
+    "steps",
+    "ops_compared",
+    "divergences",
+    "oracle_ok",
+    "protocol",
+}
 
 
 def test_console_script_is_installed():
@@ -60,6 +70,7 @@ def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
         assert set(s) == SCENARIO_KEYS
         assert s["steps"] == 14 and s["ops_compared"] > 0
         assert s["divergences"] == 0 and s["oracle_ok"] is True and s["debug"] is False
+        assert s["protocol"] == "sentinel"
     assert doc["mutations"] == []
 
 

@@ -1,4 +1,5 @@
-"""The bitwise comparator: raw bytes decide, and the first divergence names where."""
+"""The bitwise comparator: raw bytes decide, and the first divergence names where (rank,
+step, op, field, slot). What parity compares: docs/CONTRACT.md, 'What parity compares'."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import numpy as np
 import pytest
 
 from parity.compare import compare_traces, first_difference
-from parity.trace import Field, OpRecord, RunResult
+from parity.trace import Field, OpRecord, RunResult, merge
 
 
 def _run(*records: OpRecord, error: str | None = None) -> RunResult:
     return RunResult(records=list(records), error=error)
 
 
-def _rec(step: int, op: str, **fields: np.ndarray) -> OpRecord:
-    return OpRecord(step, op, {k: Field(v, np.arange(1, 1 + len(v))) for k, v in fields.items()})
+def _rec(step: int, op: str, rank: int = 0, **fields: np.ndarray) -> OpRecord:
+    slots = {k: Field(v, np.arange(1, 1 + len(v))) for k, v in fields.items()}
+    return OpRecord(step, op, slots, rank)
 
 
 def test_equal_arrays_have_no_difference():
@@ -80,9 +82,16 @@ def test_trace_comparison_reports_step_op_field_slot_and_values():
     cmp = compare_traces("demo", a, b)
     assert cmp.ops_compared == 2 and cmp.divergences == 1
     d = cmp.first
-    assert (d.scenario, d.step, d.op, d.field, d.slot) == ("demo", 2, "publish", "new_seq_lens", 2)
+    assert (d.scenario, d.rank, d.step, d.op, d.field, d.slot) == (
+        "demo",
+        0,
+        2,
+        "publish",
+        "new_seq_lens",
+        2,
+    )
     assert d.a.startswith("8 ") and d.b.startswith("5 ")
-    assert "step 2, op publish, field new_seq_lens, slot 2" in str(d)
+    assert "rank 0, step 2, op publish, field new_seq_lens, slot 2" in str(d)
 
 
 def test_missing_field_and_op_sequence_mismatch_are_divergences():
@@ -113,3 +122,43 @@ def test_comparison_goes_through_torch_for_device_values(dtype):
     b.view(np.uint8)[0] ^= 1
     assert first_difference(torch.from_numpy(a), a.copy()) is None
     assert first_difference(torch.from_numpy(a), b)[0] == (0,)
+
+
+def test_ranks_are_compared_apart_and_the_earliest_step_is_first():
+    """Records of DP ranks interleave differently in each run (two processes recorded
+    them); each rank's own records are matched in order, and the report names the rank."""
+    x, y = np.array([1, 2], np.int32), np.array([1, 3], np.int32)
+    a = _run(_rec(1, "stash", 0, t=x), _rec(1, "stash", 1, t=x), _rec(2, "stash", 1, t=x))
+    b = _run(_rec(1, "stash", 1, t=x), _rec(2, "stash", 1, t=y), _rec(1, "stash", 0, t=x))
+    cmp = compare_traces("demo", a, b)
+    assert cmp.ops_compared == 3 and cmp.divergences == 1
+    assert (cmp.first.rank, cmp.first.step, cmp.first.slot) == (1, 2, 2)
+    assert "rank 1, step 2, op stash, field t, slot 2" in str(cmp.first)
+    # Rank 0 diverges at step 2, rank 1 at step 1: the earliest step is reported first.
+    a2 = _run(_rec(1, "s", 0, t=x), _rec(2, "s", 0, t=y), _rec(1, "s", 1, t=y))
+    b2 = _run(_rec(1, "s", 0, t=x), _rec(2, "s", 0, t=x), _rec(1, "s", 1, t=x))
+    cmp = compare_traces("demo", a2, b2)
+    assert cmp.divergences == 2 and (cmp.first.rank, cmp.first.step) == (1, 1)
+
+
+def test_a_rank_missing_from_one_run_is_a_divergence():
+    """A rank no process recorded (a worker that died before saving) must not pass."""
+    x = np.array([1], np.int32)
+    cmp = compare_traces(
+        "demo",
+        _run(_rec(1, "stash", 0, t=x), _rec(1, "stash", 1, t=x)),
+        _run(_rec(1, "stash", 0, t=x)),
+    )
+    assert cmp.length_mismatch and cmp.first.rank == 1 and cmp.first.field == "<trace end>"
+
+
+def test_merging_runs_of_processes_keeps_each_rank_once():
+    """Per-process parts merge into one run; two parts claiming one rank is an error."""
+    x = np.array([1], np.int32)
+    p0 = RunResult([_rec(1, "stash", 0, t=x)], {(0, 5): [1]}, steps=3)
+    p1 = RunResult([_rec(1, "stash", 1, t=x)], {(1, 5): [2]}, steps=4, error="boom")
+    run = merge([p0, p1])
+    assert run.ranks() == [0, 1] and run.steps == 4 and run.error == "boom"
+    assert run.streams == {(0, 5): [1], (1, 5): [2]}
+    with pytest.raises(ValueError, match="rank 0"):
+        merge([p0, p0])

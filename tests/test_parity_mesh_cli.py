@@ -8,24 +8,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from parity import cli
+from parity.driver import run_overlap
 from parity.runner import worker_env
-from parity.suite import MESH_CHECK, Job, ScenarioResult, mesh_check_result, mesh_job_result
+from parity.suite import Job, ScenarioResult, evaluate, health_failures, lanes_for, make_twins
+from parity.twin_torch import TorchTwin
 
-SCENARIO_KEYS = {"name", "dtype", "debug", "steps", "ops_compared", "divergences", "oracle_ok"}
+SCENARIO_KEYS = {
+    "name",
+    "dtype",
+    "debug",
+    "steps",
+    "ops_compared",
+    "divergences",
+    "oracle_ok",
+    "protocol",
+}
 CHECK_KEYS = {"recompiles", "compiles_total", "collectives", "resharded"}
 
 
 def test_mesh_cli_end_to_end(tmp_path):
     """Pins: `fm-parity --dp 2 --tp 2` not reaching a 4-device JAX (the flag must be set in
-    the child before JAX starts), mesh rows missing from the JSON or lacking dp/tp, the
-    existing row keys changing, or a clean mesh run exiting non-zero."""
+    the child before JAX starts), mesh rows missing from the JSON or lacking dp/tp and the
+    sharded map's health, the existing row keys changing, or a clean mesh run exiting
+    non-zero."""
     out = tmp_path / "mesh.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env.pop("JAX_ENABLE_X64", None)
-    argv = ["--dp", "2", "--tp", "2", "--scenario", "steady_decode", "--steps", "6"]
+    argv = ["--dp", "2", "--tp", "2", "--scenario", "steady_decode", "--scenario", "dp_overlap"]
     proc = subprocess.run(
         [sys.executable, "-m", "parity.cli", *argv, "--no-progress", "--json", str(out)],
         capture_output=True,
@@ -40,22 +53,16 @@ def test_mesh_cli_end_to_end(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu (4 host devices)"
     assert doc["mutations"] == [] and doc["skipped"] == {}
-    run, check = doc["scenarios"]
-    assert set(run) == SCENARIO_KEYS | {"dp", "tp"}
-    assert (run["name"], run["dtype"], run["debug"], run["dp"], run["tp"]) == (
-        "steady_decode",
-        "int32",
-        False,
-        2,
-        2,
-    )
-    assert run["steps"] == 6 and run["divergences"] == 0 and run["oracle_ok"] is True
-    assert run["ops_compared"] >= 2 * 6  # both ranks, every step has ops
-    assert set(check) == SCENARIO_KEYS | {"dp", "tp"} | CHECK_KEYS
-    assert check["name"] == "dp_overlap" and (check["dp"], check["tp"]) == (2, 2)
-    assert check["steps"] == 6 and check["divergences"] == 0 and check["recompiles"] == 0
-    assert check["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
-    assert check["resharded"] is False and check["compiles_total"] > 0
+    steady, overlap = doc["scenarios"]
+    for run in (steady, overlap):
+        assert set(run) == SCENARIO_KEYS | {"dp", "tp"} | CHECK_KEYS
+        assert (run["dtype"], run["debug"], run["dp"], run["tp"]) == ("int32", False, 2, 2)
+        assert run["steps"] == 6 and run["divergences"] == 0 and run["oracle_ok"] is True
+        assert run["ops_compared"] >= 2 * 6  # both ranks, every step has ops
+        assert run["recompiles"] == 0 and run["resharded"] is False
+        assert run["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
+        assert run["compiles_total"] > 0
+    assert (steady["name"], overlap["name"]) == ("steady_decode", "dp_overlap")
 
 
 @pytest.mark.parametrize(
@@ -73,12 +80,16 @@ def test_bad_mesh_shape_is_an_argparse_error(argv, flag, capsys):
 
 
 def test_mesh_refuses_mutations_and_seed_dependent_pools(capsys):
-    """Pins: --mutations silently ignored on a mesh, and an explicitly chosen scenario whose
-    pool size varies with the seed (rank d runs seed d) failing deep inside the run."""
+    """Pins: --mutations silently ignored on a mesh, an explicitly chosen scenario whose
+    pool size varies with the seed (rank d runs seed + d) failing deep inside the run, and
+    a process count that cannot hold whole TP groups reaching jax.distributed."""
     assert cli.main(["--dp", "2", "--mutations"]) == 2
     assert "--mutations" in capsys.readouterr().err
     assert cli.main(["--dp", "2", "--scenario", "random_mix"]) == 2
     assert "random_mix: pool size depends on the seed" in capsys.readouterr().err
+    for argv in (["--processes", "2"], ["--dp", "2", "--tp", "2", "--processes", "4"]):
+        assert cli.main(argv) == 2
+        assert "--processes" in capsys.readouterr().err
 
 
 def test_worker_env_appends_the_device_count():
@@ -98,75 +109,85 @@ def test_worker_env_appends_the_device_count():
     assert "JAX_ENABLE_X64" not in env
 
 
-CLEAN_CHECK = {
-    "scenario": "dp_overlap",
-    "steps": 6,
-    "ok": True,
-    "diffs": [],
+CLEAN = {
     "recompiles": 0,
     "compiles_total": 9,
     "collectives": {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0},
     "resharded": False,
 }
-CHECK_JOB = Job(MESH_CHECK, "int32", False, dp=4, tp=2, kind=MESH_CHECK)
+
+
+def _runs(job: Job, lanes, steps: int):
+    """The two twins' runs of `job`'s lanes (one device), for judging by hand."""
+    twins = make_twins(lanes, job)
+    return {t.name: run_overlap(lanes, t, job.dtype, steps) for t in twins}
 
 
 @pytest.mark.parametrize(
     "change,words",
     [
-        ({"recompiles": 1}, "compiles on steps"),
+        ({"recompiles": 1}, "compiles on calls"),
         ({"resharded": True}, "another sharding"),
-        ({"collectives": {**CLEAN_CHECK["collectives"], "resolve": 2}}, "collectives"),
-        ({"ok": False, "diffs": ["step 3 rank 1 tokens: ..."]}, None),
+        ({"collectives": {**CLEAN["collectives"], "resolve": 2}}, "collectives"),
     ],
 )
-def test_mesh_check_failures_fail_the_row(change, words):
-    """Pins: a recompile on a seen shape, a resharded state, a collective in the HLO or a
-    byte difference in the sharded map's check leaving its row (and the exit status) ok."""
-    assert mesh_check_result(CHECK_JOB, CLEAN_CHECK, 30).ok
-    r = mesh_check_result(CHECK_JOB, {**CLEAN_CHECK, **change}, 30)
-    assert not r.ok
-    if words is None:
-        assert r.divergences == 1 and r.first_divergence.startswith("step 3")
-    else:
-        assert words in r.failures[0]
+def test_mesh_health_failures_fail_the_row(change, words):
+    """Pins: a recompile on a seen shape, a resharded state or a collective in the HLO
+    leaving a bit-identical run's row (and the exit status) ok."""
+    job = Job("steady_decode", "int32", False, steps=3)
+    lanes = lanes_for(job)
+    runs = _runs(job, lanes, 3)
+    assert health_failures(CLEAN) == []
+    clean = evaluate(job, lanes, runs, CLEAN)
+    assert clean.ok and clean.extra == CLEAN
+    bad = evaluate(job, lanes, runs, {**CLEAN, **change})
+    assert not bad.ok and bad.divergences == 0 and words in bad.failures[0]
 
 
-def _rank_row(rank: int, **change: object) -> dict[str, object]:
-    row = {
-        "rank": rank,
-        "steps": 6,
-        "ops_compared": 36,
-        "divergences": 0,
-        "first": None,
-        "errors": [None, None],
-        "streams_equal": True,
-        "ok": True,
-    }
-    return {**row, **change}
+def test_one_rank_going_wrong_fails_the_row_naming_the_rank():
+    """Pins: one DP rank's diverging byte or wrong stream being lost when the ranks are
+    judged as one run (two ranks of fm_torch maps stand in for both twins here)."""
+    job = Job("dp_overlap", "int32", False, steps=6, dp=2)
+    lanes = lanes_for(job)
 
+    def run():
+        return run_overlap(
+            lanes, TorchTwin(lanes[0], "int32", False, "cpu", ranks=(0, 1)), "int32", 6
+        )
 
-def test_mesh_rank_failures_fail_the_row():
-    """Pins: one rank's diverging trace, stream mismatch, error, or its unsharded twin failing
-    the reference oracle being lost when the ranks fold into one row."""
-    job = Job("steady_decode", "int32", True, dp=2, tp=2)
-    clean = mesh_job_result(job, [_rank_row(0), _rank_row(1)], [None, None])
-    assert clean.ok and clean.ops_compared == 72 and clean.to_json()["dp"] == 2
-    bad = [
-        ([_rank_row(0), _rank_row(1, divergences=2, first="op 5", ok=False)], [None, None]),
-        ([_rank_row(0), _rank_row(1, streams_equal=False, ok=False)], [None, None]),
-        ([_rank_row(0, errors=[None, "boom"], ok=False), _rank_row(1)], [None, None]),
-        ([_rank_row(0), _rank_row(1)], [None, "request 3, stream entry 0: got 1, reference 2"]),
-    ]
-    for rows, oracle in bad:
-        assert not mesh_job_result(job, rows, oracle).ok, (rows, oracle)
+    a, b = run(), run()
+    assert evaluate(job, lanes, {"jax": a, "torch": b}).ok
+    key = next(k for k in sorted(a.streams) if k[0] == 1)
+    a.streams[key] = [a.streams[key][0] + 1] + a.streams[key][1:]
+    r = evaluate(job, lanes, {"jax": a, "torch": b})
+    assert not r.ok and not r.oracle_ok
+    assert f"rank 1 request {key[1]}, stream entry 0" in r.oracle_failures[0]
+    a = run()
+    rec = next(x for x in a.records if x.rank == 1 and x.op == "stash")
+    tokens = rec.fields["output_tokens"].value
+    tokens.view(np.uint8)[0] ^= 1
+    r = evaluate(job, lanes, {"jax": a, "torch": b})
+    assert not r.ok and r.divergences == 1
+    assert f"rank 1, step {rec.step}, op stash, field output_tokens, slot 1" in r.first_divergence
 
 
 def test_failing_mesh_row_exits_1(monkeypatch, capsys):
-    """Pins: a mesh run whose rows fail (here: a collective in the HLO) still exiting 0."""
+    """Pins: a mesh run whose rows fail (here: a resharded state) still exiting 0."""
     import parity.runner
 
-    failing = mesh_check_result(CHECK_JOB, {**CLEAN_CHECK, "resharded": True}, 30)
+    failing = ScenarioResult(
+        "idle_steps",
+        "int32",
+        False,
+        6,
+        40,
+        0,
+        True,
+        dp=4,
+        tp=2,
+        failures=["the state came back with another sharding"],
+        extra={**CLEAN, "resharded": True},
+    )
 
     def fake_run_jobs(jobs, progress=None):
         assert all(j.dp == 4 and j.tp == 2 for j in jobs)
@@ -179,6 +200,7 @@ def test_failing_mesh_row_exits_1(monkeypatch, capsys):
 
 
 def test_plain_report_keeps_its_schema():
-    """Pins: unsharded rows growing the mesh keys (the existing JSON schema must not change)."""
+    """Pins: unsharded rows growing the mesh keys (the existing JSON schema only gains
+    the relay protocol)."""
     r = ScenarioResult("idle_steps", "int32", False, 5, 40, 0, True)
     assert set(r.to_json()) == SCENARIO_KEYS

@@ -1,4 +1,5 @@
-"""The suite has teeth: every deliberately broken FutureMap variant is caught."""
+"""The suite has teeth: every deliberately broken FutureMap variant is caught (each breaks
+one rule of docs/CONTRACT.md)."""
 
 from __future__ import annotations
 

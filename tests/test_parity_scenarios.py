@@ -1,5 +1,6 @@
 """Every catalogue scenario: fm_jax and fm_torch traces bit-identical, token streams equal
-to the synchronous reference loop, in debug mode and out of it."""
+to the synchronous reference loop, in debug mode and out of it (docs/CONTRACT.md, 'What
+parity compares')."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from parity import catalogue
 from parity import toy_model as tm
 from parity.scenario import Kind, Scheduler
-from parity.suite import Job, run_scenario
+from parity.suite import Job, run_job
 
 SMALL = [n for n in catalogue.CATALOGUE if n != "long_run"]
 
@@ -28,15 +29,14 @@ def _assert_ok(r):
 def test_scenario_parity_and_oracle(name, debug):
     """A FutureMap op that moves different bytes in the twins, or a relay that changes what a
     request generates, fails here (int32; int64 runs in test_parity_cli's x64 worker)."""
-    r = run_scenario(catalogue.build(name), Job(name, "int32", debug))
+    r = run_job(Job(name, "int32", debug))
     _assert_ok(r)
 
 
 def test_long_run_prefix_with_256_concurrent_requests():
     """The long scenario's first steps (256-row batches, MIXED with chunked prefill) agree;
     the full 1,000+ steps run in fm-parity's default run."""
-    sc = catalogue.build("long_run")
-    r = run_scenario(sc, Job("long_run", "int32", False, steps=40))
+    r = run_job(Job("long_run", "int32", False, steps=40))
     _assert_ok(r)
     assert r.steps == 40
 
@@ -96,9 +96,7 @@ def test_random_mix_parity_and_oracle(seed, size, debug, spec):
     """Random schedules (arrivals, chunking, MIXED, PREBUILT, idle, reuse) keep both twins
     identical and on the reference's tokens."""
     name = "random_spec_mix" if spec else "random_mix"
-    r = run_scenario(
-        catalogue.build(name, size=size, seed=seed), Job(name, "int32", debug, seed=seed, size=size)
-    )
+    r = run_job(Job(name, "int32", debug, seed=seed, size=size))
     _assert_ok(r)
 
 
@@ -155,3 +153,26 @@ def test_toy_model_drafts_carry_nan_signed_zero_and_inf_bit_patterns():
     h_bits = set(d.hidden.view(np.uint16).reshape(-1).tolist())
     assert {0x7FC01234, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001} <= p_bits
     assert {0x7FC1, 0x8000, 0x7F80, 0x7F81} <= h_bits
+
+
+def test_reference_loop_shares_only_the_scenario_and_the_toy_model_with_the_driver():
+    """The oracle must not reuse the driver's batch layout or stream bookkeeping: a bug
+    there would then be in both and cancel out. Nothing in parity reaches into fm_jax's
+    private modules either (the public API is what an engine gets)."""
+    import ast
+    from pathlib import Path
+
+    import parity
+
+    root = Path(parity.__file__).parent
+
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        out = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        out |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        return out
+
+    ref = {m for m in imports(root / "reference.py") if m.startswith("parity")}
+    assert ref <= {"parity", "parity.scenario", "parity.toy_model"}, ref
+    for path in root.glob("*.py"):
+        assert not any(m.startswith("fm_jax._src") for m in imports(path)), path.name

@@ -1,9 +1,10 @@
 """Data-parallel ranks across processes: jax.distributed on 127.0.0.1 with gloo.
 
-Each test starts its worker processes itself (`parity.dist_run.launch`), bounds the run's
-wall time and always kills what is left. The reference is the single-process run: one
-unsharded map per DP rank (`parity.mesh_run.run_unsharded`), which the 8-device tests
-(test_scaleout_mesh.py) show equal to the single-process sharded run byte for byte.
+Each test starts its worker processes itself (`parity.dist_run`), bounds the run's wall
+time and always kills what is left. A run over processes is judged like every parity
+job (parity.suite.evaluate): the union of the workers' traces, each DP rank from the
+process that holds it, against fm_torch's map for each rank, byte for byte, and every
+rank's streams against the reference loop (docs/CONTRACT.md, 'What parity compares').
 """
 
 from __future__ import annotations
@@ -12,48 +13,67 @@ import signal
 
 import pytest
 
-from parity.dist_run import EXIT_PEER_FAILED, launch
-from parity.mesh_run import compare, run_unsharded
-from parity.mesh_scenario import data_parallel_scenario
+from parity.dist_run import EXIT_PEER_FAILED, judge, launch, run_dist_jobs
+from parity.scenario import Kind, Scheduler
+from parity.suite import Job, lanes_for
 
 STEPS = 8
 
 
-def _assert_union_matches(res, dp: int) -> None:
-    assert not res.timed_out, res.logs
-    assert res.returncodes == [0] * len(res.returncodes), "\n".join(res.logs)
-    union = res.union()
-    assert {d for _, d in union} == set(range(dp))  # every rank came from some process
-    ref = run_unsharded(data_parallel_scenario(dp, steps=STEPS))
-    diffs = compare(ref, union)
-    assert not diffs, diffs[:5]
+def _job(processes: int, dp: int, tp: int, scenario: str = "dp_overlap", steps: int = STEPS):
+    return Job(scenario, "int32", False, steps=steps, dp=dp, tp=tp, processes=processes)
 
 
-def test_two_processes_union_of_traces_equals_single_process_run(tmp_path):
+def test_two_processes_union_of_traces_matches_torch_on_every_rank(tmp_path):
     """Pins: a process feeding (or reading back) another process's ranks, two processes
-    padding to different per-rank sizes, or a rank's pool differing from the single-process
-    run by any byte (2 processes x 2 devices: DP=4, each process owns 2 ranks)."""
-    res = launch(2, devices=2, tp=1, steps=STEPS, workdir=tmp_path, timeout_s=120)
-    _assert_union_matches(res, dp=4)
-    assert "done ranks=[0, 1]" in res.logs[0] and "done ranks=[2, 3]" in res.logs[1]
+    padding to different per-rank sizes, or a rank's pool differing from fm_torch's map for
+    that rank by any byte (2 processes x 2 devices: DP=4, each process owns 2 ranks)."""
+    job = _job(2, 4, 1)
+    res = launch([job], 2, devices=2, workdir=tmp_path, timeout_s=120)
+    assert res.problem() is None, res.logs
+    assert "done job 0 ranks=[0, 1]" in res.logs[0] and "done job 0 ranks=[2, 3]" in res.logs[1]
+    [r] = judge([job], res)
+    assert r.ok, (r.first_divergence, r.oracle_failures, r.failures, r.errors)
+    assert r.processes == 2 and (r.dp, r.tp) == (4, 1) and r.steps == STEPS
+    assert r.ops_compared > 4 * STEPS and r.extra["recompiles"] == 0
 
 
 @pytest.mark.slow
 def test_four_processes_with_tensor_parallel_groups(tmp_path):
     """Pins: the same with TP inside each process (4 processes x 2 devices, TP=2, DP=4: one
     rank per process, its pool replicated on both of the process's devices)."""
-    res = launch(4, devices=2, tp=2, steps=STEPS, workdir=tmp_path, timeout_s=150)
-    _assert_union_matches(res, dp=4)
+    job = _job(4, 4, 2)
+    res = launch([job], 4, devices=2, workdir=tmp_path, timeout_s=150)
+    assert res.problem() is None, res.logs
     for i in range(4):
-        assert f"done ranks=[{i}]" in res.logs[i]
+        assert f"done job 0 ranks=[{i}]" in res.logs[i]
+    [r] = judge([job], res)
+    assert r.ok, (r.first_divergence, r.oracle_failures, r.failures, r.errors)
+
+
+def test_one_flipped_byte_in_one_workers_rank_is_reported_where_it_is(tmp_path):
+    """Pins: the shared comparer missing a one-byte difference that one worker process's
+    rank holds, or reporting it without its rank, step, op, field and slot."""
+    rank = 3  # held by process 1
+    sched = Scheduler(lanes_for(_job(2, 4, 1))[rank])
+    while (plan := sched.next_step()) is not None:
+        if plan.step >= 3 and plan.kind is not Kind.IDLE:
+            break
+    assert plan is not None
+    [r] = run_dist_jobs([_job(2, 4, 1)], tmp_path, timeout_s=120, corrupt=(rank, plan.step))
+    assert not r.ok and r.divergences >= 1
+    where = (
+        f"rank {rank}, step {plan.step}, op stash, field output_tokens, slot {plan.rows[0].slot}"
+    )
+    assert r.first_divergence is not None and where in r.first_divergence, r.first_divergence
 
 
 def test_dead_peer_makes_the_survivor_exit_with_a_clear_error(tmp_path):
     """Pins: a survivor hanging forever (or exiting 0) when a peer process is SIGKILLed
     mid-run; it must exit EXIT_PEER_FAILED within the bound, naming the dead process."""
     res = launch(
+        [_job(2, 2, 1, "steady_decode", 40)],
         2,
-        steps=40,
         step_delay_s=0.2,
         kill=(1, 3),
         workdir=tmp_path,
@@ -66,14 +86,15 @@ def test_dead_peer_makes_the_survivor_exit_with_a_clear_error(tmp_path):
     assert "process 1 (last heartbeat at step 3)" in res.logs[0], res.logs[0]
     assert "failed" in res.logs[0]
     assert res.seconds < 60
+    assert res.parts == [[]]  # neither process finished the job
 
 
 def test_hung_peer_trips_the_sync_watchdog(tmp_path):
     """Pins: a survivor blocking forever in the DP all-gather when a peer is alive but stuck
     (SIGSTOP: no closed connection to notice); the watchdog must end it, naming the peer."""
     res = launch(
+        [_job(2, 2, 1, "steady_decode", 40)],
         2,
-        steps=40,
         step_delay_s=0.2,
         kill=(1, 3),
         kill_signal=signal.SIGSTOP,

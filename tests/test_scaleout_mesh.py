@@ -2,7 +2,10 @@
 
 The pytest process has already started JAX with one device, so the 8-device checks run
 once in a subprocess (`_inner`, this file run with XLA_FLAGS set) that prints a JSON
-report; each test below asserts on its part of that report.
+report; each test below asserts on its part of that report. Parity runs on a mesh go
+through the same pipeline as on one device (parity.suite.run_job): each DP rank of the
+sharded map against fm_torch's map for that rank (docs/CONTRACT.md, 'What parity
+compares').
 """
 
 from __future__ import annotations
@@ -26,21 +29,49 @@ POOL = 8
 
 # ------------------------------------------------------------------- inside the subprocess
 def _parity_rows() -> dict[str, Any]:
-    from parity.mesh_run import run_on_mesh
+    from parity.suite import Job, run_job
 
     rows = []
-    for dp, tp in SHAPES:
-        rows += run_on_mesh(dp, tp, steps=STEPS, pool_size=POOL)
-    for dp, tp in DEBUG_SHAPES:
-        rows += run_on_mesh(dp, tp, steps=STEPS, pool_size=POOL, debug=True)
+    runs = [(dp, tp, False) for dp, tp in SHAPES] + [(dp, tp, True) for dp, tp in DEBUG_SHAPES]
+    for dp, tp, debug in runs:
+        r = run_job(Job("dp_overlap", "int32", debug, steps=STEPS, dp=dp, tp=tp))
+        rows.append({**r.to_wire(), "ok": r.ok})
     return {"rows": rows}
+
+
+def _one_byte_in_one_rank() -> dict[str, Any]:
+    """One byte of rank 2's buffer flipped after one stash; the comparer must say where."""
+    from parity.driver import run_overlap
+    from parity.mutations import FlipByte
+    from parity.scenario import Kind, Scheduler
+    from parity.suite import Job, evaluate, lanes_for, make_twins
+
+    job = Job("dp_overlap", "int32", False, steps=STEPS, dp=4, tp=2)
+    lanes = lanes_for(job)
+    rank, sched = 2, Scheduler(lanes[2])
+    while (plan := sched.next_step()) is not None:
+        if plan.step >= 3 and plan.kind is not Kind.IDLE:
+            break
+    assert plan is not None
+    jax_twin, torch_twin = make_twins(lanes, job)
+    runs = {
+        "jax": run_overlap(lanes, FlipByte(jax_twin, rank, plan.step), "int32", STEPS),
+        "torch": run_overlap(lanes, torch_twin, "int32", STEPS),
+    }
+    r = evaluate(job, lanes, runs)
+    return {
+        "step": plan.step,
+        "slot": plan.rows[0].slot,
+        "divergences": r.divergences,
+        "first": r.first_divergence,
+    }
 
 
 def _idle_ranks_compile_nothing() -> dict[str, Any]:
     import jax
 
     from fm_jax import Batch, ForwardMode, FutureMap, per_rank
-    from parity.mesh_run import count_compiles, make_mesh
+    from parity.mesh import count_compiles, make_mesh
 
     fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
     sharding = fm.state.output_tokens.sharding
@@ -83,7 +114,7 @@ def _collective_counter_sees_resharding() -> dict[str, Any]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from parity.mesh_run import count_collectives, make_mesh
+    from parity.mesh import count_collectives, make_mesh
 
     mesh = make_mesh(4, 2)
     x = jax.device_put(np.arange(32, dtype=np.int32), NamedSharding(mesh, PartitionSpec("dp")))
@@ -97,7 +128,7 @@ def _collective_counter_sees_resharding() -> dict[str, Any]:
 
 def _layout() -> dict[str, Any]:
     from fm_jax import FutureMap
-    from parity.mesh_run import make_mesh
+    from parity.mesh import make_mesh
 
     mesh = make_mesh(4, 2)
     fm = FutureMap(POOL, mesh=mesh, dp_axis="dp", tp_axis="tp")
@@ -113,7 +144,7 @@ def _layout() -> dict[str, Any]:
 
 def _debug_violation_names_rank() -> dict[str, Any]:
     from fm_jax import Batch, ForwardMode, FutureMap, InvariantViolation
-    from parity.mesh_run import make_mesh
+    from parity.mesh import make_mesh
 
     fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp", debug=True)
     ok = np.array([1], np.int32)
@@ -130,7 +161,7 @@ def _debug_violation_names_rank() -> dict[str, Any]:
 
 def _bad_input_named() -> dict[str, Any]:
     from fm_jax import FutureMap, FutureMapError, per_rank
-    from parity.mesh_run import make_mesh
+    from parity.mesh import make_mesh
 
     fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
     before = per_rank(fm.buffers()["output_tokens"], fm.layout)
@@ -156,7 +187,7 @@ def _spec_draft_matches_per_rank() -> dict[str, Any]:
     import jax.numpy as jnp
 
     from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map, sharded_future_map
-    from parity.mesh_run import make_mesh
+    from parity.mesh import make_mesh
 
     dp, b, k, h = 4, 4, 2, 3
     spec = SpecConfig(topk=k, hidden=h, hidden_dtype=jnp.bfloat16)
@@ -201,7 +232,7 @@ def _same_calls_one_device_and_mesh() -> dict[str, Any]:
     import jax
 
     from fm_jax import Batch, DraftPayload, ForwardMode, FutureMap, Resolved, SpecConfig
-    from parity.mesh_run import make_mesh
+    from parity.mesh import make_mesh
 
     spec = SpecConfig(topk=2, hidden=0)
 
@@ -259,12 +290,12 @@ CATALOGUE_RUNS = [("spec_decode", False), ("mixed_batches", True)]  # (scenario,
 
 
 def _catalogue_on_mesh() -> dict[str, Any]:
-    from parity.mesh_twin import run_catalogue_on_mesh
+    from parity.suite import Job, run_job
 
     rows = []
     for name, debug in CATALOGUE_RUNS:
-        for row in run_catalogue_on_mesh(name, 2, 2, debug=debug):
-            rows.append({**row, "debug": debug})
+        r = run_job(Job(name, "int32", debug, dp=2, tp=2))
+        rows.append({**r.to_wire(), "ok": r.ok})
     return {"rows": rows}
 
 
@@ -272,6 +303,7 @@ CHECKS = {
     f.__name__.lstrip("_"): f
     for f in (
         _parity_rows,
+        _one_byte_in_one_rank,
         _idle_ranks_compile_nothing,
         _collective_counter_sees_resharding,
         _layout,
@@ -323,41 +355,50 @@ def _part(report: dict[str, Any], name: str) -> dict[str, Any]:
     return part  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize(
-    "dp,tp,debug",
-    [(dp, tp, False) for dp, tp in SHAPES] + [(dp, tp, True) for dp, tp in DEBUG_SHAPES],
-)
-def test_sharded_run_is_bit_identical_to_unsharded_maps(report, dp, tp, debug):
-    """Pins: a rank's gather/scatter reaching another rank's pool, a TP replica diverging, or
-    an idle rank's padding corrupting its live slots (any byte of any trace or buffer)."""
+def _row(report: dict[str, Any], dp: int, tp: int, debug: bool) -> dict[str, Any]:
     rows = [
         r
         for r in _part(report, "parity_rows")["rows"]
         if (r["dp"], r["tp"], r["debug"]) == (dp, tp, debug)
     ]
     assert len(rows) == 1
-    row = rows[0]
-    assert row["ok"], row["diffs"]
-    assert row["steps"] == STEPS
+    return rows[0]
+
+
+@pytest.mark.parametrize(
+    "dp,tp,debug",
+    [(dp, tp, False) for dp, tp in SHAPES] + [(dp, tp, True) for dp, tp in DEBUG_SHAPES],
+)
+def test_each_mesh_rank_is_bit_identical_to_its_torch_map(report, dp, tp, debug):
+    """Pins: a rank's gather/scatter reaching another rank's pool, a TP replica diverging, or
+    an idle rank's padding corrupting its live slots (any byte of any rank's trace against
+    fm_torch's map for that rank, and every rank's streams against the reference loop)."""
+    row = _row(report, dp, tp, debug)
+    assert row["ok"], (row["first_divergence"], row["oracle_failures"], row["failures"])
+    assert row["steps"] == STEPS and row["ops_compared"] > dp * STEPS
+    assert row["errors"] == {}
 
 
 @pytest.mark.parametrize("dp,tp", SHAPES)
 def test_steps_neither_recompile_nor_reshard(report, dp, tp):
-    """Pins: a step whose per-rank shape was seen before compiling again (e.g. because a
-    rank went idle), the state coming back with another sharding, or the compiled ops moving
-    buffers between devices (any all-gather / all-to-all / collective-permute in the HLO)."""
-    row = next(
-        r
-        for r in _part(report, "parity_rows")["rows"]
-        if (r["dp"], r["tp"]) == (dp, tp) and not r["debug"]
-    )
-    assert row["recompiles"] == 0
-    # At most: three resolves per (rows, tokens) (DECODE fixed, another kind fixed, kinds
-    # traced), publish, stash and invalidate per rows, and init.
-    distinct_rows = {rows for rows, _ in row["shapes"]}
-    assert row["compiles_total"] <= 3 * len(row["shapes"]) + 3 * len(distinct_rows) + 1
-    assert not row["resharded"]
-    assert row["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
+    """Pins: a call whose executable and shapes were seen before compiling again (e.g.
+    because a rank went idle), the state coming back with another sharding, or the compiled
+    ops moving buffers between devices (any all-gather / all-to-all / collective-permute in
+    the HLO)."""
+    extra = _row(report, dp, tp, False)["extra"]
+    assert extra["recompiles"] == 0
+    assert extra["compiles_total"] > 0  # the counter sees the map's compiles at all
+    assert not extra["resharded"]
+    assert extra["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
+
+
+def test_one_flipped_byte_in_one_rank_is_reported_where_it_is(report):
+    """Pins: the shared comparer missing a one-byte difference in one DP rank of a mesh map,
+    or reporting it without its rank, step, op, field and slot."""
+    part = _part(report, "one_byte_in_one_rank")
+    assert part["divergences"] >= 1
+    where = f"rank 2, step {part['step']}, op stash, field output_tokens, slot {part['slot']}"
+    assert where in part["first"], part["first"]
 
 
 def test_rank_going_idle_compiles_nothing(report):
@@ -417,19 +458,19 @@ def test_spec_draft_on_a_mesh_matches_each_ranks_own_ops(report):
 
 
 @pytest.mark.parametrize("name,debug", CATALOGUE_RUNS)
-def test_parity_catalogue_scenario_on_each_rank_matches_its_unsharded_twin(report, name, debug):
+def test_parity_catalogue_scenario_on_each_rank_matches_its_torch_map(report, name, debug):
     """Pins: a parity catalogue scenario (spec top-k and bf16 hidden states; debug consume
-    tracking) run on one DP rank of a shared sharded map diverging in any recorded byte,
-    stream or error from the same scenario on its own unsharded fm_jax.FutureMap."""
+    tracking) run on the DP ranks of one shared sharded map diverging in any recorded byte,
+    stream or error from fm_torch's maps, one per rank."""
     rows = [
         r
         for r in _part(report, "catalogue_on_mesh")["rows"]
-        if (r["scenario"], r["debug"]) == (name, debug)
+        if (r["name"], r["debug"]) == (name, debug)
     ]
-    assert [r["rank"] for r in rows] == [0, 1]
-    for r in rows:
-        assert r["ok"], r
-        assert r["ops_compared"] > 50 and r["errors"] == [None, None]
+    assert len(rows) == 1 and (rows[0]["dp"], rows[0]["tp"]) == (2, 2)
+    r = rows[0]
+    assert r["ok"], r
+    assert r["ops_compared"] > 100 and r["errors"] == {}
 
 
 def test_one_device_and_mesh_maps_take_the_same_calls(report):
@@ -457,7 +498,7 @@ def test_mesh_layout_refuses_bad_axes():
     import jax
 
     from fm_jax import FutureMapError, mesh_layout
-    from parity.mesh_run import make_mesh
+    from parity.mesh import make_mesh
 
     mesh = make_mesh(1, 1, jax.devices()[:1])
     with pytest.raises(FutureMapError, match="'data'"):
@@ -469,27 +510,19 @@ def test_mesh_layout_refuses_bad_axes():
     assert mesh_layout(mesh, "dp", "tp").dp == 1
 
 
-def test_scenario_has_idle_ranks_and_compare_sees_one_byte():
-    """Pins: a scenario in which no rank ever idles while another runs (so idleness is never
-    exercised), and a comparison that would pass different traces."""
-    from fm_jax import ForwardMode
-    from parity.mesh_run import compare
-    from parity.mesh_scenario import data_parallel_scenario
+def test_dp_scenario_has_ranks_idle_and_differing_in_kind_at_one_step():
+    """Pins: a DP scenario in which no rank ever idles while another runs, or all busy ranks
+    always share one batch kind (so a sharded map's traced-mode resolve is never run)."""
+    from parity.scenario import Kind, Scheduler
+    from parity.suite import Job, lanes_for
 
-    scn = data_parallel_scenario(4, steps=STEPS, pool_size=POOL)
-    again = data_parallel_scenario(4, steps=STEPS, pool_size=POOL)
-    for s1, s2 in zip(scn.steps, again.steps, strict=True):
-        for r1, r2 in zip(s1, s2, strict=True):
-            assert r1.mode == r2.mode
-            assert all(
-                np.array_equal(getattr(r1, f), getattr(r2, f))
-                for f in ("slots", "input_ids", "seq_lens", "row_tokens", "host_lens")
-            )
-    mixed_idle = [s for s in scn.steps if {r.mode == ForwardMode.IDLE for r in s} == {True, False}]
-    assert mixed_idle
-    modes = {r.mode for s in scn.steps for r in s}
-    assert {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED} <= modes
-    a = {(0, 1): {"x": np.array([1, 2], np.int32)}}
-    b = {(0, 1): {"x": np.array([1, 3], np.int32)}}
-    assert compare(a, b) and not compare(a, a)
-    assert compare(a, {(0, 1): {"x": np.array([1, 2], np.int64)}})
+    lanes = lanes_for(Job("dp_overlap", "int32", False, dp=4))
+    assert len({s.pool_size for s in lanes.values()}) == 1
+    scheds = {d: Scheduler(s, STEPS) for d, s in lanes.items()}
+    idle_beside_busy = kinds_differ = False
+    for _ in range(STEPS):
+        kinds = {d: p.kind for d, sc in scheds.items() if (p := sc.next_step()) is not None}
+        busy = {k for k in kinds.values() if k is not Kind.IDLE}
+        idle_beside_busy |= Kind.IDLE in kinds.values() and bool(busy)
+        kinds_differ |= Kind.DECODE in busy and len(busy) > 1
+    assert idle_beside_busy and kinds_differ

@@ -1,7 +1,7 @@
 """SGLang's FutureMap as it runs in production: the request-pool-indexed relay with sentinels.
 
 Follows `python/sglang/srt/managers/overlap_utils.py` in sgl-project/sglang as of late May
-2026 (PRs #25862, #25922, #25944, #25962, #26108; SPEC.md). Buffers are preallocated int64
+2026 (PRs #25862, #25922, #25944, #25962, #26108; docs/CONTRACT.md). Buffers are preallocated int64
 (`output_tokens`, `new_seq_lens`; spec: `topk_p` float32, `topk_index` int64, `hidden_states`
 in the draft's dtype), one row per request-pool slot, whatever the configuration's dtype.
 Every op is eager indexing on the device; nothing reads a value back to the host:
