@@ -106,3 +106,13 @@ def test_hung_peer_trips_the_sync_watchdog(tmp_path):
     assert res.returncodes[0] == EXIT_PEER_FAILED, res.logs[0]
     assert "timed out after 4 s" in res.logs[0], res.logs[0]
     assert "process 1 (last heartbeat at step 3)" in res.logs[0], res.logs[0]
+
+
+def test_debug_mode_over_two_processes_checks_each_processs_ranks(tmp_path):
+    """Pins: a debug map spanning processes failing its check() because it fetched its
+    pending errors as global arrays (no process can read another's ranks): each process
+    now reads its own ranks' errors, and the run is judged like any other."""
+    job = Job("dp_overlap", "int32", True, steps=STEPS, dp=4, tp=1, processes=2)
+    [r] = run_dist_jobs([job], tmp_path, timeout_s=150)
+    assert r.ok, (r.first_divergence, r.oracle_failures, r.failures, r.errors)
+    assert r.debug and r.processes == 2

@@ -75,6 +75,22 @@ def _violations(
     return list(out.values())
 
 
+def _to_host(packed: Any) -> np.ndarray:
+    """A packed error on the host. Across processes only this process's ranks are readable:
+    the others' rows read as no error (all zeros, with this process's trace id)."""
+    if not isinstance(packed, jax.Array) or packed.is_fully_addressable:
+        return np.asarray(jax.device_get(packed))
+    out: np.ndarray | None = None
+    for shard in packed.addressable_shards:
+        data = np.asarray(shard.data)
+        if out is None:
+            out = np.zeros(packed.shape, data.dtype)
+            out[..., 0] = data.reshape(-1, data.shape[-1])[0, 0]  # the trace id
+        out[shard.index] = data
+    assert out is not None, "a process holds at least one shard of its map's state"
+    return out
+
+
 def _raise_all(found: list[InvariantViolation]) -> None:
     if not found:
         return
@@ -181,7 +197,7 @@ class DebugChannel:
     def _failures(self) -> list[tuple[int, str, Any, str]]:
         """The pending entries that hold a failure, fetched to the host (one transfer), each
         with its failure message."""
-        host = jax.device_get([packed for _, _, packed in self._pending])
+        host = [_to_host(packed) for _, _, packed in self._pending]
         out = []
         for (step, op, _), h in zip(self._pending, host, strict=True):
             msg = self.unpack(h).get()
