@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Mutation testing (mutmut) of the contract's core: fm_torch's map, fm_jax's pure ops, their
+# debug checks and the host input checks. Not part of CI: it takes tens of minutes.
+#
+#   bash scripts/mutation.sh                 # every group, fm_torch first
+#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-checks jax-inputs)
+#
+# One group per mutated module, each with the tests that exercise it (groups below). A group
+# runs in a fresh snapshot of the working tree (tracked and untracked files, not ignored
+# ones): the checkout is never touched and edits made meanwhile do not leak in. mutmut
+# mutates only the lines the group's tests execute (accelerator-only code never runs on a
+# CPU machine). An fm_jax mutant runs the group's whole test selection, stopping at its
+# first failure (scripts/mutation_plugin.py: fm_jax's ops are closures that mutmut's
+# per-function test selection cannot see). Each mutant runs in a process forked from a
+# server that has imported jax or torch but started nothing (a JAX backend does not
+# survive a fork). mutmut first checks
+# that a forced failure in every mutated function fails the tests (its "forced fail" run),
+# so a snapshot that imports the unmutated code stops the run. The summary goes to
+# docs/mutation.md and is printed: score, every mutant no test killed with its file:line,
+# the mutation and, for the known equivalent ones (scripts/mutation_survivors.toml), why no
+# test can kill it, and the lines no test of the group executes.
+#
+# Environment: MUTATION_JOBS (workers, default 2), MUTATION_TIMEOUT (seconds per group,
+# default 3600), MUTATION_DIR (snapshots, default $TMPDIR/fm-jax-mutation), MUTATION_REPORT
+# (summary path, default docs/mutation.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+JOBS=${MUTATION_JOBS:-2}
+LIMIT=${MUTATION_TIMEOUT:-3600}
+WORK=${MUTATION_DIR:-${TMPDIR:-/tmp}/fm-jax-mutation}
+REPORT=${MUTATION_REPORT:-docs/mutation.md}
+ALL=(torch jax-ops jax-checks jax-inputs)
+
+if ! "$PY" -c "import mutmut, coverage" 2>/dev/null; then
+    echo "mutmut is missing: .venv/bin/pip install -e '.[mutation]'" >&2
+    exit 2
+fi
+
+# group -> the file it mutates, the tests that exercise it (globs; missing files are
+# skipped) and the modules its fork server imports first.
+file_of() {
+    case $1 in
+        torch) echo fm_torch/future_map.py ;;
+        jax-ops) echo fm_jax/_src/ops.py ;;
+        jax-checks) echo fm_jax/_src/checks.py ;;
+        jax-inputs) echo fm_jax/_src/host_inputs.py ;;
+        *) echo "unknown group '$1' (${ALL[*]}, jax)" >&2; return 1 ;;
+    esac
+}
+tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut cannot reach
+    local table=tests/test_bad_input_table.py
+    case $1 in
+        torch) echo "tests/test_fm_torch_*.py $table::test_fm_torch_refuses_and_keeps_every_byte" ;;
+        jax-ops) echo "tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
+                       $table::test_pure_ops_refuse_what_tracing_sees tests/test_fm_jax_mutants.py" ;;
+        jax-checks) echo "tests/test_fm_jax_debug.py tests/test_fm_jax_debug_channel.py
+                          tests/test_fm_jax_mutants.py" ;;
+        jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py
+                          $table::test_fm_jax_class_refuses_and_keeps_every_byte" ;;
+    esac
+}
+preload_of() {
+    case $1 in
+        torch) echo "numpy pytest hypothesis torch" ;;
+        *) echo "numpy pytest hypothesis jax jax.numpy jax.experimental.checkify chex" ;;
+    esac
+}
+# JAX's persistent compilation cache, shared by a group's mutants: an unmutated op compiles
+# once, a mutated one (other HLO) misses it. So no group runs a test that counts backend
+# compiles (tests/test_fm_jax_class.py, test_fm_jax_warm_up.py): a cache hit skips them.
+jax_cache_of() {
+    case $1 in
+        jax-*) echo "$WORK/$1/jax-cache" ;;
+    esac
+}
+# The module whose mutants run the group's whole selection (scripts/mutation_plugin.py):
+# fm_jax's. fm_torch's tests call the map's methods, which mutmut's own per-function test
+# selection sees, so its mutants run only the tests that call them (much faster).
+whole_selection_of() {
+    case $1 in
+        jax-*) local file
+            file=$(file_of "$1")
+            file=${file%.py}
+            echo "${file//\//.}" ;;
+    esac
+}
+toml_list() {  # words -> a TOML list of strings
+    local out="" w
+    for w in "$@"; do out+="${out:+, }\"$w\""; done
+    echo "[$out]"
+}
+
+# Everything below is one function, read whole before it runs: editing this file during a
+# run (which takes a while) cannot change what the run does.
+main() {
+    [ $# -gt 0 ] || set -- "${ALL[@]}"
+    groups=()
+    for g in "$@"; do
+        if [ "$g" = jax ]; then groups+=(jax-ops jax-checks jax-inputs); else groups+=("$g"); fi
+    done
+    dirs=()
+    for g in "${groups[@]}"; do
+        file=$(file_of "$g")
+        # shellcheck disable=SC2086  # the globs expand here, in the root
+        tests=$(for t in $(tests_of "$g"); do if [ -e "${t%%::*}" ]; then echo "$t"; fi; done)
+        dir=$WORK/$g
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        git ls-files -z --cached --others --exclude-standard \
+            | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$dir"
+        preload_of "$g" | tr ' ' '\n' >"$dir/preload.txt"
+        cp scripts/mutation_plugin.py "$dir/"
+        # shellcheck disable=SC2086
+        cat >>"$dir/pyproject.toml" <<EOF
+
+[tool.mutmut]
+source_paths = ["fm_jax", "fm_torch", "parity", "bench"]
+only_mutate = ["$file"]
+mutate_only_covered_lines = true
+pytest_add_cli_args_test_selection = $(toml_list $tests)
+also_copy = ["mutation_plugin.py"]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "mutation_plugin", "--hypothesis-seed=0"]
+process_isolation = "forkserver"
+forkserver_warmup = "import"
+preload_modules_file = "preload.txt"
+use_setproctitle = false
+EOF
+        echo "== $g: mutmut on $file ($JOBS workers, at most ${LIMIT}s)"
+        start=$(date +%s)
+        cache=$(jax_cache_of "$g")
+        module=$(whole_selection_of "$g")
+        (cd "$dir" && export FM_MUTATION_MODULE=$module ${cache:+JAX_COMPILATION_CACHE_DIR=$cache} \
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+            && timeout "$LIMIT" "$PY" -m mutmut run --max-children "$JOBS" >mutmut.log 2>&1) || {
+            echo "mutmut run failed or timed out (log: $dir/mutmut.log):" >&2
+            tail -c 2000 "$dir/mutmut.log" | tr '\r' '\n' | tail -20 >&2
+        }
+        # The lines no test of the group executes (never mutated), for the summary.
+        # shellcheck disable=SC2086
+        (cd "$dir" && "$PY" -m coverage run --data-file=.coverage.group --include="$file" \
+            -m pytest -q -p no:cacheprovider --hypothesis-seed=0 $tests >coverage.log 2>&1 \
+            && "$PY" -m coverage json --data-file=.coverage.group -o coverage.json -q) \
+            || echo "coverage of $g failed (log: $dir/coverage.log)" >&2
+        echo "$(($(date +%s) - start))" >"$dir/seconds"
+        echo "   $(cat "$dir/seconds")s"
+        dirs+=("$dir")
+    done
+
+    mkdir -p "$(dirname "$REPORT")"
+    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
+        --output "$REPORT" "${dirs[@]}"
+    cat "$REPORT"
+}
+
+main "$@"
+exit

@@ -1,0 +1,238 @@
+"""Summarise mutmut runs (scripts/mutation.sh) as markdown: score per file, and every mutant
+that no test killed with its file:line, the mutation and, when it is a known equivalent
+mutant (listed in the survivors file), why no test can kill it.
+
+Usage: mutation_report.py --survivors FILE.toml --output FILE.md RUN_DIR...
+Each RUN_DIR is a snapshot in which `mutmut run` ran (it holds pyproject.toml and mutants/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import json
+import os
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+DETECTED = ("killed", "timeout", "caught by type check")
+
+
+@dataclass
+class Mutant:
+    name: str
+    file: str
+    status: str
+    line: int
+    before: str
+    after: str
+    why: str | None = None
+
+
+@contextlib.contextmanager
+def _cwd(path: Path) -> Iterator[None]:
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _changed_lines(diff: str) -> tuple[int, list[str], list[str]]:
+    """(1-based line in the function of the first removed line, removed, added) of a diff."""
+    removed: list[str] = []
+    added: list[str] = []
+    first = 0
+    old = 0
+    for text in diff.splitlines():
+        if text.startswith(("---", "+++")):
+            continue
+        if text.startswith("@@"):
+            old = int(text.split()[1].lstrip("-").split(",")[0]) - 1
+            continue
+        if text.startswith("-"):
+            old += 1
+            first = first or old
+            removed.append(text[1:])
+        elif text.startswith("+"):
+            added.append(text[1:])
+        else:
+            old += 1
+    return first, removed, added
+
+
+def _function_start(source: list[str], tree: ast.Module, func: str, cls: str | None) -> int:
+    """0-based index of the first line of the top-level function (or method) `func`."""
+    body = tree.body
+    if cls is not None:
+        body = next(n.body for n in body if isinstance(n, ast.ClassDef) and n.name == cls)
+    node = next(
+        n for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == func
+    )
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return first - 1
+
+
+def _mutants_of(run_dir: Path) -> list[Mutant]:
+    """Every mutant of one run, with where and what it changed (read with mutmut's own API)."""
+    with _cwd(run_dir):
+        from mutmut.configuration import reset_config
+        from mutmut.mutation.data import SourceFileMutationData
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+        from mutmut.stats import status_by_exit_code
+        from mutmut.utils.file_utils import walk_mutatable_files
+        from mutmut.utils.format_utils import orig_function_and_class_names_from_key
+
+        reset_config()
+        out = []
+        for path in sorted(walk_mutatable_files()):
+            data = SourceFileMutationData(path=path)
+            data.load()
+            source = path.read_text().splitlines()
+            tree = ast.parse("\n".join(source))
+            for name, code in data.exit_code_by_key.items():
+                status = status_by_exit_code[code]
+                if status == "killed":
+                    out.append(Mutant(name, str(path), status, 0, "", ""))
+                    continue
+                diff = get_diff_for_mutant(name, path=path)
+                offset, removed, added = _changed_lines(diff)
+                func, cls = orig_function_and_class_names_from_key(name)
+                line = _function_start(source, tree, func, cls) + offset
+                # The generated copy keeps the function's formatting: the removed line is
+                # the file's. Fall back to a search if comments above the def shifted it.
+                if removed and source[line - 1].strip() != removed[0].strip():
+                    hits = [i + 1 for i, t in enumerate(source) if t.strip() == removed[0].strip()]
+                    line = min(hits, key=lambda h: abs(h - line)) if hits else line
+                before = " / ".join(t.strip() for t in removed)
+                after = " / ".join(t.strip() for t in added)
+                out.append(Mutant(name, str(path), status, line, before, after))
+        reset_config()
+    return out
+
+
+def _explain(mutants: list[Mutant], survivors_file: Path) -> list[dict[str, str]]:
+    """Attach each listed explanation to the survivors it matches; return those unmatched."""
+    listed = tomllib.loads(survivors_file.read_text()).get("equivalent", [])
+    used = [False] * len(listed)
+    for m in mutants:
+        if m.status in DETECTED:
+            continue
+        for i, e in enumerate(listed):
+            if (e["file"], e["before"].strip(), e["after"].strip()) == (m.file, m.before, m.after):
+                m.why = e["why"].strip()
+                used[i] = True
+                break
+    files = {m.file for m in mutants}
+    return [e for e, u in zip(listed, used, strict=True) if not u and e["file"] in files]
+
+
+def _md(text: str) -> str:
+    return "`" + text.replace("`", "'") + "`" if text else "(nothing)"
+
+
+def _uncovered(run_dir: Path) -> dict[str, list[int]]:
+    """The lines of the mutated file that no test of the group executed (coverage.json)."""
+    path = run_dir / "coverage.json"
+    if not path.is_file():
+        return {}
+    files = json.loads(path.read_text())["files"]
+    return {f: sorted(d["missing_lines"]) for f, d in files.items()}
+
+
+def _ranges(lines: list[int]) -> str:
+    out: list[str] = []
+    for n in lines:
+        if out and int(out[-1].split("-")[-1]) == n - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
+
+
+def render(
+    mutants: list[Mutant],
+    stale: list[dict[str, str]],
+    seconds: dict[str, int],
+    uncovered: dict[str, list[int]],
+) -> str:
+    files = sorted({m.file for m in mutants})
+    total = len(mutants)
+    done = sum(m.status in DETECTED for m in mutants)
+    lines = [
+        "# Mutation testing",
+        "",
+        f"Generated by `bash scripts/mutation.sh` (mutmut) on {date.today().isoformat()}; "
+        "do not edit by hand. Known equivalent mutants and why no test can kill them: "
+        "`scripts/mutation_survivors.toml`.",
+        "",
+        f"**Score: {done}/{total} mutants killed ({100 * done / max(total, 1):.1f}%).**",
+        "",
+        "| file | mutants | killed | survived | explained (equivalent) | other |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for f in files:
+        ms = [m for m in mutants if m.file == f]
+        killed = sum(m.status in DETECTED for m in ms)
+        survived = sum(m.status == "survived" for m in ms)
+        why = sum(m.why is not None for m in ms)
+        other = len(ms) - killed - survived
+        lines.append(f"| `{f}` | {len(ms)} | {killed} | {survived} | {why} | {other} |")
+    if seconds:
+        lines += ["", "Run time: " + ", ".join(f"{g} {s}s" for g, s in seconds.items()) + "."]
+    left = [m for m in mutants if m.status not in DETECTED]
+    lines += ["", "## Mutants no test killed", ""]
+    if not left:
+        lines.append("None.")
+    for m in sorted(left, key=lambda m: (m.file, m.line)):
+        lines.append(f"- `{m.file}:{m.line}` ({m.status}): {_md(m.before)} -> {_md(m.after)}")
+        lines.append(f"  - {m.why}" if m.why else "  - **not explained**")
+    if uncovered:
+        lines += [
+            "",
+            "## Lines no test of the group executes (not mutated)",
+            "",
+            "mutmut mutates only the lines that the group's tests run. These are the others: "
+            "accelerator-only branches (this suite runs on CPU), and paths only the multi-device "
+            "subprocess tests reach (tests/test_scaleout_*.py), which mutmut cannot see into.",
+            "",
+        ]
+        lines += [f"- `{f}`: {_ranges(ls) or 'none'}" for f, ls in sorted(uncovered.items())]
+    if stale:
+        lines += ["", "## Listed explanations that matched no survivor (stale)", ""]
+        lines += [f"- `{e['file']}`: {_md(e['before'])} -> {_md(e['after'])}" for e in stale]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--survivors", type=Path, required=True)
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("runs", type=Path, nargs="+")
+    args = p.parse_args(argv)
+    mutants: list[Mutant] = []
+    seconds: dict[str, int] = {}
+    for run in args.runs:
+        run = run.resolve()
+        if not (run / "mutants").is_dir():
+            print(f"{run}: no mutmut results", file=sys.stderr)
+            return 1
+        mutants += _mutants_of(run)
+        if (run / "seconds").is_file():
+            seconds[run.name] = int((run / "seconds").read_text())
+    stale = _explain(mutants, args.survivors)
+    uncovered: dict[str, list[int]] = {}
+    for run in args.runs:
+        uncovered.update(_uncovered(run.resolve()))
+    args.output.write_text(render(mutants, stale, seconds, uncovered))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
