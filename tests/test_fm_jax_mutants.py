@@ -618,6 +618,10 @@ HOST_REFUSALS = {
         lambda fm: fm.publish({1, 2}, [3, 3]),
         "indices is not a numeric array",
     ),
+    "a mapping of a non-array": (
+        lambda fm: fm.publish({0: {1, 2}}, {0: np.array([3, 3])}),
+        "indices is not a numeric array",
+    ),
     "a mapping keyed by a non-int": (
         lambda fm: fm.publish({"0": np.array([1])}, {"0": np.array([3])}),
         "indices is keyed by DP rank (an int), got '0'",
@@ -692,6 +696,10 @@ HOST_REFUSALS = {
     "jax lengths of a float dtype": (
         lambda fm: fm.publish(i32(1, 2), jnp.ones(2)),
         "new_seq_lens must have an integer dtype, got float32",
+    ),
+    "host lengths not an array for jax slots": (
+        lambda fm: fm.publish(i32(1, 2), {3, 4}),
+        "new_seq_lens is not a numeric array",
     ),
     "host lengths for jax slots": (
         lambda fm: fm.publish(i32(1, 2), np.array([3, 3, 3])),
@@ -771,7 +779,7 @@ def test_an_idle_mapping_relays_nothing() -> None:
 
 def test_resolve_pads_to_the_buckets_asked_for() -> None:
     """A resolve is padded to the rows= and tokens= buckets it is given (those of a warmed
-    executable), and an idle one (no rows) to the smallest buckets."""
+    executable); an idle resolve or invalidate (no rows) to the smallest buckets."""
     fm = fj.FutureMap(R, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4))
     fm.publish(np.array([1, 2]), np.array([5, 6]))
     fm.stash(np.array([1, 2]), np.array([7, 8]))
@@ -782,6 +790,8 @@ def test_resolve_pads_to_the_buckets_asked_for() -> None:
     empty = np.zeros(0, np.int32)
     idle = fm.resolve(fj.Batch(fj.ForwardMode.IDLE, empty, empty, empty))
     assert idle.input_ids.shape == (1,) and idle.seq_lens.shape == (1,)
+    sentinels = fm.invalidate(fj.Batch(fj.ForwardMode.IDLE, empty, empty, empty), empty)
+    assert np.asarray(sentinels.input_ids).tolist() == [0]
 
 
 def test_host_rows_as_lists_are_padded_to_the_buckets_asked_for() -> None:
@@ -850,11 +860,13 @@ def test_a_draft_of_jax_rows_is_relayed(spec_host_map: fj.FutureMap) -> None:
 def test_a_bad_draft_field_is_named(
     spec_host_map: fj.FutureMap, change: dict[str, Any], message: str
 ) -> None:
-    """A draft field of the wrong rows or dtype is refused naming the field (draft.*)."""
+    """A draft field of the wrong rows or dtype is refused naming the field (draft.*),
+    whether the slots are a jax array or host rows."""
     good = spec_draft([4, 9], k=2, h=3)._asdict()
-    with pytest.raises(fj.FutureMapError) as err:
-        spec_host_map.stash(i32(1, 2), fj.DraftPayload(**{**good, **change}))
-    assert str(err.value).startswith(message), str(err.value)
+    for slots in (i32(1, 2), np.array([1, 2])):  # jax slots, host slots
+        with pytest.raises(fj.FutureMapError) as err:
+            spec_host_map.stash(slots, fj.DraftPayload(**{**good, **change}))
+        assert str(err.value).startswith(message), (type(slots), str(err.value))
 
 
 def test_a_negative_length_refusal_lists_at_most_eight_values() -> None:
