@@ -286,6 +286,46 @@ def _debug_on_make_mesh() -> dict[str, Any]:
     return {"raised": False}
 
 
+def _gather_protocol_per_rank() -> dict[str, Any]:
+    """A gather-protocol map on a 4x2 mesh, ranks differing in kind in one resolve (DECODE,
+    EXTEND, MIXED, idle); debug: a second read on rank 0 is reported with its rank, and a
+    rank that read once is not."""
+    from jax.sharding import Mesh
+
+    import fm_jax as fj
+
+    a = lambda *x: np.array(x, np.int32)  # noqa: E731
+    mesh = Mesh(np.array(jax_devices()).reshape(4, 2), ("dp", "tp"))
+    out: dict[str, Any] = {}
+    for debug in (False, True):
+        fm = fj.FutureMap(8, mesh=mesh, tp_axis="tp", protocol="gather", debug=debug)
+        fm.publish({0: a(3, 5), 2: a(4)}, {0: a(4, 6), 2: a(2)})
+        fm.stash({0: a(3, 5), 2: a(4)}, {0: a(30, 50), 2: a(40)})
+        batches = {
+            0: fj.Batch(fj.ForwardMode.DECODE, a(3, 5), None, a(5, 7)),
+            1: fj.Batch(fj.ForwardMode.EXTEND, a(2), a(9, 9, 9), a(3)),
+            2: fj.Batch(fj.ForwardMode.MIXED, a(6, 4), a(8, 0), a(1, 3), token_slots=a(0, 4)),
+        }
+        r = fm.resolve(batches)
+        ids = {k: v.tolist() for k, v in fj.per_rank(r.input_ids, fm.layout).items()}
+        out[f"ids_debug_{debug}"] = {str(k): v for k, v in ids.items()}
+        if debug:
+            fm.check()
+            fm.resolve({0: batches[0]})  # rank 0 reads 3 and 5 again: no stash between
+            try:
+                fm.check()
+                out["raised"] = False
+            except fj.InvariantViolation as e:
+                out.update(raised=True, message=str(e), rank=e.rank)
+    return out
+
+
+def jax_devices() -> list[Any]:
+    import jax
+
+    return jax.devices()  # type: ignore[no-any-return]
+
+
 CATALOGUE_RUNS = [("spec_decode", False), ("mixed_batches", True)]  # (scenario, debug), DP=2 x TP=2
 
 
@@ -313,6 +353,7 @@ CHECKS = {
         _catalogue_on_mesh,
         _same_calls_one_device_and_mesh,
         _debug_on_make_mesh,
+        _gather_protocol_per_rank,
     )
 }
 
@@ -490,6 +531,20 @@ def test_debug_check_on_an_explicit_axes_mesh_reports_the_violation(report):
     part = _part(report, "debug_on_make_mesh")
     assert part["raised"] and part["rank"] == 2
     assert "DP rank 2" in part["message"] and "consume" in part["message"]
+
+
+def test_gather_protocol_on_a_mesh_resolves_each_rank_by_its_kind(report):
+    """Gather protocol on a mesh: each rank's ids by its own kind in one resolve (DECODE
+    gathers, EXTEND keeps, MIXED places the running row's token, an idle rank pads), the
+    same with debug on; a second read on rank 0 is reported naming rank 0."""
+    part = _part(report, "gather_protocol_per_rank")
+    want = {"0": [30, 50], "1": [9, 9, 9], "2": [8, 40], "3": []}
+    for debug in (False, True):
+        ids = part[f"ids_debug_{debug}"]
+        assert {k: v[: len(want[k])] for k, v in ids.items()} == want
+        assert all(x == 0 for k, v in ids.items() for x in v[len(want[k]) :])
+    assert part["raised"] and part["rank"] == 0
+    assert "consume" in part["message"]
 
 
 # ----------------------------------------------------------------- single device, in process

@@ -25,7 +25,8 @@ class EntryPoints(NamedTuple):
     `resolve_by_mode[decode]` is the same op with the mode fixed when traced (DECODE or
     not), for callers that know it on the host: no branch in the executable, and the
     batch's `forward_mode` is None. `finish` is the tail phase of a step in one donated
-    call: publish, stash, and the sentinels `-indices` that invalidate leaves.
+    call: publish, stash, and (sentinel protocol) the sentinels `-indices` that invalidate
+    leaves.
     """
 
     publish: Any
@@ -52,7 +53,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
     options = compiler_options(layout.mesh.devices.flat[0].platform)
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
-    batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
+    batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
 
     def jit(fn: Any, in_shardings: Any, *, donate: bool, checked: bool = True) -> Any:
         if debug is not None and checked:
@@ -85,6 +86,8 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
     ) -> tuple[FutureMapState, Any]:
         state = local.publish(state, indices, new_seq_lens)
         state = local.stash(state, indices, payload)
+        if local.protocol == "gather":
+            return state, None  # no sentinels to leave
         return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 
     # One shard_map for the whole tail: checkify cannot merge the errors of consecutive

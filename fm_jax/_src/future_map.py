@@ -93,6 +93,9 @@ class FutureMap:
       batch_buckets: allowed per-rank batch sizes (rows); default powers of two up to 1024.
       token_buckets: allowed per-rank flat token counts; default powers of two up to 8192.
       device: without a mesh, where the buffers live; default JAX's default device.
+      protocol: 'sentinel' (default: `invalidate` leaves -slot placeholders that resolve
+        fills) or 'gather' (resolve gathers decode ids, MIXED running rows' ids and spec
+        lengths at forward entry; no invalidate). docs/CONTRACT.md, 'Two protocols'.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class FutureMap:
         batch_buckets: Sequence[int] | None = None,
         token_buckets: Sequence[int] | None = None,
         device: jax.Device | None = None,
+        protocol: str = "sentinel",
     ) -> None:
         if mesh is not None and device is not None:
             raise FutureMapError("pass a mesh or a device, not both")
@@ -116,18 +120,24 @@ class FutureMap:
             if mesh is None
             else mesh_layout(mesh, dp_axis, tp_axis)
         )
-        local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug)
+        local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
         self.ops = lift(local, self.layout)
         self.pool_size = pool_size
         self.dtype: np.dtype = local.dtype
         self.spec: SpecConfig | None = local.spec
         self.debug = debug
+        self.protocol: str = local.protocol
         self.batch_buckets = bk.normalize_buckets(batch_buckets or bk.power_of_two_buckets(1024))
         self.token_buckets = bk.normalize_buckets(token_buckets or bk.power_of_two_buckets(8192))
         self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
         self.step = 0
         self._inputs = HostInputs(
-            self.layout, pool_size, self.dtype, self.batch_buckets, self.token_buckets
+            self.layout,
+            pool_size,
+            self.dtype,
+            self.batch_buckets,
+            self.token_buckets,
+            sentinels=protocol == "sentinel",
         )
         self._debug = DebugChannel(self.layout) if debug else None
         self._ep = jit_entry_points(self.ops, self._debug)
@@ -136,7 +146,10 @@ class FutureMap:
         # a checked executable costs ~35 us more per call on XLA:CPU (it no longer runs
         # inline on the calling thread).
         self._unchecked = (
-            jit_entry_points(lift(future_map(pool_size, dtype=dtype, spec=spec), self.layout), None)
+            jit_entry_points(
+                lift(future_map(pool_size, dtype=dtype, spec=spec, protocol=protocol), self.layout),
+                None,
+            )
             if debug
             else self._ep
         )
@@ -261,18 +274,20 @@ class FutureMap:
 
         Equivalent to `publish(indices, new_seq_lens)`, `stash(indices, payload)` and
         `invalidate(batch, indices)`, for engines that hold lengths and tokens (or the whole
-        draft) together; one dispatch instead of three. Returns the invalidated batch.
+        draft) together; one dispatch instead of three. Returns the invalidated batch; in
+        the gather protocol (no sentinels) `batch` as given.
         """
         idx = self._inputs.slots("indices", indices, rows)
-        if idx.empty:
-            return self._invalidated(batch, idx)  # DP idle: nothing to relay
+        gather = self.protocol == "gather"
+        if idx.empty:  # DP idle: nothing to relay
+            return batch if gather else self._invalidated(batch, idx)
         lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True, relayed=True)
         self._state, sentinel = self._tail(
             "finish", idx, lens, self._payload(payload, idx), given=(new_seq_lens, payload)
         )
-        return Batch(
-            batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
-        )
+        if gather:
+            return batch
+        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
     def _payload(self, payload: Payload, idx: Rows) -> Any:
         """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
@@ -325,6 +340,9 @@ class FutureMap:
             every rank, or one per DP rank). Or a mapping DP rank -> Batch of host rows
             with host modes; local ranks left out are idle.
           rows, tokens: per-rank padded sizes (buckets); required across processes.
+            In the gather protocol a batch's `input_ids` may be None (a non-spec DECODE
+            batch reads none: its ids are gathered), and a MIXED batch's `token_slots`
+            are placed like its `input_ids`.
 
         Returns:
           Resolved ids, lengths and draft: global arrays padded per rank to the buckets.
@@ -336,11 +354,37 @@ class FutureMap:
             raise FutureMapError(
                 f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
             )
-        rows, tokens = self._resolve_sizes(batch.req_pool_indices, batch.input_ids, rows, tokens)
+        given = self._ids_of(batch.input_ids, batch.req_pool_indices)
+        rows, tokens = self._resolve_sizes(batch.req_pool_indices, given, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
-        ids = inputs.token_ids("input_ids", batch.input_ids, tokens)
+        ids = inputs.token_ids("input_ids", given, tokens)
         lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
-        return self._resolve(batch.forward_mode, idx, ids, lens, batch.draft_indices)
+        slots = self._token_slots(batch.token_slots, ids)
+        return self._resolve(batch.forward_mode, idx, ids, lens, batch.draft_indices, slots)
+
+    def _ids_of(self, ids: Any, slots: Any) -> Any:
+        """A batch's input ids; in the gather protocol None stands for zeros, one per row
+        (a non-spec DECODE batch's ids are gathered, not read)."""
+        if ids is not None or self.protocol != "gather":
+            return ids
+        if isinstance(slots, Mapping):
+            return {r: np.zeros(len(s), self.dtype) for r, s in slots.items()}
+        if isinstance(slots, jax.Array):
+            return jnp.zeros(slots.shape, self.dtype, device=slots.sharding)
+        try:
+            return np.zeros(len(slots), self.dtype)
+        except TypeError:
+            return ids  # not an array: placing the slots names it
+
+    def _token_slots(self, x: Any, ids: Rows) -> Any:
+        """A MIXED batch's token slots (gather protocol) placed like its input ids."""
+        if x is None:
+            return None
+        if self.protocol != "gather":
+            raise FutureMapError(
+                "batch.token_slots is for the gather protocol; this map relays by sentinels"
+            )
+        return self._inputs.token_slots("token_slots", x, ids).array
 
     def _resolve_sizes(
         self, slots: Any, ids: Any, rows: int | None, tokens: int | None
@@ -379,11 +423,10 @@ class FutureMap:
             if not isinstance(b, Batch):
                 raise FutureMapError(f"batch[rank {r}] must be a Batch, got {type(b).__name__}")
         field = lambda f: {r: getattr(b, f) for r, b in batches.items()}  # noqa: E731
-        rows, tokens = self._resolve_sizes(
-            field("req_pool_indices"), field("input_ids"), rows, tokens
-        )
+        given = {r: self._ids_of(b.input_ids, b.req_pool_indices) for r, b in batches.items()}
+        rows, tokens = self._resolve_sizes(field("req_pool_indices"), given, rows, tokens)
         idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
-        ids = inputs.token_ids("input_ids", field("input_ids"), tokens)
+        ids = inputs.token_ids("input_ids", given, tokens)
         lens = inputs.matched("seq_lens", field("seq_lens"), idx, ints=True)
         modes = np.full(self.layout.dp, int(ForwardMode.IDLE), np.int32)
         for r, b in batches.items():
@@ -391,9 +434,17 @@ class FutureMap:
         drafts = {r: d for r, d in field("draft_indices").items() if d is not None}
         if drafts and len(drafts) != len(batches):
             raise FutureMapError("draft_indices given on some ranks only")
-        return self._resolve(modes, idx, ids, lens, drafts or None)
+        given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
+        slots = None
+        if given_slots:
+            # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
+            full = {r: given_slots.get(r, np.zeros(len(given[r]), self.dtype)) for r in batches}
+            slots = self._token_slots(full, ids)
+        return self._resolve(modes, idx, ids, lens, drafts or None, slots)
 
-    def _resolve(self, mode: Any, idx: Rows, ids: Rows, lens: Any, draft: Any) -> Resolved:
+    def _resolve(
+        self, mode: Any, idx: Rows, ids: Rows, lens: Any, draft: Any, slots: Any = None
+    ) -> Resolved:
         """Resolve placed inputs; `mode` is host (a ForwardMode or one per rank) or traced."""
         if isinstance(mode, jax.Array):
             if mode.dtype != np.int32 or mode.shape not in ((), (self.layout.dp,)):
@@ -404,6 +455,7 @@ class FutureMap:
             resolve, decoding = "resolve", []  # traced: rows not checked against the mode
         elif type(mode) is ForwardMode:  # the per-step case: one mode known on the host
             decoding = [mode is ForwardMode.DECODE]
+            self._check_token_slots([mode], slots)
             resolve, mode = _FIXED[decoding[0]], None
         else:
             if isinstance(mode, np.ndarray) and mode.ndim == 1:
@@ -411,6 +463,7 @@ class FutureMap:
             else:
                 modes = [_host_mode(mode, "forward_mode")]
             decoding = [m == ForwardMode.DECODE for m in modes]
+            self._check_token_slots(modes, slots)
             decode = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
             if len(decode) > 1:
                 # Ranks differ in kind: one executable with the per-rank modes traced.
@@ -418,35 +471,59 @@ class FutureMap:
             else:
                 # Known on the host: an executable with the mode fixed (no branch inside).
                 resolve, mode = _FIXED[decode == {True}], None
-        if self.spec is None and decoding:
+        if self.spec is None and decoding and self.protocol == "sentinel":
             self._inputs.one_id_per_row(ids, idx, decoding)
         draft_idx = None
         if draft is not None:
             if self.spec is None:
                 raise FutureMapError("batch.draft_indices given but the map was built without spec")
             draft_idx = self._inputs.slots("draft_indices", draft, idx.size).array
-        b = Batch(mode, idx.array, ids.array, lens, draft_idx)
+        b = Batch(mode, idx.array, ids.array, lens, draft_idx, slots)
+        key = (resolve, idx.size, ids.size, draft is not None, slots is not None)
         self.step += 1
-        out = self._apply("resolve", (resolve, idx.size, ids.size, draft is not None), b)
+        try:
+            out = self._apply("resolve", key, b)
+        except FutureMapError:
+            self.step -= 1  # refused before it ran (when traced): no step was taken
+            raise
         if self._debug is not None:
             self._state, out = out  # debug: the consume poison was written
             # Only now, the resolve having run: its slots were checked on the device.
             self._checked = weakref.ref(idx.array) if idx.counts is None else None
         return out  # type: ignore[no-any-return]
 
+    def _check_token_slots(self, modes: list[ForwardMode], slots: Any) -> None:
+        """Gather protocol, modes known on the host: a MIXED batch brings token slots, a
+        DECODE batch none (it gathers at its req_pool_indices)."""
+        if self.protocol != "gather":
+            return
+        if slots is None and ForwardMode.MIXED in modes:
+            raise FutureMapError(
+                "a MIXED batch in the gather protocol needs token_slots (the running rows' "
+                "slots at their token positions, 0 elsewhere)"
+            )
+        if slots is not None and modes == [ForwardMode.DECODE]:
+            raise FutureMapError(
+                "token_slots given for a DECODE batch: it gathers at req_pool_indices"
+            )
+
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
         """Sentinels for the next step: ids and lengths := -indices (padding rows: 0).
 
         Returns `batch` with `input_ids` and `seq_lens` replaced by the sentinels, global
-        and padded per rank to the batch bucket; its other fields as given.
+        and padded per rank to the batch bucket; its other fields as given. Refused in the
+        gather protocol, which leaves no sentinels.
         """
+        if self.protocol == "gather":
+            raise FutureMapError(
+                "invalidate: the gather protocol leaves no sentinels (resolve gathers the "
+                "decode ids at forward entry)"
+            )
         return self._invalidated(batch, self._inputs.slots("indices", indices, rows))
 
     def _invalidated(self, batch: Batch, idx: Rows) -> Batch:
         sentinel = self._exe(("sentinels", idx.size))(idx.array)
-        return Batch(
-            batch.forward_mode, batch.req_pool_indices, sentinel, sentinel, batch.draft_indices
-        )
+        return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
     def resolve_seq_lens_cpu(
         self, indices: RowsInput, *, rows: int | None = None
@@ -512,6 +589,7 @@ class FutureMap:
             self.spec,
             debug=self.debug,
             traced_modes=traced_modes,
+            protocol=self.protocol,
         )
         with counting_compiles() as counter:
             compiled = compile_plan(planned, threads)

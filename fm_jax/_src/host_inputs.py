@@ -66,8 +66,11 @@ class HostInputs:
         dtype: np.dtype,
         batch_buckets: tuple[int, ...],
         token_buckets: tuple[int, ...],
+        *,
+        sentinels: bool = True,
     ) -> None:
         self.layout = layout
+        self.sentinels = sentinels
         self.dp = layout.dp
         self.local_ranks = frozenset(layout.local_ranks())
         self.single_process = layout.single_process
@@ -115,7 +118,15 @@ class HostInputs:
             )
 
     def _check_sentinels(self, name: str, a: np.ndarray) -> None:
-        """A sentinel -s names a slot s in [0, R)."""
+        """A sentinel -s names a slot s in [0, R); without sentinels (the gather protocol)
+        every id is >= 0."""
+        if not self.sentinels:
+            if a.size and a.min() < 0:
+                raise FutureMapError(
+                    f"{name} holds negative ids {a[a < 0][:8].tolist()}: the gather protocol "
+                    "has no sentinels (a decode row's id is gathered at its slot)"
+                )
+            return
         if a.size and a.min() <= -self.pool_size:
             raise FutureMapError(
                 f"{name} holds sentinels {a[a <= -self.pool_size].tolist()} naming slots "
@@ -244,8 +255,29 @@ class HostInputs:
         return self._flat(name, x, self.batch_buckets, size, slots=True)
 
     def token_ids(self, name: str, x: Any, size: int | None = None) -> Rows:
-        """Flat token ids (sentinels for decode rows), checked: sentinels name a slot."""
+        """Flat token ids (sentinels for decode rows), checked: sentinels name a slot
+        (the gather protocol: no id is negative)."""
         return self._flat(name, x, self.token_buckets, size, slots=False)
+
+    def token_slots(self, name: str, x: Any, ids: Rows) -> Rows:
+        """Per-token slots placed like the token ids `ids` (the same entries per rank),
+        checked as slots: in [0, R), no live slot twice per rank."""
+        if ids.counts is not None and not isinstance(x, jax.Array):
+            parts = (
+                self._rank_parts(name, x)
+                if isinstance(x, Mapping)
+                else self._split(name, _host(name, x))
+            )
+            counts = tuple(
+                (parts[d].shape[0] if parts[d].ndim else -1) if d in parts else 0
+                for d in range(self.dp)
+            )
+            if counts != ids.counts:
+                raise FutureMapError(
+                    f"{name} has {counts} entries per rank, input_ids {ids.counts}: one slot "
+                    "per token position (0 where the id is the host's)"
+                )
+        return self._flat(name, x, self.token_buckets, ids.size, slots=True)
 
     def matched(self, name: str, x: Any, like: Rows, *, ints: bool, relayed: bool = False) -> Any:
         """A per-row input ([rows, ...]) laid out like `like`: the same rows per rank.

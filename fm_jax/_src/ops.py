@@ -28,6 +28,7 @@ from fm_jax._src.types import (
     FutureMapState,
     Resolved,
     SpecConfig,
+    check_protocol,
     host_mode,
     int_dtype,
 )
@@ -46,10 +47,11 @@ class FutureMapOps(NamedTuple):
       publish: (state, indices, new_seq_lens) -> state.
       stash: (state, indices, tokens | DraftPayload) -> state.
       resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
-      invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths.
+      invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
+        (the sentinel protocol only).
       seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
         `resolve_seq_lens_cpu` (debug: slot checks).
-      pool_size, dtype, spec, debug: the static configuration.
+      pool_size, dtype, spec, debug, protocol: the static configuration.
     """
 
     init: Callable[[], FutureMapState]
@@ -62,6 +64,7 @@ class FutureMapOps(NamedTuple):
     dtype: np.dtype
     spec: SpecConfig | None
     debug: bool
+    protocol: str = "sentinel"
 
 
 def _scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
@@ -124,6 +127,7 @@ def future_map(
     dtype: Any = jnp.int32,
     spec: SpecConfig | None = None,
     debug: bool = False,
+    protocol: str = "sentinel",
 ) -> FutureMapOps:
     """Build the pure FutureMap ops for a pool of `pool_size` slots.
 
@@ -132,6 +136,9 @@ def future_map(
       dtype: int32 (default) or int64 (needs JAX's x64 mode) for tokens, lengths, top-k ids.
       spec: the spec extras' static shapes, or None for non-spec decoding.
       debug: poison `output_tokens` with -1 and add the checkify invariant checks.
+      protocol: 'sentinel' (the host leaves -slot placeholders that resolve fills) or
+        'gather' (resolve gathers decode ids and spec lengths at forward entry; no
+        invalidate). docs/CONTRACT.md, 'Two protocols'.
 
     Returns:
       FutureMapOps. Inputs are checked for rank, shape and dtype when traced.
@@ -139,6 +146,7 @@ def future_map(
     if not isinstance(pool_size, int) or pool_size < 2:
         raise FutureMapError(f"pool_size must be an int >= 2 (slot 0 is padding), got {pool_size}")
     dt = int_dtype(dtype)
+    gather = check_protocol(protocol) == "gather"
     if spec is not None:
         if spec.topk < 1 or spec.hidden < 0:
             raise FutureMapError(f"spec needs topk >= 1 and hidden >= 0, got {spec}")
@@ -273,6 +281,10 @@ def future_map(
         chk = checks.OpChecks() if debug else None
         if spec is None and batch.draft_indices is not None:
             raise FutureMapError("batch.draft_indices given but the map was built without spec")
+        if batch.token_slots is not None and not gather:
+            raise FutureMapError(
+                "batch.token_slots is for the gather protocol; this map relays by sentinels"
+            )
         check_indices("req_pool_indices", idx, chk)
         mode = batch.forward_mode
         if isinstance(mode, int | np.integer):  # a host int branches when traced
@@ -281,9 +293,15 @@ def future_map(
             s.check_scalar_int("forward_mode", mode)
             if chk is not None:
                 checks.known_mode(mode, dt, chk)  # type: ignore[arg-type]  # traced here
+        if batch.input_ids is None:
+            if not gather:
+                raise FutureMapError("batch.input_ids is None: a sentinel-protocol batch has ids")
+            batch = batch._replace(input_ids=jnp.zeros(jnp.shape(idx)[0], dt))
         s.check_1d_int("input_ids", batch.input_ids, dt)
         s.check_1d_int("seq_lens", batch.seq_lens, dt)
         s.check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
+        if gather:
+            return resolve_gather(state, batch, idx, mode, chk)
 
         if isinstance(mode, int | np.integer):
             # The mode is known when traced: only a DECODE executable gathers lengths.
@@ -331,25 +349,118 @@ def future_map(
             return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices("draft_indices", didx, chk)
-        assert state.topk_p is not None and state.topk_index is not None
-        bonus = _gather(state.output_tokens, didx)
-        draft = DraftPayload(
-            bonus_tokens=bonus,
-            topk_p=_gather(state.topk_p, didx),
-            topk_index=_gather(state.topk_index, didx),
-            hidden_states=None
-            if state.hidden_states is None
-            else jax.lax.bitcast_convert_type(
-                _gather(state.hidden_states, didx), spec.hidden_dtype
-            ),
-        )
+        draft = gather_draft(state, didx)
+        bonus = jnp.asarray(draft.bonus_tokens)
         if chk is not None:
             k = checks.consumed_values_valid(bonus, didx, chk)
             state = _poison(state, didx, chk.run(), k)
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
+    def gather_draft(state: FutureMapState, didx: jax.Array) -> DraftPayload:
+        """The draft stashed at `didx`: bonus tokens, top-k and hidden states (as declared)."""
+        assert spec is not None and state.topk_p is not None and state.topk_index is not None
+        hidden = state.hidden_states
+        return DraftPayload(
+            bonus_tokens=_gather(state.output_tokens, didx),
+            topk_p=_gather(state.topk_p, didx),
+            topk_index=_gather(state.topk_index, didx),
+            hidden_states=None
+            if hidden is None
+            else jax.lax.bitcast_convert_type(_gather(hidden, didx), spec.hidden_dtype),
+        )
+
+    def resolve_gather(
+        state: FutureMapState,
+        batch: Batch,
+        idx: jax.Array,
+        mode: Any,
+        chk: checks.OpChecks | None,
+    ) -> tuple[FutureMapState, Resolved]:
+        """The gather protocol's resolve: build the forward's inputs at its entry.
+
+        Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`
+        (padding rows 0, padded with 0 to T); MIXED the given ids where `token_slots` is 0, else
+        `output_tokens[token_slots]`. Token slots apply to any batch that is not DECODE
+        (an executable that fixes 'not DECODE' serves EXTEND, MIXED and IDLE alike); only
+        a MIXED batch has a nonzero one. Lengths: as given, except a batch with a draft,
+        whose are `new_seq_lens[draft_indices]` (the verified lengths last published).
+        Debug: every gather from `output_tokens` is consume-checked, and -1 written back at
+        exactly the live slots it read. A traced mode gathers for DECODE and MIXED both and
+        selects per row: O(B + T) either way.
+        """
+        ids = jnp.asarray(batch.input_ids, dt)
+        t, b = ids.shape[0], idx.shape[0]
+        ts_in = batch.token_slots
+        known = isinstance(mode, int | np.integer)
+        is_decode: Any = mode == ForwardMode.DECODE
+        is_mixed: Any = ~is_decode
+        if known:
+            is_mixed = not is_decode
+            if mode == ForwardMode.MIXED and ts_in is None:
+                raise FutureMapError(
+                    "a MIXED batch in the gather protocol needs token_slots (the running "
+                    "rows' slots at their token positions)"
+                )
+            if ts_in is not None and is_decode:
+                raise FutureMapError(
+                    "token_slots given for a DECODE batch: it gathers at req_pool_indices"
+                )
+        # Each gather from output_tokens: (values, slots read, whether this batch does it).
+        reads: list[tuple[jax.Array, jax.Array, Any]] = []
+        out = ids
+        if ts_in is not None and (not known or is_mixed):
+            s.check_1d_int("token_slots", ts_in, dt)
+            s.check_rows("token_slots", ts_in, t)
+            ts = jnp.asarray(ts_in, dt)
+            if chk is not None:
+                checks.valid_slots("token_slots", ts, r, dt, chk)
+            got = _gather(state.output_tokens, ts)
+            # Position 0 of a slot list is 'keep the host id': slot 0 is never gathered.
+            reads.append((got, jnp.where(ts > 0, ts, 0), is_mixed))
+            out = jnp.where(is_mixed & (ts > 0), got, out)
+        if spec is None and (not known or is_decode):
+            if t < b:
+                raise FutureMapError(
+                    f"input_ids has {t} entries, fewer than the {b} rows a DECODE batch gathers"
+                )
+            got = _gather(state.output_tokens, idx)
+            reads.append((got, idx, is_decode))
+            # Padding rows (slot 0) get id 0, as in the sentinel protocol, not slot 0's garbage.
+            got = jnp.where(idx > 0, got, 0)
+            out = jnp.where(is_decode, jnp.pad(got, (0, t - b)), out)
+
+        seq_lens = jnp.asarray(batch.seq_lens, dt)
+        draft = None
+        if batch.draft_indices is not None:
+            didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
+            check_indices("draft_indices", didx, chk)
+            s.check_rows("draft_indices", didx, b)
+            seq_lens = _gather(state.new_seq_lens, didx)
+            if chk is not None:
+                checks.positive_lengths(jnp.asarray(True), seq_lens, didx, chk)
+            draft = gather_draft(state, didx)
+            reads.append((jnp.asarray(draft.bonus_tokens), didx, True))
+        if chk is not None:
+            k = None
+            if reads:
+                # A read this batch does not do (a traced mode's other kind) names slot 0.
+                values = jnp.concatenate([v for v, _, _ in reads])
+                sources = jnp.concatenate([jnp.where(a, sl, 0) for _, sl, a in reads])
+                k = checks.consumed_values_valid(values, sources, chk)
+            maxima = chk.run()
+            if reads:
+                # -1 at the live slots read; a read not done aims at slot R (dropped).
+                hit = jnp.concatenate([jnp.where(a & (sl > 0), sl, r) for _, sl, a in reads])
+                state = _poison(state, hit, maxima, k)
+        return state, Resolved(out, seq_lens, draft)
+
     def invalidate(batch: Batch, indices: Any) -> Batch:
         """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""
+        if gather:
+            raise FutureMapError(
+                "invalidate: the gather protocol leaves no sentinels (resolve gathers the "
+                "decode ids at forward entry)"
+            )
         s.check_1d_int("indices", indices, dt)
         sentinel = -jnp.asarray(indices).astype(dt)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
@@ -359,4 +470,6 @@ def future_map(
         check_indices("indices", indices)
         return _gather(state.new_seq_lens, indices)
 
-    return FutureMapOps(init, publish, stash, resolve, invalidate, seq_lens_at, r, dt, spec, debug)
+    return FutureMapOps(
+        init, publish, stash, resolve, invalidate, seq_lens_at, r, dt, spec, debug, protocol
+    )

@@ -278,6 +278,7 @@ def sharded_future_map(
     dtype: Any = jnp.int32,
     spec: SpecConfig | None = None,
     debug: bool = False,
+    protocol: str = "sentinel",
 ) -> ShardedFutureMapOps:
     """Build pure FutureMap ops whose state is sharded over `mesh` (one pool per DP rank).
 
@@ -295,12 +296,15 @@ def sharded_future_map(
       dtype: int32 (default) or int64 (needs JAX's x64 mode).
       spec: the spec extras' static shapes, or None.
       debug: poisoned `output_tokens` and checkify invariant checks, per rank.
+      protocol: 'sentinel' or 'gather' (see `future_map`).
 
     Returns:
       ShardedFutureMapOps over global arrays laid out as in the module docstring.
     """
     layout = mesh_layout(mesh, dp_axis, tp_axis)
-    return lift(future_map(pool_size, dtype=dtype, spec=spec, debug=debug), layout)
+    return lift(
+        future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol), layout
+    )
 
 
 def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:

@@ -73,10 +73,26 @@ Mode = ForwardMode | int | jax.Array | None
 stands for a mode fixed inside an executable."""
 
 
+PROTOCOLS = ("sentinel", "gather")
+"""The relay protocols (docs/CONTRACT.md, 'Two protocols'): placeholders the host leaves in
+the batch ('sentinel'), or ids and lengths gathered at forward entry ('gather')."""
+
+
+def check_protocol(protocol: object) -> str:
+    """`protocol` if it is one of PROTOCOLS; else FutureMapError naming it."""
+    if not isinstance(protocol, str) or protocol not in PROTOCOLS:
+        raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return protocol
+
+
 class Batch(NamedTuple):
     """The fields of a scheduled batch that resolve and invalidate touch.
 
     `input_ids` is flat ([T]): an EXTEND row contributes all its tokens, a decode row one.
+    In the gather protocol it holds only the host's ids: a MIXED batch's prefill ids then
+    a 0 at each running row's position, and a non-spec DECODE batch's are not read (None
+    is taken: T = B). `token_slots` ([T], gather protocol, MIXED only) names, at each
+    position a running row's token goes to, the slot to gather it from; 0 elsewhere.
     `forward_mode` is an int32 jax scalar (a ForwardMode value), traced, so one compiled
     step serves every batch kind (on a mesh: a scalar, or [DP], one mode per rank); a host
     ForwardMode fixes the mode when the op is traced instead (no branch in the executable;
@@ -92,6 +108,7 @@ class Batch(NamedTuple):
     input_ids: Rows  # [T]
     seq_lens: Rows  # [B]
     draft_indices: Rows | None = None
+    token_slots: Rows | None = None
 
 
 class Resolved(NamedTuple):

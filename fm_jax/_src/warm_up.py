@@ -3,7 +3,8 @@
 A plan lists every (entry point, per-rank sizes) that serving reaches for a map's buckets:
 the tail ops (publish, stash, finish, the sentinels, and `seq_lens_at` on a spec map) once
 per batch bucket; resolve once per token bucket and mode (the token bucket fixes its rows,
-`buckets.resolve_sizes`), twice on a spec map (with and without a draft). So the count
+`buckets.resolve_sizes`), twice on a spec map (with and without a draft), and in the gather
+protocol also with a MIXED batch's token slots (and without the sentinels). So the count
 grows with the sum of the buckets, not their product. Each is traced and lowered (no
 argument is read or donated) and compiled on a thread pool: XLA's compile releases the
 GIL, tracing and lowering do not. The arguments are placed as serving's host inputs are,
@@ -30,7 +31,8 @@ from fm_jax._src.host_inputs import HostInputs, Rows
 from fm_jax._src.types import Batch, DraftPayload, FutureMapState, SpecConfig
 
 Key = tuple[Any, ...]
-"""An executable's key: (entry point name, per-rank rows[, tokens, with a draft])."""
+"""An executable's key: (entry point name, per-rank rows[, tokens, with a draft, with token
+slots])."""
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache
@@ -77,6 +79,7 @@ def plan(
     *,
     debug: bool,
     traced_modes: bool,
+    protocol: str = "sentinel",
 ) -> list[Planned]:
     """Every executable serving reaches for the map's buckets, with its arguments: zeros
     placed by `inputs` exactly as serving's host inputs are (so with their shardings).
@@ -88,6 +91,7 @@ def plan(
       spec: the map's spec shapes, or None.
       debug: a debug map (its tail ops also serve unchecked, for slots already checked).
       traced_modes: also resolve with a traced forward mode (one per rank on a mesh).
+      protocol: the map's protocol ('gather': no sentinels; MIXED resolves take slots).
     """
     dp, dt = inputs.dp, inputs.dtype
     batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
@@ -117,7 +121,8 @@ def plan(
         for prefix in prefixes:
             for name in tails:
                 out.append(Planned((prefix + name, b), fns[prefix + name], (state, *args[name])))
-        out.append(Planned(("sentinels", b), fns["sentinels"], (idx.array,)))
+        if protocol == "sentinel":
+            out.append(Planned(("sentinels", b), fns["sentinels"], (idx.array,)))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
             out.append(Planned(("seq_lens_at", b), fns["seq_lens_at"], (state, idx.array)))
 
@@ -127,17 +132,25 @@ def plan(
     for t in token_buckets:
         b, _ = resolve_sizes(0, t, batch_buckets, token_buckets)
         idx = inputs.slots("warm-up slots", np.zeros(dp * b, dt), b)
-        ids = inputs.token_ids("warm-up tokens", np.zeros(dp * t, dt), t).array
+        placed = inputs.token_ids("warm-up tokens", np.zeros(dp * t, dt), t)
+        ids = placed.array
         modes: list[tuple[str, Any]] = [("resolve_fixed_extend", None)]
         if spec is not None or t <= decode_tokens:  # a non-spec decode row is one token
             modes.append(("resolve_fixed_decode", None))
         if traced_modes:
             modes.append(("resolve", traced))
+        slot_lists: list[Rows | None] = [None]
+        if protocol == "gather":  # a MIXED batch (not DECODE, or traced) brings token slots
+            slot_lists.append(inputs.token_slots("warm-up slots", np.zeros(dp * t, dt), placed))
         for draft in [None, idx.array] if spec is not None else [None]:
             for name, mode in modes:
-                batch = Batch(mode, idx.array, ids, rows(idx), draft)
-                key = (name, b, t, draft is not None)
-                out.append(Planned(key, fns[name], (state, batch)))
+                for slots in slot_lists:
+                    if slots is not None and name == "resolve_fixed_decode":
+                        continue
+                    arr = None if slots is None else slots.array
+                    batch = Batch(mode, idx.array, ids, rows(idx), draft, arr)
+                    key = (name, b, t, draft is not None, slots is not None)
+                    out.append(Planned(key, fns[name], (state, batch)))
     return out
 
 
@@ -221,5 +234,8 @@ def describe(key: Key) -> str:
     name, b, *rest = key
     if not rest:
         return f"{name} at {b} rows per rank"
-    t, draft = rest
-    return f"{name} at {b} rows x {t} tokens per rank{' with a draft' if draft else ''}"
+    t, draft, slots = rest
+    return (
+        f"{name} at {b} rows x {t} tokens per rank{' with a draft' if draft else ''}"
+        f"{' with token slots' if slots else ''}"
+    )

@@ -1,0 +1,294 @@
+"""fm_jax's gather protocol (docs/CONTRACT.md, 'Two protocols'): resolve builds the forward's
+inputs at its entry; no sentinels, no invalidate; spec lengths gathered on the device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fm_jax as fj
+
+R = 8
+E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
+
+
+def gather_map(**kw: Any) -> fj.FutureMap:
+    kw.setdefault("batch_buckets", (1, 2, 4))
+    kw.setdefault("token_buckets", (1, 2, 4, 8))
+    return fj.FutureMap(R, protocol="gather", **kw)
+
+
+def a(*x: int) -> np.ndarray:
+    return np.array(x, np.int32)
+
+
+def host(x: Any) -> list[Any]:
+    return np.asarray(x).tolist()  # type: ignore[no-any-return]
+
+
+def buffers(fm: fj.FutureMap) -> dict[str, bytes]:
+    return {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+
+
+def primed(**kw: Any) -> fj.FutureMap:
+    """A map whose slots 3 and 5 hold lengths 4, 6 and tokens 30, 50."""
+    fm = gather_map(**kw)
+    fm.publish(a(3, 5), a(4, 6))
+    fm.stash(a(3, 5), a(30, 50))
+    return fm
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_each_batch_kind_builds_its_ids(debug: bool) -> None:
+    """EXTEND keeps the host's ids and lengths; DECODE gathers its ids at its slots (lengths
+    the host's); MIXED puts the running rows' tokens at their positions after the prefill
+    ids; IDLE changes nothing."""
+    fm = primed(debug=debug)
+    r = fm.resolve(fj.Batch(E, a(2), a(7, 8, 9), a(3)))
+    assert host(r.input_ids)[:3] == [7, 8, 9] and host(r.seq_lens)[:1] == [3]
+    r = fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7)))
+    assert host(r.input_ids)[:2] == [30, 50] and host(r.seq_lens)[:2] == [5, 7]
+    fm.stash(a(3, 5), a(31, 51))
+    mixed = fj.Batch(M, a(2, 5, 3), a(7, 8, 0, 0), a(3, 7, 5), token_slots=a(0, 0, 5, 3))
+    r = fm.resolve(mixed)
+    assert host(r.input_ids)[:4] == [7, 8, 51, 31] and host(r.seq_lens)[:3] == [3, 7, 5]
+    r = fm.resolve(fj.Batch(fj.ForwardMode.IDLE, a(), a(), a()))
+    assert host(r.input_ids) == [0]
+    fm.check()
+
+
+def test_decode_ids_given_are_not_read() -> None:
+    """A DECODE batch's ids are gathered whatever the batch holds (SGLang leaves them
+    empty); None and zeros resolve alike."""
+    fm, other = primed(), primed()
+    r1 = fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7)))
+    r2 = other.resolve(fj.Batch(D, a(3, 5), a(9, 9), a(5, 7)))
+    assert host(r1.input_ids) == host(r2.input_ids) == [30, 50]
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_traced_mode_resolves_like_a_host_mode(debug: bool) -> None:
+    """One executable with the mode traced gives each kind what its fixed-mode executable
+    gives, and (debug) poisons the same slots."""
+    batches = [
+        fj.Batch(E, a(2, 0), a(7, 8, 9, 0), a(3, 0), token_slots=a(0, 0, 0, 0)),
+        fj.Batch(D, a(3, 5, 0, 0), a(0, 0, 0, 0), a(5, 7, 0, 0)),
+        fj.Batch(M, a(2, 5), a(7, 0, 0, 0), a(3, 7), token_slots=a(0, 5, 0, 0)),
+    ]
+    for b in batches:
+        fixed, traced = primed(debug=debug), primed(debug=debug)
+        want = fixed.resolve(b)
+        got = traced.resolve(b._replace(forward_mode=jnp.int32(int(b.forward_mode))))
+        n = len(b.req_pool_indices)
+        assert host(got.input_ids)[: len(b.input_ids)] == host(want.input_ids)[: len(b.input_ids)]
+        assert host(got.seq_lens)[:n] == host(want.seq_lens)[:n]
+        if debug:
+            assert buffers(traced) == buffers(fixed), b.forward_mode
+
+
+def test_pure_ops_gather_under_jit() -> None:
+    """The pure ops, inlined in a jitted step: DECODE gathers, MIXED places the running
+    rows' tokens, and invalidate is refused (no sentinels in this protocol)."""
+    ops = fj.future_map(R, protocol="gather")
+    st = ops.publish(ops.init(), a(3, 5), a(4, 6))
+    st = ops.stash(st, a(3, 5), a(30, 50))
+
+    @jax.jit
+    def step(st: fj.FutureMapState, mode: jax.Array, ids: jax.Array, slots: jax.Array) -> Any:
+        return ops.resolve(st, fj.Batch(mode, a(3, 5), ids, a(5, 7), token_slots=slots))[1]
+
+    out = step(st, jnp.int32(D), a(0, 0, 0), a(0, 0, 0))
+    assert host(out.input_ids) == [30, 50, 0]
+    out = step(st, jnp.int32(M), a(4, 0, 0), a(0, 5, 3))
+    assert host(out.input_ids) == [4, 50, 30]
+    with pytest.raises(fj.FutureMapError, match="no sentinels"):
+        ops.invalidate(fj.Batch(D, a(3), a(0), a(0)), a(3))
+
+
+def test_spec_lengths_are_gathered_at_the_draft_indices() -> None:
+    """A spec batch with a draft gets `new_seq_lens[draft_indices]` as its lengths (not the
+    host's) with the draft extras; its input ids are the host's."""
+    fm = gather_map(spec=fj.SpecConfig(topk=2), debug=True)
+    fm.publish(a(3, 5), a(9, 4))
+    p = np.array([[0.5, 0.25], [1.0, -0.0]], np.float32)
+    fm.stash(a(3, 5), fj.DraftPayload(a(30, 50), p, a(1, 2, 3, 4).reshape(2, 2)))
+    r = fm.resolve(fj.Batch(D, a(5, 3), a(1, 1), a(0, 0), draft_indices=a(5, 3)))
+    assert host(r.seq_lens)[:2] == [4, 9] and host(r.input_ids)[:2] == [1, 1]
+    assert r.draft is not None
+    assert host(r.draft.bonus_tokens)[:2] == [50, 30]
+    assert np.asarray(r.draft.topk_p)[:2].tobytes() == p[::-1].tobytes()
+    fm.check()
+
+
+def spec_step(fm: fj.FutureMap, lens: np.ndarray) -> None:
+    slots = a(3, 5)
+    draft = fj.DraftPayload(a(30, 50), np.ones((2, 2), np.float32), a(0, 0, 0, 0).reshape(2, 2))
+    fm.resolve(fj.Batch(D, slots, a(0, 0), a(0, 0), draft_indices=slots))
+    fm.publish(slots, lens)
+    fm.stash(slots, draft)
+
+
+@contextlib.contextmanager
+def no_device_to_host() -> Iterator[None]:
+    """Fail on any device-to-host read: JAX's transfer guard (live on accelerators; on CPU
+    a jax array is host memory and the guard lets reads through), and on every backend
+    the conversions that read an array's values (`jax.device_get`, `np.array(x)` through
+    `__array__`, `int(x)`, `x.tolist()`), each made to raise."""
+    impl = type(jnp.zeros(1))
+    saved = {k: impl.__dict__[k] for k in ("_value", "__array__")}
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("device-to-host transfer")
+
+    try:
+        impl._value = property(refuse)
+        impl.__array__ = refuse
+        with jax.transfer_guard_device_to_host("disallow"):
+            yield
+    finally:
+        for k, v in saved.items():
+            setattr(impl, k, v)
+
+
+def test_a_spec_step_without_the_host_copy_moves_nothing_to_the_host() -> None:
+    """With the host length copy off (no resolve_seq_lens_cpu), a gather-protocol spec step
+    (resolve, publish, stash) does no device-to-host transfer; asking for the copy does
+    one (so the detector is live)."""
+    fm = gather_map(spec=fj.SpecConfig(topk=2))
+    fm.publish(a(3, 5), a(4, 6))
+    spec_step(fm, a(5, 7))  # compile outside the guard
+    with no_device_to_host():
+        for n in range(3):
+            spec_step(fm, a(6 + n, 8 + n))
+        with pytest.raises(Exception, match="transfer"):
+            fm.resolve_seq_lens_cpu(a(3, 5))
+    assert host(fm.resolve_seq_lens_cpu(a(3, 5))) == [8, 10]
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed", "spec"])
+def test_debug_reports_a_second_read_and_poisons_exactly_the_slots_read(kind: str) -> None:
+    """Every gather from output_tokens is consume-checked: the first read passes and writes
+    -1 at exactly the slots it read (slot 7, never read, keeps its token); a second read
+    with no stash between is reported."""
+    spec = fj.SpecConfig(topk=1) if kind == "spec" else None
+    fm = gather_map(debug=True, spec=spec)
+    fm.publish(a(3, 5, 7), a(4, 6, 8))
+    if spec is None:
+        fm.stash(a(3, 5, 7), a(30, 50, 70))
+        b = (
+            fj.Batch(D, a(3, 5), None, a(5, 7))
+            if kind == "decode"
+            else fj.Batch(M, a(2, 3, 5), a(9, 0, 0), a(1, 5, 7), token_slots=a(0, 3, 5))
+        )
+    else:
+        p = np.zeros((3, 1), np.float32)
+        fm.stash(a(3, 5, 7), fj.DraftPayload(a(30, 50, 70), p, a(0, 0, 0).reshape(3, 1)))
+        b = fj.Batch(D, a(3, 5), a(0, 0), a(0, 0), draft_indices=a(3, 5))
+    fm.resolve(b)
+    fm.check()
+    tokens = host(fm.state.output_tokens)
+    assert tokens[3] == tokens[5] == -1 and tokens[7] == 70
+    fm.resolve(b)
+    with pytest.raises(fj.InvariantViolation, match=r"consume \(WRWR\)"):
+        fm.check()
+
+
+def test_debug_reports_a_spec_length_never_published() -> None:
+    """A gathered spec length must be > 0: a draft slot never published is reported."""
+    fm = gather_map(debug=True, spec=fj.SpecConfig(topk=1))
+    fm.stash(a(3), fj.DraftPayload(a(30), np.zeros((1, 1), np.float32), a(0).reshape(1, 1)))
+    fm.resolve(fj.Batch(D, a(3), a(0), a(0), draft_indices=a(3)))
+    with pytest.raises(fj.InvariantViolation, match=r"seq_lens > 0"):
+        fm.check()
+
+
+REFUSED = {
+    "invalidate": (lambda fm: fm.invalidate(fj.Batch(D, a(3), None, a(1)), a(3)), "no sentinels"),
+    "negative id": (
+        lambda fm: fm.resolve(fj.Batch(E, a(3), a(-3, 4), a(2))),
+        r"input_ids holds negative ids \[-3\]",
+    ),
+    "MIXED without slots": (
+        lambda fm: fm.resolve(fj.Batch(M, a(2, 3), a(9, 0), a(1, 5))),
+        "MIXED batch in the gather protocol needs token_slots",
+    ),
+    "slots on DECODE": (
+        lambda fm: fm.resolve(fj.Batch(D, a(3), None, a(5), token_slots=a(3))),
+        "token_slots given for a DECODE batch",
+    ),
+    "slot out of range": (
+        lambda fm: fm.resolve(fj.Batch(M, a(2, 3), a(9, 0), a(1, 5), token_slots=a(0, R))),
+        "token_slots",
+    ),
+    "slot twice": (
+        lambda fm: fm.resolve(fj.Batch(M, a(2, 3), a(9, 0, 0), a(1, 5), token_slots=a(0, 3, 3))),
+        "token_slots",
+    ),
+    "slots not aligned": (
+        lambda fm: fm.resolve(fj.Batch(M, a(2, 3), a(9, 0), a(1, 5), token_slots=a(0, 0, 3))),
+        "token_slots has",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_bad_gather_input_is_refused_and_changes_nothing(case: str) -> None:
+    """Each bad gather-protocol input is refused with a FutureMapError naming it, every
+    buffer byte-identical afterwards, the step count unchanged, and the map still works."""
+    call, message = REFUSED[case]
+    fm = primed(debug=True)
+    before, step = buffers(fm), fm.step
+    with pytest.raises(fj.FutureMapError, match=message):
+        call(fm)
+    assert buffers(fm) == before and fm.step == step
+    assert host(fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7))).input_ids) == [30, 50]
+    fm.check()
+
+
+def test_protocol_is_validated_and_token_slots_need_the_gather_protocol() -> None:
+    """An unknown protocol is refused by name; a sentinel map refuses token slots and a
+    batch without ids."""
+    with pytest.raises(fj.FutureMapError, match="protocol must be one of"):
+        fj.FutureMap(R, protocol="sentinels")
+    with pytest.raises(fj.FutureMapError, match="protocol must be one of"):
+        fj.future_map(R, protocol=None)  # type: ignore[arg-type]
+    fm = fj.FutureMap(R)
+    with pytest.raises(fj.FutureMapError, match="token_slots is for the gather protocol"):
+        fm.resolve(fj.Batch(M, a(2, 3), a(9, -3), a(1, 5), token_slots=a(0, 3)))
+    ops = fj.future_map(R)
+    with pytest.raises(fj.FutureMapError, match="sentinel-protocol batch has ids"):
+        ops.resolve(ops.init(), fj.Batch(E, a(3), None, a(1)))
+
+
+def test_finish_is_publish_and_stash_and_returns_the_batch() -> None:
+    """finish writes what publish + stash write, and leaves the batch as given."""
+    one, three = gather_map(), gather_map()
+    b = fj.Batch(D, a(3, 5), None, a(5, 7))
+    assert one.finish(b, a(3, 5), a(5, 7), a(31, 51)) is b
+    three.publish(a(3, 5), a(5, 7))
+    three.stash(a(3, 5), a(31, 51))
+    assert buffers(one) == buffers(three)
+    assert one.finish(b, a(), a(), a()) is b  # an idle rank
+
+
+def test_a_gather_loop_serves_from_warmed_executables_only() -> None:
+    """After warm_up(guard=True), a loop of every batch kind (host and traced modes) runs
+    without a compile: the plan covers MIXED's token slots and has no sentinels."""
+    fm = gather_map(debug=True)
+    report = fm.warm_up(guard=True)
+    assert "sentinels" not in report.by_op
+    fm.publish(a(3, 5), a(4, 6))
+    for step in range(3):
+        fm.stash(a(3, 5), a(30 + step, 50 + step))
+        if step == 1:
+            b = fj.Batch(M, a(2, 3, 5), a(9, 0, 0), a(1, 5, 7), token_slots=a(0, 3, 5))
+        else:
+            b = fj.Batch(D, a(3, 5), None, a(5, 7))
+        fm.resolve(b if step < 2 else b._replace(forward_mode=jnp.int32(D)))
+    fm.check()
