@@ -12,7 +12,8 @@ class ForwardMode(enum.IntEnum):
     """What kind of forward a batch runs (docs/CONTRACT.md, 'Batch kinds')."""
 
     EXTEND = 0  # prefill or a prefill chunk: real ids and lengths
-    DECODE = 1  # ids and lengths are sentinels until resolve
+    DECODE = 1  # sentinel protocol: ids and lengths are sentinels until resolve;
+    # gather protocol: no ids until resolve gathers them, lengths real (spec: gathered)
     MIXED = 2  # prefill rows first, then running decode rows; lengths already restored
     IDLE = 3  # data-parallel rank with nothing to run: empty indices
 
@@ -48,10 +49,16 @@ class ScheduleBatch:
 
     `input_ids` is flat: an EXTEND row contributes all its tokens, a decode row one.
     `seq_lens` and `req_pool_indices` have one entry per row.
+
+    Sentinel protocol: `input_ids` is always a tensor (decode rows hold -slot sentinels);
+    `mix_running_indices` is not read. Gather protocol: `input_ids` is None for a DECODE
+    batch (resolve gathers its ids), a MIXED batch's `input_ids` holds only its prefill ids
+    and `mix_running_indices` the slots of its running rows, whose tokens resolve appends.
     """
 
     forward_mode: ForwardMode
     req_pool_indices: torch.Tensor  # [B]
-    input_ids: torch.Tensor  # [T]
+    input_ids: torch.Tensor | None  # [T]; None only for a gather-protocol DECODE batch
     seq_lens: torch.Tensor  # [B]
     draft: DraftInput | None = None
+    mix_running_indices: torch.Tensor | None = None  # [M] gather protocol, MIXED only

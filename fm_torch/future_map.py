@@ -1,9 +1,18 @@
 """The PyTorch FutureMap: the contract's twin (docs/CONTRACT.md), modelled on SGLang's
-sentinel-era request-pool-indexed relay of late May 2026 (PRs #25862 to #26108).
+request-pool-indexed relay.
 
-One device-side buffer row per request-pool slot. Between two forwards the host leaves
-sentinels (-slot) in a batch; `resolve` replaces them from the buffers that the previous
-forward's `publish` and `stash` wrote.
+One device-side buffer row per request-pool slot, written by a forward's `publish` and
+`stash` and read by the next forward's `resolve`. Two protocols ('Two protocols' in the
+contract), chosen when the map is built; buffers, publish, stash, resolve_seq_lens_cpu and
+the debug consume check are the same in both:
+- "sentinel" (the default; SGLang's relay of late May 2026, PRs #25862 to #26108): between
+  two forwards `invalidate` leaves sentinels (-slot) in a batch's ids and lengths, and
+  `resolve` replaces them from the buffers.
+- "gather" (SGLang's later relay, `overlap_utils.py` at commit 0178132): no sentinels and
+  no invalidate. `resolve` gathers a DECODE batch's ids at its slots, appends a MIXED
+  batch's running tokens (gathered at `mix_running_indices`) to its prefill ids and, with
+  spec, gathers the lengths and draft extras at the draft's slots; host ids are taken as
+  given and must be >= 0.
 
 Checks SGLang's class does not have ('Checks beyond SGLang' in the contract). Always on
 (metadata only, no device sync): rank, shape, dtype and device of every input, the forward
@@ -11,10 +20,10 @@ mode, spec payload shapes against the lazily fixed K, H and hidden dtype. On CPU
 and in debug mode on any device (they read values): slots in [0, R) (publish, stash,
 resolve, invalidate, resolve_seq_lens_cpu), no live slot twice in a batch, int64 values
 (tokens, lengths, top-k ids, input ids) fit an int32 buffer, sentinels name slots in
-[0, R), tokens and lengths relayed are >= 0.
+[0, R), tokens and lengths relayed are >= 0, and (gather protocol) input ids are >= 0.
 Every check runs before anything is written: a rejected call leaves the buffers and the
 batch as they were.
-Debug-mode invariants (consume tracking, positive restored lengths): on CPU they raise
+Debug-mode invariants (consume tracking, positive restored or gathered lengths): on CPU they raise
 InvariantViolation at the call; on CUDA they are `torch._assert_async` device asserts.
 """
 
@@ -52,6 +61,10 @@ class FutureMap:
       spec: relay speculative-decoding extras (topk_p, topk_index, optional hidden_states);
         their K, H and hidden dtype are fixed by the first non-empty `stash` of a draft.
       debug: consume tracking and invariant checks; None reads FM_DEBUG.
+      protocol: "sentinel" (invalidate leaves -slot placeholders that resolve fills) or
+        "gather" (no placeholders: resolve gathers a DECODE batch's ids at its slots, a
+        MIXED batch's running tokens at `mix_running_indices`, spec lengths and extras at
+        the draft's slots; invalidate is refused).
     """
 
     def __init__(
@@ -62,6 +75,7 @@ class FutureMap:
         dtype: torch.dtype = torch.int64,
         spec: bool = False,
         debug: bool | None = None,
+        protocol: str = "sentinel",
     ) -> None:
         if not isinstance(pool_size, int) or pool_size < 2:
             raise FutureMapError(
@@ -69,6 +83,7 @@ class FutureMap:
             )
         if dtype not in v.INT_DTYPES:
             raise FutureMapError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+        self.protocol = v.check_protocol(protocol)
         self.pool_size = pool_size
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -218,17 +233,42 @@ class FutureMap:
 
     # ------------------------------------------------------------------------------ reads
     def resolve(self, batch: ScheduleBatch) -> None:
-        """Fill the batch's placeholders from the buffers, at forward entry (in place).
+        """Build the forward's inputs from the buffers, at forward entry (in place).
 
+        Sentinel protocol, filling the batch's placeholders:
         1. DECODE: `seq_lens := new_seq_lens[req_pool_indices]` (debug: live rows > 0).
         2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
            Spec: if the batch carries a draft input, gather its extras and bonus tokens.
         3. Debug: consume check on what was gathered from `output_tokens`.
+        Gather protocol (no placeholders), by batch kind:
+        - EXTEND: ids and lengths as given.
+        - DECODE, non-spec: `input_ids := output_tokens[req_pool_indices]` (ids given are
+          ignored; None is the usual value), lengths as given.
+        - MIXED: `input_ids := cat(input_ids, output_tokens[mix_running_indices])`.
+        - IDLE: nothing.
+        - spec with a draft input: `seq_lens := new_seq_lens[draft.indices]` (debug: live
+          rows > 0) and the extras and bonus tokens gathered there; ids as given.
+        Debug: consume check on every gather from `output_tokens`, which poisons exactly
+        the slots gathered.
+
         Every input check (and, on CPU, every debug invariant) runs before the batch or a
         buffer is written, so a raise leaves both as they were. Assumes the batch's tensors
         are on this map's device.
         """
+        if self.protocol == "gather":
+            self._resolve_gather(batch)
+            return
         indices = v.check_1d_int("req_pool_indices", batch.req_pool_indices, self.device)
+        if batch.mix_running_indices is not None:
+            raise FutureMapError(
+                "mix_running_indices is for the gather protocol; this map relays by sentinels "
+                "(a MIXED batch's running rows carry theirs in input_ids)"
+            )
+        if batch.input_ids is None:
+            raise FutureMapError(
+                "input_ids is None: the sentinel protocol needs every batch's ids "
+                "(a decode row's -slot sentinel); only the gather protocol gathers them"
+            )
         ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
         host_lens = v.check_1d_int("seq_lens", batch.seq_lens, self.device)
         v.check_rows("seq_lens", host_lens, indices.shape[0])
@@ -268,22 +308,122 @@ class FutureMap:
 
     def _gather_extras(self, indices: torch.Tensor) -> DraftPayload:
         """Spec: the draft state stashed at `indices` (debug: consume-checked bonus tokens)."""
-        assert self.topk_p is not None and self.topk_index is not None
-        bonus = self.output_tokens[indices]
+        payload = self._read_extras(indices)
         if self.debug:
-            self._consume(bonus, indices, source_slots=indices)
+            self._consume(payload.bonus_tokens, indices, source_slots=indices)
+        return payload
+
+    def _read_extras(self, indices: torch.Tensor) -> DraftPayload:
+        """Spec: the draft state stashed at `indices`, read only (no consume check)."""
+        assert self.topk_p is not None and self.topk_index is not None
         return DraftPayload(
-            bonus_tokens=bonus,
+            bonus_tokens=self.output_tokens[indices],
             topk_p=self.topk_p[indices],
             topk_index=self.topk_index[indices],
             hidden_states=None if self.hidden_states is None else self.hidden_states[indices],
         )
 
+    def _resolve_gather(self, batch: ScheduleBatch) -> None:
+        """The gather protocol's resolve (see `resolve`): checks, gathers, then writes."""
+        indices = v.check_1d_int("req_pool_indices", batch.req_pool_indices, self.device)
+        host_lens = v.check_1d_int("seq_lens", batch.seq_lens, self.device)
+        v.check_rows("seq_lens", host_lens, indices.shape[0])
+        mode = v.check_mode(batch.forward_mode)
+        ids = None
+        if batch.input_ids is not None:
+            ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
+        elif mode != ForwardMode.DECODE:
+            raise FutureMapError(
+                f"input_ids is None with forward_mode {mode.name}: only a DECODE batch "
+                "comes without ids in the gather protocol"
+            )
+        mix = None
+        if mode == ForwardMode.MIXED:
+            if batch.mix_running_indices is None:
+                raise FutureMapError(
+                    "mix_running_indices is required for a MIXED batch in the gather "
+                    "protocol: the slots of its running rows"
+                )
+            mix = v.check_1d_int("mix_running_indices", batch.mix_running_indices, self.device)
+        elif batch.mix_running_indices is not None:
+            raise FutureMapError(
+                f"mix_running_indices given with forward_mode {mode.name}: only a MIXED "
+                "batch has running rows to gather"
+            )
+        draft_indices = None
+        if batch.draft is not None:
+            if not self.spec:
+                raise FutureMapError("batch.draft given but this FutureMap has spec=False")
+            draft_indices = v.check_1d_int("draft.indices", batch.draft.indices, self.device)
+            # The gathered lengths replace seq_lens: one per batch row.
+            v.check_rows("draft.indices", draft_indices, indices.shape[0])
+            if not self._spec_shaped:
+                raise FutureMapError("resolve of spec extras before any draft was stashed")
+        if self._values_checked:
+            v.check_slots("req_pool_indices", indices, self.pool_size)
+            if mix is not None:
+                v.check_slots("mix_running_indices", mix, self.pool_size)
+            if draft_indices is not None:
+                v.check_slots("draft.indices", draft_indices, self.pool_size)
+            if ids is not None:
+                v.check_no_sentinels("input_ids", ids)
+                v.check_fits("input_ids", ids, self.dtype)
+            v.check_fits("seq_lens", host_lens, self.dtype)
+
+        # Gathers, in SGLang's order: the forward's ids, then the spec state. Each read of
+        # output_tokens is listed with the slots it read, for the consume check.
+        reads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        new_ids: torch.Tensor | None = None
+        if mode == ForwardMode.DECODE and not self.spec:
+            new_ids = self.output_tokens[indices]
+            reads.append((new_ids, indices))
+        elif mix is not None:
+            assert ids is not None
+            running = self.output_tokens[mix]
+            reads.append((running, mix))
+            new_ids = torch.cat([ids.to(self.dtype), running])
+        seq_lens: torch.Tensor | None = None
+        payload: DraftPayload | None = None
+        if draft_indices is not None:
+            seq_lens = self.new_seq_lens[draft_indices]
+            payload = self._read_extras(draft_indices)
+            if self.debug and mix is not None:
+                # Read after the running rows' consume: a slot both gathered finds the
+                # poison that consume wrote, as it would in sequence.
+                consumed = torch.isin(draft_indices, mix)
+                payload.bonus_tokens = torch.where(
+                    consumed, torch.full_like(payload.bonus_tokens, POISON), payload.bonus_tokens
+                )
+            reads.append((payload.bonus_tokens, draft_indices))
+
+        if self.debug:
+            if seq_lens is not None:
+                assert draft_indices is not None
+                self._check_positive_lengths(seq_lens, draft_indices)
+            if reads:
+                # One consume over every read: all checked before any slot is poisoned.
+                values = torch.cat([r[0] for r in reads])
+                slots = torch.cat([r[1].to(torch.int64) for r in reads])
+                self._consume(values, slots, source_slots=slots)
+        if new_ids is not None:
+            batch.input_ids = new_ids
+        if seq_lens is not None:
+            batch.seq_lens = seq_lens
+        if payload is not None:
+            assert batch.draft is not None
+            batch.draft.payload = payload
+
     def invalidate(self, batch: ScheduleBatch, indices: torch.Tensor) -> None:
         """Leave sentinels for the next step: `input_ids := -indices`, `seq_lens := -indices`.
 
         A padding row (slot 0) gets sentinel 0. Runs after the forward is launched.
+        Sentinel protocol only: the gather protocol refuses it.
         """
+        if self.protocol == "gather":
+            raise FutureMapError(
+                "invalidate: the gather protocol leaves no sentinels; after a forward the "
+                "host leaves the batch's ids empty and resolve gathers them"
+            )
         indices = v.check_1d_int("indices", indices, self.device)
         if self._values_checked:
             v.check_slots("indices", indices, self.pool_size)

@@ -2,8 +2,9 @@
 
 Structural checks (rank, shape, dtype, device) read only metadata and are always on.
 Value checks (slot range, duplicate live slots, int32 fit, sentinel range, no negative
-token or length relayed) read tensor contents; they run on CPU tensors (no device sync
-there) and, on other devices, only in debug mode, where a host sync is acceptable.
+token or length relayed, no negative input id in the gather protocol) read tensor contents;
+they run on CPU tensors (no device sync there) and, on other devices, only in debug mode,
+where a host sync is acceptable.
 
 These are the rules fm_jax applies to host arrays: both twins refuse the same inputs, each
 naming the field (tests/test_bad_input_table.py holds them to it).
@@ -20,6 +21,14 @@ from fm_torch.errors import FutureMapError
 
 INT_DTYPES = (torch.int32, torch.int64)
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PROTOCOLS = ("sentinel", "gather")
+
+
+def check_protocol(protocol: object) -> str:
+    """A FutureMap's relay protocol: exactly one of the strings in PROTOCOLS."""
+    if not isinstance(protocol, str) or protocol not in PROTOCOLS:
+        raise FutureMapError(f"protocol must be 'sentinel' or 'gather', got {protocol!r}")
+    return protocol
 
 
 def check_1d_int(name: str, t: object, device: torch.device) -> torch.Tensor:
@@ -112,3 +121,13 @@ def check_sentinels(name: str, input_ids: torch.Tensor, pool_size: int) -> None:
     if int(input_ids.min()) <= -pool_size:
         bad = input_ids[input_ids <= -pool_size].tolist()
         raise FutureMapError(f"{name} holds sentinels {bad} naming slots outside [0, {pool_size})")
+
+
+def check_no_sentinels(name: str, input_ids: torch.Tensor) -> None:
+    """Value check (gather protocol): host input ids are real token ids, all >= 0."""
+    if input_ids.numel() and int(input_ids.min()) < 0:
+        bad = torch.unique(input_ids[input_ids < 0])[:8].tolist()
+        raise FutureMapError(
+            f"{name} holds negative ids {bad}: the gather protocol has no sentinels "
+            "(token ids are >= 0)"
+        )

@@ -105,7 +105,7 @@ class Batch(NamedTuple):
 
     forward_mode: Mode
     req_pool_indices: Rows  # [B]
-    input_ids: Rows  # [T]
+    input_ids: Rows | None  # [T]; gather protocol: None for a non-spec DECODE batch
     seq_lens: Rows  # [B]
     draft_indices: Rows | None = None
     token_slots: Rows | None = None
