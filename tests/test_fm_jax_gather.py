@@ -292,3 +292,16 @@ def test_a_gather_loop_serves_from_warmed_executables_only() -> None:
             b = fj.Batch(D, a(3, 5), None, a(5, 7))
         fm.resolve(b if step < 2 else b._replace(forward_mode=jnp.int32(D)))
     fm.check()
+
+
+def test_a_resolve_refused_when_traced_takes_no_step() -> None:
+    """Pins a resolve refused while its executable was traced still counting a step: the
+    step count (what debug reports name) stays where it was."""
+    fm = primed(debug=True)
+    slots = jax.device_put(a(3, 5))
+    with pytest.raises(fj.FutureMapError, match="fewer than the 2 rows"):
+        fm.resolve(fj.Batch(D, slots, jax.device_put(a(0)), jax.device_put(a(5, 7))))
+    assert fm.step == 0
+    fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7)))
+    assert fm.step == 1
+    fm.check()
