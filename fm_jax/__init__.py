@@ -11,6 +11,7 @@ from fm_jax._src.debug_channel import raise_if_violated
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
+from fm_jax._src.relay_fields import RelayField
 from fm_jax._src.sharding import (
     MeshLayout,
     ShardedFutureMapOps,
@@ -39,6 +40,7 @@ __all__ = [
     "FutureMapState",
     "InvariantViolation",
     "MeshLayout",
+    "RelayField",
     "Resolved",
     "ShardedFutureMapOps",
     "SpecConfig",

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fm_jax._src import buckets as bk
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
@@ -34,6 +35,7 @@ from fm_jax._src.types import (
     Resolved,
     RowsInput,
     SpecConfig,
+    draft_payload,
     host_mode,
 )
 from fm_jax._src.warm_up import (
@@ -125,6 +127,7 @@ class FutureMap:
         self.pool_size = pool_size
         self.dtype: np.dtype = local.dtype
         self.spec: SpecConfig | None = local.spec
+        self._fields = self.spec.fields() if self.spec is not None else ()
         self.debug = debug
         self.protocol: str = local.protocol
         self.batch_buckets = bk.normalize_buckets(batch_buckets or bk.power_of_two_buckets(1024))
@@ -301,27 +304,25 @@ class FutureMap:
         if not drafts or not all(is_draft):
             raise FutureMapError("stash on a spec map takes a DraftPayload (per rank on a mapping)")
 
-        def field(i: int, name: str, ints: bool) -> Any:
-            relayed = name == "bonus_tokens"  # the token relayed to output_tokens
+        for p in drafts:
+            rf.check_declared(self._fields, p)
+
+        def field(f: rf.RelayField) -> Any:
+            """The field's rows placed like `idx` (None where no rank gives it)."""
+            name, ints = f"draft.{f.name}", f.dtype is None
             if isinstance(payload, Mapping):
-                got = {r: p[i] for r, p in payload.items()}
+                got = {r: rf.get(p, f.name) for r, p in payload.items()}
                 if any(v is None for v in got.values()):
-                    return None if all(v is None for v in got.values()) else got
-                return inputs.matched(f"draft.{name}", got, idx, ints=ints, relayed=relayed)
-            value = payload[i]
+                    if all(v is None for v in got.values()):
+                        return None
+                    raise FutureMapError(f"{name} given on some ranks only")
+                return inputs.matched(name, got, idx, ints=ints, relayed=f.consumed)
+            value = rf.get(payload, f.name)
             if value is None:
                 return None
-            return inputs.matched(f"draft.{name}", value, idx, ints=ints, relayed=relayed)
+            return inputs.matched(name, value, idx, ints=ints, relayed=f.consumed)
 
-        hidden = field(3, "hidden_states", False)
-        if isinstance(hidden, dict):
-            raise FutureMapError("draft.hidden_states given on some ranks only")
-        return DraftPayload(
-            field(0, "bonus_tokens", True),
-            field(1, "topk_p", False),
-            field(2, "topk_index", True),
-            hidden,
-        )
+        return draft_payload({f.name: field(f) for f in self._fields})
 
     def resolve(
         self,

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax._src import checks
+from fm_jax._src import relay_fields as rf
 from fm_jax._src import shapes as s
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.types import (
@@ -29,6 +30,7 @@ from fm_jax._src.types import (
     Resolved,
     SpecConfig,
     check_protocol,
+    draft_payload,
     host_mode,
     int_dtype,
 )
@@ -36,7 +38,7 @@ from fm_jax._src.types import (
 POISON = -1
 """Debug-mode content of an `output_tokens` slot with no unread write."""
 
-HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+HIDDEN_DTYPES = rf.HIDDEN_DTYPES
 
 
 class FutureMapOps(NamedTuple):
@@ -72,20 +74,6 @@ def _scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array
     return buf.at[indices].set(values.astype(buf.dtype), mode="drop", wrap_negative_indices=False)
 
 
-def hidden_bits_dtype(hidden_dtype: Any) -> np.dtype:
-    """The unsigned int dtype of the same width that stores `hidden_dtype`'s raw bits.
-
-    Hidden states live in the state as raw bits: an unsigned-int scatter is in place and
-    bit-exact on every backend, while XLA:CPU computes a bf16 scatter in f32 over the whole
-    buffer (O(R*H), and NaN payloads canonicalised).
-    """
-    return np.dtype(f"uint{np.dtype(hidden_dtype).itemsize * 8}")
-
-
-def _to_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, hidden_bits_dtype(x.dtype))
-
-
 def _poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
     """`rows` POISON values that data-depend on `seen`, a scalar reduced from every value
     just gathered from the buffer (the consume check's result).
@@ -102,15 +90,28 @@ def _poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
 
 
 def _poison(
-    state: FutureMapState, slots: jax.Array, maxima: jax.Array | None, k: int | None
+    state: FutureMapState,
+    slots: jax.Array,
+    maxima: jax.Array | None,
+    k: int | None,
+    field: str = "bonus_tokens",
 ) -> FutureMapState:
-    """POISON written to `output_tokens` at `slots`, ordered after the reads that
-    `maxima[k]` (the consume check's witness among the op's check maxima) was reduced from."""
+    """POISON written to a consume-tracked field's buffer (default `output_tokens`) at
+    `slots` (whole rows), ordered after the reads that `maxima[k]` (the consume check's
+    witness among the op's check maxima) was reduced from."""
     if maxima is None or k is None or slots.shape[0] == 0:
         return state
-    tokens = state.output_tokens
-    poison = _poison_after(maxima[k], slots.shape[0], tokens.dtype)
-    return state._replace(output_tokens=_scatter(tokens, slots, poison))
+    buf = rf.get(state, field)
+    poison = _poison_after(maxima[k], slots.shape[0], buf.dtype)
+    poison = jnp.broadcast_to(
+        poison.reshape(-1, *(1,) * (buf.ndim - 1)), (slots.shape[0], *buf.shape[1:])
+    )
+    return rf.put(state, field, _scatter(buf, slots, poison))
+
+
+def _row_min(x: jax.Array) -> jax.Array:
+    """One value per row: a row's smallest (a row with a negative entry reads as one)."""
+    return x if x.ndim == 1 else x.reshape(x.shape[0], -1).min(axis=1)
 
 
 def _gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
@@ -154,26 +155,25 @@ def future_map(
             raise FutureMapError(
                 f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}"
             )
-        spec = spec._replace(hidden_dtype=np.dtype(spec.hidden_dtype))
+        spec = spec._replace(
+            hidden_dtype=np.dtype(spec.hidden_dtype),
+            verified_id=bool(spec.verified_id),
+            extra=rf.check_extra(tuple(spec.extra)),
+        )
+    # What a spec map relays, in stash order; the bonus tokens live in output_tokens.
+    fields = spec.fields() if spec is not None else ()
+    consumed = [f.name for f in fields if f.consumed]
     r = pool_size
 
     def init() -> FutureMapState:
         tokens = jnp.full((r,), POISON if debug else 0, dtype=dt)
-        lens = jnp.zeros((r,), dtype=dt)
-        if spec is None:
-            return FutureMapState(tokens, lens)
-        hidden = (
-            jnp.zeros((r, spec.hidden), dtype=hidden_bits_dtype(spec.hidden_dtype))
-            if spec.hidden > 0
-            else None
-        )
-        return FutureMapState(
-            tokens,
-            lens,
-            topk_p=jnp.zeros((r, spec.topk), dtype=jnp.float32),
-            topk_index=jnp.zeros((r, spec.topk), dtype=dt),
-            hidden_states=hidden,
-        )
+        state = FutureMapState(tokens, jnp.zeros((r,), dtype=dt))
+        for f in fields:
+            if f.name != "bonus_tokens":
+                fill = POISON if debug and f.consumed else 0
+                buf = jnp.full((r, *f.shape), fill, dtype=rf.buffer_dtype(f, dt))
+                state = rf.put(state, f.name, buf)
+        return state
 
     def check_indices(name: str, indices: Any, into: checks.OpChecks | None = None) -> None:
         """Shape checks; in debug mode the slot checks too, queued `into` the op's checks
@@ -206,28 +206,21 @@ def future_map(
         return state._replace(new_seq_lens=_scatter(state.new_seq_lens, indices, new_seq_lens))
 
     def check_draft(draft: DraftPayload, rows: int) -> None:
+        """Every declared field present, [rows, *shape] of its dtype; none undeclared."""
         assert spec is not None
-        s.check_1d_int("draft.bonus_tokens", draft.bonus_tokens, dt)
-        s.check_rows("draft.bonus_tokens", draft.bonus_tokens, rows)
-        k = spec.topk
-        s.check_array("draft.topk_p", draft.topk_p, (rows, k), (np.dtype(np.float32),))
-        s.check_array(
-            "draft.topk_index",
-            draft.topk_index,
-            (rows, k),
-            (np.dtype(np.int32), np.dtype(np.int64)),
-        )
-        s.check_fits("draft.topk_index", draft.topk_index, dt)
-        if spec.hidden == 0:
-            if draft.hidden_states is not None:
-                raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
-        else:
-            s.check_array(
-                "draft.hidden_states",
-                draft.hidden_states,
-                (rows, spec.hidden),
-                (spec.hidden_dtype,),
-            )
+        for f in fields:
+            name, v = f"draft.{f.name}", rf.get(draft, f.name)
+            if f.dtype is None and not f.shape:  # one int per row
+                if v is None:
+                    raise FutureMapError(f"{name} is missing")
+                s.check_1d_int(name, v, dt)
+                s.check_rows(name, v, rows)
+            elif f.dtype is None:
+                s.check_array(name, v, (rows, *f.shape), (np.dtype(np.int32), np.dtype(np.int64)))
+                s.check_fits(name, v, dt)
+            else:
+                s.check_array(name, v, (rows, *f.shape), (f.dtype,))
+        rf.check_declared(fields, draft)
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op."""
@@ -239,34 +232,36 @@ def future_map(
                 raise FutureMapError("stash got a DraftPayload but the map was built without spec")
             s.check_1d_int("tokens", payload, dt)
             s.check_rows("tokens", payload, rows)
-            tokens, name = payload, "tokens"
         else:
             if not isinstance(payload, DraftPayload):
                 raise FutureMapError("stash on a spec map takes a DraftPayload")
             check_draft(payload, rows)
-            tokens, name = payload.bonus_tokens, "draft.bonus_tokens"
         if chk is not None:
-            checks.relayed_values(
-                name, checks.STASHED_TOKENS, jnp.asarray(tokens), jnp.asarray(indices), dt, chk
+            # Consumed fields must not be stashed negative: a -1 would read as the poison.
+            relayed = (
+                [("tokens", payload)]
+                if spec is None
+                else [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields if f.consumed]
             )
+            for name, values in relayed:
+                checks.relayed_values(
+                    name,
+                    checks.STASHED_TOKENS,
+                    _row_min(jnp.asarray(values)),
+                    jnp.asarray(indices),
+                    dt,
+                    chk,
+                )
             chk.run()
         if rows == 0:
             return state  # DP idle: nothing ran, nothing to relay
         if spec is None:
             return state._replace(output_tokens=_scatter(state.output_tokens, indices, payload))
-        assert state.topk_p is not None and state.topk_index is not None
-        new = state._replace(
-            output_tokens=_scatter(state.output_tokens, indices, payload.bonus_tokens),
-            topk_p=_scatter(state.topk_p, indices, payload.topk_p),
-            topk_index=_scatter(state.topk_index, indices, payload.topk_index),
-        )
-        if state.hidden_states is not None:
-            new = new._replace(
-                hidden_states=_scatter(
-                    state.hidden_states, indices, _to_bits(payload.hidden_states)
-                )
-            )
-        return new
+        for f in fields:
+            buf = rf.get(state, f.name)
+            values = rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name)))
+            state = rf.put(state, f.name, _scatter(buf, indices, values))
+        return state
 
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
         """Fill the batch's placeholders from the buffers, at forward entry.
@@ -350,24 +345,24 @@ def future_map(
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices("draft_indices", didx, chk)
         draft = gather_draft(state, didx)
-        bonus = jnp.asarray(draft.bonus_tokens)
         if chk is not None:
-            k = checks.consumed_values_valid(bonus, didx, chk)
-            state = _poison(state, didx, chk.run(), k)
+            reads = consumed_reads(draft, didx)
+            values = jnp.concatenate([v for v, _ in reads])
+            k = checks.consumed_values_valid(values, jnp.concatenate([sl for _, sl in reads]), chk)
+            maxima = chk.run()
+            for f in consumed:
+                state = _poison(state, didx, maxima, k, f)
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
     def gather_draft(state: FutureMapState, didx: jax.Array) -> DraftPayload:
-        """The draft stashed at `didx`: bonus tokens, top-k and hidden states (as declared)."""
-        assert spec is not None and state.topk_p is not None and state.topk_index is not None
-        hidden = state.hidden_states
-        return DraftPayload(
-            bonus_tokens=_gather(state.output_tokens, didx),
-            topk_p=_gather(state.topk_p, didx),
-            topk_index=_gather(state.topk_index, didx),
-            hidden_states=None
-            if hidden is None
-            else jax.lax.bitcast_convert_type(_gather(hidden, didx), spec.hidden_dtype),
+        """The draft stashed at `didx`: every declared field, as its values."""
+        return draft_payload(
+            {f.name: rf.from_buffer(f, _gather(rf.get(state, f.name), didx), dt) for f in fields}
         )
+
+    def consumed_reads(draft: DraftPayload, didx: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """(one value per row, slots read) of each consume-tracked field a draft gather read."""
+        return [(_row_min(jnp.asarray(rf.get(draft, name))), didx) for name in consumed]
 
     def resolve_gather(
         state: FutureMapState,
@@ -439,19 +434,26 @@ def future_map(
             if chk is not None:
                 checks.positive_lengths(jnp.asarray(True), seq_lens, didx, chk)
             draft = gather_draft(state, didx)
-            reads.append((jnp.asarray(draft.bonus_tokens), didx, True))
         if chk is not None:
+            # (field, values, slots read, whether this batch does the read), every read of a
+            # consume-tracked buffer.
+            tracked = [("bonus_tokens", v, sl, a) for v, sl, a in reads]
+            if draft is not None:
+                tracked += [
+                    (name, v, sl, True)
+                    for name, (v, sl) in zip(consumed, consumed_reads(draft, didx), strict=True)
+                ]
             k = None
-            if reads:
+            if tracked:
                 # A read this batch does not do (a traced mode's other kind) names slot 0.
-                values = jnp.concatenate([v for v, _, _ in reads])
-                sources = jnp.concatenate([jnp.where(a, sl, 0) for _, sl, a in reads])
+                values = jnp.concatenate([v for _, v, _, _ in tracked])
+                sources = jnp.concatenate([jnp.where(a, sl, 0) for _, _, sl, a in tracked])
                 k = checks.consumed_values_valid(values, sources, chk)
             maxima = chk.run()
-            if reads:
-                # -1 at the live slots read; a read not done aims at slot R (dropped).
-                hit = jnp.concatenate([jnp.where(a & (sl > 0), sl, r) for _, sl, a in reads])
-                state = _poison(state, hit, maxima, k)
+            # -1 at the live slots read; a read not done aims at slot R (dropped).
+            for name in dict.fromkeys(f for f, _, _, _ in tracked):
+                hit = [jnp.where(a & (sl > 0), sl, r) for f, _, sl, a in tracked if f == name]
+                state = _poison(state, jnp.concatenate(hit), maxima, k, name)
         return state, Resolved(out, seq_lens, draft)
 
     def invalidate(batch: Batch, indices: Any) -> Batch:

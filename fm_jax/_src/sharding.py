@@ -198,11 +198,11 @@ def _check_split(layout: MeshLayout, tree: Any, what: str) -> None:
 
 def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
     want = layout.dp * pool_size
-    for name, buf in state._asdict().items():
-        if buf is not None and jnp.shape(buf)[0] != want:
+    for path, buf in jax.tree_util.tree_leaves_with_path(state):
+        if not jnp.shape(buf) or jnp.shape(buf)[0] != want:
             raise FutureMapError(
-                f"state.{name} has {jnp.shape(buf)[0]} rows, expected DP*R = "
-                f"{layout.dp}*{pool_size} = {want}"
+                f"state{jax.tree_util.keystr(path)} has shape {jnp.shape(buf)}, expected "
+                f"DP*R = {layout.dp}*{pool_size} = {want} rows"
             )
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.relay_fields import STANDARD, RelayField, standard_fields
 
 
 class ForwardMode(enum.IntEnum):
@@ -23,17 +24,28 @@ class ForwardMode(enum.IntEnum):
 
 
 class SpecConfig(NamedTuple):
-    """Static shapes of the speculative extras, declared at init.
+    """The fields a spec map relays, declared at init (`fields()`): bonus tokens, top-k
+    probabilities and ids, and as declared hidden states, verified ids and the engine's own.
 
     Attributes:
       topk: K, draft top-k width of `topk_p` / `topk_index`.
       hidden: H, width of `hidden_states`; 0 when the draft model relays none.
       hidden_dtype: bfloat16, float16 or float32.
+      verified_id: relay each row's verified id (SGLang's EAGLE `verified_id`), consume-
+        tracked like the bonus tokens.
+      extra: the engine's own fields (`RelayField`s), relayed in `DraftPayload.extras`.
     """
 
     topk: int
     hidden: int = 0
     hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+    verified_id: bool = False
+    extra: tuple[RelayField, ...] = ()
+
+    def fields(self) -> tuple[RelayField, ...]:
+        """Every relayed field, in stash order (`relay_fields.standard_fields`, then extra)."""
+        std = standard_fields(self.topk, self.hidden, self.hidden_dtype, self.verified_id)
+        return std + tuple(self.extra)
 
 
 class FutureMapState(NamedTuple):
@@ -49,6 +61,8 @@ class FutureMapState(NamedTuple):
     # [R, H] raw bits of the declared hidden dtype (uint16 for bf16/f16, uint32 for f32):
     # unsigned-int writes are in place and bit-exact on every backend.
     hidden_states: jax.Array | None = None
+    verified_id: jax.Array | None = None  # [R] int, when declared
+    extras: dict[str, jax.Array] | None = None  # the engine's own fields by name, [R, ...]
 
 
 Rows = jax.Array | np.ndarray
@@ -66,6 +80,22 @@ class DraftPayload(NamedTuple):
     topk_p: Rows  # [B, K] float32
     topk_index: Rows  # [B, K] int
     hidden_states: Rows | None = None  # [B, H], None when H == 0
+    verified_id: Rows | None = None  # [B] int, when the spec declares it
+    extras: Mapping[str, Rows] | None = None  # the engine's own fields by name, [B, ...]
+
+
+def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
+    """A DraftPayload of fields by name: the standard ones as attributes (None when absent),
+    the engine's own in `extras`."""
+    extras = {k: v for k, v in values.items() if k not in STANDARD}
+    return DraftPayload(
+        bonus_tokens=values.get("bonus_tokens"),  # type: ignore[arg-type]  # declared always
+        topk_p=values.get("topk_p"),  # type: ignore[arg-type]
+        topk_index=values.get("topk_index"),  # type: ignore[arg-type]
+        hidden_states=values.get("hidden_states"),
+        verified_id=values.get("verified_id"),
+        extras=extras or None,
+    )
 
 
 Mode = ForwardMode | int | jax.Array | None

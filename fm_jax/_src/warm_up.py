@@ -28,7 +28,8 @@ from jax import monitoring
 from fm_jax._src.buckets import resolve_sizes
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows
-from fm_jax._src.types import Batch, DraftPayload, FutureMapState, SpecConfig
+from fm_jax._src.relay_fields import element_dtype
+from fm_jax._src.types import Batch, FutureMapState, SpecConfig, draft_payload
 
 Key = tuple[Any, ...]
 """An executable's key: (entry point name, per-rank rows[, tokens, with a draft, with token
@@ -103,9 +104,8 @@ def plan(
     def payload(idx: Rows) -> Any:
         if spec is None:
             return rows(idx)
-        hidden = rows(idx, spec.hidden, dtype=spec.hidden_dtype) if spec.hidden else None
-        return DraftPayload(
-            rows(idx), rows(idx, spec.topk, dtype=np.float32), rows(idx, spec.topk), hidden
+        return draft_payload(
+            {f.name: rows(idx, *f.shape, dtype=element_dtype(f, dt)) for f in spec.fields()}
         )
 
     out: list[Planned] = []

@@ -1,0 +1,145 @@
+"""The fields a spec map relays, declared once: what stash writes, resolve gathers and debug
+consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
+
+A field lives in one buffer of the state, [R, *shape]: the bonus tokens in `output_tokens`
+(shared with non-spec tokens), the other standard fields in their own `FutureMapState`
+attribute, an engine's own fields in `FutureMapState.extras` by name. A DraftPayload holds
+the same fields the same way (standard attributes, `extras` by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fm_jax._src.errors import FutureMapError
+
+HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
+"""The standard fields' names, in the order a map declares them."""
+
+
+class RelayField(NamedTuple):
+    """One per-row value a spec map relays from a step's stash to the next step's resolve.
+
+    Attributes:
+      name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
+      shape: the per-row shape; () for one value per row.
+      dtype: the element dtype; None for the map's int dtype.
+      consumed: debug consume tracking (an int field): the buffer starts at -1, every value
+        gathered from a live slot must be >= 0, and -1 is written back at the slots read.
+      bits: stored as raw bits (the unsigned int of the dtype's width): writes stay in place
+        and bit-exact on every backend (XLA:CPU computes a 16-bit float scatter in f32 over
+        the whole buffer, and canonicalises NaN payloads).
+    """
+
+    name: str
+    shape: tuple[int, ...] = ()
+    dtype: Any = None
+    consumed: bool = False
+    bits: bool = False
+
+
+def bits_dtype(dtype: Any) -> np.dtype:
+    """The unsigned int dtype of `dtype`'s width, which stores its raw bits."""
+    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
+
+
+def standard_fields(
+    topk: int, hidden: int, hidden_dtype: Any, verified_id: bool
+) -> tuple[RelayField, ...]:
+    """An EAGLE-style draft's fields: bonus tokens and (if declared) verified ids, both
+    consume-tracked; top-k probabilities and ids; hidden states when H > 0."""
+    out = [RelayField("bonus_tokens", consumed=True)]
+    if verified_id:
+        out.append(RelayField("verified_id", consumed=True))
+    out += [RelayField("topk_p", (topk,), np.dtype(np.float32)), RelayField("topk_index", (topk,))]
+    if hidden:
+        out.append(RelayField("hidden_states", (hidden,), np.dtype(hidden_dtype), bits=True))
+    return tuple(out)
+
+
+def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
+    """An engine's own fields, normalised (dtype a numpy dtype or None); FutureMapError
+    naming what is wrong: a name taken or repeated, a bad shape or dtype, a consumed
+    field that is not an int."""
+    out, seen = [], set(STANDARD)
+    for f in fields:
+        if not isinstance(f, RelayField):
+            raise FutureMapError(f"spec.extra holds RelayFields, got {f!r}")
+        if not isinstance(f.name, str) or not f.name.isidentifier() or f.name in seen:
+            raise FutureMapError(f"spec.extra: field name {f.name!r} is not a new identifier")
+        seen.add(f.name)
+        shape = tuple(f.shape)
+        if not all(isinstance(d, int) and d >= 1 for d in shape):
+            raise FutureMapError(f"spec.extra[{f.name}]: shape must hold ints >= 1, got {shape}")
+        try:
+            dt = None if f.dtype is None else np.dtype(f.dtype)
+        except TypeError:
+            raise FutureMapError(f"spec.extra[{f.name}]: dtype {f.dtype!r} is not one") from None
+        if f.consumed and dt is not None and dt.kind != "i":
+            raise FutureMapError(
+                f"spec.extra[{f.name}]: a consumed field is a signed int (poison -1), got {dt}"
+            )
+        if f.bits and (dt is None or dt.kind not in "fc" or dt.itemsize > 8):
+            raise FutureMapError(f"spec.extra[{f.name}]: bits=True stores a float's bits")
+        out.append(f._replace(shape=shape, dtype=dt))
+    return tuple(out)
+
+
+def element_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
+    """The dtype of the field's values (as stashed and resolved)."""
+    return int_dtype if field.dtype is None else np.dtype(field.dtype)
+
+
+def buffer_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
+    """The dtype of the field's buffer: its values' dtype, or their bits."""
+    dt = element_dtype(field, int_dtype)
+    return bits_dtype(dt) if field.bits else dt
+
+
+def to_buffer(field: RelayField, x: jax.Array) -> jax.Array:
+    """Values as the buffer stores them (bits when declared)."""
+    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype)) if field.bits else x
+
+
+def from_buffer(field: RelayField, x: jax.Array, int_dtype: np.dtype) -> jax.Array:
+    """Gathered buffer rows as the field's values."""
+    if not field.bits:
+        return x
+    return jax.lax.bitcast_convert_type(x, element_dtype(field, int_dtype))
+
+
+def get(holder: Any, name: str) -> Any:
+    """A field's entry in a FutureMapState or DraftPayload (None when absent); the bonus
+    tokens of a state are its `output_tokens`."""
+    if name == "bonus_tokens" and hasattr(holder, "output_tokens"):
+        return holder.output_tokens
+    if name in STANDARD:
+        return getattr(holder, name)
+    return (holder.extras or {}).get(name)
+
+
+def put(holder: Any, name: str, value: Any) -> Any:
+    """`holder` with the field's entry replaced."""
+    if name == "bonus_tokens" and hasattr(holder, "output_tokens"):
+        return holder._replace(output_tokens=value)
+    if name in STANDARD:
+        return holder._replace(**{name: value})
+    return holder._replace(extras={**(holder.extras or {}), name: value})
+
+
+def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
+    """FutureMapError if `draft` (a DraftPayload) gives a field the spec does not declare:
+    every value given is relayed, none is dropped."""
+    names = {f.name for f in fields}
+    if draft.hidden_states is not None and "hidden_states" not in names:
+        raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
+    if draft.verified_id is not None and "verified_id" not in names:
+        raise FutureMapError("draft.verified_id given but spec does not declare it")
+    for name in draft.extras or {}:
+        if name not in names or name in STANDARD:
+            raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")
