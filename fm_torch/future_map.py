@@ -58,9 +58,12 @@ class FutureMap:
       pool_size: R, rows of the request pool (max running requests + 1). Slot 0 is padding.
       device: where the buffers live ('cpu', 'cuda', 'cuda:1', ...).
       dtype: int dtype of token and length buffers: torch.int64 (SGLang's) or torch.int32.
-      spec: relay speculative-decoding extras (topk_p, topk_index, optional hidden_states);
-        their K, H and hidden dtype are fixed by the first non-empty `stash` of a draft.
+      spec: relay speculative-decoding extras (topk_p, topk_index, optional hidden_states,
+        verified ids and the engine's own fields); which are relayed, and their K, H and
+        dtypes, are fixed by the first non-empty `stash` of a draft.
       debug: consume tracking and invariant checks; None reads FM_DEBUG.
+      consumed: the engine's own draft fields (`DraftPayload.extras` names) that debug
+        consume-tracks, as it does the bonus tokens and verified ids.
       protocol: "sentinel" (invalidate leaves -slot placeholders that resolve fills) or
         "gather" (no placeholders: resolve gathers a DECODE batch's ids at its slots, a
         MIXED batch's running tokens at `mix_running_indices`, spec lengths and extras at
@@ -75,6 +78,7 @@ class FutureMap:
         dtype: torch.dtype = torch.int64,
         spec: bool = False,
         debug: bool | None = None,
+        consumed: tuple[str, ...] = (),
         protocol: str = "sentinel",
     ) -> None:
         if not isinstance(pool_size, int) or pool_size < 2:
@@ -101,6 +105,9 @@ class FutureMap:
         self.topk_p: torch.Tensor | None = None
         self.topk_index: torch.Tensor | None = None
         self.hidden_states: torch.Tensor | None = None
+        self.verified_id: torch.Tensor | None = None
+        self.extras: dict[str, torch.Tensor] = {}
+        self.consumed = frozenset(consumed)  # consume-tracked extras, by name
         self._spec_shaped = False
         # Recorded after each spec publish on accelerators; resolve_seq_lens_cpu waits on it.
         self.publish_ready: torch.Event | None = None
@@ -176,6 +183,12 @@ class FutureMap:
             v.check_non_negative(name, tokens)
             if isinstance(payload, DraftPayload):
                 v.check_fits("draft.topk_index", payload.topk_index.reshape(-1), self.dtype)
+                if payload.verified_id is not None:
+                    v.check_fits("draft.verified_id", payload.verified_id, self.dtype)
+                    v.check_non_negative("draft.verified_id", payload.verified_id)
+                for name, x in (payload.extras or {}).items():
+                    if name in self.consumed:
+                        v.check_non_negative(f"draft.{name}", x.reshape(-1))
         # Every check has passed: only now is anything written.
         self.output_tokens[indices] = tokens.to(self.dtype)
         if isinstance(payload, DraftPayload):
@@ -212,7 +225,44 @@ class FutureMap:
             v.check_tensor(
                 "draft.hidden_states", hidden, self.device, (rows, hidden.shape[1]), v.HIDDEN_DTYPES
             )
+        self._check_declared_fields(draft, rows)
         return tokens
+
+    def _check_declared_fields(self, draft: DraftPayload, rows: int) -> None:
+        """Verified ids and the engine's own fields: those of the first draft stashed (which
+        fixes which are relayed, and their shapes and dtypes), [rows, ...] each."""
+        vid = draft.verified_id
+        extras = draft.extras or {}
+        if not isinstance(extras, dict) or not all(isinstance(k, str) for k in extras):
+            raise FutureMapError("draft.extras must be a dict of name -> tensor")
+        if self._spec_shaped and (vid is None) != (self.verified_id is None):
+            want = "no verified_id" if self.verified_id is None else "verified_id"
+            raise FutureMapError(f"draft does not match the first draft stashed: expected {want}")
+        if vid is not None:
+            v.check_rows(
+                "draft.verified_id", v.check_1d_int("draft.verified_id", vid, self.device), rows
+            )
+        if self._spec_shaped and set(extras) != set(self.extras):
+            raise FutureMapError(
+                f"draft.extras has fields {sorted(extras)}, the first draft stashed "
+                f"{sorted(self.extras)}"
+            )
+        for name, x in extras.items():
+            where = f"draft.{name}"
+            if not isinstance(x, torch.Tensor) or x.dim() < 1:
+                raise FutureMapError(f"{where} must be a tensor [B, ...]")
+            if name in self.extras:
+                buf = self.extras[name]
+                v.check_tensor(where, x, self.device, (rows, *buf.shape[1:]), (buf.dtype,))
+            else:
+                v.check_tensor(where, x, self.device, (rows, *x.shape[1:]), (x.dtype,))
+            if name in self.consumed and x.dtype not in v.INT_DTYPES:
+                raise FutureMapError(f"{where} is consume-tracked: an int tensor, got {x.dtype}")
+        if not self._spec_shaped and not self.consumed <= set(extras):
+            raise FutureMapError(
+                f"consume-tracked fields {sorted(self.consumed - set(extras))} missing from the "
+                "first draft"
+            )
 
     def _stash_extras(self, indices: torch.Tensor, draft: DraftPayload) -> None:
         if not self._spec_shaped:
@@ -224,12 +274,27 @@ class FutureMap:
                 self.hidden_states = torch.zeros(
                     (r, h), dtype=draft.hidden_states.dtype, device=self.device
                 )
+            # Consume-tracked fields start poisoned in debug, like output_tokens.
+            fill = POISON if self.debug else 0
+            if draft.verified_id is not None:
+                self.verified_id = torch.full((r,), fill, dtype=self.dtype, device=self.device)
+            for name, x in (draft.extras or {}).items():
+                self.extras[name] = torch.full(
+                    (r, *x.shape[1:]),
+                    fill if name in self.consumed else 0,
+                    dtype=x.dtype,
+                    device=self.device,
+                )
             self._spec_shaped = True
         assert self.topk_p is not None and self.topk_index is not None
         self.topk_p[indices] = draft.topk_p
         self.topk_index[indices] = draft.topk_index.to(self.dtype)
         if self.hidden_states is not None and draft.hidden_states is not None:
             self.hidden_states[indices] = draft.hidden_states
+        if self.verified_id is not None and draft.verified_id is not None:
+            self.verified_id[indices] = draft.verified_id.to(self.dtype)
+        for name, x in (draft.extras or {}).items():
+            self.extras[name][indices] = x
 
     # ------------------------------------------------------------------------------ reads
     def resolve(self, batch: ScheduleBatch) -> None:
@@ -307,11 +372,43 @@ class FutureMap:
             batch.seq_lens = seq_lens
 
     def _gather_extras(self, indices: torch.Tensor) -> DraftPayload:
-        """Spec: the draft state stashed at `indices` (debug: consume-checked bonus tokens)."""
+        """Spec: the draft state stashed at `indices` (debug: every consume-tracked field
+        checked, then poisoned at `indices`)."""
         payload = self._read_extras(indices)
         if self.debug:
+            self._check_consumed_fields(payload, indices)
             self._consume(payload.bonus_tokens, indices, source_slots=indices)
+            self._poison_fields(indices)
         return payload
+
+    def _tracked(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of each consume-tracked field besides the bonus tokens: the
+        verified ids and the tracked extras the first draft brought."""
+        out = [("verified_id", self.verified_id)] if self.verified_id is not None else []
+        return out + [(k, self.extras[k]) for k in sorted(self.consumed & set(self.extras))]
+
+    def _check_consumed_fields(self, payload: DraftPayload, indices: torch.Tensor) -> None:
+        """Consume check of the tracked fields gathered at `indices` (besides the bonus
+        tokens): each row read from a live slot is >= 0. Checks only: `_poison_fields`
+        writes."""
+        for name, _ in self._tracked():
+            got = payload.verified_id if name == "verified_id" else (payload.extras or {})[name]
+            assert got is not None
+            low = got.reshape(got.shape[0], -1).amin(dim=1) if got.dim() > 1 else got
+            ok = (low >= 0) | (indices == 0)
+            if self.device.type != "cpu":
+                torch._assert_async(ok.all(), "FutureMap invariant 'consume (WRWR)' violated")
+            elif not bool(ok.all()):
+                raise InvariantViolation(
+                    "consume (WRWR)",
+                    "read a slot with no write since its last read (RR) or before its first write",
+                    indices[~ok].tolist(),
+                )
+
+    def _poison_fields(self, indices: torch.Tensor) -> None:
+        """POISON at `indices` (whole rows) in every tracked field besides the bonus tokens."""
+        for _, buf in self._tracked():
+            buf[indices] = POISON
 
     def _read_extras(self, indices: torch.Tensor) -> DraftPayload:
         """Spec: the draft state stashed at `indices`, read only (no consume check)."""
@@ -321,6 +418,8 @@ class FutureMap:
             topk_p=self.topk_p[indices],
             topk_index=self.topk_index[indices],
             hidden_states=None if self.hidden_states is None else self.hidden_states[indices],
+            verified_id=None if self.verified_id is None else self.verified_id[indices],
+            extras={k: b[indices] for k, b in self.extras.items()} or None,
         )
 
     def _resolve_gather(self, batch: ScheduleBatch) -> None:
@@ -404,7 +503,12 @@ class FutureMap:
                 # One consume over every read: all checked before any slot is poisoned.
                 values = torch.cat([r[0] for r in reads])
                 slots = torch.cat([r[1].to(torch.int64) for r in reads])
+                if payload is not None:
+                    assert draft_indices is not None
+                    self._check_consumed_fields(payload, draft_indices)
                 self._consume(values, slots, source_slots=slots)
+                if payload is not None and draft_indices is not None:
+                    self._poison_fields(draft_indices)
         if new_ids is not None:
             batch.input_ids = new_ids
         if seq_lens is not None:
