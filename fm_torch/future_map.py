@@ -311,8 +311,9 @@ class FutureMap:
           ignored; None is the usual value), lengths as given.
         - MIXED: `input_ids := cat(input_ids, output_tokens[mix_running_indices])`.
         - IDLE: nothing.
-        - spec with a draft input: `seq_lens := new_seq_lens[draft.indices]` (debug: live
-          rows > 0) and the extras and bonus tokens gathered there; ids as given.
+        - spec with a draft input: the extras and bonus tokens gathered at its slots and,
+          on a DECODE batch, `seq_lens := new_seq_lens[draft.indices]` (debug: live rows
+          > 0); ids as given.
         Debug: consume check on every gather from `output_tokens`, which poisons exactly
         the slots gathered.
 
@@ -484,7 +485,9 @@ class FutureMap:
         seq_lens: torch.Tensor | None = None
         payload: DraftPayload | None = None
         if draft_indices is not None:
-            seq_lens = self.new_seq_lens[draft_indices]
+            # A spec DECODE batch's lengths are the verified ones last published.
+            if mode == ForwardMode.DECODE:
+                seq_lens = self.new_seq_lens[draft_indices]
             payload = self._read_extras(draft_indices)
             if self.debug and mix is not None:
                 # Read after the running rows' consume: a slot both gathered finds the

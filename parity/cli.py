@@ -73,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: both; with --dp/--tp: off)",
     )
     p.add_argument(
+        "--protocol",
+        choices=("sentinel", "gather", "both"),
+        default="both",
+        help="the FutureMap relay protocol both twins run (docs/CONTRACT.md, 'Two "
+        "protocols'): sentinel (decode rows carry -slot until resolve), gather (resolve "
+        "gathers at the slots the host names; no invalidate), or both, every scenario under "
+        "each against the same oracle (default: both)",
+    )
+    p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -81,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mutations",
         action="store_true",
-        help="also run the mutation check over the selected scenarios (int32)",
+        help="also run the mutation check over the selected scenarios (int32; each broken "
+        "variant under the protocol whose mistake it makes, if selected)",
     )
     p.add_argument(
         "--mutate",
@@ -220,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from parity.mutations import MUTATIONS
     from parity.runner import run_jobs
     from parity.suite import Job, check_mutation
+    from parity.twin import PROTOCOLS
 
     try:
         if mesh:
@@ -231,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     dtypes = ("int32", "int64") if args.dtype == "all" else (args.dtype,)
     debugs = {"on": (True,), "off": (False,), "both": (False, True)}[args.debug]
+    protocols = PROTOCOLS if args.protocol == "both" else (args.protocol,)
     jobs = [
         Job(
             n,
@@ -242,12 +254,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             dp=args.dp,
             tp=args.tp,
             processes=args.processes,
+            protocol=proto,
         )
         for n in names
+        for proto in protocols
         for dt in dtypes
         for dbg in debugs
     ]
-    n_mut = len(MUTATIONS) if args.mutations else 0
+    # Each broken variant is one protocol's mistake: it runs when that protocol does.
+    mutation_names = [m for m, cls in MUTATIONS.items() if cls.protocol in protocols]
+    n_mut = len(mutation_names) if args.mutations else 0
     bar = tqdm(
         total=len(jobs) + n_mut,
         disable=args.no_progress,
@@ -257,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     def progress(job: Job, _: object) -> None:
-        bar.set_postfix_str(f"{job.scenario} {job.dtype} debug {'on' if job.debug else 'off'}")
+        debug = "on" if job.debug else "off"
+        bar.set_postfix_str(f"{job.scenario} {job.protocol} {job.dtype} debug {debug}")
         bar.update()
 
     results = run_jobs(jobs, progress)
@@ -269,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in names
             for dbg in debugs
         ]
-        for name in MUTATIONS:
+        for name in mutation_names:
             bar.set_postfix_str(f"mutation {name}")
             mutations.append(check_mutation(name, suite, mutate))
             bar.update()
@@ -299,8 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else ""
     )
     print(
-        f"\n{len(results) - len(failed)}/{len(results)} runs bit-identical with a passing "
-        f"oracle{what}"
+        f"\n{len(results) - len(failed)}/{len(results)} runs ({' + '.join(protocols)}) "
+        f"bit-identical with a passing oracle{what}"
         + (
             f"; {len(mutations) - len(missed)}/{len(mutations)} mutations caught"
             if mutations

@@ -156,7 +156,9 @@ def worker(args: argparse.Namespace) -> int:
     sync = DpSync(args.process_id, args.num_processes, args.timeout, args.step_delay)
     for i, job in enumerate(jobs):
         lanes = lanes_for(job)
-        twin = JaxTwin(lanes[0], job.dtype, job.debug, "cpu", dp=job.dp, tp=job.tp)
+        twin = JaxTwin(
+            lanes[0], job.dtype, job.debug, "cpu", dp=job.dp, tp=job.tp, protocol=job.protocol
+        )
         driven: Twin = twin if args.corrupt is None else FlipByte(twin, *args.corrupt)
         mine = {r: lanes[r] for r in twin.ranks}
         try:
@@ -355,7 +357,14 @@ def judge(jobs: Sequence[Job], res: DistResult) -> list[ScenarioResult]:
             out.append(failed(job, f"{len(parts)} of {job.processes} processes finished: {why}"))
             continue
         lanes = lanes_for(job)
-        torch = TorchTwin(lanes[0], job.dtype, job.debug, job.device, ranks=tuple(lanes))
+        torch = TorchTwin(
+            lanes[0],
+            job.dtype,
+            job.debug,
+            job.device,
+            ranks=tuple(lanes),
+            protocol=job.protocol,
+        )
         runs = {
             "jax": merge([run for run, _ in parts]),
             "torch": run_overlap(lanes, torch, job.dtype, job.steps),

@@ -1,16 +1,25 @@
 """The overlap driver: the contract's step order against one FutureMap twin, traced per op.
 
-One driver for one device, a mesh and many processes: it steps the DP ranks it is given
-(each its own Scenario and Scheduler) in lockstep, and every op of a step is one twin call
-for all of them. Per step, in host order (docs/CONTRACT.md, 'One overlap step'): build
-each rank's batch (decode rows carry the sentinels the last invalidate left; MIXED decode
-rows get the host's seq_lens_cpu), spec only `resolve_seq_lens_cpu`, then `resolve`, the
-forward, `publish`, `stash`, `invalidate`. A PREBUILT rank bootstraps with publish + stash
-and no resolve or forward; an IDLE rank takes part with empty indices; a rank whose
-scenario has ended sits out. After each op the driver records, per rank, what the op
-touched: buffers (slots 1..R-1), resolved ids and lengths, gathered spec extras, the
-sentinels, and at the end of the step the host's seq_lens_cpu. Per-row and per-token
-fields keep live rows and tokens only: padding rows are garbage by contract.
+One driver for one device, a mesh and many processes, and for both relay protocols
+(docs/CONTRACT.md, 'Two protocols'; the twin's map fixes which): it steps the DP ranks it
+is given (each its own Scenario and Scheduler) in lockstep, and every op of a step is one
+twin call for all of them. Per step, in host order (docs/CONTRACT.md, 'One overlap step'):
+build each rank's batch, spec only `resolve_seq_lens_cpu`, then `resolve`, the forward,
+`publish`, `stash` and, in the sentinel protocol, `invalidate`. How the host lays out its
+decode rows depends on the protocol:
+
+- sentinel: decode rows carry the sentinels the last invalidate left (MIXED decode rows
+  get the host's seq_lens_cpu);
+- gather: decode rows carry no id (0) and the host's seq_lens_cpu (spec: a step old; the
+  device gathers the verified lengths); a MIXED batch names its running rows' slots;
+  nothing is invalidated, so the trace has no 'invalidate' records.
+
+A PREBUILT rank bootstraps with publish + stash and no resolve or forward; an IDLE rank
+takes part with empty indices; a rank whose scenario has ended sits out. After each op the
+driver records, per rank, what the op touched: buffers (slots 1..R-1), resolved ids and
+lengths, gathered spec extras, the sentinels, and at the end of the step the host's
+seq_lens_cpu. Per-row and per-token fields keep live rows and tokens only: padding rows
+are garbage by contract.
 
 Across processes a `Sync` agrees each step's sizes (and whether any rank is still
 running) with the other processes, as an engine's DP batch-size sync does.
@@ -29,7 +38,7 @@ from parity import toy_model as tm
 from parity.host_batch import HostBatch
 from parity.scenario import Kind, Row, Scenario, Scheduler, StepPlan
 from parity.trace import Field, OpRecord, RunResult
-from parity.twin import ForwardOut, ResolvedOut, Sizes, Twin
+from parity.twin import ForwardOut, ResolvedOut, Sizes, Twin, check_protocol
 
 DRAFT_FIELDS = ("bonus_tokens", "topk_p", "topk_index", "hidden_states")
 
@@ -58,15 +67,19 @@ class _Lane:
             return p
         return None
 
-    def placeholder(self, plan: StepPlan) -> host_batch.Placeholder:
-        """A decode row's (id, length) before resolve: the sentinels the host holds, with the
-        host's length in a MIXED batch."""
+    def placeholder(self, plan: StepPlan, protocol: str) -> host_batch.Placeholder:
+        """A decode row's (id, length) before resolve. Sentinel protocol: the sentinels the
+        host holds, with the host's length in a MIXED batch. Gather protocol: no id (0: a
+        host id is never negative there) and the host's seq_lens_cpu."""
 
         def held(row: Row) -> tuple[int, int]:
             ids, lens = self.sentinel[row.rid]
             return ids, (row.seq_len if plan.kind is Kind.MIXED else lens)
 
-        return held
+        def host(row: Row) -> tuple[int, int]:
+            return 0, row.seq_len
+
+        return host if protocol == "gather" else held
 
 
 def append_streams(
@@ -177,7 +190,8 @@ def run_overlap(
     Args:
       lanes: DP rank -> the scenario that rank runs (one device: {0: scenario}); the ranks
         must be among `twin.ranks`.
-      twin: the FutureMap twin.
+      twin: the FutureMap twin; its map's protocol (`twin.protocol`) decides how the host
+        lays out decode rows and whether it invalidates.
       dtype: 'int32' or 'int64' (token ids of int64 runs sit above 2**32).
       max_steps: stop each rank after this many scheduler steps.
       sync: agrees sizes across processes (see `Sync`); None: this process alone.
@@ -188,6 +202,7 @@ def run_overlap(
       A FutureMap error (debug violation or rejected input) stops the run and is kept.
     """
     offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
+    protocol = check_protocol(twin.protocol)
     state = {r: _Lane(s, Scheduler(s, max_steps)) for r, s in sorted(lanes.items())}
     result = RunResult()
     rec = _Recorder(twin, state, result)
@@ -197,7 +212,9 @@ def run_overlap(
             step += 1
             plans = {r: p for r, ln in state.items() if (p := ln.plan()) is not None}
             hbs = {
-                r: host_batch.build(p, state[r].scenario, npdt, offset, state[r].placeholder(p))
+                r: host_batch.build(
+                    p, state[r].scenario, npdt, offset, state[r].placeholder(p, protocol)
+                )
                 for r, p in plans.items()
             }
             sizes = Sizes(
@@ -211,7 +228,11 @@ def run_overlap(
                 break
             if plans:
                 result.steps = step
-                _step(step, plans, hbs, state, twin, sizes, rec, npdt, offset)
+                res = _step(step, plans, hbs, state, twin, sizes, rec, npdt, offset)
+                if protocol == "sentinel":
+                    _invalidate(step, plans, hbs, res, state, twin, sizes, rec)
+                _host(step, plans, hbs, state, rec)
+                twin.check()
     except twin.errors as e:
         result.error = f"{type(e).__name__}: {e}"
         result.error_kind = twin.error_kind(e)
@@ -230,8 +251,9 @@ def _step(
     rec: _Recorder,
     npdt: np.dtype,
     offset: int,
-) -> None:
-    """One overlap step of every running rank."""
+) -> dict[int, ResolvedOut]:
+    """One overlap step of every running rank, up to its stash (`_invalidate` and `_host`
+    end it). Returns what resolve handed each resolving rank (invalidate's input)."""
     streams = rec.result.streams
     kind = {r: p.kind for r, p in plans.items()}
     resolving = {r: hb for r, hb in hbs.items() if kind[r] is not Kind.PREBUILT}
@@ -269,7 +291,12 @@ def _step(
             payload[r] = toks if d is None else twin.draft_payload(toks, d)
             append_streams(streams, r, plans[r], toks, None)
         else:  # IDLE: empty indices, nothing to relay
-            lens[r] = payload[r] = np.zeros(0, dtype=npdt)
+            none = np.zeros(0, dtype=npdt)
+            lens[r] = payload[r] = none
+            spec = lanes[r].scenario.spec
+            if spec is not None:  # a spec map stashes drafts only: an empty one
+                draft = tm.make_draft(tm.NUMPY, none, none, none, (spec.topk, spec.hidden), offset)
+                payload[r] = twin.draft_payload(none, draft)
     slots = {r: hb.slots for r, hb in hbs.items()}
     twin.publish(slots, lens, sizes)
     rec.op(step, "publish", {r: {} for r in hbs})
@@ -283,7 +310,21 @@ def _step(
         append_streams(
             streams, r, plans[r], twin.host(outs[r].token), None if acc is None else twin.host(acc)
         )
+    return res
 
+
+def _invalidate(
+    step: int,
+    plans: Mapping[int, StepPlan],
+    hbs: Mapping[int, HostBatch],
+    res: Mapping[int, ResolvedOut],
+    lanes: Mapping[int, _Lane],
+    twin: Twin,
+    sizes: Sizes,
+    rec: _Recorder,
+) -> None:
+    """Sentinel protocol: invalidate every rank's batch; its sentinels are what the host's
+    next batch carries in those requests' decode rows."""
     sentinels = twin.invalidate(hbs, res, sizes)
     fields: dict[int, Fields] = {}
     for r, hb in hbs.items():
@@ -299,6 +340,16 @@ def _step(
             zip(rids, zip(ids.tolist(), lns.tolist(), strict=False), strict=False)
         )
     rec.op(step, "invalidate", fields, buffers=False)
+
+
+def _host(
+    step: int,
+    plans: Mapping[int, StepPlan],
+    hbs: Mapping[int, HostBatch],
+    lanes: Mapping[int, _Lane],
+    rec: _Recorder,
+) -> None:
+    """Record each rank's host seq_lens_cpu at the end of the step."""
     host = {
         r: {
             "seq_lens_cpu": (
@@ -309,4 +360,3 @@ def _step(
         for r, p in plans.items()
     }
     rec.op(step, "host", host, buffers=False)
-    twin.check()

@@ -31,6 +31,9 @@ class HostBatch:
       token_slots: [T] slot of each token, for reports (padding: 0).
       n_rows, n_tokens: live rows and live tokens.
       spec_decode: a spec DECODE batch (it carries a draft input at `slots`).
+      running: [M] a MIXED batch's running (decode) rows' slots, in row order; their
+        tokens are the last M of the live tokens (gather protocol: the slots resolve
+        gathers them at). Empty for other kinds.
     """
 
     plan: StepPlan
@@ -43,11 +46,25 @@ class HostBatch:
     n_rows: int
     n_tokens: int
     spec_decode: bool
+    running: np.ndarray
 
     @property
     def live_slots(self) -> np.ndarray:
         """Slots of the live rows."""
         return self.slots[: self.n_rows]
+
+    @property
+    def n_prefill_tokens(self) -> int:
+        """Live tokens before the running rows' (all of them but a MIXED batch's tail)."""
+        return self.n_tokens - len(self.running)
+
+    @property
+    def mixed_token_slots(self) -> np.ndarray:
+        """[T] the gather protocol's per-token slots: `running[i]` at the position of the
+        i-th running row's token, 0 at prefill and padding positions (gathers nothing)."""
+        out = np.zeros(len(self.input_ids), dtype=self.slots.dtype)
+        out[self.n_prefill_tokens : self.n_tokens] = self.running
+        return out
 
 
 def bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
@@ -66,7 +83,8 @@ def build(
     """Lay out `plan` as padded arrays.
 
     Prefill rows carry their prompt chunk and real length; decode rows carry
-    `placeholder(row)`: sentinels in an overlap run, exact values in the reference loop.
+    `placeholder(row)`: sentinels in a sentinel-protocol run, the host's length (and no
+    id, 0) in a gather-protocol run.
     """
     if plan.kind is Kind.DECODE:  # the common case, laid out in bulk
         held = [placeholder(row) for row in plan.rows]
@@ -109,4 +127,8 @@ def build(
         n_rows=n_rows,
         n_tokens=n_tokens,
         spec_decode=scenario.spec is not None and plan.kind is Kind.DECODE,
+        running=np.array(
+            [r.slot for r in plan.rows if r.phase == "decode" and plan.kind is Kind.MIXED],
+            dtype=dtype,
+        ),
     )

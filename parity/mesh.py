@@ -59,7 +59,8 @@ def count_collectives(hlo_text: str) -> int:
 
 def hlo_collectives(fm: fm_jax.FutureMap, rows: int, tokens: int) -> dict[str, int]:
     """Collectives in each op's compiled HLO at per-rank sizes (rows, tokens), mode traced
-    (a spec map: stash of a whole draft, resolve with draft indices)."""
+    (a spec map: stash of a whole draft, resolve with draft indices; a gather-protocol map:
+    resolve with token slots, and no invalidate, which that protocol never runs)."""
     dp, dt = fm.layout.dp, fm.dtype
     sh = fm.layout.sharding
 
@@ -79,14 +80,17 @@ def hlo_collectives(fm: fm_jax.FutureMap, rows: int, tokens: int) -> dict[str, i
         )
         draft = arr(rows)
     mode: Any = jax.ShapeDtypeStruct((dp,), np.int32)  # traced: one per rank
-    batch = fm_jax.Batch(mode, arr(rows), arr(tokens), arr(rows), draft)
+    gather = fm.protocol == "gather"
+    token_slots = arr(tokens) if gather else None
+    batch = fm_jax.Batch(mode, arr(rows), arr(tokens), arr(rows), draft, token_slots)
     ex = fm.executables()
     lowered = {
         "publish": ex["publish"].lower(state, arr(rows), arr(rows)),
         "stash": ex["stash"].lower(state, arr(rows), payload),
         "resolve": ex["resolve"].lower(state, batch),
-        "invalidate": ex["sentinels"].lower(arr(rows)),
     }
+    if not gather:
+        lowered["invalidate"] = ex["sentinels"].lower(arr(rows))
     return {op: count_collectives(low.compile().as_text()) for op, low in lowered.items()}
 
 

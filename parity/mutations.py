@@ -3,7 +3,8 @@
 Each variant wraps a twin (parity.twin.Twin) and breaks one thing in how the FutureMap
 behaves as the engine sees it; everything else passes through. They apply to either
 framework alike, so the same bug can be put into fm_jax alone (parity must see it) or
-into both twins (then only the oracle or the debug checks can).
+into both twins (then only the oracle or the debug checks can). Each is a mistake of one
+relay protocol (docs/CONTRACT.md, 'Two protocols') and is judged under it (`protocol`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ Slots = Mapping[int, np.ndarray]
 
 
 class Mutant:
-    """A twin with one op broken; every other attribute is the wrapped twin's."""
+    """A twin with one op broken; every other attribute is the wrapped twin's.
+
+    `protocol` is the relay protocol whose mistake it makes: the mutation check runs it
+    under that protocol only.
+    """
+
+    protocol = "sentinel"
 
     def __init__(self, inner: Twin) -> None:
         self.inner = inner
@@ -131,6 +138,71 @@ class SkipDecodeRestore(Mutant):
         return self.inner.resolve(changed, sizes)
 
 
+class MixedGathersWrongRows(Mutant):
+    """Gather protocol: a MIXED batch gathers its running rows' tokens at the batch's first
+    rows (req_pool_indices[:M], prefill rows among them) instead of the running rows'
+    slots."""
+
+    protocol = "gather"
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        changed = {
+            r: dataclasses.replace(hb, running=hb.slots[: len(hb.running)])
+            if hb.mode == MODE[Kind.MIXED]
+            else hb
+            for r, hb in batches.items()
+        }
+        return self.inner.resolve(changed, sizes)
+
+
+class SpecKeepsHostLengths(Mutant):
+    """Gather protocol, spec: resolve gathers the draft but not the verified lengths; the
+    forward gets the host's seq_lens, which lag a step behind the accepted drafts."""
+
+    protocol = "gather"
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = self.inner.resolve(batches, sizes)
+        for r, res in out.items():
+            hb = batches[r]
+            if hb.spec_decode:
+                out[r] = res._replace(seq_lens=_like(res.seq_lens, hb.seq_lens))
+        return out
+
+
+class SkipStashRows(Mutant):
+    """Gather protocol: every second non-empty stash skips its first live row. Its slot
+    keeps what it held: the token its last resolve already gathered (debug mode: the
+    poison that resolve wrote), or after a prefill the slot's previous value."""
+
+    protocol = "gather"
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        if any(len(s) for s in slots.values()):
+            self.calls += 1
+            if self.calls % 2 == 0:
+                slots = {r: s.copy() for r, s in slots.items()}
+                for s in slots.values():
+                    s[:1] = 0  # to the padding row (live rows come first)
+        self.inner.stash(slots, payload, sizes)
+
+
+def _like(x: Any, host: np.ndarray) -> Any:
+    """`host` as an array of `x`'s framework, dtype and device (x: a torch tensor or a
+    one-device jax array)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return torch.as_tensor(host).to(device=x.device, dtype=x.dtype)
+    import jax
+
+    return jax.device_put(host.astype(x.dtype), next(iter(x.devices())))
+
+
 MUTATIONS: dict[str, type[Mutant]] = {
     "skip_stash": SkipStash,
     "stash_twice": StashTwice,
@@ -138,8 +210,11 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "sentinel_off_by_one": SentinelOffByOne,
     "stale_slot_after_reuse": StaleSlotAfterReuse,
     "skip_decode_restore": SkipDecodeRestore,
+    "mixed_gathers_wrong_rows": MixedGathersWrongRows,
+    "spec_keeps_host_lengths": SpecKeepsHostLengths,
+    "skip_stash_rows": SkipStashRows,
 }
-"""Mutation name -> wrapper class."""
+"""Mutation name -> wrapper class (its `protocol` says which protocol it is judged under)."""
 
 
 class FlipByte(Mutant):

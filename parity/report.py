@@ -9,7 +9,16 @@ from typing import Any
 
 from parity.suite import MutationResult, ScenarioResult
 
-SCENARIO_COLUMNS = ("scenario", "dtype", "debug", "steps", "ops compared", "divergences", "oracle")
+SCENARIO_COLUMNS = (
+    "scenario",
+    "protocol",
+    "dtype",
+    "debug",
+    "steps",
+    "ops compared",
+    "divergences",
+    "oracle",
+)
 MESH_COLUMNS = ("mesh", "HLO check")
 """Added to the table when some runs are on a mesh: 'DPxTP' (and the processes it spans),
 and the sharded map's recompiles and collectives ('-' for runs on one device)."""
@@ -31,11 +40,13 @@ def _hlo_check(r: ScenarioResult) -> str:
 
 
 def scenario_table(results: Sequence[ScenarioResult]) -> str:
-    """One line per run: scenario, dtype, debug, steps, ops compared, divergences, oracle
-    (mesh runs: also the mesh shape and the HLO check; FAIL marks a failed check)."""
+    """One line per run: scenario, relay protocol, dtype, debug, steps, ops compared,
+    divergences, oracle (mesh runs: also the mesh shape and the HLO check; FAIL marks a
+    failed check)."""
     rows = [
         [
             r.name,
+            r.protocol,
             r.dtype,
             "on" if r.debug else "off",
             str(r.steps),
@@ -62,7 +73,8 @@ def failure_details(results: Sequence[ScenarioResult]) -> str:
             continue
         mesh = "" if r.dp is None else f", DP={r.dp} x TP={r.tp}"
         mesh += f", {r.processes} processes" if r.processes > 1 else ""
-        out.append(f"{r.name} ({r.dtype}, debug {'on' if r.debug else 'off'}{mesh}):")
+        debug = "on" if r.debug else "off"
+        out.append(f"{r.name} ({r.protocol}, {r.dtype}, debug {debug}{mesh}):")
         if r.first_divergence:
             out.append(f"  first divergence: {r.first_divergence}")
         out += [f"  {twin} stopped: {err}" for twin, err in r.errors.items()]
@@ -72,9 +84,10 @@ def failure_details(results: Sequence[ScenarioResult]) -> str:
 
 
 def mutation_table(results: Sequence[MutationResult]) -> str:
-    """One line per mutation: which detectors caught it, in which scenario."""
-    rows = [[m.name, m.caught_by or "MISSED", m.where or "-"] for m in results]
-    return _table(("mutation", "caught by", "first caught in"), rows)
+    """One line per mutation: the protocol it runs under, which detectors caught it, in
+    which scenario."""
+    rows = [[m.name, m.protocol, m.caught_by or "MISSED", m.where or "-"] for m in results]
+    return _table(("mutation", "protocol", "caught by", "first caught in"), rows)
 
 
 def report_json(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from parity import catalogue
@@ -21,10 +21,7 @@ from parity.mutations import MUTATIONS
 from parity.reference import Streams, run_reference
 from parity.scenario import Scenario
 from parity.trace import RunResult
-from parity.twin import Twin
-
-PROTOCOLS = ("sentinel",)
-"""Relay protocols parity runs: 'sentinel' (docs/CONTRACT.md: decode rows carry -slot)."""
+from parity.twin import Twin, check_protocol
 
 DETECTORS = ("parity", "oracle", "debug", "checks")
 """What can catch a bug: a trace divergence, a wrong token stream, a debug invariant
@@ -33,8 +30,8 @@ violation, or the map's input checks rejecting what it was handed."""
 
 @dataclass(frozen=True)
 class Job:
-    """One run: a catalogue scenario in one dtype and debug mode (plain data: crosses into a
-    worker process as JSON).
+    """One run: a catalogue scenario in one dtype, debug mode and relay protocol (plain
+    data: crosses into a worker process as JSON).
 
     `dp` x `tp` > 1 runs fm_jax on a mesh, its DP ranks spread over `processes` processes
     (each holding dp*tp/processes devices); fm_torch holds one map per rank.
@@ -227,8 +224,12 @@ def make_twins(
 
     first = lanes[0]
     twins: list[Twin] = [
-        JaxTwin(first, job.dtype, job.debug, job.device, dp=job.dp, tp=job.tp),
-        TorchTwin(first, job.dtype, job.debug, job.device, ranks=tuple(lanes)),
+        JaxTwin(
+            first, job.dtype, job.debug, job.device, dp=job.dp, tp=job.tp, protocol=job.protocol
+        ),
+        TorchTwin(
+            first, job.dtype, job.debug, job.device, ranks=tuple(lanes), protocol=job.protocol
+        ),
     ]
     if mutation is not None:
         wrap = MUTATIONS[mutation]
@@ -244,8 +245,7 @@ def run_job(
     A job that raises before its checks end is reported as a failing result, so that the
     other jobs still run.
     """
-    if job.protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {job.protocol!r}; known: {', '.join(PROTOCOLS)}")
+    check_protocol(job.protocol)
     try:
         lanes = lanes_for(job)
         twins = make_twins(lanes, job, mutation, mutate)
@@ -265,10 +265,11 @@ class MutationResult:
     name: str
     caught_by: str | None
     where: str | None
+    protocol: str = "sentinel"
 
     def to_json(self) -> dict[str, Any]:
         """The report's per-mutation entry."""
-        return {"name": self.name, "caught_by": self.caught_by}
+        return {"name": self.name, "protocol": self.protocol, "caught_by": self.caught_by}
 
 
 def check_mutation(
@@ -276,12 +277,19 @@ def check_mutation(
 ) -> MutationResult:
     """Run the mutated twins through `jobs` in order until some detector fires.
 
-    Returns the detectors that fired in the first scenario that caught it (both debug
-    modes of that scenario are run, so 'debug' shows where it applies).
+    Every job runs under the mutation's own protocol (`Mutant.protocol`: the relay
+    protocol whose mistake it makes), whatever protocol it names. Returns the detectors
+    that fired in the first scenario that caught it (both debug modes of that scenario
+    are run, so 'debug' shows where it applies).
     """
+    protocol = MUTATIONS[name].protocol
     by_scenario: dict[tuple[str, int, int | None, int], list[Job]] = {}
     for job in jobs:
-        by_scenario.setdefault((job.scenario, job.seed, job.steps, job.size), []).append(job)
+        key = (job.scenario, job.seed, job.steps, job.size)
+        group = by_scenario.setdefault(key, [])
+        mine = replace(job, protocol=protocol)
+        if mine not in group:  # one run per debug mode, whatever protocols `jobs` name
+            group.append(mine)
     for group in by_scenario.values():
         fired: list[str] = []
         where = None
@@ -291,5 +299,5 @@ def check_mutation(
             fired += [d for d in r.detectors if d not in fired]
         if fired:
             order = [d for d in DETECTORS if d in fired]
-            return MutationResult(name, "+".join(order), where)
-    return MutationResult(name, None, None)
+            return MutationResult(name, "+".join(order), where, protocol)
+    return MutationResult(name, None, None, protocol)

@@ -4,7 +4,8 @@
 (twin_torch.py: one fm_torch.FutureMap per rank, as each SGLang DP rank holds its own)
 implement it; mutations.py wraps either to make a deliberately broken FutureMap variant.
 Every op takes a mapping DP rank -> host rows for the ranks that take part in it; a rank
-left out is idle for that op.
+left out is idle for that op. A twin's map runs one relay protocol (docs/CONTRACT.md, 'Two
+protocols'), fixed when it is built: the driver reads it from `Twin.protocol`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,18 @@ import numpy as np
 
 from parity import toy_model as tm
 from parity.host_batch import HostBatch
+
+PROTOCOLS = ("sentinel", "gather")
+"""The relay protocols (docs/CONTRACT.md, 'Two protocols'): 'sentinel', where decode rows
+carry -slot until resolve and invalidate leaves them, and 'gather', where resolve gathers
+the tokens (spec: lengths) at slots the host names and nothing is invalidated."""
+
+
+def check_protocol(protocol: str) -> str:
+    """`protocol` if it is one of PROTOCOLS; ValueError naming the known ones otherwise."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
+    return protocol
 
 
 class Sizes(NamedTuple):
@@ -52,6 +65,7 @@ class Twin(Protocol):
     """One framework's FutureMap over DP ranks `ranks`, and its model; slots are host numpy."""
 
     name: str
+    protocol: str  # one of PROTOCOLS, the map's
     errors: tuple[type[Exception], ...]
     ranks: tuple[int, ...]
 
@@ -73,6 +87,7 @@ class Twin(Protocol):
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
     ) -> None: ...
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any: ...
+    # Sentinel protocol only: a gather-protocol map refuses it, and the driver skips it.
     def invalidate(
         self,
         batches: Mapping[int, HostBatch],

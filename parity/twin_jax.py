@@ -24,7 +24,7 @@ from parity import toy_model_jax as model
 from parity.host_batch import HostBatch
 from parity.mesh import MeshHealth, make_mesh
 from parity.scenario import Scenario
-from parity.twin import ForwardOut, ResolvedOut, Sizes, run_forward
+from parity.twin import ForwardOut, ResolvedOut, Sizes, check_protocol, run_forward
 
 
 def jax_device(device: str) -> jax.Device:
@@ -47,17 +47,27 @@ class JaxTwin:
       device: 'cpu' or 'cuda'.
       dp, tp: the mesh; 1 x 1 is one device. The mesh takes the first dp*tp devices of
         the platform, every process's (`parity.mesh.make_mesh`).
+      protocol: the map's relay protocol, 'sentinel' or 'gather' (parity.twin.PROTOCOLS).
     """
 
     name = "jax"
     errors: tuple[type[Exception], ...] = (fm_jax.InvariantViolation, fm_jax.FutureMapError)
 
     def __init__(
-        self, scenario: Scenario, dtype: str, debug: bool, device: str, *, dp: int = 1, tp: int = 1
+        self,
+        scenario: Scenario,
+        dtype: str,
+        debug: bool,
+        device: str,
+        *,
+        dp: int = 1,
+        tp: int = 1,
+        protocol: str = "sentinel",
     ) -> None:
         if dtype == "int64" and not jax.config.read("jax_enable_x64"):
             raise RuntimeError("the int64 pass needs JAX_ENABLE_X64=1 (run it in its own process)")
         self.dtype = np.dtype(dtype)
+        self.protocol = check_protocol(protocol)
         self.on_host = device == "cpu"
         sp = scenario.spec
         self.spec = None if sp is None else (sp.topk, sp.hidden)
@@ -75,6 +85,7 @@ class JaxTwin:
             batch_buckets=scenario.batch_buckets,
             token_buckets=sorted(set(scenario.token_buckets) | set(scenario.batch_buckets)),
             device=None if on_mesh else first,
+            protocol=self.protocol,
         )
         layout = self.fm.layout
         self.ranks: tuple[int, ...] = self.fm.local_ranks
@@ -169,21 +180,23 @@ class JaxTwin:
             r: fm_jax.Batch(
                 int(hb.mode),
                 hb.slots,
-                hb.input_ids,
+                None if self._gathers_ids(hb) else hb.input_ids,
                 hb.seq_lens,
                 # A rank without a draft input reads its padding slot 0 (garbage by contract).
                 (hb.slots if hb.spec_decode else np.zeros_like(hb.slots)) if spec_decode else None,
+                self._token_slots(hb),
             )
             for r, hb in batches.items()
         }
         # The executable the map picks: DECODE fixed, another kind fixed, or the kinds traced
-        # when busy ranks differ (idle ranks do not count).
+        # when busy ranks differ (idle ranks do not count); with or without token slots.
         kinds = frozenset(
             hb.mode == fm_jax.ForwardMode.DECODE
             for hb in batches.values()
             if hb.mode != fm_jax.ForwardMode.IDLE
         )
-        key = ("resolve", rows, tokens, kinds, spec_decode)
+        mixed = any(b.token_slots is not None for b in bs.values())
+        key = ("resolve", rows, tokens, kinds, spec_decode, mixed)
         out = self._call(key, sizes, self.fm.resolve, bs, rows=rows, tokens=tokens)
         res = {}
         for r, hb in batches.items():
@@ -201,6 +214,21 @@ class JaxTwin:
             ids, lens = self._rows(out.input_ids, r, t), self._rows(out.seq_lens, r, n)
             res[r] = ResolvedOut(ids, lens, draft, None)
         return res
+
+    def _gathers_ids(self, hb: HostBatch) -> bool:
+        """Gather protocol: a non-spec DECODE batch brings no ids (resolve gathers them at
+        its req_pool_indices; the map takes None)."""
+        return (
+            self.protocol == "gather" and self.spec is None and hb.mode == fm_jax.ForwardMode.DECODE
+        )
+
+    def _token_slots(self, hb: HostBatch) -> np.ndarray | None:
+        """Gather protocol, MIXED: the running rows' slots at their token positions, 0 at
+        prefill and padding positions (`HostBatch.mixed_token_slots`); else None (a rank
+        the map fills with zeros when another rank brings some: it gathers nothing)."""
+        if self.protocol == "gather" and hb.mode == fm_jax.ForwardMode.MIXED:
+            return hb.mixed_token_slots
+        return None
 
     def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
         dev = self._device[rank]

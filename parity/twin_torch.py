@@ -2,7 +2,7 @@
 
 As in SGLang, every DP rank has its own FutureMap; one device holds them all. resolve, the
 forward, publish and stash run inside a map's forward_stream() (a separate CUDA stream on
-GPU, as in SGLang); invalidate runs on the schedule stream.
+GPU, as in SGLang); invalidate (sentinel protocol only) runs on the schedule stream.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from parity import toy_model as tm
 from parity import toy_model_torch as model
 from parity.host_batch import HostBatch
 from parity.scenario import Scenario
-from parity.twin import ForwardOut, ResolvedOut, Sizes, run_forward
+from parity.twin import ForwardOut, ResolvedOut, Sizes, check_protocol, run_forward
 
 TORCH_INT = {"int32": torch.int32, "int64": torch.int64}
 
@@ -40,6 +40,7 @@ class TorchTwin:
       debug: the maps' debug mode.
       device: 'cpu' or 'cuda'.
       ranks: the DP ranks to hold a map for.
+      protocol: the maps' relay protocol, 'sentinel' or 'gather' (parity.twin.PROTOCOLS).
     """
 
     name = "torch"
@@ -53,8 +54,10 @@ class TorchTwin:
         device: str,
         *,
         ranks: tuple[int, ...] = (0,),
+        protocol: str = "sentinel",
     ) -> None:
         self.device = torch_device(device)
+        self.protocol = check_protocol(protocol)
         self.on_host = self.device.type == "cpu"
         self.dtype = TORCH_INT[dtype]
         sp = scenario.spec
@@ -67,6 +70,7 @@ class TorchTwin:
                 dtype=self.dtype,
                 spec=sp is not None,
                 debug=debug,
+                protocol=self.protocol,
             )
             for r in self.ranks
         }
@@ -146,11 +150,23 @@ class TorchTwin:
                 self._t(hb.seq_lens),
                 fm_torch.DraftInput(slots) if hb.spec_decode else None,
             )
+            if self.protocol == "gather":
+                self._gather_layout(batch, hb)
             with self.fms[r].forward_stream():
                 self.fms[r].resolve(batch)
             draft = None if batch.draft is None else batch.draft.payload
             out[r] = ResolvedOut(batch.input_ids, batch.seq_lens, draft, batch)
         return out
+
+    def _gather_layout(self, batch: Any, hb: HostBatch) -> None:
+        """The gather protocol's host batch, SGLang's layout: a non-spec DECODE batch brings
+        no ids; a MIXED batch brings only its prefill ids (unpadded: the running rows' tokens
+        are appended after them) and its running rows' slots."""
+        if hb.mode == fm_torch.ForwardMode.DECODE and self.spec is None:
+            batch.input_ids = None
+        elif hb.mode == fm_torch.ForwardMode.MIXED:
+            batch.input_ids = self._t(hb.input_ids[: hb.n_prefill_tokens])
+            batch.mix_running_indices = self._t(hb.running)
 
     def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
         slots, last = self._t(hb.slots), self._t(hb.last_index)

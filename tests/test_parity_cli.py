@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from parity import cli
+from parity.mutations import MUTATIONS
 
 SCENARIO_KEYS = {
     "name",
@@ -37,7 +38,8 @@ def test_console_script_is_installed():
 
 def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
     """int32 runs here and int64 in the x64 worker process (token ids above 2**32, bf16 NaN
-    payloads); the table prints and the JSON has exactly the report schema; exit 0."""
+    payloads), each under both relay protocols by default; the table prints with a
+    protocol column and the JSON has exactly the report schema; exit 0."""
     out = tmp_path / "report.json"
     code = cli.main(
         [
@@ -57,31 +59,36 @@ def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     header = stdout.splitlines()[0].split()
-    assert header[:3] == ["scenario", "dtype", "debug"] and "oracle" in header
+    assert header[:4] == ["scenario", "protocol", "dtype", "debug"] and "oracle" in header
     doc = json.loads(out.read_text())
     assert set(doc) == {"device", "scenarios", "mutations"} and doc["device"] == "cpu"
-    assert [(s["name"], s["dtype"]) for s in doc["scenarios"]] == [
-        ("idle_steps", "int32"),
-        ("idle_steps", "int64"),
-        ("spec_decode", "int32"),
-        ("spec_decode", "int64"),
+    assert [(s["name"], s["protocol"], s["dtype"]) for s in doc["scenarios"]] == [
+        (name, protocol, dtype)
+        for name in ("idle_steps", "spec_decode")
+        for protocol in ("sentinel", "gather")
+        for dtype in ("int32", "int64")
     ]
     for s in doc["scenarios"]:
         assert set(s) == SCENARIO_KEYS
         assert s["steps"] == 14 and s["ops_compared"] > 0
         assert s["divergences"] == 0 and s["oracle_ok"] is True and s["debug"] is False
-        assert s["protocol"] == "sentinel"
     assert doc["mutations"] == []
 
 
 def test_cli_mutations_are_all_caught(tmp_path, capsys):
-    """`--mutations` (fm_jax mutated) reports which detectors caught each variant; none may
-    be null, and parity must be among them (fm_jax differs from fm_torch)."""
+    """`--mutations` (fm_jax mutated) reports which detectors caught each variant, each
+    under its own protocol; none may be null, and parity must be among them (fm_jax
+    differs from fm_torch). The gather protocol's MIXED and spec mistakes need a MIXED and
+    a spec scenario."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
             "--scenario",
             "retire_reuse",
+            "--scenario",
+            "mixed_batches",
+            "--scenario",
+            "spec_decode",
             "--dtype",
             "int32",
             "--debug",
@@ -94,10 +101,12 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     )
     assert code == 0, capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert len(doc["mutations"]) >= 6
+    assert len(doc["mutations"]) == len(MUTATIONS) >= 9
     for m in doc["mutations"]:
-        assert set(m) == {"name", "caught_by"} and m["caught_by"], m
+        assert set(m) == {"name", "protocol", "caught_by"} and m["caught_by"], m
+        assert m["protocol"] == MUTATIONS[m["name"]].protocol
         assert "parity" in m["caught_by"].split("+"), m
+    assert {m["protocol"] for m in doc["mutations"]} == {"sentinel", "gather"}
     assert "caught by" in capsys.readouterr().out
 
 

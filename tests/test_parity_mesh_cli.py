@@ -33,8 +33,8 @@ CHECK_KEYS = {"recompiles", "compiles_total", "collectives", "resharded"}
 def test_mesh_cli_end_to_end(tmp_path):
     """Pins: `fm-parity --dp 2 --tp 2` not reaching a 4-device JAX (the flag must be set in
     the child before JAX starts), mesh rows missing from the JSON or lacking dp/tp and the
-    sharded map's health, the existing row keys changing, or a clean mesh run exiting
-    non-zero."""
+    sharded map's health, the existing row keys changing, either relay protocol missing
+    from the default run, or a clean mesh run exiting non-zero."""
     out = tmp_path / "mesh.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env.pop("JAX_ENABLE_X64", None)
@@ -50,19 +50,27 @@ def test_mesh_cli_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = proc.stdout.splitlines()[0].split()
     assert header[0] == "scenario" and "mesh" in header and "oracle" in header
+    assert "protocol" in header
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu (4 host devices)"
     assert doc["mutations"] == [] and doc["skipped"] == {}
-    steady, overlap = doc["scenarios"]
-    for run in (steady, overlap):
+    rows = doc["scenarios"]
+    assert [(r["name"], r["protocol"]) for r in rows] == [
+        (name, protocol)
+        for name in ("steady_decode", "dp_overlap")
+        for protocol in ("sentinel", "gather")
+    ]
+    for run in rows:
         assert set(run) == SCENARIO_KEYS | {"dp", "tp"} | CHECK_KEYS
         assert (run["dtype"], run["debug"], run["dp"], run["tp"]) == ("int32", False, 2, 2)
         assert run["steps"] == 6 and run["divergences"] == 0 and run["oracle_ok"] is True
         assert run["ops_compared"] >= 2 * 6  # both ranks, every step has ops
         assert run["recompiles"] == 0 and run["resharded"] is False
-        assert run["collectives"] == {"publish": 0, "stash": 0, "resolve": 0, "invalidate": 0}
+        ops = ["publish", "stash", "resolve"]
+        if run["protocol"] == "sentinel":  # the gather protocol runs no invalidate
+            ops.append("invalidate")
+        assert run["collectives"] == dict.fromkeys(ops, 0)
         assert run["compiles_total"] > 0
-    assert (steady["name"], overlap["name"]) == ("steady_decode", "dp_overlap")
 
 
 @pytest.mark.parametrize(

@@ -8,16 +8,21 @@ import pytest
 from parity.mutations import MUTATIONS
 from parity.suite import Job, check_mutation
 
-# The smallest scenario with every ingredient the six mutations break: decode relays,
-# retirement with immediate slot reuse, prefill stashes into reused slots. Debug off: the
-# oracle (and input checks) must catch each bug without help from consume tracking.
-# fm_jax-only mutations with debug on (parity and debug catching) run in test_parity_cli.
-SUITE = [Job("retire_reuse", "int32", False)]
+# retire_reuse is the smallest scenario with every ingredient the sentinel mutations and
+# the dropped gather stash break: decode relays, retirement with immediate slot reuse,
+# prefill stashes into reused slots. The gather protocol's MIXED and spec mistakes need a
+# MIXED and a spec scenario; check_mutation stops at the first scenario that catches, and
+# runs each mutation under its own protocol. Debug off: the oracle (and input checks) must
+# catch each bug without help from consume tracking. fm_jax-only mutations (parity
+# catching) run in test_parity_cli.
+SUITE = [Job(n, "int32", False) for n in ("retire_reuse", "mixed_batches", "spec_decode")]
 
 
-def test_there_are_at_least_six_mutations():
-    """The issue asks for at least six broken variants; fewer means a dropped check."""
-    assert len(MUTATIONS) >= 6
+def test_there_are_mutations_of_both_protocols():
+    """Six sentinel-protocol variants and three gather-protocol ones; fewer means a dropped
+    check."""
+    protocols = [cls.protocol for cls in MUTATIONS.values()]
+    assert protocols.count("sentinel") >= 6 and protocols.count("gather") >= 3
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
@@ -29,9 +34,10 @@ def test_mutation_in_both_twins_is_caught_without_parity(name):
     assert "parity" not in m.caught_by  # twins alike: a parity catch would mean nondeterminism
 
 
-@pytest.mark.parametrize("name", ["skip_stash", "stale_slot_after_reuse"])
+@pytest.mark.parametrize("name", ["skip_stash", "stale_slot_after_reuse", "skip_stash_rows"])
 def test_debug_checks_catch_relay_bugs_in_both_twins(name):
-    """Consume tracking (WRWR, and the poison a resolve leaves in its batch's slots) must
-    flag a dropped stash in either framework, with no reference loop to compare against."""
+    """Consume tracking (WRWR, and the poison a resolve leaves in the slots it read) must
+    flag a dropped stash in either framework and either protocol, with no reference loop to
+    compare against."""
     m = check_mutation(name, [Job("retire_reuse", "int32", True)], mutate=("jax", "torch"))
     assert m.caught_by is not None and "debug" in m.caught_by.split("+")

@@ -1,6 +1,6 @@
 """Every catalogue scenario: fm_jax and fm_torch traces bit-identical, token streams equal
-to the synchronous reference loop, in debug mode and out of it (docs/CONTRACT.md, 'What
-parity compares')."""
+to the synchronous reference loop, in debug mode and out of it, under both relay protocols
+(docs/CONTRACT.md, 'What parity compares', 'Two protocols')."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from parity import catalogue
 from parity import toy_model as tm
 from parity.scenario import Kind, Scheduler
 from parity.suite import Job, run_job
+from parity.twin import PROTOCOLS
 
 SMALL = [n for n in catalogue.CATALOGUE if n != "long_run"]
 
@@ -26,17 +27,21 @@ def _assert_ok(r):
 
 @pytest.mark.parametrize("debug", [False, True], ids=["debug-off", "debug-on"])
 @pytest.mark.parametrize("name", SMALL)
-def test_scenario_parity_and_oracle(name, debug):
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_scenario_parity_and_oracle(protocol, name, debug):
     """A FutureMap op that moves different bytes in the twins, or a relay that changes what a
-    request generates, fails here (int32; int64 runs in test_parity_cli's x64 worker)."""
-    r = run_job(Job(name, "int32", debug))
+    request generates, fails here, in either protocol (int32; int64 runs in
+    test_parity_cli's x64 worker)."""
+    r = run_job(Job(name, "int32", debug, protocol=protocol))
     _assert_ok(r)
+    assert r.protocol == protocol
 
 
-def test_long_run_prefix_with_256_concurrent_requests():
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_long_run_prefix_with_256_concurrent_requests(protocol):
     """The long scenario's first steps (256-row batches, MIXED with chunked prefill) agree;
     the full 1,000+ steps run in fm-parity's default run."""
-    r = run_job(Job("long_run", "int32", False, steps=40))
+    r = run_job(Job("long_run", "int32", False, steps=40, protocol=protocol))
     _assert_ok(r)
     assert r.steps == 40
 
@@ -90,13 +95,19 @@ def test_retire_reuse_hands_slots_over_at_once():
     assert max(len(v) for v in owners.values()) >= 5
 
 
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), size=st.integers(1, 2), debug=st.booleans(), spec=st.booleans())
-def test_random_mix_parity_and_oracle(seed, size, debug, spec):
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    size=st.integers(1, 2),
+    debug=st.booleans(),
+    spec=st.booleans(),
+    protocol=st.sampled_from(PROTOCOLS),
+)
+def test_random_mix_parity_and_oracle(seed, size, debug, spec, protocol):
     """Random schedules (arrivals, chunking, MIXED, PREBUILT, idle, reuse) keep both twins
-    identical and on the reference's tokens."""
+    identical and on the reference's tokens, in either protocol."""
     name = "random_spec_mix" if spec else "random_mix"
-    r = run_job(Job(name, "int32", debug, seed=seed, size=size))
+    r = run_job(Job(name, "int32", debug, seed=seed, size=size, protocol=protocol))
     _assert_ok(r)
 
 

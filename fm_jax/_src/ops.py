@@ -377,8 +377,9 @@ def future_map(
         (padding rows 0, padded with 0 to T); MIXED the given ids where `token_slots` is 0, else
         `output_tokens[token_slots]`. Token slots apply to any batch that is not DECODE
         (an executable that fixes 'not DECODE' serves EXTEND, MIXED and IDLE alike); only
-        a MIXED batch has a nonzero one. Lengths: as given, except a batch with a draft,
-        whose are `new_seq_lens[draft_indices]` (the verified lengths last published).
+        a MIXED batch has a nonzero one. Lengths: as given, except a spec DECODE batch's
+        (it has a draft input): `new_seq_lens[draft_indices]`, the verified lengths last
+        published.
         Debug: every gather from `output_tokens` is consume-checked, and -1 written back at
         exactly the live slots it read. A traced mode gathers for DECODE and MIXED both and
         selects per row: O(B + T) either way.
@@ -430,9 +431,12 @@ def future_map(
             didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
             check_indices("draft_indices", didx, chk)
             s.check_rows("draft_indices", didx, b)
-            seq_lens = _gather(state.new_seq_lens, didx)
+            # A spec DECODE batch's lengths are the verified ones last published; any other
+            # kind keeps the host's (a rank prefilling beside a spec decoding one).
+            got = _gather(state.new_seq_lens, didx)
+            seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
             if chk is not None:
-                checks.positive_lengths(jnp.asarray(True), seq_lens, didx, chk)
+                checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
             draft = gather_draft(state, didx)
         if chk is not None:
             # (field, values, slots read, whether this batch does the read), every read of a
