@@ -171,6 +171,25 @@ def test_a_spec_step_without_the_host_copy_moves_nothing_to_the_host() -> None:
     assert host(fm.resolve_seq_lens_cpu(a(3, 5))) == [8, 10]
 
 
+def test_the_detector_catches_a_step_that_still_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mistake the host-copy switch invites: lengths not asked for, yet read back (here
+    a resolve that hands its lengths to the host). The detector of the zero-transfer test
+    catches it, so that test can fail."""
+    fm = gather_map(spec=fj.SpecConfig(topk=2))
+    fm.publish(a(3, 5), a(4, 6))
+    spec_step(fm, a(5, 7))
+    real = fj.FutureMap.resolve
+
+    def syncing(self: fj.FutureMap, *args: Any, **kw: Any) -> fj.Resolved:
+        out = real(self, *args, **kw)
+        jax.device_get(out.seq_lens)  # the sync a skipped host copy must not do
+        return out
+
+    monkeypatch.setattr(fj.FutureMap, "resolve", syncing)
+    with no_device_to_host(), pytest.raises(Exception, match="transfer"):
+        spec_step(fm, a(6, 8))
+
+
 @pytest.mark.parametrize("kind", ["decode", "mixed", "spec"])
 def test_debug_reports_a_second_read_and_poisons_exactly_the_slots_read(kind: str) -> None:
     """Every gather from output_tokens is consume-checked: the first read passes and writes
