@@ -163,6 +163,29 @@ def spec_decode(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def spec_verified(size: int = 1, seed: int = 0) -> Scenario:
+    """Spec decode relaying verified ids: spec prefill, PREBUILT bootstrap, slot reuse.
+
+    The verify hashes each row's gathered verified id, so a lost or stale one (also one
+    left by a slot's previous request) changes every later token. Small on purpose: no
+    hidden states (spec_decode covers them), top-k 2, one batch bucket.
+    """
+    reqs = tuple(
+        Request(i, 2 + i % 4, 5 + 2 * (i % 3), arrival=i, prebuilt=i % 3 == 1)
+        for i in range(6 * size)
+    )
+    return Scenario(
+        "spec_verified",
+        "spec decode relaying verified ids",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
+        spec=SpecShape(topk=2, hidden=0, verified_id=True),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
 def random_mix(size: int = 1, seed: int = 0) -> Scenario:
     """A seeded random mix of every feature above (non-spec)."""
     rng = random.Random(seed)
@@ -296,6 +319,7 @@ CATALOGUE: dict[str, Builder] = {
     "padded_batches": padded_batches,
     "prebuilt_bootstrap": prebuilt_bootstrap,
     "spec_decode": spec_decode,
+    "spec_verified": spec_verified,
     "random_mix": random_mix,
     "random_spec_mix": random_spec_mix,
     "dp_overlap": dp_overlap,

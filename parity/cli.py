@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for dbg in debugs
     ]
     # Each broken variant is one protocol's mistake: it runs when that protocol does.
-    mutation_names = [m for m, cls in MUTATIONS.items() if cls.protocol in protocols]
+    mutation_names = [m for m, cls in MUTATIONS.items() if cls.judged_under in protocols]
     n_mut = len(mutation_names) if args.mutations else 0
     bar = tqdm(
         total=len(jobs) + n_mut,

@@ -40,7 +40,9 @@ from parity.scenario import Kind, Row, Scenario, Scheduler, StepPlan
 from parity.trace import Field, OpRecord, RunResult
 from parity.twin import ForwardOut, ResolvedOut, Sizes, Twin, check_protocol
 
-DRAFT_FIELDS = ("bonus_tokens", "topk_p", "topk_index", "hidden_states")
+DRAFT_FIELDS = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
+"""The draft fields recorded, in the contract's stash order ('Relay fields'); a field the
+scenario does not relay (None) is not recorded, so its records are unchanged."""
 
 Sync = Callable[[int, Sizes, bool], tuple[Sizes, bool]]
 """(step, this process's sizes, whether it has a running rank) -> (agreed sizes, whether
@@ -106,12 +108,13 @@ def bootstrap_rows(
 ) -> tuple[np.ndarray, np.ndarray, tm.Draft | None]:
     """A PREBUILT step's padded (lengths, tokens, draft) as a prefill node hands them over."""
     spec = None if scenario.spec is None else (scenario.spec.topk, scenario.spec.hidden)
+    verified = scenario.spec is not None and scenario.spec.verified_id
     lens = np.zeros(rows, dtype=dtype)
     toks = np.zeros(rows, dtype=dtype)
     drafts = []
     for i, row in enumerate(plan.rows):
         req = sched.request(row.rid)
-        tok, d = tm.bootstrap(row.rid, req.prompt_len, row.slot, spec, offset, dtype)
+        tok, d = tm.bootstrap(row.rid, req.prompt_len, row.slot, spec, offset, dtype, verified)
         lens[i], toks[i] = row.seq_len, tok
         drafts.append(d)
     if spec is None:
@@ -121,11 +124,11 @@ def bootstrap_rows(
     def cat(k: int) -> Any:
         parts = [d[k] for d in drafts if d is not None]
         if parts[0] is None:
-            return None  # no hidden states (H == 0)
+            return None  # no hidden states (H == 0), no verified ids
         zeros = np.zeros((pad,) + parts[0].shape[1:], dtype=parts[0].dtype)
         return np.concatenate(parts + [zeros])
 
-    return lens, toks, tm.Draft(toks, cat(1), cat(2), cat(3))
+    return lens, toks, tm.Draft(toks, cat(1), cat(2), cat(3), cat(4))
 
 
 class _Recorder:
@@ -197,8 +200,9 @@ def run_overlap(
       sync: agrees sizes across processes (see `Sync`); None: this process alone.
 
     Returns:
-      The trace and streams of every rank. Spec buffers (top-k, hidden) are recorded from
-      a rank's first non-empty draft stash on (the torch twin shapes them lazily there).
+      The trace and streams of every rank. Spec buffers (top-k, hidden, verified ids) are
+      recorded from a rank's first non-empty draft stash on (the torch twin shapes them
+      lazily there).
       A FutureMap error (debug violation or rejected input) stops the run and is kept.
     """
     offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
@@ -295,7 +299,9 @@ def _step(
             lens[r] = payload[r] = none
             spec = lanes[r].scenario.spec
             if spec is not None:  # a spec map stashes drafts only: an empty one
-                draft = tm.make_draft(tm.NUMPY, none, none, none, (spec.topk, spec.hidden), offset)
+                vid = none if spec.verified_id else None  # every declared field, no rows
+                shape = (spec.topk, spec.hidden)
+                draft = tm.make_draft(tm.NUMPY, none, none, none, shape, offset, vid)
                 payload[r] = twin.draft_payload(none, draft)
     slots = {r: hb.slots for r, hb in hbs.items()}
     twin.publish(slots, lens, sizes)

@@ -75,8 +75,9 @@ def hlo_collectives(fm: fm_jax.FutureMap, rows: int, tokens: int) -> dict[str, i
     if spec is not None:
         hidden = arr(rows, spec.hidden, dtype=spec.hidden_dtype) if spec.hidden else None
         k = spec.topk
+        vid = arr(rows) if spec.verified_id else None  # every declared field (parity's)
         payload = fm_jax.DraftPayload(
-            arr(rows), arr(rows, k, dtype=np.float32), arr(rows, k), hidden
+            arr(rows), arr(rows, k, dtype=np.float32), arr(rows, k), hidden, verified_id=vid
         )
         draft = arr(rows)
     mode: Any = jax.ShapeDtypeStruct((dp,), np.int32)  # traced: one per rank

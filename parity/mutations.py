@@ -4,7 +4,7 @@ Each variant wraps a twin (parity.twin.Twin) and breaks one thing in how the Fut
 behaves as the engine sees it; everything else passes through. They apply to either
 framework alike, so the same bug can be put into fm_jax alone (parity must see it) or
 into both twins (then only the oracle or the debug checks can). Each is a mistake of one
-relay protocol (docs/CONTRACT.md, 'Two protocols') and is judged under it (`protocol`).
+relay protocol (docs/CONTRACT.md, 'Two protocols') and is judged under it (`judged_under`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ Slots = Mapping[int, np.ndarray]
 class Mutant:
     """A twin with one op broken; every other attribute is the wrapped twin's.
 
-    `protocol` is the relay protocol whose mistake it makes: the mutation check runs it
-    under that protocol only.
+    `judged_under` is the relay protocol whose mistake it makes: the mutation check runs
+    it under that protocol only. Its `protocol`, like every other attribute, is the wrapped
+    twin's: the driver lays out batches for the map's protocol.
     """
 
-    protocol = "sentinel"
+    judged_under = "sentinel"
 
     def __init__(self, inner: Twin) -> None:
         self.inner = inner
@@ -143,7 +144,7 @@ class MixedGathersWrongRows(Mutant):
     rows (req_pool_indices[:M], prefill rows among them) instead of the running rows'
     slots."""
 
-    protocol = "gather"
+    judged_under = "gather"
 
     def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
         changed = {
@@ -159,7 +160,7 @@ class SpecKeepsHostLengths(Mutant):
     """Gather protocol, spec: resolve gathers the draft but not the verified lengths; the
     forward gets the host's seq_lens, which lag a step behind the accepted drafts."""
 
-    protocol = "gather"
+    judged_under = "gather"
 
     def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
         out = self.inner.resolve(batches, sizes)
@@ -175,7 +176,7 @@ class SkipStashRows(Mutant):
     keeps what it held: the token its last resolve already gathered (debug mode: the
     poison that resolve wrote), or after a prefill the slot's previous value."""
 
-    protocol = "gather"
+    judged_under = "gather"
 
     def __init__(self, inner: Twin) -> None:
         super().__init__(inner)
@@ -189,6 +190,52 @@ class SkipStashRows(Mutant):
                 for s in slots.values():
                     s[:1] = 0  # to the padding row (live rows come first)
         self.inner.stash(slots, payload, sizes)
+
+
+class SkipVerifiedIdStash(Mutant):
+    """Spec with verified ids: every second stash of a draft with live rows leaves the
+    verified id of its first row whose slot was stashed before as it was (the value last
+    stashed there, from this request or the slot's previous one); the bonus token and
+    the rest of the draft are written. Relay fields are the same in both protocols
+    (docs/CONTRACT.md, 'Relay fields'), so it is a mistake of either: the mutation table
+    judges it under the sentinel protocol, the tests under both. Consume tracking cannot
+    see it (a non-negative value is in the slot when the next verify reads it); the
+    verify hashes the stale id, so the oracle can."""
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.calls = 0
+        self.stashed: dict[int, dict[int, int]] = {}  # rank -> slot -> verified id held
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        drafts = {
+            r: p
+            for r, p in payload.items()
+            if getattr(p, "verified_id", None) is not None and (slots[r] != 0).any()
+        }
+        if drafts:
+            self.calls += 1
+        changed = dict(payload)
+        for r, p in drafts.items():
+            held = self.stashed.setdefault(r, {})
+            vid = self.inner.host(p.verified_id).copy()
+            if self.calls % 2 == 0:
+                stale = [i for i, s in enumerate(slots[r].tolist()) if s in held]
+                if stale:
+                    vid[stale[0]] = held[int(slots[r][stale[0]])]
+                    changed[r] = _with_verified_id(p, vid)
+            for s, v in zip(slots[r].tolist(), vid.tolist(), strict=False):
+                if s != 0:  # slot 0 is padding: what it holds is never read
+                    held[s] = v
+        self.inner.stash(slots, changed, sizes)
+
+
+def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
+    """`payload` (either twin's DraftPayload: a NamedTuple or a dataclass) with host verified
+    ids `vid`; both twins take host rows in a stash."""
+    if hasattr(payload, "_replace"):  # fm_jax's NamedTuple
+        return payload._replace(verified_id=vid)
+    return dataclasses.replace(payload, verified_id=vid)
 
 
 def _like(x: Any, host: np.ndarray) -> Any:
@@ -213,8 +260,9 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "mixed_gathers_wrong_rows": MixedGathersWrongRows,
     "spec_keeps_host_lengths": SpecKeepsHostLengths,
     "skip_stash_rows": SkipStashRows,
+    "skip_verified_id_stash": SkipVerifiedIdStash,
 }
-"""Mutation name -> wrapper class (its `protocol` says which protocol it is judged under)."""
+"""Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
 
 
 class FlipByte(Mutant):

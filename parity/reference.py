@@ -22,6 +22,7 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
     """Run `scenario` synchronously; return what each request produced, in order."""
     offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
     spec = None if scenario.spec is None else (scenario.spec.topk, scenario.spec.hidden)
+    verified = scenario.spec is not None and scenario.spec.verified_id
     sched = Scheduler(scenario, max_steps)
     streams: Streams = {}
     last: dict[int, int] = {}  # request -> its last token (spec: bonus token)
@@ -35,7 +36,9 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
         if plan.kind is Kind.PREBUILT:
             for row in rows:
                 req = sched.request(row.rid)
-                tok, d = tm.bootstrap(row.rid, req.prompt_len, row.slot, spec, offset, npdt)
+                tok, d = tm.bootstrap(
+                    row.rid, req.prompt_len, row.slot, spec, offset, npdt, verified
+                )
                 last[row.rid], length[row.rid] = tok, row.seq_len
                 if d is not None:
                     drafts[row.rid] = d
@@ -60,30 +63,29 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             sched.observe({row.rid: length[row.rid] for row in rows})
             held = [drafts[row.rid] for row in rows]
             hidden = None if held[0].hidden is None else np.concatenate([d.hidden for d in held])
+            vid = np.concatenate([d.verified for d in held]) if verified else None
             gathered = tm.Draft(
                 ids_a,
                 np.concatenate([d.topk_p for d in held]),
                 np.concatenate([d.topk_index for d in held]),
                 hidden,
+                vid,
             )
             accept, new_lens, draft = tm.forward_spec_decode(
-                gathered, lens_a, slots, tm.NUMPY, spec, offset
+                gathered, lens_a, slots, tm.NUMPY, spec, offset, verified
             )
             token = draft.bonus
         else:  # a spec prefill accepts nothing: its stream starts with the bonus token
             _, new_lens, draft = tm.forward_spec_extend(
-                ids_a, lens_a, slots, every, tm.NUMPY, spec, offset
+                ids_a, lens_a, slots, every, tm.NUMPY, spec, offset, verified
             )
             token = draft.bonus
         for i, row in enumerate(rows):
             if row.phase == "prefill" and not row.final:
                 continue  # an intermediate chunk's token is never read
             last[row.rid], length[row.rid] = int(token[i]), int(new_lens[i])
-            if draft is not None:
-                h = None if draft.hidden is None else draft.hidden[i : i + 1]
-                drafts[row.rid] = tm.Draft(
-                    draft.bonus[i : i + 1], draft.topk_p[i : i + 1], draft.topk_index[i : i + 1], h
-                )
+            if draft is not None:  # the request's own row of every draft field
+                drafts[row.rid] = tm.Draft._make(None if x is None else x[i : i + 1] for x in draft)
             s = streams.setdefault(row.rid, [])
             if accept is not None:
                 s.append(int(accept[i]))

@@ -44,10 +44,12 @@ class Request:
 
 @dataclass(frozen=True)
 class SpecShape:
-    """Speculative extras: top-k width (also the draft count) and hidden width (bf16)."""
+    """Speculative extras: top-k width (also the draft count), hidden width (bf16), and
+    whether each draft relays a verified id (docs/CONTRACT.md, 'Relay fields')."""
 
     topk: int
     hidden: int
+    verified_id: bool = False
 
 
 @dataclass(frozen=True)

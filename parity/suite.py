@@ -277,12 +277,12 @@ def check_mutation(
 ) -> MutationResult:
     """Run the mutated twins through `jobs` in order until some detector fires.
 
-    Every job runs under the mutation's own protocol (`Mutant.protocol`: the relay
+    Every job runs under the mutation's own protocol (`Mutant.judged_under`: the relay
     protocol whose mistake it makes), whatever protocol it names. Returns the detectors
     that fired in the first scenario that caught it (both debug modes of that scenario
     are run, so 'debug' shows where it applies).
     """
-    protocol = MUTATIONS[name].protocol
+    protocol = MUTATIONS[name].judged_under
     by_scenario: dict[tuple[str, int, int | None, int], list[Job]] = {}
     for job in jobs:
         key = (job.scenario, job.seed, job.steps, job.size)

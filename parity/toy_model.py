@@ -10,6 +10,12 @@ int32 and int64 give the same numbers and no framework's overflow rule matters.
   the position and the slot. Draft floats are built from integer bit patterns through
   bitcasts, never by float arithmetic: the table includes quiet and signalling NaNs with
   payloads, -0.0, +-inf and denormals, so both frameworks produce identical bytes.
+- Spec with verified ids (asked for with `verified=True`): each draft also carries the
+  row's verified id, the last token verified before its bonus token (a prefill's last
+  prompt token; after a verify, the last accepted draft token, or the previous bonus
+  token when no draft was accepted). It is a token like the others (offset included, so
+  >= 0), and the verify hashes the gathered one: a wrong or stale verified id changes the
+  accept length and every token after it. Without verified ids nothing changes.
 
 Backends (numpy here, jax in toy_model_jax, torch in toy_model_torch) supply `where`,
 `stack`, casts and bitcasts; the arithmetic below is shared.
@@ -77,12 +83,14 @@ class Backend(Protocol):
 
 
 class Draft(NamedTuple):
-    """A draft as the model writes it: bonus token, top-k (ids, probs), hidden states."""
+    """A draft as the model writes it: bonus token, top-k (ids, probs), hidden states, and
+    the verified id when the run relays one."""
 
     bonus: Any  # [B] int
     topk_p: Any  # [B, K] float32
     topk_index: Any  # [B, K] int
     hidden: Any  # [B, H] bfloat16, or None when H == 0
+    verified: Any = None  # [B] int, or None when the run relays no verified ids
 
 
 def mix(acc: Any, x: Any) -> Any:
@@ -106,9 +114,17 @@ def _pattern(b: Backend, u: Any, specials: tuple[int, ...], regular: Any) -> Any
 
 
 def make_draft(
-    b: Backend, bonus: Any, pos: Any, slots: Any, spec: tuple[int, int], offset: int
+    b: Backend,
+    bonus: Any,
+    pos: Any,
+    slots: Any,
+    spec: tuple[int, int],
+    offset: int,
+    verified: Any = None,
 ) -> Draft:
-    """The draft that follows `bonus` at `pos` in `slots`; spec = (K, H)."""
+    """The draft that follows `bonus` at `pos` in `slots`; spec = (K, H). `verified` (the
+    rows' verified ids, or None) is carried as given: the other fields do not depend on it.
+    """
     k_width, h_width = spec
     g = mix(mix(bonus % P, pos), slots)
     ids, probs = [], []
@@ -126,7 +142,7 @@ def make_draft(
         # Stack the integer bits, then bitcast once: XLA's CPU concatenate and scatter of
         # bf16 canonicalise NaN payloads, a bitcast does not.
         hidden = b.bf16_from_bits(b.stack(cols))
-    return Draft(bonus, b.f32_from_bits(b.stack(probs)), b.stack(ids), hidden)
+    return Draft(bonus, b.f32_from_bits(b.stack(probs)), b.stack(ids), hidden, verified)
 
 
 def forward_tokens(
@@ -148,19 +164,39 @@ def forward_spec_extend(
     b: Backend,
     spec: tuple[int, int],
     offset: int,
+    verified: bool = False,
 ) -> tuple[Any, Any, Draft]:
-    """Spec prefill: (accept = 1, new length = seq_lens + 1, first draft)."""
-    bonus = next_token(b.take(ids, last_index), seq_lens, slots, offset)
+    """Spec prefill: (accept = 1, new length = seq_lens + 1, first draft). With `verified`,
+    the draft's verified id is the row's last prompt token."""
+    last = b.take(ids, last_index)
+    bonus = next_token(last, seq_lens, slots, offset)
     new_lens = seq_lens + 1
-    return new_lens - seq_lens, new_lens, make_draft(b, bonus, new_lens - 1, slots, spec, offset)
+    vid = last if verified else None
+    draft = make_draft(b, bonus, new_lens - 1, slots, spec, offset, vid)
+    return new_lens - seq_lens, new_lens, draft
 
 
 def forward_spec_decode(
-    draft: Draft, seq_lens: Any, slots: Any, b: Backend, spec: tuple[int, int], offset: int
+    draft: Draft,
+    seq_lens: Any,
+    slots: Any,
+    b: Backend,
+    spec: tuple[int, int],
+    offset: int,
+    verified: bool = False,
 ) -> tuple[Any, Any, Draft]:
-    """Spec verify: (accept in [1, K + 1], new length = seq_lens + accept, next draft)."""
+    """Spec verify: (accept in [1, K + 1], new length = seq_lens + accept, next draft).
+
+    With `verified`, the gathered `draft.verified` enters the hash (right after the slot)
+    and the next draft carries the last token verified before its bonus: the accepted
+    draft token `topk_index[:, accept - 2]`, or the gathered bonus token when accept is 1.
+    """
     k_width, h_width = spec
     h = mix(mix(draft.bonus % P, seq_lens - 1), slots)
+    if verified:
+        if draft.verified is None:
+            raise ValueError("forward_spec_decode(verified=True) needs the draft's verified ids")
+        h = mix(h, draft.verified)
     p_bits = b.bits_of_f32(draft.topk_p, h)
     for k in range(k_width):
         h = mix(h, b.column(draft.topk_index, k))
@@ -172,7 +208,12 @@ def forward_spec_decode(
     accept = h % (k_width + 1) + 1
     new_lens = seq_lens + accept
     bonus = mix(h, accept) % VOCAB + offset
-    return accept, new_lens, make_draft(b, bonus, new_lens - 1, slots, spec, offset)
+    vid = None
+    if verified:
+        vid = draft.bonus
+        for k in range(k_width):  # accept == k + 2: drafts 0..k accepted, k the last
+            vid = b.where(accept == k + 2, b.column(draft.topk_index, k), vid)
+    return accept, new_lens, make_draft(b, bonus, new_lens - 1, slots, spec, offset, vid)
 
 
 class NumpyBackend:
@@ -215,9 +256,16 @@ def prompt_tokens(rid: int, start: int, end: int, offset: int) -> list[int]:
 
 
 def bootstrap(
-    rid: int, prompt_len: int, slot: int, spec: tuple[int, int] | None, offset: int, dtype: np.dtype
+    rid: int,
+    prompt_len: int,
+    slot: int,
+    spec: tuple[int, int] | None,
+    offset: int,
+    dtype: np.dtype,
+    verified: bool = False,
 ) -> tuple[int, Draft | None]:
-    """What a prefill node hands a PREBUILT request: its first token (and spec: draft).
+    """What a prefill node hands a PREBUILT request: its first token (and spec: draft, with
+    `verified` its verified id, the last prompt token, as a spec prefill gives it).
 
     Returns (token, draft with one row) computed on the host with the numpy model.
     """
@@ -227,4 +275,4 @@ def bootstrap(
     tok = next_token(last, lens, sl, offset)
     if spec is None:
         return int(tok[0]), None
-    return int(tok[0]), make_draft(NUMPY, tok, lens, sl, spec, offset)
+    return int(tok[0]), make_draft(NUMPY, tok, lens, sl, spec, offset, last if verified else None)

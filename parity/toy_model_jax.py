@@ -51,18 +51,30 @@ def forward_tokens(ids: Any, seq_lens: Any, slots: Any, last_index: Any, offset:
     return tm.forward_tokens(ids, seq_lens, slots.astype(seq_lens.dtype), last_index, JAX, offset)
 
 
-@partial(jax.jit, static_argnames=("spec", "offset"))
+@partial(jax.jit, static_argnames=("spec", "offset", "verified"))
 def forward_spec_extend(
-    ids: Any, seq_lens: Any, slots: Any, last_index: Any, spec: tuple[int, int], offset: int
+    ids: Any,
+    seq_lens: Any,
+    slots: Any,
+    last_index: Any,
+    spec: tuple[int, int],
+    offset: int,
+    verified: bool = False,
 ) -> Any:
     """Spec prefill on device: (accept, new lengths, draft)."""
     sl = slots.astype(seq_lens.dtype)
-    return tm.forward_spec_extend(ids, seq_lens, sl, last_index, JAX, spec, offset)
+    return tm.forward_spec_extend(ids, seq_lens, sl, last_index, JAX, spec, offset, verified)
 
 
-@partial(jax.jit, static_argnames=("spec", "offset"))
+@partial(jax.jit, static_argnames=("spec", "offset", "verified"))
 def forward_spec_decode(
-    draft: tm.Draft, seq_lens: Any, slots: Any, spec: tuple[int, int], offset: int
+    draft: tm.Draft,
+    seq_lens: Any,
+    slots: Any,
+    spec: tuple[int, int],
+    offset: int,
+    verified: bool = False,
 ) -> Any:
     """Spec verify on device: (accept, new lengths, next draft)."""
-    return tm.forward_spec_decode(draft, seq_lens, slots.astype(seq_lens.dtype), JAX, spec, offset)
+    sl = slots.astype(seq_lens.dtype)
+    return tm.forward_spec_decode(draft, seq_lens, sl, JAX, spec, offset, verified)

@@ -51,15 +51,27 @@ def forward_tokens(ids: Any, seq_lens: Any, slots: Any, last_index: Any, offset:
 
 
 def forward_spec_extend(
-    ids: Any, seq_lens: Any, slots: Any, last_index: Any, spec: tuple[int, int], offset: int
+    ids: Any,
+    seq_lens: Any,
+    slots: Any,
+    last_index: Any,
+    spec: tuple[int, int],
+    offset: int,
+    verified: bool = False,
 ) -> Any:
     """Spec prefill: (accept, new lengths, draft)."""
     sl = slots.to(seq_lens.dtype)
-    return tm.forward_spec_extend(ids, seq_lens, sl, last_index, TORCH, spec, offset)
+    return tm.forward_spec_extend(ids, seq_lens, sl, last_index, TORCH, spec, offset, verified)
 
 
 def forward_spec_decode(
-    draft: tm.Draft, seq_lens: Any, slots: Any, spec: tuple[int, int], offset: int
+    draft: tm.Draft,
+    seq_lens: Any,
+    slots: Any,
+    spec: tuple[int, int],
+    offset: int,
+    verified: bool = False,
 ) -> Any:
     """Spec verify: (accept, new lengths, next draft)."""
-    return tm.forward_spec_decode(draft, seq_lens, slots.to(seq_lens.dtype), TORCH, spec, offset)
+    sl = slots.to(seq_lens.dtype)
+    return tm.forward_spec_decode(draft, seq_lens, sl, TORCH, spec, offset, verified)

@@ -105,6 +105,7 @@ def run_forward(
     last: Any,
     spec: tuple[int, int] | None,
     offset: int,
+    verified: bool = False,
 ) -> ForwardOut:
     """The toy model's forward for one rank's batch, shared by both twins.
 
@@ -114,17 +115,22 @@ def run_forward(
       res: what resolve handed the forward; hb: the host batch.
       slots, last: hb's slots and last-token indices as framework arrays.
       spec: the scenario's (top-k, hidden) widths, or None; offset: the token offset.
+      verified: the scenario relays verified ids: a spec verify hashes the gathered ones,
+        and every draft it stashes carries the next (`DraftPayload.verified_id`).
     """
     if spec is None:
         tokens, new_lens = model.forward_tokens(res.input_ids, res.seq_lens, slots, last, offset)
         return ForwardOut(new_lens, tokens, tokens, None, None)
     if hb.spec_decode:
         d = res.draft
-        draft = tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states)
-        accept, new_lens, nd = model.forward_spec_decode(draft, res.seq_lens, slots, spec, offset)
+        vid = d.verified_id if verified else None
+        draft = tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states, vid)
+        accept, new_lens, nd = model.forward_spec_decode(
+            draft, res.seq_lens, slots, spec, offset, verified=verified
+        )
     else:
         accept, new_lens, nd = model.forward_spec_extend(
-            res.input_ids, res.seq_lens, slots, last, spec, offset
+            res.input_ids, res.seq_lens, slots, last, spec, offset, verified=verified
         )
-    payload = payload_type(nd.bonus, nd.topk_p, nd.topk_index, nd.hidden)
+    payload = payload_type(nd.bonus, nd.topk_p, nd.topk_index, nd.hidden, verified_id=nd.verified)
     return ForwardOut(new_lens, payload, nd.bonus, accept, payload)

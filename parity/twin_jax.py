@@ -71,7 +71,10 @@ class JaxTwin:
         self.on_host = device == "cpu"
         sp = scenario.spec
         self.spec = None if sp is None else (sp.topk, sp.hidden)
-        cfg = None if sp is None else fm_jax.SpecConfig(sp.topk, sp.hidden, jnp.bfloat16)
+        self.verified = sp is not None and sp.verified_id
+        cfg = None
+        if sp is not None:
+            cfg = fm_jax.SpecConfig(sp.topk, sp.hidden, jnp.bfloat16, verified_id=sp.verified_id)
         on_mesh = dp * tp > 1
         first = jax_device(device)
         mesh = make_mesh(dp, tp, jax.devices(first.platform)) if on_mesh else None
@@ -148,6 +151,8 @@ class JaxTwin:
                     bufs["hidden_states"] = jax.lax.bitcast_convert_type(
                         self._block(st.hidden_states, rank), self.fm.spec.hidden_dtype
                     )
+                if st.verified_id is not None:
+                    bufs["verified_id"] = st.verified_id
             out[rank] = {
                 k: self.snap(v if k == "hidden_states" else self._block(v, rank))[1:]
                 for k, v in bufs.items()
@@ -204,12 +209,13 @@ class JaxTwin:
             draft = None
             if out.draft is not None and hb.spec_decode:
                 d = out.draft
-                hidden = d.hidden_states
+                hidden, vid = d.hidden_states, d.verified_id
                 draft = fm_jax.DraftPayload(
                     self._rows(d.bonus_tokens, r, n),
                     self._rows(d.topk_p, r, n),
                     self._rows(d.topk_index, r, n),
                     None if hidden is None else self._rows(hidden, r, n),
+                    verified_id=None if vid is None else self._rows(vid, r, n),
                 )
             ids, lens = self._rows(out.input_ids, r, t), self._rows(out.seq_lens, r, n)
             res[r] = ResolvedOut(ids, lens, draft, None)
@@ -233,7 +239,9 @@ class JaxTwin:
     def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
         dev = self._device[rank]
         slots, last = jax.device_put(hb.slots, dev), jax.device_put(hb.last_index, dev)
-        return run_forward(model, fm_jax.DraftPayload, res, hb, slots, last, self.spec, offset)
+        return run_forward(
+            model, fm_jax.DraftPayload, res, hb, slots, last, self.spec, offset, self.verified
+        )
 
     def publish(
         self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
@@ -251,8 +259,13 @@ class JaxTwin:
         for r, p in payload.items():
             if isinstance(p, fm_jax.DraftPayload):
                 hidden = None if p.hidden_states is None else self.host(p.hidden_states)
+                vid = None if p.verified_id is None else self.host(p.verified_id)
                 host[r] = fm_jax.DraftPayload(
-                    self.host(p.bonus_tokens), self.host(p.topk_p), self.host(p.topk_index), hidden
+                    self.host(p.bonus_tokens),
+                    self.host(p.topk_p),
+                    self.host(p.topk_index),
+                    hidden,
+                    verified_id=vid,
                 )
             else:
                 host[r] = self.host(p)
@@ -261,7 +274,9 @@ class JaxTwin:
 
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
-        return fm_jax.DraftPayload(bonus, draft.topk_p, draft.topk_index, draft.hidden)
+        return fm_jax.DraftPayload(
+            bonus, draft.topk_p, draft.topk_index, draft.hidden, verified_id=draft.verified
+        )
 
     def invalidate(
         self,

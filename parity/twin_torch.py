@@ -62,6 +62,9 @@ class TorchTwin:
         self.dtype = TORCH_INT[dtype]
         sp = scenario.spec
         self.spec = None if sp is None else (sp.topk, sp.hidden)
+        # fm_torch relays verified ids when the first draft stashed brings them: every
+        # draft of a verified-id scenario does (forward, bootstrap and IDLE alike).
+        self.verified = sp is not None and sp.verified_id
         self.ranks = tuple(ranks)
         self.fms = {
             r: fm_torch.FutureMap(
@@ -111,6 +114,8 @@ class TorchTwin:
                 bufs.update(topk_p=fm.topk_p, topk_index=fm.topk_index)
                 if fm.hidden_states is not None:
                     bufs["hidden_states"] = fm.hidden_states
+                if fm.verified_id is not None:
+                    bufs["verified_id"] = fm.verified_id
             out[rank] = {k: self.snap(v[1:]) for k, v in bufs.items()}
         return out
 
@@ -125,11 +130,13 @@ class TorchTwin:
 
     def _payload(self, payload: Any) -> Any:
         if isinstance(payload, fm_torch.DraftPayload):
+            vid = payload.verified_id
             return fm_torch.DraftPayload(
                 self._t(payload.bonus_tokens),
                 self._t(payload.topk_p),
                 self._t(payload.topk_index),
                 None if payload.hidden_states is None else self._t(payload.hidden_states),
+                verified_id=None if vid is None else self._t(vid),
             )
         return self._t(payload)
 
@@ -172,7 +179,7 @@ class TorchTwin:
         slots, last = self._t(hb.slots), self._t(hb.last_index)
         with self.fms[rank].forward_stream():
             return run_forward(
-                model, fm_torch.DraftPayload, res, hb, slots, last, self.spec, offset
+                model, fm_torch.DraftPayload, res, hb, slots, last, self.spec, offset, self.verified
             )
 
     def publish(
@@ -192,8 +199,9 @@ class TorchTwin:
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
         hidden = None if draft.hidden is None else self._t(draft.hidden)
+        vid = None if draft.verified is None else self._t(draft.verified)
         return fm_torch.DraftPayload(
-            self._t(bonus), self._t(draft.topk_p), self._t(draft.topk_index), hidden
+            self._t(bonus), self._t(draft.topk_p), self._t(draft.topk_index), hidden, vid
         )
 
     def invalidate(

@@ -79,7 +79,7 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     """`--mutations` (fm_jax mutated) reports which detectors caught each variant, each
     under its own protocol; none may be null, and parity must be among them (fm_jax
     differs from fm_torch). The gather protocol's MIXED and spec mistakes need a MIXED and
-    a spec scenario."""
+    a spec scenario, a lost verified id a spec scenario relaying them."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
@@ -89,6 +89,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
             "mixed_batches",
             "--scenario",
             "spec_decode",
+            "--scenario",
+            "spec_verified",
             "--dtype",
             "int32",
             "--debug",
@@ -101,10 +103,10 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     )
     assert code == 0, capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert len(doc["mutations"]) == len(MUTATIONS) >= 9
+    assert len(doc["mutations"]) == len(MUTATIONS) >= 10
     for m in doc["mutations"]:
         assert set(m) == {"name", "protocol", "caught_by"} and m["caught_by"], m
-        assert m["protocol"] == MUTATIONS[m["name"]].protocol
+        assert m["protocol"] == MUTATIONS[m["name"]].judged_under
         assert "parity" in m["caught_by"].split("+"), m
     assert {m["protocol"] for m in doc["mutations"]} == {"sentinel", "gather"}
     assert "caught by" in capsys.readouterr().out

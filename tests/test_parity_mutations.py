@@ -11,18 +11,21 @@ from parity.suite import Job, check_mutation
 # retire_reuse is the smallest scenario with every ingredient the sentinel mutations and
 # the dropped gather stash break: decode relays, retirement with immediate slot reuse,
 # prefill stashes into reused slots. The gather protocol's MIXED and spec mistakes need a
-# MIXED and a spec scenario; check_mutation stops at the first scenario that catches, and
-# runs each mutation under its own protocol. Debug off: the oracle (and input checks) must
-# catch each bug without help from consume tracking. fm_jax-only mutations (parity
-# catching) run in test_parity_cli.
-SUITE = [Job(n, "int32", False) for n in ("retire_reuse", "mixed_batches", "spec_decode")]
+# MIXED and a spec scenario, a lost verified id a spec scenario relaying them
+# (spec_verified); check_mutation stops at the first scenario that catches, and runs each
+# mutation under its own protocol. Debug off: the oracle (and input checks) must catch
+# each bug without help from consume tracking. fm_jax-only mutations (parity catching) run
+# in test_parity_cli.
+SCENARIOS = ("retire_reuse", "mixed_batches", "spec_decode", "spec_verified")
+SUITE = [Job(n, "int32", False) for n in SCENARIOS]
 
 
 def test_there_are_mutations_of_both_protocols():
-    """Six sentinel-protocol variants and three gather-protocol ones; fewer means a dropped
-    check."""
-    protocols = [cls.protocol for cls in MUTATIONS.values()]
-    assert protocols.count("sentinel") >= 6 and protocols.count("gather") >= 3
+    """Seven variants judged under the sentinel protocol (a lost verified id among them)
+    and three gather-protocol ones; fewer means a dropped check."""
+    protocols = [cls.judged_under for cls in MUTATIONS.values()]
+    assert protocols.count("sentinel") >= 7 and protocols.count("gather") >= 3
+    assert "skip_verified_id_stash" in MUTATIONS
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))

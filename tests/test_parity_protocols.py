@@ -26,7 +26,7 @@ from parity.trace import OpRecord, RunResult
 from parity.twin import PROTOCOLS
 from parity.twin_torch import TorchTwin
 
-GATHER_MUTATIONS = [n for n, cls in MUTATIONS.items() if cls.protocol == "gather"]
+GATHER_MUTATIONS = [n for n, cls in MUTATIONS.items() if cls.judged_under == "gather"]
 
 
 def _runs(job: Job) -> tuple[dict[str, RunResult], dict[int, Scenario]]:
@@ -135,7 +135,9 @@ def test_cli_runs_the_chosen_protocols_and_their_mutations(monkeypatch, capsys):
 
     def fake_check(name, jobs, mutate=("jax",)):
         seen["mutations"].append(name)
-        return parity.suite.MutationResult(name, "parity", "idle_steps", MUTATIONS[name].protocol)
+        return parity.suite.MutationResult(
+            name, "parity", "idle_steps", MUTATIONS[name].judged_under
+        )
 
     monkeypatch.setattr(parity.runner, "run_jobs", fake_run_jobs)
     monkeypatch.setattr(parity.suite, "check_mutation", fake_check)
@@ -148,7 +150,7 @@ def test_cli_runs_the_chosen_protocols_and_their_mutations(monkeypatch, capsys):
         seen["mutations"] = []
         assert cli.main([*base, "--protocol", protocol, "--mutations"]) == 0
         assert {j.protocol for j in seen["jobs"]} == {protocol}
-        want = [n for n, cls in MUTATIONS.items() if cls.protocol == protocol]
+        want = [n for n, cls in MUTATIONS.items() if cls.judged_under == protocol]
         assert seen["mutations"] == want and want
         out = capsys.readouterr().out
         assert f"1/1 runs ({protocol})" in out
