@@ -5,6 +5,8 @@
     fm-bench --json out.json      # also write the results as JSON
     fm-bench --headline-only --json h.json   # the headline group only; its rows as results
     fm-bench --startup-only       # the start-up table only (warm_up cold and from disk)
+    fm-bench --protocols-only --out bench/results   # gather vs sentinel only, into
+                                  # protocols_<platform>.{json,md}
 
 The peers are SGLang's FutureMap (`sglang_torch`) and sglang-jax's future token map
 (`sglang_jax`), reproduced as they run; `naive_jax` and `floor` are references.
@@ -40,6 +42,13 @@ def _device() -> str:
     d = jax.devices()[0]
     cpu = f"{platform.machine()} {os.cpu_count()} logical CPUs"
     return f"jax {jax.__version__} {d.platform}:{d.device_kind} ({cpu})"
+
+
+def _platform() -> str:
+    """The JAX default device's platform ('cpu', 'gpu', ...), for file names."""
+    import jax
+
+    return str(jax.devices()[0].platform)
 
 
 def fj_compiler_options() -> dict[str, str]:
@@ -146,13 +155,17 @@ def _plan(args: argparse.Namespace) -> Any:
     p = plan.get(args.plan)
     if args.reps is not None:
         p = replace(p, reps=args.reps, headline_reps=args.reps, min_reps=min(p.min_reps, args.reps))
+        if p.protocols is not None:
+            p = replace(p, protocols=replace(p.protocols, reps=args.reps))
     return p
 
 
 def _sections(p: Any, rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
     def of(cfgs: Any) -> list[dict[str, Any]]:
-        keys = {(c.batch, c.pool, c.spec, c.dtype) for c in cfgs}
-        return [r for r in rows if (r["batch"], r["pool"], r["spec"], r["dtype"]) in keys]
+        keys = {(c.batch, c.pool, c.spec, c.dtype, c.protocol) for c in cfgs}
+        return [
+            r for r in rows if (r["batch"], r["pool"], r["spec"], r["dtype"], r["protocol"]) in keys
+        ]
 
     b0, r0 = p.batch_sweep[0], p.pool_sweep[0]
     s0 = p.spec_sweep[0] if p.spec_sweep else None
@@ -200,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         "JAX's persistent cache); no files unless --out or --json is given",
     )
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up table")
+    ap.add_argument(
+        "--protocols-only",
+        action="store_true",
+        help="only the protocol comparison (gather vs sentinel, side by side); with --out, "
+        "written as protocols_<platform>.{json,md}; no files unless --out or --json is given",
+    )
+    ap.add_argument("--no-protocols", action="store_true", help="skip the protocol comparison")
     ap.add_argument("--plan", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--child-int64", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -217,24 +237,49 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     t0, load_start = time.perf_counter(), _load()
-    only_startup = args.startup_only
-    sweeps = not (args.headline_only or only_startup)
+    only_startup, only_protocols = args.startup_only, args.protocols_only
+    only_part = only_startup or only_protocols
+    sweeps = not (args.headline_only or only_part)
     with_int64 = sweeps and not args.no_int64
-    with_startup = p.startup is not None and not args.no_startup and not args.headline_only
+    with_startup = (
+        p.startup is not None
+        and not args.no_startup
+        and not args.headline_only
+        and not only_protocols
+    )
+    protocols = p.protocols if (sweeps or only_protocols) and not args.no_protocols else None
     n_groups = (
-        int(not only_startup)
+        int(not only_part)
         + (len(p.sweep_configs(False)) if sweeps else 0)
         + int(with_int64)
         + int(with_startup)
+        + (len(protocols.pools) * protocols.runs if protocols else 0)
     )
     int64_error = None
     figs: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     head_rows: list[dict[str, Any]] = []
     startup_rows: list[dict[str, Any]] = []
+    protocol_rows: list[dict[str, Any]] = []
+    comparisons: list[dict[str, Any]] = []
     with tqdm(total=n_groups, file=sys.stderr, unit="group") as bar:
-        if not only_startup:
+        if not only_part:
             figs, rows, head_rows = _measure_all(p, False, bar, sweeps)
+        if protocols is not None:
+            from bench import protocols as protocol_groups
+
+            started = [0]
+
+            def next_group(label: str) -> None:
+                if started[0]:  # the group before this one is done
+                    bar.update(1)
+                started[0] += 1
+                bar.set_description(label)
+
+            protocol_rows, comparisons = protocol_groups.measure(
+                protocols, warmup=p.warmup, min_reps=p.min_reps, on_group=next_group
+            )
+            bar.update(1)
         if with_int64:
             bar.set_description("int64 (child process)")
             more, int64_error = _int64_child(args)
@@ -252,11 +297,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.impls.fm_torch_eager import device as torch_device
 
-    part = "" if sweeps else (", start-up only" if only_startup else ", headline only")
+    part = ""
+    if not sweeps:
+        part = ", start-up only" if only_startup else ", headline only"
+        part = ", protocols only" if only_protocols else part
+    given = sys.argv[1:] if argv is None else argv
     doc: dict[str, Any] = {
         "device": _device(),
         "meta": {
             "plan": p.name + part,
+            "command": " ".join(["fm-bench", *given]),
             "torch_device": str(torch_device()),
             "torch_threads": torch.get_num_threads(),
             "fm_jax_compiler_options": fj_compiler_options(),
@@ -270,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         "headline": figs,
         "headline_results": head_rows,
         "startup": startup_rows,
+        "protocols": comparisons,
+        "protocol_results": protocol_rows,
     }
     from bench import plots, report
 
@@ -282,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or (RESULTS_DIR if args.plan == "full" and sweeps else None)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
-        (out_dir / "results.md").write_text(md)
+        # A protocols-only run never overwrites a whole run's results.
+        stem = f"protocols_{_platform()}" if only_protocols else "results"
+        (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+        (out_dir / f"{stem}.md").write_text(md)
         if sweeps and not args.no_plots:
             figures: list[tuple[int, str, tuple[str, ...], str]] = [
                 (0, "batch", plots.PLOT_OPS, "cost_vs_batch.png")

@@ -1,11 +1,12 @@
-"""What a run measures: the sweeps (one interleaved group per configuration) and the
-headline group (every series behind a headline ratio, measured side by side)."""
+"""What a run measures: the sweeps (one interleaved group per configuration), the headline
+group (every series behind a headline ratio, measured side by side) and the protocol groups
+(each FutureMap implementation under both relay protocols, side by side)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.workload import Config
+from bench.workload import PROTOCOLS, Config
 
 IMPLS = (
     "fm_jax",
@@ -19,6 +20,15 @@ IMPLS = (
     "floor_host",
 )
 """Implementation names as they appear in the JSON (`debug` tells the debug variants apart)."""
+
+PROTOCOL_IMPLS = ("fm_jax", "fm_jax_host", "fm_jax_fused", "fm_torch", "sglang_torch")
+"""The implementations with a FutureMap, measured under both protocols (sglang_torch: the
+sentinel-era class, and SGLang's current class for the gather protocol)."""
+
+PROTOCOL_OPS = ("stash", "resolve_decode", "resolve_mixed", "resolve_spec", "step")
+"""Ops of the protocol groups. `stash` is the control: the same code in both protocols, so
+its ratio shows what 'no difference' measures as. `step` is measured on the plain and on
+the spec map."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,41 @@ class Headline:
             out["spec32_small"] = Config(b, self.spec_small, True, hidden=h, hidden_dtype="float32")
             out["spec32_large"] = Config(b, self.spec_large, True, hidden=h, hidden_dtype="float32")
         return out
+
+
+@dataclass(frozen=True)
+class Protocols:
+    """The protocol comparison: one interleaved group per pool size, measured `runs` times,
+    holding every implementation of `impls` under both protocols (plain and spec maps).
+
+    Attributes:
+      batch: B of every series.
+      pools: R of each group.
+      hidden: the spec maps' H (bf16, K = 8), one per pool: an H = 4096 bf16 hidden buffer
+        at R = 1M would be 8 GiB per map.
+      runs: groups per pool; medians and ranges are taken over them.
+      reps: timed rounds per group (at most; `budget_s` may cut them to `min_reps`).
+      budget_s: wall-time budget of one group's timed rounds (None: all `reps`).
+      impls: the implementations measured.
+    """
+
+    batch: int
+    pools: tuple[int, ...]
+    hidden: tuple[int, ...]
+    runs: int
+    reps: int
+    budget_s: float | None = None
+    impls: tuple[str, ...] = PROTOCOL_IMPLS
+
+    def __post_init__(self) -> None:
+        if len(self.hidden) != len(self.pools):
+            raise ValueError(f"one hidden size per pool: {self.hidden} for {self.pools}")
+
+    def configs(self, pool: int) -> list[Config]:
+        """One group's configurations: the plain and the spec map, each in both protocols."""
+        h = self.hidden[self.pools.index(pool)]
+        plain = [Config(self.batch, pool, protocol=p) for p in PROTOCOLS]
+        return plain + [Config(self.batch, pool, True, hidden=h, protocol=p) for p in PROTOCOLS]
 
 
 @dataclass(frozen=True)
@@ -94,6 +139,7 @@ class Plan:
         default=("fm_jax", "fm_jax_fused", "fm_torch", "sglang_torch")
     )
     startup: Startup | None = None
+    protocols: Protocols | None = None
 
     def sweep_configs(self, int64: bool) -> list[Config]:
         """Distinct configurations of the int32 sweeps (or of the int64 one), in order."""
@@ -117,6 +163,7 @@ def _full() -> Plan:
         headline_budget_s=90.0,
         inplace_check=(Config(256, 1 << 20), Config(256, 16384, spec=True, hidden=h)),
         startup=Startup(runs=3),
+        protocols=Protocols(256, (4096, 1 << 20), (h, 256), runs=5, reps=400, budget_s=15.0),
     )
 
 
@@ -136,6 +183,7 @@ def _quick() -> Plan:
         min_reps=5,
         inplace_check=(Config(64, 16384),),
         startup=Startup(runs=1, pool=65, small=True, maps=("plain", "mesh")),
+        protocols=Protocols(64, (1024, 16384), (h, h), runs=2, reps=15, budget_s=0.5),
     )
 
 
@@ -156,6 +204,7 @@ def _tiny() -> Plan:
         min_reps=2,
         debug_variants=("fm_jax", "fm_torch", "sglang_torch"),
         startup=Startup(runs=1, pool=65, small=True, maps=("plain",)),
+        protocols=Protocols(8, (64,), (16,), runs=2, reps=3),
     )
 
 

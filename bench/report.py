@@ -1,4 +1,5 @@
-"""Markdown: the headline table and one table per sweep (median µs, p10–p90)."""
+"""Markdown: the headline table, the protocol comparison and one table per sweep (median µs,
+p10–p90)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,76 @@ def headline_table(figs: Sequence[dict[str, Any]]) -> str:
             f"{ratio} | {f['target'] or 'reported'} | {res} |"
         )
     return "\n".join(lines)
+
+
+_PROTOCOL_OP_ORDER = ("step", "resolve_decode", "resolve_mixed", "resolve_spec", "stash")
+
+
+def _protocol_op(c: dict[str, Any]) -> str:
+    if not c["spec"]:
+        return c["op"] + (" (control)" if c["op"] == "stash" else "")
+    return f"{c['op']} (spec H={c['hidden']})"
+
+
+def _range_cell(median: float, lo_hi: Sequence[float], digits: int) -> str:
+    lo, hi = lo_hi
+    return f"{median:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+
+
+def protocol_table(comparisons: Iterable[dict[str, Any]], impls: Sequence[str]) -> str:
+    """Gather vs sentinel, a row per (pool, op, implementation): both medians and the ratio,
+    each as the median over runs (range over runs)."""
+    comps = list(comparisons)
+    if not comps:
+        return ""
+
+    def order(c: dict[str, Any]) -> tuple[Any, ...]:
+        impl = impls.index(c["impl"]) if c["impl"] in impls else len(impls)
+        return (c["pool"], c["spec"], _PROTOCOL_OP_ORDER.index(c["op"]), impl)
+
+    lines = [
+        "| R | op | impl | sentinel µs | gather µs | gather / sentinel |",
+        "| ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for c in sorted(comps, key=order):
+        ratio = "n/a" if c["ratio"] is None else _range_cell(c["ratio"], c["ratio_range"], 2)
+        lines.append(
+            f"| {c['pool']} | {_protocol_op(c)} | {c['impl']} | "
+            f"{_range_cell(c['sentinel_us'], c['sentinel_range_us'], 1)} | "
+            f"{_range_cell(c['gather_us'], c['gather_range_us'], 1)} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def _protocol_section(doc: dict[str, Any]) -> list[str]:
+    comps = doc.get("protocols") or []
+    if not comps:
+        return []
+    from bench.plan import PROTOCOL_IMPLS
+
+    batch = comps[0]["batch"]
+    runs = comps[0]["runs"]
+    return [
+        "## Protocols: gather vs sentinel (one interleaved group per R, side by side)",
+        "",
+        f"B = {batch}, int32 buffers, debug off. Each R is one group holding both protocols'",
+        f"series of every implementation, measured {runs} times (each run shuffles its rounds",
+        "with its own seed); a cell is the median over those runs of each run's median, with",
+        "the range over runs; the ratio is taken per run, then its median and range. A step",
+        "is resolve + publish + stash, and in the sentinel protocol invalidate too.",
+        "`fm_jax_host` is the class fed numpy arrays, as a host scheduler feeds it;",
+        "`fm_jax` the class fed jax arrays; both pass a gather DECODE batch",
+        "`input_ids=None`, as the class documents (fed jax arrays, the class builds a zeros",
+        "array on the device for it per call, which these figures include);",
+        "`fm_jax_fused` the marginal cost of the pure ops in a jitted step.",
+        "`sglang_torch` is SGLang's sentinel-era class (late May 2026) under the sentinel",
+        "protocol and SGLang's current class (commit 0178132: no sentinels, spec lengths",
+        "gathered on the device, no host length copy) under the gather protocol. `stash` is",
+        "the control: the same code in both protocols.",
+        "",
+        protocol_table(comps, PROTOCOL_IMPLS),
+        "",
+    ]
 
 
 def _config_label(r: dict[str, Any]) -> str:
@@ -105,6 +176,7 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
     parts = [
         f"# fm-bench ({meta['plan']} run)",
         "",
+        *([f"- command: `{meta['command']}`"] if meta.get("command") else []),
         f"- device: {doc['device']}",
         f"- torch device: {meta['torch_device']}, torch threads: {meta['torch_threads']}",
         f"- fm_jax compiler options (class ops and fused step): "
@@ -128,9 +200,30 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
             startup_table(doc["startup"]),
             "",
         ]
-    if not doc["headline"]:
-        return "\n".join(parts)
-    parts += [
+    if doc.get("headline"):
+        parts += _headline_section(doc)
+    parts += _protocol_section(doc)
+    if doc.get("inplace_check"):
+        parts += [
+            "## In place: whole-buffer rewrites in the compiled HLO",
+            "",
+            "Instructions that copy or convert a whole [R, ...] buffer (an in-place scatter",
+            "is not one). 0 means the op moves batch-sized data only. 'Split over threads'",
+            "counts instructions XLA:CPU hands to its thread pool (compiled with",
+            "`fm_jax.compiler_options()`; 0: the op runs on the calling thread).",
+            "",
+            doc["inplace_check"],
+            "",
+        ]
+    for title, vary, rows in sections:
+        t = sweep_table(rows, vary, title)
+        if t:
+            parts += [t, ""]
+    return "\n".join(parts)
+
+
+def _headline_section(doc: dict[str, Any]) -> list[str]:
+    parts = [
         "## Headline figures (one interleaved group, medians)",
         "",
         headline_table(doc["headline"]),
@@ -152,20 +245,4 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
         "the op must move at the least (batch-sized).",
         "",
     ]
-    if doc.get("inplace_check"):
-        parts += [
-            "## In place: whole-buffer rewrites in the compiled HLO",
-            "",
-            "Instructions that copy or convert a whole [R, ...] buffer (an in-place scatter",
-            "is not one). 0 means the op moves batch-sized data only. 'Split over threads'",
-            "counts instructions XLA:CPU hands to its thread pool (compiled with",
-            "`fm_jax.compiler_options()`; 0: the op runs on the calling thread).",
-            "",
-            doc["inplace_check"],
-            "",
-        ]
-    for title, vary, rows in sections:
-        t = sweep_table(rows, vary, title)
-        if t:
-            parts += [t, ""]
-    return "\n".join(parts)
+    return parts

@@ -34,7 +34,8 @@ BUILDERS: dict[str, Callable[..., dict[str, Op]]] = {
 
 @dataclass(frozen=True)
 class Key:
-    """Identifies a series: implementation, debug mode, op and configuration."""
+    """Identifies a series: implementation, debug mode, op and configuration (the
+    configuration names the protocol)."""
 
     impl: str
     debug: bool
@@ -76,6 +77,7 @@ def row(key: Key, st: timing.Stats, stats: dict[Hashable, timing.Stats]) -> dict
         "pool": c.pool,
         "spec": c.spec,
         "dtype": c.dtype,
+        "protocol": c.protocol,
         "debug": key.debug,
         "median_us": round(st.median_us, 2),
         "p10_us": round(st.p10_us, 2),
@@ -99,10 +101,17 @@ def measure(
     budget_s: float | None,
     min_reps: int,
     on_rep: Callable[[], object] | None = None,
+    seed: int = 0,
 ) -> dict[Hashable, timing.Stats]:
-    """Time `series` as one interleaved group."""
+    """Time `series` as one interleaved group (`seed`: its shuffling)."""
     return timing.measure_group(
-        series, reps=reps, warmup=warmup, budget_s=budget_s, min_reps=min_reps, on_rep=on_rep
+        series,
+        reps=reps,
+        warmup=warmup,
+        budget_s=budget_s,
+        min_reps=min_reps,
+        on_rep=on_rep,
+        seed=seed,
     )
 
 

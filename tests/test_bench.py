@@ -23,6 +23,7 @@ ROW_KEYS = {
     "pool",
     "spec",
     "dtype",
+    "protocol",
     "debug",
     "median_us",
     "p10_us",
@@ -77,6 +78,7 @@ def test_json_rows_follow_the_schema(tiny_run: tuple[dict[str, Any], Path]) -> N
         assert set(r) >= ROW_KEYS, r
         assert r["impl"] in IMPLS
         assert r["dtype"] in ("int32", "int64")
+        assert r["protocol"] == "sentinel"  # the sweeps; the protocol groups are apart
         assert isinstance(r["debug"], bool) and isinstance(r["spec"], bool)
         assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
     assert {r["impl"] for r in rows} == IMPLS
@@ -195,14 +197,29 @@ def _tiny(spec: bool = False) -> tuple[Any, Any]:
     return cfg, host_data(cfg)
 
 
-@pytest.mark.parametrize("impl", ["fm_jax", "fm_jax_host", "sglang_torch", "sglang_jax"])
-def test_each_step_resolves_what_the_previous_step_stashed(impl: str) -> None:
-    """Two steps in a row: each resolve returns the tokens (and lengths) stashed before."""
+STEP_CASES = [
+    ("fm_jax", "sentinel"),
+    ("fm_jax_host", "sentinel"),
+    ("sglang_torch", "sentinel"),
+    ("sglang_jax", "sentinel"),
+    ("fm_jax", "gather"),
+    ("fm_jax_host", "gather"),
+    ("sglang_torch", "gather"),
+]
+
+
+@pytest.mark.parametrize(("impl", "protocol"), STEP_CASES)
+def test_each_step_resolves_what_the_previous_step_stashed(impl: str, protocol: str) -> None:
+    """Two steps in a row: each resolve returns the tokens (and lengths) stashed before;
+    in the gather protocol the ids are gathered and the lengths are the host's."""
+    from dataclasses import replace
+
     import numpy as np
 
     from bench import run
 
     cfg, data = _tiny()
+    cfg = replace(cfg, protocol=protocol)
     step = run.BUILDERS[impl](cfg, data, False, ("step",))["step"]
     for _ in range(2):
         step.setup()
@@ -349,3 +366,200 @@ def test_startup_table_comes_from_fresh_processes(tiny_run) -> None:
     assert rows["from the cache"]["compiled"] == 0
     assert rows["from the cache"]["from_cache"] == rows["from the cache"]["executables"]
     assert "## Start-up" in (out / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------ protocols
+
+
+def test_protocol_groups_compare_every_impl_op_and_map(tiny_run) -> None:
+    """The tiny run's protocol groups: every FutureMap implementation has both protocols'
+    rows for each op it implements (no invalidate in gather), and each comparison's ratio
+    is the median of its runs' ratios; the report prints the table."""
+    import statistics
+
+    from bench.plan import PROTOCOL_IMPLS, get
+
+    doc, out, _ = tiny_run
+    runs = get("tiny").protocols.runs
+    rows = doc["protocol_results"]
+    assert rows and all(set(r) >= ROW_KEYS and len(r["run_medians_us"]) == runs for r in rows)
+    assert {r["protocol"] for r in rows} == {"sentinel", "gather"}
+    assert not any(r["op"] == "invalidate" for r in rows)
+    plain = {("stash", False), ("resolve_decode", False), ("resolve_mixed", False)}
+    every = plain | {("step", False), ("resolve_spec", True), ("step", True)}
+    want = {impl: every for impl in PROTOCOL_IMPLS}
+    want["fm_jax_fused"] = {("step", False), ("step", True)}
+    comps = doc["protocols"]
+    got: dict[str, set[tuple[str, bool]]] = {}
+    for c in comps:
+        got.setdefault(c["impl"], set()).add((c["op"], c["spec"]))
+    assert got == want
+    by = {(r["impl"], r["op"], r["spec"], r["protocol"]): r for r in rows}
+    for c in comps:
+        if c["ratio"] is None:  # a fused marginal cost <= 0 in every run
+            continue
+        s = by[(c["impl"], c["op"], c["spec"], "sentinel")]["run_medians_us"]
+        g = by[(c["impl"], c["op"], c["spec"], "gather")]["run_medians_us"]
+        ratios = [b / a for a, b in zip(s, g, strict=True) if a > 0]
+        assert c["ratio"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+        assert c["ratio_range"][0] <= c["ratio"] <= c["ratio_range"][1]
+        assert c["runs"] == runs
+    md = (out / "results.md").read_text()
+    assert "Protocols: gather vs sentinel" in md and "| gather / sentinel |" in md
+
+
+def test_protocols_only_writes_its_own_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--protocols-only --out` writes protocols_<platform>.{json,md} (never results.*) with
+    the command that made them; one implementation and one run keep it quick."""
+    from dataclasses import replace
+
+    import jax
+
+    from bench import plan
+
+    tiny = plan.PLANS["tiny"]
+
+    def one_impl() -> plan.Plan:
+        p = tiny()
+        assert p.protocols is not None
+        return replace(p, protocols=replace(p.protocols, impls=("sglang_torch",), runs=1))
+
+    monkeypatch.setitem(plan.PLANS, "tiny", one_impl)
+    assert cli.main(["--plan", "tiny", "--protocols-only", "--out", str(tmp_path)]) == 0
+    stem = f"protocols_{jax.devices()[0].platform}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.md"]
+    doc = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert doc["meta"]["plan"] == "tiny, protocols only"
+    assert doc["meta"]["command"].startswith("fm-bench --plan tiny --protocols-only")
+    assert not doc["results"] and not doc["headline"] and not doc["startup"]
+    assert {c["impl"] for c in doc["protocols"]} == {"sglang_torch"}
+    assert all(c["runs"] == 1 for c in doc["protocols"])
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert "fm-bench --plan tiny --protocols-only" in md and "| sglang_torch |" in md
+
+
+def test_gather_configs_have_no_invalidate_and_sentinel_only_impls_build_nothing() -> None:
+    """A gather configuration measures no invalidate; the implementations that relay by
+    placeholders only (sglang_jax, naive_jax, the floors) build nothing for it."""
+    from bench import run
+    from bench.workload import Config, host_data
+
+    for spec in (False, True):
+        cfg = Config(8, 64, spec=spec, hidden=16, protocol="gather")
+        assert "invalidate" not in cfg.ops() and "step" in cfg.ops()
+        data = host_data(cfg)
+        for impl in ("sglang_jax", "naive_jax", "floor", "floor_host"):
+            assert run.BUILDERS[impl](cfg, data, False, cfg.ops()) == {}, impl
+    with pytest.raises(ValueError, match="protocol"):
+        Config(8, 64, protocol="sentinels")
+
+
+def test_gather_mixed_batch_is_the_sentinel_batch_relaid() -> None:
+    """The MIXED batch's gather layouts name the same rows as its sentinels: fm_torch's
+    (prefill ids, running slots) and fm_jax's per-token ids and slots."""
+    import numpy as np
+
+    _, data = _tiny()
+    sentinel = data.mixed_ids < 0
+    np.testing.assert_array_equal(data.mixed_prefill, data.mixed_ids[~sentinel])
+    np.testing.assert_array_equal(data.mixed_running, -data.mixed_ids[sentinel])
+    ids, slots = data.mixed_token_slots()
+    np.testing.assert_array_equal(slots, np.where(sentinel, -data.mixed_ids, 0))
+    np.testing.assert_array_equal(ids, np.where(sentinel, 0, data.mixed_ids))
+
+
+def _resolved(out: Any) -> tuple[Any, Any, Any]:
+    """(input ids, lengths, bonus tokens or None) of a resolve op's output, any impl."""
+    import numpy as np
+
+    draft = getattr(out, "draft", None) or getattr(out, "spec_info", None)
+    bonus = None
+    if draft is not None:
+        payload = getattr(draft, "payload", draft)
+        bonus = np.asarray(payload.bonus_tokens)
+    ids = None if out.input_ids is None else np.asarray(out.input_ids)
+    return ids, np.asarray(out.seq_lens), bonus
+
+
+@pytest.mark.parametrize("impl", ["fm_jax", "fm_jax_host", "fm_torch", "sglang_torch"])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_each_resolve_op_builds_the_forwards_inputs(impl: str, protocol: str) -> None:
+    """What each resolve op measures is a correct resolve in either protocol: DECODE ids
+    are the stashed tokens (lengths the published ones), MIXED ids the prefill ids then
+    the running rows' tokens, and a spec resolve the published lengths and bonus tokens."""
+    import numpy as np
+
+    from bench import run
+    from bench.workload import Config, host_data
+
+    for cfg in (
+        Config(8, 64, protocol=protocol),
+        Config(8, 64, True, hidden=16, protocol=protocol),
+    ):
+        data = host_data(cfg)
+        ops = run.BUILDERS[impl](cfg, data, False, cfg.ops())
+        want_mixed = np.concatenate([data.mixed_prefill, data.tokens[cfg.batch // 2 :]])
+        names = ("resolve_spec",) if cfg.spec else ("resolve_decode", "resolve_mixed")
+        for name in names:
+            ops[name].setup()
+            ids, lens, bonus = _resolved(ops[name].run())
+            b = cfg.batch
+            if name == "resolve_mixed":
+                np.testing.assert_array_equal(ids[: len(want_mixed)], want_mixed)
+                np.testing.assert_array_equal(lens[:b], data.mixed_lens)
+            else:
+                np.testing.assert_array_equal(lens[:b], data.lens)
+            if name == "resolve_decode":
+                np.testing.assert_array_equal(ids[:b], data.tokens)
+            if name == "resolve_spec":
+                np.testing.assert_array_equal(bonus[:b], data.tokens)
+
+
+def test_sglang_torch_gather_model_follows_the_current_class() -> None:
+    """SGLang's current relay: DECODE gathers ids at req_pool_indices (the batch brings
+    none), MIXED appends the running rows' tokens to the staged prefill ids, spec gathers
+    the lengths at the future indices; there is no invalidate; CI mode catches a second
+    read, the production map returns the stale token."""
+    import torch
+
+    from bench.impls.sglang_torch import Draft, DraftInfo
+    from bench.impls.sglang_torch_gather import Batch, SGLangGatherFutureMap
+
+    cpu = torch.device("cpu")
+    idx = torch.tensor([3, 5])
+    assert not hasattr(SGLangGatherFutureMap, "invalidate")
+    for debug in (False, True):
+        fm = SGLangGatherFutureMap(8, cpu, debug=debug)
+        fm.publish(idx, torch.tensor([4, 9]))
+        fm.stash(idx, torch.tensor([11, 0]))  # token 0 is a token, not a poison
+        b = Batch(idx, torch.tensor([4, 9]))
+        fm.resolve(b)
+        assert b.input_ids.tolist() == [11, 0] and b.seq_lens.tolist() == [4, 9]
+        fm.stash(idx, torch.tensor([12, 13]))
+        mixed = Batch(
+            torch.tensor([2, 5]),
+            torch.tensor([2, 9]),
+            prefill_input_ids_cpu=torch.tensor([7, 8]),
+            mix_running_indices=torch.tensor([5]),
+        )
+        fm.resolve(mixed)
+        assert mixed.input_ids.tolist() == [7, 8, 13]
+        assert mixed.prefill_input_ids_cpu is None and mixed.mix_running_indices is None
+        again = Batch(torch.tensor([5]), torch.tensor([9]))
+        if debug:
+            with pytest.raises(RuntimeError):
+                fm.resolve(again)  # read, read: no stash in between
+        else:
+            fm.resolve(again)
+            assert again.input_ids.tolist() == [13]
+    spec = SGLangGatherFutureMap(8, cpu, spec=(2, 4, torch.bfloat16))
+    spec.publish(idx, torch.tensor([6, 2]))
+    hidden = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
+    spec.stash(idx, Draft(torch.tensor([21, 22]), torch.ones(2, 2), torch.zeros(2, 2), hidden))
+    b = Batch(idx, torch.tensor([0, 0]), spec_info=DraftInfo(torch.tensor([5, 3])))
+    spec.resolve(b)
+    assert b.seq_lens.tolist() == [2, 6] and b.input_ids is None
+    assert b.spec_info is not None and b.spec_info.bonus_tokens.tolist() == [22, 21]
+    assert torch.equal(b.spec_info.hidden_states, hidden.flip(0))

@@ -1,7 +1,7 @@
 """The overlap-scheduled serving demo (bench/serve) on a tiny model: token equality and JSON.
 
 Engines share compiled steps (cached per config), so the module compiles each step variant
-once: sync, overlap, overlap with debug.
+once: sync, and overlap with debug off and on in each relay protocol (sentinel, gather).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from bench.serve import cli
 from bench.serve.config import TINY_REQUESTS, tiny_engine, tiny_model
 from bench.serve.engine import Engine, ServeResult
 from bench.serve.host_cost import HostCost
-from bench.serve.requests import Request, make_requests
+from bench.serve.requests import Request, RequestState, make_requests
 from bench.serve.scheduler import Scheduler
 from bench.serve.sweep import diff_outputs
 
@@ -51,13 +51,20 @@ def test_reference_exercises_every_path(requests: list[Request], reference: Serv
     assert len(requests) > tiny_engine().max_running  # slots are reused
 
 
+PROTOCOLS = ["sentinel", "gather"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("debug", [False, True], ids=["debug-off", "debug-on"])
 def test_overlap_tokens_equal_sync(
-    requests: list[Request], reference: ServeResult, debug: bool
+    requests: list[Request], reference: ServeResult, debug: bool, protocol: str
 ) -> None:
-    """Pins a relay fault (sentinel resolved from a wrong or stale slot, a lost length, a slot
-    reused too early) or a debug invariant tripping on a correct overlap schedule."""
-    got = Engine(tiny_model(), tiny_engine(), debug=debug).run_overlap(requests)
+    """Pins a relay fault (an id resolved from a wrong or stale slot, a lost length, a slot
+    reused too early) or a debug invariant tripping on a correct overlap schedule, in either
+    relay protocol: both serve the synchronous run's tokens."""
+    engine = Engine(tiny_model(), tiny_engine(), debug=debug, protocol=protocol)
+    got = engine.run_overlap(requests)
+    assert {"MIXED", "DECODE"} <= set(got.modes)
     assert diff_outputs("overlap", reference, got) == []
 
 
@@ -79,16 +86,20 @@ def _lose_relay(engine: Engine) -> None:
     engine._overlap_step = broken
 
 
-def test_lost_relay_changes_tokens(requests: list[Request], reference: ServeResult) -> None:
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_lost_relay_changes_tokens(
+    requests: list[Request], reference: ServeResult, protocol: str
+) -> None:
     """Pins a token check that cannot fail: overlap without the relay must differ."""
-    engine = Engine(tiny_model(), tiny_engine())
+    engine = Engine(tiny_model(), tiny_engine(), protocol=protocol)
     _lose_relay(engine)
     assert diff_outputs("overlap", reference, engine.run_overlap(requests)) != []
 
 
-def test_lost_relay_trips_debug_consume_check(requests: list[Request]) -> None:
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_lost_relay_trips_debug_consume_check(requests: list[Request], protocol: str) -> None:
     """Pins debug mode missing a read of an unwritten slot (WRWR) inside the jitted step."""
-    engine = Engine(tiny_model(), tiny_engine(), debug=True)
+    engine = Engine(tiny_model(), tiny_engine(), debug=True, protocol=protocol)
     _lose_relay(engine)
     with pytest.raises(fm_jax.InvariantViolation) as info:
         engine.run_overlap(requests)
@@ -129,7 +140,7 @@ def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
     assert sum(lag) >= 0.9 * len(lag)
 
 
-def _scheduler(requests: list[Request], overlap: bool) -> Scheduler:
+def _scheduler(requests: list[Request], overlap: bool, protocol: str = "sentinel") -> Scheduler:
     m = tiny_model()
     return Scheduler(
         requests,
@@ -138,6 +149,7 @@ def _scheduler(requests: list[Request], overlap: bool) -> Scheduler:
         host_cost=HostCost(),
         max_seq_len=m.max_seq_len,
         eos_id=m.eos_id,
+        protocol=protocol,
     )
 
 
@@ -162,6 +174,39 @@ def test_scheduler_writes_sentinels_only_in_overlap() -> None:
             assert inp.input_ids[:3].tolist() == [9, 9, 9]
             assert inp.seq_lens[:3].tolist() == [4, 4, 4]  # prompt 3 + the fed token
         assert not inp.token_slots[3:].any()  # padding tokens write only slot 0
+        assert not inp.relay_slots.any()  # only the gather protocol names relay slots
+
+
+def test_gather_scheduler_leaves_ids_empty_and_names_the_running_slots() -> None:
+    """Gather protocol: a decode row carries no id (0) and the host's length; a DECODE
+    batch names no relay slot (resolve gathers at its slots), a MIXED batch names each
+    running row's slot at its token and 0 at every prefill and padding token."""
+    reqs = [Request(i, (5, 6, 7), 4) for i in range(3)]
+    sched = _scheduler(reqs, True, "gather")
+    first = sched.build()
+    assert first is not None and first.mode == fm_jax.ForwardMode.EXTEND
+    sched.process(first, np.full(len(first.rows), 9, np.int32))
+    second = sched.build()
+    assert second is not None and second.mode == fm_jax.ForwardMode.DECODE
+    inp = second.inputs
+    assert inp.req_pool_indices[:3].tolist() == [1, 2, 3]
+    assert not inp.input_ids.any() and not inp.relay_slots.any()
+    assert inp.seq_lens[:3].tolist() == [4, 4, 4]  # prompt 3 + the fed token
+    sched.queue.append(RequestState(Request(9, tuple(range(2, 12)), 2)))
+    third = sched.build()
+    assert third is not None and third.mode == fm_jax.ForwardMode.MIXED
+    inp, n_pre = third.inputs, 10  # the new prompt's chunk, then the three running rows
+    assert inp.input_ids[:n_pre].tolist() == list(range(2, 12))
+    assert not inp.input_ids[n_pre:].any()
+    assert inp.relay_slots[n_pre : n_pre + 3].tolist() == [1, 2, 3]
+    assert not inp.relay_slots[:n_pre].any() and not inp.relay_slots[n_pre + 3 :].any()
+    assert inp.seq_lens[1:4].tolist() == [5, 5, 5]
+
+
+def test_scheduler_refuses_an_unknown_protocol() -> None:
+    """Pins a typo silently serving another protocol."""
+    with pytest.raises(ValueError, match="protocol"):
+        _scheduler([Request(0, (5, 6), 2)], True, "gathers")
 
 
 def test_scheduler_refuses_request_longer_than_cache() -> None:
@@ -192,3 +237,15 @@ def test_cli_quick_json_schema(tmp_path: Any) -> None:
             assert isinstance(run[key], float) and run[key] >= 0, key
         assert run["ideal_speedup"] >= 1.0
         assert run["speedup"] == pytest.approx(run["overlap_tok_s"] / run["sync_tok_s"])
+    assert doc["protocol"] == "sentinel"
+
+
+def test_cli_gather_protocol_serves_the_same_tokens(tmp_path: Any) -> None:
+    """`--protocol gather`: the overlap runs (debug included) serve the synchronous tokens,
+    and the report names the protocol."""
+    path = tmp_path / "serve.json"
+    argv = ["--quick", "--ratios", "0", "--protocol", "gather", "--json", str(path)]
+    assert cli.main(argv) == 0
+    doc = json.loads(path.read_text())
+    assert doc["protocol"] == "gather"
+    assert doc["tokens_equal"] is True and doc["debug_tokens_equal"] is True

@@ -59,8 +59,9 @@ def _build(cfg: Config, arrays: Any, ops: Sequence[str]) -> dict[str, Op]:
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """No-op dispatches on device arrays: one per op, two for the step."""
-    if debug:
+    """No-op dispatches on device arrays: one per op, two for the step (the sentinel
+    protocol's arrays: no gather variant)."""
+    if debug or cfg.gather:
         return {}
     dd = device_data(cfg, data)
     arrays = dd._asdict()
@@ -69,8 +70,8 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
 
 
 def build_host(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The same dispatches on numpy arrays (each call transfers its inputs)."""
-    if debug:
+    """The same dispatches on numpy arrays (each call transfers its inputs; sentinel only)."""
+    if debug or cfg.gather:
         return {}
     dt = int_dtype(cfg)
     arrays: dict[str, np.ndarray] = {

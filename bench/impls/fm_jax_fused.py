@@ -1,9 +1,13 @@
 """fm_jax's pure ops inlined in one jitted engine step around a trivial model.
 
 The engine step is resolve at the head, a trivial model, publish and stash at the tail, and
-invalidate, with the state donated. The same step without the FutureMap ops (the model on
-the batch as it is, the state passed through) is its paired baseline: the difference per
-repetition is what the FutureMap adds to an engine's step.
+(sentinel protocol) invalidate, with the state donated. In the gather protocol the batch
+carries no placeholders: resolve gathers the decode ids (spec: the lengths at the draft
+indices), nothing is invalidated, and the next step takes the batch as it was.
+
+The same step without the FutureMap ops (the model on the batch as it is, the state passed
+through) is its paired baseline: the difference per repetition is what the FutureMap adds
+to an engine's step.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         return {}
     dd = device_data(cfg, data)
     spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
-    fmo = fj.future_map(cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug)
+    fmo = fj.future_map(
+        cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug, protocol=cfg.protocol
+    )
     idx = dd.idx
     draft_in = fj.DraftPayload(dd.tokens, dd.topk_p, dd.topk_index, dd.hidden)
 
@@ -51,6 +57,8 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         out, lens = _model(res)
         state = fmo.publish(state, batch.req_pool_indices, lens)
         state = fmo.stash(state, batch.req_pool_indices, out)
+        if cfg.gather:  # no sentinels: the host's next batch is this one
+            return state, batch, out
         return state, fmo.invalidate(batch, batch.req_pool_indices), out
 
     def without_ops(state: fj.FutureMapState, batch: fj.Batch) -> Any:
@@ -69,7 +77,13 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     box: dict[str, Any] = {}
     state0 = fmo.publish(fmo.init(), idx, dd.lens)
     box["state"] = fmo.stash(state0, idx, draft_in if cfg.spec else dd.tokens)
-    box["batch"] = fj.Batch(dd.decode_mode, idx, -idx, -idx, idx if cfg.spec else None)
+    draft_idx = idx if cfg.spec else None
+    if cfg.gather:
+        # Any [B] ids (a DECODE gather does not read them; spec: the host's ids, as given)
+        # and the host's lengths (spec: gathered at the draft indices).
+        box["batch"] = fj.Batch(dd.decode_mode, idx, dd.tokens, dd.lens, draft_idx)
+    else:
+        box["batch"] = fj.Batch(dd.decode_mode, idx, -idx, -idx, draft_idx)
     box["state2"] = fmo.init()
     box["batch2"] = box["batch"]
     box["errors"] = []

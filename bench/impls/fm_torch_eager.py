@@ -1,4 +1,10 @@
-"""fm_torch, eager: the PyTorch twin called op by op, as SGLang's scheduler calls its FutureMap."""
+"""fm_torch, eager: the PyTorch twin called op by op, as SGLang's scheduler calls its FutureMap.
+
+Either protocol, as the configuration names it. Sentinel: decode rows carry `-slot` ids and
+lengths and a step ends with invalidate. Gather: a DECODE batch comes without ids, a MIXED
+batch with its prefill ids and `mix_running_indices`, a spec batch's lengths are gathered at
+its draft indices, and a step is resolve, publish, stash.
+"""
 
 from __future__ import annotations
 
@@ -26,16 +32,19 @@ def _sync(dev: torch.device) -> None:
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The twin's ops of `cfg` on `device()`."""
+    """The twin's ops of `cfg` on `device()`; the resolve ops return the resolved batch."""
     dev = device()
     dt = _DTYPES[cfg.dtype]
 
     def t(a: object, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.as_tensor(a).to(device=dev, dtype=dtype).contiguous()
 
-    fm = ft.FutureMap(cfg.pool, device=dev, dtype=dt, spec=cfg.spec, debug=debug)
+    fm = ft.FutureMap(
+        cfg.pool, device=dev, dtype=dt, spec=cfg.spec, debug=debug, protocol=cfg.protocol
+    )
     idx, tokens, lens = t(data.idx, dt), t(data.tokens, dt), t(data.lens, dt)
     mixed_ids, mixed_lens = t(data.mixed_ids, dt), t(data.mixed_lens, dt)
+    prefill, running = t(data.mixed_prefill, dt), t(data.mixed_running, dt)
     draft = DraftPayload(
         tokens,
         t(data.topk_p, torch.float32),
@@ -48,9 +57,17 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     _sync(dev)
 
     def decode_batch() -> ScheduleBatch:
-        return ScheduleBatch(
-            ForwardMode.DECODE, idx, -idx, -idx, DraftInput(idx) if cfg.spec else None
-        )
+        draft = DraftInput(idx) if cfg.spec else None
+        if cfg.gather:  # no ids (resolve gathers them); the host's lengths (spec: gathered)
+            return ScheduleBatch(ForwardMode.DECODE, idx, None, lens, draft)
+        return ScheduleBatch(ForwardMode.DECODE, idx, -idx, -idx, draft)
+
+    def mixed_batch() -> ScheduleBatch:
+        if cfg.gather:
+            return ScheduleBatch(
+                ForwardMode.MIXED, idx, prefill, mixed_lens, mix_running_indices=running
+            )
+        return ScheduleBatch(ForwardMode.MIXED, idx, mixed_ids, mixed_lens)
 
     box = {"batch": decode_batch()}
 
@@ -66,7 +83,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         _sync(dev)
 
     def fresh_mixed() -> None:
-        box["batch"] = ScheduleBatch(ForwardMode.MIXED, idx, mixed_ids, mixed_lens)
+        box["batch"] = mixed_batch()
         fm.stash(idx, payload)
         _sync(dev)
 
@@ -78,9 +95,10 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         fm.stash(idx, payload)
         _sync(dev)
 
-    def resolve() -> None:
+    def resolve() -> ScheduleBatch:
         fm.resolve(box["batch"])
         _sync(dev)
+        return box["batch"]
 
     def invalidate() -> None:
         fm.invalidate(box["batch"], idx)
@@ -93,16 +111,18 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         fm.resolve(b)
         fm.publish(idx, lens)
         fm.stash(idx, payload)
-        fm.invalidate(b, idx)
+        if cfg.gather:
+            # No sentinels: the host leaves the next batch's ids empty, its lengths its own.
+            b.input_ids, b.seq_lens = None, lens
+        else:
+            fm.invalidate(b, idx)
         if b.draft is not None:
             b.draft.payload = None
         _sync(dev)
 
-    table = {
-        "publish": Op(publish),
-        "invalidate": Op(invalidate),
-        "step": Op(step, restash),
-    }
+    table = {"publish": Op(publish), "step": Op(step, restash)}
+    if not cfg.gather:
+        table["invalidate"] = Op(invalidate)
     if cfg.spec:
         table["stash_spec"] = Op(stash)
         table["resolve_spec"] = Op(resolve, fresh_decode)

@@ -31,6 +31,8 @@ class DeviceData(NamedTuple):
     hidden: jax.Array
     decode_mode: jax.Array
     mixed_mode: jax.Array
+    mixed_gather_ids: jax.Array  # gather protocol: prefill ids, then 0 at running positions
+    mixed_token_slots: jax.Array  # gather protocol: the running rows' slots at their positions
 
 
 def device_data(cfg: Config, data: HostData) -> DeviceData:
@@ -45,6 +47,8 @@ def device_data(cfg: Config, data: HostData) -> DeviceData:
     def ints(a: np.ndarray) -> jax.Array:
         return put(a.astype(dt))
 
+    gather_ids, token_slots = data.mixed_token_slots()
+
     return DeviceData(
         idx=ints(data.idx),
         tokens=ints(data.tokens),
@@ -56,4 +60,6 @@ def device_data(cfg: Config, data: HostData) -> DeviceData:
         hidden=put(data.hidden.astype(jnp.dtype(cfg.hidden_dtype))),
         decode_mode=put(np.int32(1)),
         mixed_mode=put(np.int32(2)),
+        mixed_gather_ids=ints(gather_ids),
+        mixed_token_slots=ints(token_slots),
     )

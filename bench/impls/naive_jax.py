@@ -53,8 +53,8 @@ def _invalidate(idx: jax.Array) -> Any:
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The naive maps' ops (no debug mode: it has no checks)."""
-    if debug:
+    """The naive maps' ops (no debug mode: it has no checks; sentinel protocol only)."""
+    if debug or cfg.gather:
         return {}
     dd = device_data(cfg, data)
     dt = int_dtype(cfg)

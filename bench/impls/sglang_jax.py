@@ -106,13 +106,14 @@ class FutureTokenMap:
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The peer's ops on a plain map (none for spec or debug: it has neither).
+    """The peer's ops on a plain map (none for spec or debug: it has neither, and none for
+    the gather protocol: the peer relays by placeholders).
 
     'stash' is the set dispatch, 'resolve_decode' / 'resolve_mixed' the resolve dispatch,
     'invalidate' the host work that stands in for it (slots and placeholders), and 'step'
     all three in the peer's order. 'step' returns the resolved ids.
     """
-    if debug or cfg.spec:
+    if debug or cfg.spec or cfg.gather:
         return {}
     fm = FutureTokenMap(cfg.pool)
     # The bench's slots play the peer's req_pool_indices; host seq_lens are all live.

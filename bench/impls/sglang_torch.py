@@ -1,5 +1,8 @@
 """SGLang's FutureMap as it runs in production: the request-pool-indexed relay with sentinels.
 
+This module models the sentinel protocol; a gather-protocol configuration is built by
+`bench.impls.sglang_torch_gather`, SGLang's current class (docs/CONTRACT.md, 'Two protocols').
+
 Follows `python/sglang/srt/managers/overlap_utils.py` in sgl-project/sglang as of late May
 2026 (PRs #25862, #25922, #25944, #25962, #26108; docs/CONTRACT.md). Buffers are preallocated int64
 (`output_tokens`, `new_seq_lens`; spec: `topk_p` float32, `topk_index` int64, `hidden_states`
@@ -181,10 +184,16 @@ class SGLangFutureMap:
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The production ops of `cfg` on `device()`.
+    """The production ops of `cfg` on `device()`: the sentinel-era class, or SGLang's
+    current class for a gather-protocol configuration.
 
-    'step' returns what its resolve produced: (input_ids, seq_lens, draft info).
+    'step' returns what its resolve produced: (input_ids, seq_lens, draft info); the
+    resolve ops return the resolved batch.
     """
+    if cfg.gather:
+        from bench.impls import sglang_torch_gather  # it builds on this module's types
+
+        return sglang_torch_gather.build(cfg, data, debug, ops)
     dev = device()
 
     def t(a: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -238,9 +247,10 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         fm.stash(idx, payload)
         _sync(dev)
 
-    def resolve() -> None:
+    def resolve() -> Batch:
         fm.resolve(box["op"])
         _sync(dev)
+        return box["op"]
 
     def invalidate() -> None:
         fm.invalidate(box["op"], idx)

@@ -61,6 +61,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--repeats", type=int, default=1, help="runs per mode and ratio; the fastest counts"
     )
     p.add_argument("--no-debug-check", action="store_true", help="skip the debug overlap run")
+    p.add_argument(
+        "--protocol",
+        choices=("sentinel", "gather"),
+        default="sentinel",
+        help="the overlap engine's FutureMap relay protocol (docs/CONTRACT.md, 'Two "
+        "protocols'): sentinel placeholders, or gathers at the rows' slots; same tokens",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--out", type=Path, default=None, help="write serve_<tag>.{json,md,png} here")
     p.add_argument("--tag", default=None, help="file tag for --out (default: device platform)")
@@ -115,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_cost_kind=args.host_cost,
         debug_check=not args.no_debug_check,
         repeats=args.repeats,
+        protocol=args.protocol,
         log=log,
     )
     res.xla_cpu_threads = threads

@@ -3,8 +3,9 @@
 - sync: build batch N, run it, wait for its tokens, process them, build N+1.
 - overlap: build batch N+1 while the device runs N. JAX dispatch is asynchronous, so the
   jitted call returns at once; only after dispatching N+1 does the host read N's tokens (for
-  outputs and stop conditions), one step late. Decode rows of N+1 carry sentinels that the
-  step resolves from the FutureMap relay that N wrote on device.
+  outputs and stop conditions), one step late. The step resolves the decode rows of N+1
+  from the FutureMap relay that N wrote on device: their sentinels (sentinel protocol), or
+  their slots (gather protocol).
 
 With debug, the overlap step is checkified; each step's error value is checked when that
 step's tokens are read (the host syncs on that step there anyway), so a violation raises
@@ -69,9 +70,18 @@ class Engine:
       model_cfg: the transformer's shapes and seed.
       engine_cfg: pool size, prefill budget, buckets.
       debug: checkify the overlap step with fm_jax's debug invariants.
+      protocol: the overlap step's relay protocol, "sentinel" or "gather" (docs/CONTRACT.md,
+        'Two protocols'); both serve the same tokens.
     """
 
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, debug: bool = False):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        *,
+        debug: bool = False,
+        protocol: str = "sentinel",
+    ):
         bad = [
             b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % model_cfg.row_tile
         ]
@@ -80,8 +90,11 @@ class Engine:
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
         self.debug = debug
+        self.protocol = protocol
         self.params = mdl.init_params(model_cfg)
-        self.ops, self._overlap_step = make_overlap_step(model_cfg, engine_cfg.pool_size, debug)
+        self.ops, self._overlap_step = make_overlap_step(
+            model_cfg, engine_cfg.pool_size, debug, protocol
+        )
         self._fm_init = jax.jit(self.ops.init)
         self._sync_step = make_sync_step(model_cfg)
 
@@ -102,6 +115,7 @@ class Engine:
             host_cost=host_cost,
             max_seq_len=self.model_cfg.max_seq_len,
             eos_id=self.model_cfg.eos_id,
+            protocol=self.protocol,
         )
 
     def _fresh_cache(self) -> mdl.KVCache:

@@ -46,7 +46,8 @@ def _rows(res: SweepResult) -> list[list[str]]:
 def _summary(res: SweepResult) -> str:
     dbg = {None: "not run", True: "equal", False: "DIFFERENT"}[res.debug_tokens_equal]
     return (
-        f"device: {res.device} (XLA CPU threads: {res.xla_cpu_threads}); {res.requests} "
+        f"device: {res.device} (XLA CPU threads: {res.xla_cpu_threads}); relay protocol: "
+        f"{res.protocol}; {res.requests} "
         f"requests, {res.output_tokens} output tokens, {res.eos_stops} stopped early by EOS; "
         f"t_fwd {res.t_fwd_ms:.1f} ms (mean warm sync step); host cost: {res.host_cost_kind}; "
         f"best of {res.repeats} run(s) per mode and ratio\n"

@@ -1,9 +1,12 @@
 """Continuous batching on the host: admission, chunked prefill, decode, MIXED, retirement.
 
-The scheduler never reads device values. In overlap mode a decode row's input id is the
-sentinel `-slot` (and, in a DECODE batch, so is its length): what fm_jax's `invalidate`
-leaves after the previous step, written here directly because each batch is built afresh.
-In sync mode the same rows carry the real last token, which the host read back.
+The scheduler never reads device values. In overlap mode a decode row's input id is not
+known on the host. Sentinel protocol: the id is the sentinel `-slot` (and, in a DECODE
+batch, so is its length): what fm_jax's `invalidate` leaves after the previous step, written
+here directly because each batch is built afresh. Gather protocol: the id is 0 (none), the
+length is the host's own count, and a MIXED batch names each running row's slot at its token
+position (`relay_slots`), where resolve gathers its id. In sync mode the same rows carry the
+real last token, which the host read back.
 
 Row order: prefill rows first, then running decode rows (a MIXED batch, SPEC 'Batch kinds').
 Batches are padded to a batch bucket and a token bucket; padding carries slot 0.
@@ -55,7 +58,9 @@ class Scheduler:
     Args:
       requests: served in order of arrival (all queued at start).
       cfg: engine limits and buckets.
-      overlap: decode rows carry sentinels instead of real ids/lengths.
+      overlap: decode rows carry no real id (the relay fills it) instead of the last token.
+      protocol: overlap only: "sentinel" (`-slot` ids and DECODE lengths) or "gather" (no
+        ids, host lengths, relay slots in MIXED batches).
       host_cost: simulated scheduling cost spent per built batch.
       max_seq_len: the model's KV positions per slot; a request that cannot fit is refused.
       eos_id: the token that stops a request (read back one step late in overlap mode).
@@ -70,7 +75,10 @@ class Scheduler:
         host_cost: HostCost,
         max_seq_len: int,
         eos_id: int,
+        protocol: str = "sentinel",
     ) -> None:
+        if protocol not in ("sentinel", "gather"):
+            raise ValueError(f"protocol must be 'sentinel' or 'gather', got {protocol!r}")
         if max(cfg.batch_buckets) < cfg.max_running:
             raise ValueError(
                 f"largest batch bucket {max(cfg.batch_buckets)} < max_running {cfg.max_running}"
@@ -85,6 +93,7 @@ class Scheduler:
                 )
         self.cfg = cfg
         self.overlap = overlap
+        self.gather = overlap and protocol == "gather"
         self.host_cost = host_cost
         self.eos_id = eos_id
         self.queue = collections.deque(RequestState(r) for r in requests)
@@ -148,6 +157,7 @@ class Scheduler:
         tok_rows = np.zeros(t, np.int32)
         tok_slots = np.zeros(t, np.int32)
         tok_off = np.zeros(t, np.int32)
+        relay = np.zeros(t, np.int32)
         rows: list[Row] = []
         pos = 0
         for i, (st, chunk) in enumerate(prefill):
@@ -164,7 +174,12 @@ class Scheduler:
             pos += chunk
         for j, st in enumerate(decode, start=len(prefill)):
             self._row(j, st, 1, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
-            if self.overlap:
+            if self.gather:
+                # No id: resolve gathers it at the row's slot (DECODE: req_pool_indices;
+                # MIXED: relay_slots). The host's length is exact (one more per step).
+                relay[pos] = st.slot if mode == fm_jax.ForwardMode.MIXED else 0
+                seq_lens[j] = st.seq_len_cpu
+            elif self.overlap:
                 ids[pos] = -st.slot  # sentinel: resolved from the relay on device
                 # a MIXED batch carries host lengths; only DECODE restores them on device
                 seq_lens[j] = -st.slot if mode == fm_jax.ForwardMode.DECODE else st.seq_len_cpu
@@ -185,6 +200,7 @@ class Scheduler:
             token_slots=tok_slots,
             token_offsets=tok_off,
             last_token=last,
+            relay_slots=relay,
         )
         return ScheduledBatch(inputs, rows, mode)
 

@@ -1,13 +1,18 @@
 """The jitted forward step, in two flavours over the same model.
 
 - sync step: the host passes real token ids and real lengths; no FutureMap.
-- overlap step: decode rows carry sentinels (`-slot`); fm_jax's `resolve` fills them at the
-  head of the step, `publish` and `stash` write the relay at its tail, and the FutureMapState
-  is threaded through and donated together with the KV cache, so every write is in place.
-  With debug, the step is checkified and returns fm_jax's error value alongside.
+- overlap step: fm_jax's `resolve` builds the decode rows' ids at the head of the step from
+  the relay, `publish` and `stash` write the relay at its tail, and the FutureMapState is
+  threaded through and donated together with the KV cache, so every write is in place. In
+  the sentinel protocol decode rows carry `-slot` ids (and, in a DECODE batch, lengths) that
+  resolve fills; in the gather protocol they carry no id (0) and the host's lengths, and
+  resolve gathers a DECODE batch's ids at its slots and a MIXED batch's running rows' ids at
+  their `relay_slots` (docs/CONTRACT.md, 'Two protocols'). With debug, the step is
+  checkified and returns fm_jax's error value alongside.
 
-Token positions are computed on device from the resolved lengths, because a DECODE row's
-length is itself a sentinel until resolve: position = seq_len - extend_len + offset.
+Token positions are computed on device from the resolved lengths, because in the sentinel
+protocol a DECODE row's length is itself a sentinel until resolve: position = seq_len -
+extend_len + offset.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class StepInputs(NamedTuple):
     token_slots: Ints  # [T] slot of each token (padding tokens: 0)
     token_offsets: Ints  # [T] offset of each token within its row's tokens
     last_token: Ints  # [B] index of each row's last token (padding rows: 0)
+    relay_slots: Ints  # [T] gather-protocol MIXED: a running row's slot at its token, else 0
 
 
 def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
@@ -85,26 +91,34 @@ def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Arr
 
 @functools.cache
 def make_overlap_step(
-    cfg: ModelConfig, pool_size: int, debug: bool
+    cfg: ModelConfig, pool_size: int, debug: bool, protocol: str = "sentinel"
 ) -> tuple[fm_jax.FutureMapOps, Callable[..., Any]]:
     """fm_jax's ops for the pool, and the jitted overlap step with them inlined.
 
     The step: (params, cache, fm_state, inputs) -> (cache, fm_state, tokens), cache and state
-    donated. Cached per (config, pool_size, debug). With debug the step is checkified: it
-    returns (err, (cache, fm_state, tokens)) and the caller keeps `err` to raise with
-    `fm_jax.raise_if_violated` at a sync point.
+    donated. Cached per (config, pool_size, debug, protocol). With debug the step is
+    checkified: it returns (err, (cache, fm_state, tokens)) and the caller keeps `err` to
+    raise with `fm_jax.raise_if_violated` at a sync point.
 
     Order inside the step (SPEC 'One overlap step'): resolve, forward, publish(seq_lens + 1),
-    stash(tokens). Invalidation is the scheduler's: it writes the next batch's decode rows
-    as sentinels.
+    stash(tokens). Sentinel protocol: invalidation is the scheduler's, which writes the next
+    batch's decode rows as sentinels. Gather protocol: there is none; the forward mode is
+    traced, so every batch passes its `relay_slots` (all 0 but in a MIXED batch).
     """
 
-    ops = fm_jax.future_map(pool_size, dtype=jnp.int32, debug=debug)
+    ops = fm_jax.future_map(pool_size, dtype=jnp.int32, debug=debug, protocol=protocol)
+    gather = ops.protocol == "gather"
 
     def step(
         params: mdl.Params, cache: mdl.KVCache, fm_state: fm_jax.FutureMapState, inp: StepInputs
     ) -> Any:
-        batch = fm_jax.Batch(inp.forward_mode, inp.req_pool_indices, inp.input_ids, inp.seq_lens)
+        batch = fm_jax.Batch(
+            inp.forward_mode,
+            inp.req_pool_indices,
+            inp.input_ids,
+            inp.seq_lens,
+            token_slots=inp.relay_slots if gather else None,
+        )
         fm_state, res = ops.resolve(fm_state, batch)
         tokens, cache = _run_model(params, cfg, cache, inp, res.input_ids, res.seq_lens)
         fm_state = ops.publish(fm_state, inp.req_pool_indices, res.seq_lens + 1)

@@ -100,6 +100,7 @@ class SweepResult:
     mismatches: list[str]
     eos_stops: int = 0
     xla_cpu_threads: str = "all"
+    protocol: str = "sentinel"
 
     def as_json(self) -> dict[str, Any]:
         """The `--json` document (schema keys first, then settings and diagnostics)."""
@@ -112,6 +113,7 @@ class SweepResult:
             "output_tokens": self.output_tokens,
             "eos_stops": self.eos_stops,
             "xla_cpu_threads": self.xla_cpu_threads,
+            "protocol": self.protocol,
             "t_fwd_ms": self.t_fwd_ms,
             "host_cost_kind": self.host_cost_kind,
             "repeats": self.repeats,
@@ -149,6 +151,7 @@ def run_sweep(
     host_cost_kind: str = "spin",
     debug_check: bool = True,
     repeats: int = 1,
+    protocol: str = "sentinel",
     log: Callable[[str], None] = lambda _: None,
 ) -> SweepResult:
     """Warm up, check tokens, calibrate t_fwd and measure sync vs overlap at each ratio.
@@ -160,6 +163,7 @@ def run_sweep(
       host_cost_kind: 'spin' or 'sleep' (see host_cost).
       debug_check: also serve once with the checkified (debug) overlap step and compare.
       repeats: runs per mode and ratio, interleaved; the fastest counts (noisy machines).
+      protocol: the overlap engine's relay protocol, "sentinel" or "gather".
       log: progress messages.
 
     Returns:
@@ -167,15 +171,15 @@ def run_sweep(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    engine = Engine(model_cfg, engine_cfg)
+    engine = Engine(model_cfg, engine_cfg, protocol=protocol)
     log("warm-up (compiles every bucket shape the request set reaches): sync")
     ref = engine.run_sync(requests)
-    log("warm-up: overlap")
+    log(f"warm-up: overlap ({protocol} protocol)")
     mismatches = diff_outputs("overlap warm-up", ref, engine.run_overlap(requests))
     debug_equal = None
     if debug_check:
         log("debug: overlap with fm_jax checkify invariants")
-        dbg = Engine(model_cfg, engine_cfg, debug=True).run_overlap(requests)
+        dbg = Engine(model_cfg, engine_cfg, debug=True, protocol=protocol).run_overlap(requests)
         debug_mismatch = diff_outputs("overlap debug", ref, dbg)
         debug_equal = not debug_mismatch
         mismatches += debug_mismatch
@@ -215,4 +219,5 @@ def run_sweep(
         engine=engine_cfg,
         mismatches=mismatches,
         eos_stops=eos_stops,
+        protocol=protocol,
     )
