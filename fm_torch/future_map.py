@@ -307,8 +307,8 @@ class FutureMap:
         3. Debug: consume check on what was gathered from `output_tokens`.
         Gather protocol (no placeholders), by batch kind:
         - EXTEND: ids and lengths as given.
-        - DECODE, non-spec: `input_ids := output_tokens[req_pool_indices]` (ids given are
-          ignored; None is the usual value), lengths as given.
+        - DECODE, non-spec: `input_ids := output_tokens[req_pool_indices]` (the batch
+          brings None: ids given are refused), lengths as given.
         - MIXED: `input_ids := cat(input_ids, output_tokens[mix_running_indices])`.
         - IDLE: nothing.
         - spec with a draft input: the extras and bonus tokens gathered at its slots and,
@@ -430,6 +430,11 @@ class FutureMap:
         v.check_rows("seq_lens", host_lens, indices.shape[0])
         mode = v.check_mode(batch.forward_mode)
         ids = None
+        if batch.input_ids is not None and mode == ForwardMode.DECODE and not self.spec:
+            raise FutureMapError(
+                "input_ids given for a DECODE batch: in the gather protocol its ids are "
+                "gathered at req_pool_indices (pass None)"
+            )
         if batch.input_ids is not None:
             ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
         elif mode != ForwardMode.DECODE:

@@ -63,13 +63,15 @@ def test_each_batch_kind_builds_its_ids(debug: bool) -> None:
     fm.check()
 
 
-def test_decode_ids_given_are_not_read() -> None:
-    """A DECODE batch's ids are gathered whatever the batch holds (SGLang leaves them
-    empty); None and zeros resolve alike."""
-    fm, other = primed(), primed()
-    r1 = fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7)))
-    r2 = other.resolve(fj.Batch(D, a(3, 5), a(9, 9), a(5, 7)))
-    assert host(r1.input_ids) == host(r2.input_ids) == [30, 50]
+def test_a_decode_batch_brings_no_ids() -> None:
+    """A non-spec DECODE batch known on the host brings no ids (None: all are gathered, so
+    none is placed or transferred); ids given, host or device, are refused, as fm_torch
+    refuses them, rather than dropped."""
+    fm = primed()
+    assert host(fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7))).input_ids) == [30, 50]
+    for ids in (a(9, 9), jax.device_put(a(1, 1))):
+        with pytest.raises(fj.FutureMapError, match="input_ids given for a DECODE batch"):
+            fm.resolve(fj.Batch(D, a(3, 5), ids, a(5, 7)))
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -83,7 +85,8 @@ def test_a_traced_mode_resolves_like_a_host_mode(debug: bool) -> None:
     ]
     for b in batches:
         fixed, traced = primed(debug=debug), primed(debug=debug)
-        want = fixed.resolve(b)
+        # A host-known DECODE brings no ids; a traced one the array every kind shares.
+        want = fixed.resolve(b._replace(input_ids=None) if b.forward_mode == D else b)
         got = traced.resolve(b._replace(forward_mode=jnp.int32(int(b.forward_mode))))
         n = len(b.req_pool_indices)
         assert host(got.input_ids)[: len(b.input_ids)] == host(want.input_ids)[: len(b.input_ids)]
@@ -319,7 +322,8 @@ def test_a_resolve_refused_when_traced_takes_no_step() -> None:
     fm = primed(debug=True)
     slots = jax.device_put(a(3, 5))
     with pytest.raises(fj.FutureMapError, match="fewer than the 2 rows"):
-        fm.resolve(fj.Batch(D, slots, jax.device_put(a(0)), jax.device_put(a(5, 7))))
+        mode = jnp.int32(D)  # traced: ids of one token for two rows reach the trace
+        fm.resolve(fj.Batch(mode, slots, jax.device_put(a(0)), jax.device_put(a(5, 7))))
     assert fm.step == 0
     fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7)))
     assert fm.step == 1

@@ -153,13 +153,17 @@ def test_decode_gathers_ids_at_its_slots_and_keeps_host_lengths(dtype: torch.dty
     assert batch.seq_lens.tolist() == [7, 8, 9, 1]
 
 
-def test_decode_replaces_whatever_ids_it_brings():
-    """Pins: a DECODE batch's stale ids (the previous step's) surviving resolve."""
+def test_decode_refuses_ids_it_brings():
+    """Pins a DECODE batch's stale ids (the previous step's) surviving resolve, or being
+    silently dropped: ids given to a gather-protocol DECODE batch are refused, nothing
+    written."""
     fm = gather_map()
     fm.stash(t([2, 4]), t([20, 40]))
     batch = ScheduleBatch(ForwardMode.DECODE, t([4, 2]), t([3, 3]), t([5, 5]))
-    fm.resolve(batch)
-    assert batch.input_ids is not None and batch.input_ids.tolist() == [40, 20]
+    before = snapshot(fm)
+    with pytest.raises(FutureMapError, match="input_ids given for a DECODE batch"):
+        fm.resolve(batch)
+    assert snapshot(fm) == before
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
@@ -510,10 +514,10 @@ REFUSALS: dict[str, tuple[Callable[[], FutureMap], Callable[[], ScheduleBatch], 
         lambda: with_mix(ForwardMode.MIXED, t([2]), ids=[-1]),
         "input_ids holds negative ids.*gather protocol has no sentinels",
     ),
-    "negative id brought by a DECODE": (
+    "sentinels brought by a DECODE": (
         plain_ready,
         lambda: ScheduleBatch(ForwardMode.DECODE, t([1, 2]), t([-1, -2]), t([3, 3])),
-        "input_ids holds negative ids.*gather protocol has no sentinels",
+        "input_ids given for a DECODE batch",
     ),
     "negative id on a spec DECODE": (
         spec_ready,

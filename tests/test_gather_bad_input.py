@@ -40,6 +40,12 @@ CASES: dict[str, Case] = {
         lambda fm: fm.resolve(ft.ScheduleBatch(ft.ForwardMode.EXTEND, t(3), t(7, -3), t(2))),
         False,
     ),
+    "ids given to a DECODE batch": (
+        "input_ids given for a DECODE batch",
+        lambda fm: fm.resolve(fj.Batch(D, a(3), a(30), a(5))),
+        lambda fm: fm.resolve(ft.ScheduleBatch(ft.ForwardMode.DECODE, t(3), t(30), t(5))),
+        False,
+    ),
     "MIXED without running slots": (
         "MIXED",
         lambda fm: fm.resolve(fj.Batch(M, a(2, 3), a(9, 0), a(1, 5))),

@@ -341,9 +341,9 @@ class FutureMap:
             every rank, or one per DP rank). Or a mapping DP rank -> Batch of host rows
             with host modes; local ranks left out are idle.
           rows, tokens: per-rank padded sizes (buckets); required across processes.
-            In the gather protocol a batch's `input_ids` may be None (a non-spec DECODE
-            batch reads none: its ids are gathered), and a MIXED batch's `token_slots`
-            are placed like its `input_ids`.
+            In the gather protocol a non-spec DECODE batch known on the host brings no ids
+            (None: they are gathered; ids given are refused), and a MIXED batch's
+            `token_slots` are placed like its `input_ids`.
 
         Returns:
           Resolved ids, lengths and draft: global arrays padded per rank to the buckets.
@@ -355,6 +355,18 @@ class FutureMap:
             raise FutureMapError(
                 f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
             )
+        if self._gathers_ids(batch.forward_mode):
+            # Its ids are all gathered on the device: none is placed (T = B).
+            if batch.input_ids is not None:
+                raise FutureMapError(
+                    "input_ids given for a DECODE batch: in the gather protocol its ids are "
+                    "gathered at req_pool_indices (pass None)"
+                )
+            if batch.token_slots is not None:
+                self._check_token_slots([ForwardMode.DECODE], batch.token_slots)
+            idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
+            lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
+            return self._resolve(batch.forward_mode, idx, None, lens, batch.draft_indices)
         given = self._ids_of(batch.input_ids, batch.req_pool_indices)
         rows, tokens = self._resolve_sizes(batch.req_pool_indices, given, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
@@ -362,6 +374,19 @@ class FutureMap:
         lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
         slots = self._token_slots(batch.token_slots, ids)
         return self._resolve(batch.forward_mode, idx, ids, lens, batch.draft_indices, slots)
+
+    def _gathers_ids(self, mode: Any) -> bool:
+        """A non-spec DECODE batch known on the host, in the gather protocol: its ids are
+        all gathered, so none are placed or transferred."""
+        if self.protocol != "gather" or self.spec is not None:
+            return False
+        if type(mode) is ForwardMode:
+            return mode is ForwardMode.DECODE
+        return (
+            isinstance(mode, int | np.integer)
+            and not isinstance(mode, bool | np.bool_)
+            and int(mode) == ForwardMode.DECODE
+        )
 
     def _ids_of(self, ids: Any, slots: Any) -> Any:
         """A batch's input ids; in the gather protocol None stands for zeros, one per row
@@ -444,9 +469,10 @@ class FutureMap:
         return self._resolve(modes, idx, ids, lens, drafts or None, slots)
 
     def _resolve(
-        self, mode: Any, idx: Rows, ids: Rows, lens: Any, draft: Any, slots: Any = None
+        self, mode: Any, idx: Rows, ids: Rows | None, lens: Any, draft: Any, slots: Any = None
     ) -> Resolved:
-        """Resolve placed inputs; `mode` is host (a ForwardMode or one per rank) or traced."""
+        """Resolve placed inputs; `mode` is host (a ForwardMode or one per rank) or traced.
+        No `ids`: a gather-protocol DECODE, whose ids are gathered (T = B)."""
         if isinstance(mode, jax.Array):
             if mode.dtype != np.int32 or mode.shape not in ((), (self.layout.dp,)):
                 raise FutureMapError(
@@ -472,15 +498,16 @@ class FutureMap:
             else:
                 # Known on the host: an executable with the mode fixed (no branch inside).
                 resolve, mode = _FIXED[decode == {True}], None
-        if self.spec is None and decoding and self.protocol == "sentinel":
+        if self.spec is None and decoding and ids is not None and self.protocol == "sentinel":
             self._inputs.one_id_per_row(ids, idx, decoding)
         draft_idx = None
         if draft is not None:
             if self.spec is None:
                 raise FutureMapError("batch.draft_indices given but the map was built without spec")
             draft_idx = self._inputs.slots("draft_indices", draft, idx.size).array
-        b = Batch(mode, idx.array, ids.array, lens, draft_idx, slots)
-        key = (resolve, idx.size, ids.size, draft is not None, slots is not None)
+        b = Batch(mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots)
+        t = idx.size if ids is None else ids.size
+        key = (resolve, idx.size, t, draft is not None, slots is not None)
         self.step += 1
         try:
             out = self._apply("resolve", key, b)

@@ -123,6 +123,10 @@ def plan(
                 out.append(Planned((prefix + name, b), fns[prefix + name], (state, *args[name])))
         if protocol == "sentinel":
             out.append(Planned(("sentinels", b), fns["sentinels"], (idx.array,)))
+        elif spec is None:  # a gather DECODE places no ids: one resolve per batch bucket
+            batch = Batch(None, idx.array, None, rows(idx))
+            key = ("resolve_fixed_decode", b, b, False, False)
+            out.append(Planned(key, fns["resolve_fixed_decode"], (state, batch)))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
             out.append(Planned(("seq_lens_at", b), fns["seq_lens_at"], (state, idx.array)))
 
@@ -135,7 +139,8 @@ def plan(
         placed = inputs.token_ids("warm-up tokens", np.zeros(dp * t, dt), t)
         ids = placed.array
         modes: list[tuple[str, Any]] = [("resolve_fixed_extend", None)]
-        if spec is not None or t <= decode_tokens:  # a non-spec decode row is one token
+        # A non-spec decode row is one token; a gather DECODE has its own plan (above).
+        if spec is not None or (t <= decode_tokens and protocol == "sentinel"):
             modes.append(("resolve_fixed_decode", None))
         if traced_modes:
             modes.append(("resolve", traced))
