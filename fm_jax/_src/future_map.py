@@ -355,8 +355,11 @@ class FutureMap:
             raise FutureMapError(
                 f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
             )
-        if self._gathers_ids(batch.forward_mode):
-            # Its ids are all gathered on the device: none is placed (T = B).
+        if self._gather_decode(batch.forward_mode) and (
+            batch.input_ids is None or self.spec is None
+        ):
+            # No ids to place (T = B): a non-spec DECODE's are all gathered on the device, a
+            # spec DECODE's are unused by the relay (None: zeros, made on the device).
             if batch.input_ids is not None:
                 raise FutureMapError(
                     "input_ids given for a DECODE batch: in the gather protocol its ids are "
@@ -375,10 +378,10 @@ class FutureMap:
         slots = self._token_slots(batch.token_slots, ids)
         return self._resolve(batch.forward_mode, idx, ids, lens, batch.draft_indices, slots)
 
-    def _gathers_ids(self, mode: Any) -> bool:
-        """A non-spec DECODE batch known on the host, in the gather protocol: its ids are
-        all gathered, so none are placed or transferred."""
-        if self.protocol != "gather" or self.spec is not None:
+    def _gather_decode(self, mode: Any) -> bool:
+        """A DECODE batch known on the host, in the gather protocol: it places no ids when
+        it brings none (non-spec: it must bring none, they are all gathered)."""
+        if self.protocol != "gather":
             return False
         if type(mode) is ForwardMode:
             return mode is ForwardMode.DECODE

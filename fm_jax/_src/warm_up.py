@@ -123,9 +123,10 @@ def plan(
                 out.append(Planned((prefix + name, b), fns[prefix + name], (state, *args[name])))
         if protocol == "sentinel":
             out.append(Planned(("sentinels", b), fns["sentinels"], (idx.array,)))
-        elif spec is None:  # a gather DECODE places no ids: one resolve per batch bucket
-            batch = Batch(None, idx.array, None, rows(idx))
-            key = ("resolve_fixed_decode", b, b, False, False)
+        else:  # a gather DECODE places no ids (spec: with its draft): one per batch bucket
+            draft = None if spec is None else idx.array
+            batch = Batch(None, idx.array, None, rows(idx), draft)
+            key = ("resolve_fixed_decode", b, b, draft is not None, False)
             out.append(Planned(key, fns["resolve_fixed_decode"], (state, batch)))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
             out.append(Planned(("seq_lens_at", b), fns["seq_lens_at"], (state, idx.array)))
