@@ -396,15 +396,7 @@ class FutureMap:
             got = payload.verified_id if name == "verified_id" else (payload.extras or {})[name]
             assert got is not None
             low = got.reshape(got.shape[0], -1).amin(dim=1) if got.dim() > 1 else got
-            ok = (low >= 0) | (indices == 0)
-            if self.device.type != "cpu":
-                torch._assert_async(ok.all(), "FutureMap invariant 'consume (WRWR)' violated")
-            elif not bool(ok.all()):
-                raise InvariantViolation(
-                    "consume (WRWR)",
-                    "read a slot with no write since its last read (RR) or before its first write",
-                    indices[~ok].tolist(),
-                )
+            self._report_consume((low >= 0) | (indices == 0), indices)
 
     def _poison_fields(self, indices: torch.Tensor) -> None:
         """POISON at `indices` (whole rows) in every tracked field besides the bonus tokens."""
@@ -568,6 +560,18 @@ class FutureMap:
                 slots,
             )
 
+    def _report_consume(self, ok: torch.Tensor, slots: torch.Tensor) -> None:
+        """The consume check's verdict: InvariantViolation naming the `slots` of rows not
+        `ok` (CPU), or a device assert (other devices: no host sync)."""
+        if self.device.type != "cpu":
+            torch._assert_async(ok.all(), "FutureMap invariant 'consume (WRWR)' violated")
+        elif not bool(ok.all()):
+            raise InvariantViolation(
+                "consume (WRWR)",
+                "read a slot with no write since its last read (RR) or before its first write",
+                slots[~ok].tolist(),
+            )
+
     def _consume(
         self, values: torch.Tensor, indices: torch.Tensor, source_slots: torch.Tensor
     ) -> None:
@@ -579,15 +583,7 @@ class FutureMap:
         the same bytes. A sentinel naming a slot outside the batch is consumed by its read
         too, so a second read of that slot is caught.
         """
-        ok = (values >= 0) | (source_slots == 0)
-        if self.device.type != "cpu":
-            torch._assert_async(ok.all(), "FutureMap invariant 'consume (WRWR)' violated")
-        elif not bool(ok.all()):
-            raise InvariantViolation(
-                "consume (WRWR)",
-                "read a slot with no write since its last read (RR) or before its first write",
-                source_slots[~ok].tolist(),
-            )
+        self._report_consume((values >= 0) | (source_slots == 0), source_slots)
         self.output_tokens[indices] = POISON
         # Rows that read nothing write slot 0's current value back to it: no device sync
         # (a boolean mask would need one), and slot 0 keeps what the line above left.
