@@ -98,8 +98,9 @@ class Draft:
     hidden_states: torch.Tensor | None
 
 
-class SGLangFutureMap:
-    """The production relay: int64 buffers of `pool_size` rows on `dev`.
+class SGLangRelayBuffers:
+    """SGLang's relay buffers with their writes, the same in its sentinel-era class and its
+    current one: int64 buffers of `pool_size` rows on `dev`, publish and stash.
 
     Args:
       pool_size: R, request-pool rows (slot 0 is the padding row).
@@ -153,6 +154,11 @@ class SGLangFutureMap:
         self.topk_index[indices] = payload.topk_index.to(self.topk_index.dtype)
         if payload.hidden_states is not None:
             self.hidden_states[indices] = payload.hidden_states.to(self.hidden_states.dtype)
+
+
+class SGLangFutureMap(SGLangRelayBuffers):
+    """The production relay of late May 2026: the buffers, publish and stash, then resolve
+    and invalidate by sentinels."""
 
     def resolve(self, batch: Batch) -> None:
         """Fill the batch at forward entry, in place (lengths, then ids or draft extras)."""

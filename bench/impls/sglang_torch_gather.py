@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench.impls import Op
-from bench.impls.sglang_torch import _HIDDEN, Draft, DraftInfo, _check_fn, _sync, device
+from bench.impls.sglang_torch import _HIDDEN, Draft, DraftInfo, SGLangRelayBuffers, _sync, device
 from bench.workload import Config, HostData
 
 
@@ -50,61 +50,9 @@ class Batch:
     spec_info: DraftInfo | None = None
 
 
-class SGLangGatherFutureMap:
-    """SGLang's current relay: int64 buffers of `pool_size` rows on `dev`.
-
-    Args:
-      pool_size: R, request-pool rows (slot 0 is the padding row).
-      dev: the buffers' device.
-      spec: relay the draft extras, shaped (K, H, hidden dtype) as given.
-      debug: SGLang's CI mode (consume tracking).
-    """
-
-    def __init__(
-        self,
-        pool_size: int,
-        dev: torch.device,
-        *,
-        spec: tuple[int, int, torch.dtype] | None = None,
-        debug: bool = False,
-    ) -> None:
-        self.dev, self.spec, self.debug = dev, spec, debug
-        r = pool_size
-        if debug:
-            self.output_tokens = torch.full((r,), -1, dtype=torch.int64, device=dev)
-        else:
-            self.output_tokens = torch.empty((r,), dtype=torch.int64, device=dev)
-        self.new_seq_lens = torch.empty((r,), dtype=torch.int64, device=dev)
-        self.publish_ready: torch.Event | None = None
-        self._check = _check_fn(dev)
-        if spec is not None:
-            k, h, hidden_dtype = spec
-            self.topk_p = torch.empty((r, k), dtype=torch.float32, device=dev)
-            self.topk_index = torch.empty((r, k), dtype=torch.int64, device=dev)
-            self.hidden_states = torch.empty((r, h), dtype=hidden_dtype, device=dev)
-
-    def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
-        """`new_seq_lens[indices] := new_seq_lens`; spec on an accelerator records an event."""
-        if indices.shape[0] == 0:
-            return  # DP idle
-        self.new_seq_lens[indices] = new_seq_lens.to(self.new_seq_lens.dtype)
-        if self.spec is not None and self.dev.type != "cpu":
-            if self.publish_ready is None:
-                self.publish_ready = torch.Event(device=self.dev)
-            self.publish_ready.record()
-
-    def stash(self, indices: torch.Tensor, payload: torch.Tensor | Draft) -> None:
-        """Tokens (or a draft's bonus tokens and extras) at `indices`."""
-        if indices.shape[0] == 0:
-            return  # DP idle: the payload is an empty stub
-        if isinstance(payload, torch.Tensor):
-            self.output_tokens[indices] = payload.to(torch.int64)
-            return
-        self.output_tokens[indices] = payload.bonus_tokens.to(self.output_tokens.dtype)
-        self.topk_p[indices] = payload.topk_p.to(self.topk_p.dtype)
-        self.topk_index[indices] = payload.topk_index.to(self.topk_index.dtype)
-        if payload.hidden_states is not None:
-            self.hidden_states[indices] = payload.hidden_states.to(self.hidden_states.dtype)
+class SGLangGatherFutureMap(SGLangRelayBuffers):
+    """SGLang's current relay: the sentinel-era class's int64 buffers, publish and stash
+    (unchanged in SGLang), with resolve rebuilt and no invalidate (see the module)."""
 
     def resolve_seq_lens(self, batch: Batch) -> None:
         """Spec: `seq_lens := new_seq_lens[future_indices]` once the last publish landed
