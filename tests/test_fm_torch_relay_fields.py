@@ -149,11 +149,13 @@ def test_a_later_draft_must_match_the_first(change: Any, message: str) -> None:
     assert snapshot(fm) == before
 
 
+@pytest.mark.parametrize("debug", [False, True])
 @pytest.mark.parametrize("protocol", ["sentinel", "gather"])
-def test_both_twins_relay_declared_fields_to_the_same_bytes(protocol: str) -> None:
+def test_both_twins_relay_declared_fields_to_the_same_bytes(protocol: str, debug: bool) -> None:
     """fm_jax (fields declared in its SpecConfig) and fm_torch (fields of its first draft)
-    over the same ops, debug on: every gathered field and every tracked buffer's bytes are
-    the same, bits of the float16 field included."""
+    over the same ops: every gathered field and every buffer's bytes are the same, bits of
+    the float16 field included; slot 7 is stashed but never read (its values must survive
+    the consume poison), slots never written keep the buffers' initial values."""
     spec = fj.SpecConfig(
         topk=2,
         verified_id=True,
@@ -162,36 +164,38 @@ def test_both_twins_relay_declared_fields_to_the_same_bytes(protocol: str) -> No
             fj.RelayField("score", (2,), np.float16, bits=True),
         ),
     )
-    jm = fj.FutureMap(R, spec=spec, debug=True, dtype=np.int32, protocol=protocol)
+    jm = fj.FutureMap(R, spec=spec, debug=debug, dtype=np.int32, protocol=protocol)
     tm = FutureMap(
-        R, spec=True, debug=True, dtype=torch.int32, consumed=("steps",), protocol=protocol
+        R, spec=True, debug=debug, dtype=torch.int32, consumed=("steps",), protocol=protocol
     )
     slots = [np.array([3, 5], np.int32), np.array([5, 3], np.int32)]
     for step in range(4):
         s = slots[step % 2]
         ts = torch.from_numpy(s)
-        vid, steps = s * 10 + step, s + step
-        score = SCORES.numpy()[:: 1 if step % 2 else -1].copy()
+        w = np.append(s, 7).astype(np.int32)  # stashed; the draft reads s only
+        tw = torch.from_numpy(w)
+        vid, steps = w * 10 + step, w + step
+        score = np.concatenate([SCORES.numpy()[:: 1 if step % 2 else -1], SCORES.numpy()[:1]])
         jm.publish(s, s + step)
         tm.publish(ts, ts + step)
         jd = fj.DraftPayload(
-            s * 7,
-            np.ones((2, 2), np.float32),
-            np.zeros((2, 2), np.int32),
+            w * 7,
+            np.ones((3, 2), np.float32),
+            np.zeros((3, 2), np.int32),
             None,
             vid,
             {"steps": steps, "score": score},
         )
         td = DraftPayload(
-            ts * 7,
-            torch.ones(2, 2),
-            torch.zeros(2, 2, dtype=torch.int32),
+            tw * 7,
+            torch.ones(3, 2),
+            torch.zeros(3, 2, dtype=torch.int32),
             None,
             torch.from_numpy(vid),
             {"steps": torch.from_numpy(steps), "score": torch.from_numpy(score)},
         )
-        jm.stash(s, jd)
-        tm.stash(ts, td)
+        jm.stash(w, jd)
+        tm.stash(tw, td)
         ids = np.zeros(2, np.int32) if protocol == "gather" else -s
         r = jm.resolve(fj.Batch(ForwardMode.DECODE, s, ids, ids, draft_indices=s))
         b = ScheduleBatch(
@@ -218,4 +222,5 @@ def test_both_twins_relay_declared_fields_to_the_same_bytes(protocol: str) -> No
             (jm.state.extras["score"], tm.extras["score"].view(torch.uint16)),  # type: ignore[index]
         ]:
             assert np.asarray(jb)[1:].tobytes() == tb.numpy()[1:].tobytes(), step
-    jm.check()
+    if debug:
+        jm.check()
