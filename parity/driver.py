@@ -204,6 +204,8 @@ def run_overlap(
       recorded from a rank's first non-empty draft stash on (the torch twin shapes them
       lazily there).
       A FutureMap error (debug violation or rejected input) stops the run and is kept.
+      The device-to-host transfers the twin saw inside its map ops (`Twin.transfers`: the
+      'sync' check) are kept in `syncs`; they do not stop the run.
     """
     offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
     protocol = check_protocol(twin.protocol)
@@ -236,8 +238,10 @@ def run_overlap(
                 if protocol == "sentinel":
                     _invalidate(step, plans, hbs, res, state, twin, sizes, rec)
                 _host(step, plans, hbs, state, rec)
+                _syncs(step, twin, result)
                 twin.check()
     except twin.errors as e:
+        _syncs(step, twin, result)
         result.error = f"{type(e).__name__}: {e}"
         result.error_kind = twin.error_kind(e)
         while sync is not None and sync(step, Sizes(0, 0), False)[1]:
@@ -317,6 +321,11 @@ def _step(
             streams, r, plans[r], twin.host(outs[r].token), None if acc is None else twin.host(acc)
         )
     return res
+
+
+def _syncs(step: int, twin: Twin, result: RunResult) -> None:
+    """Keep the device-to-host transfers the twin saw inside its map ops this step."""
+    result.syncs += [f"step {step}: {t}" for t in twin.transfers()]
 
 
 def _invalidate(

@@ -230,6 +230,47 @@ class SkipVerifiedIdStash(Mutant):
         self.inner.stash(slots, changed, sizes)
 
 
+class HostCopySyncs(Mutant):
+    """Gather protocol: resolve reads the lengths it resolved back to the host, as a host
+    length copy that was switched off yet still syncs would (the engine never called
+    resolve_seq_lens_cpu, so the step must move nothing from the device to the host).
+    Every value is as it should be: only the 'sync' check, which watches fm_jax's map ops
+    for device-to-host transfers, can catch it (fm_torch's maps read theirs unwatched)."""
+
+    judged_under = "gather"
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        if hasattr(inner, "fm"):  # fm_jax: one map
+            inner.fm = _SyncingMap(inner.fm)
+        if hasattr(inner, "fms"):  # fm_torch: one map per rank
+            inner.fms = {r: _SyncingMap(fm) for r, fm in inner.fms.items()}
+
+
+class _SyncingMap:
+    """A FutureMap whose resolve reads the resolved lengths to the host before it returns
+    (fm_jax's come back in its output, fm_torch's in the batch it resolves in place)."""
+
+    def __init__(self, fm: Any) -> None:
+        self._fm = fm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fm, name)
+
+    def resolve(self, batch: Any, *args: Any, **kw: Any) -> Any:
+        out = self._fm.resolve(batch, *args, **kw)
+        lens = getattr(out, "seq_lens", None)
+        if lens is None:
+            lens = batch.seq_lens
+        if type(lens).__module__.startswith("torch"):
+            lens.tolist()
+        else:
+            import jax
+
+            jax.device_get(lens)  # the sync a skipped host copy must not do
+        return out
+
+
 def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
     """`payload` (either twin's DraftPayload: a NamedTuple or a dataclass) with host verified
     ids `vid`; both twins take host rows in a stash."""
@@ -261,6 +302,7 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "spec_keeps_host_lengths": SpecKeepsHostLengths,
     "skip_stash_rows": SkipStashRows,
     "skip_verified_id_stash": SkipVerifiedIdStash,
+    "host_copy_syncs": HostCopySyncs,
 }
 """Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
 

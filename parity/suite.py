@@ -23,9 +23,10 @@ from parity.scenario import Scenario
 from parity.trace import RunResult
 from parity.twin import Twin, check_protocol
 
-DETECTORS = ("parity", "oracle", "debug", "checks")
+DETECTORS = ("parity", "oracle", "debug", "checks", "sync")
 """What can catch a bug: a trace divergence, a wrong token stream, a debug invariant
-violation, or the map's input checks rejecting what it was handed."""
+violation, the map's input checks rejecting what it was handed, or (fm_jax, gather
+protocol) a device-to-host transfer inside resolve, publish or stash."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,18 @@ def health_failures(report: Mapping[str, Any]) -> list[str]:
     return failures
 
 
+def sync_failures(runs: Mapping[str, RunResult]) -> list[str]:
+    """The 'sync' check: each run's device-to-host transfers inside map ops (the first of
+    each run, and how many), which the gather protocol allows only in
+    resolve_seq_lens_cpu (docs/CONTRACT.md, 'Two protocols')."""
+    out = []
+    for name, r in runs.items():
+        if r.syncs:
+            more = f" ({len(r.syncs)} op calls in all)" if len(r.syncs) > 1 else ""
+            out.append(f"sync: {name}: {r.syncs[0]}{more}")
+    return out
+
+
 def evaluate(
     job: Job,
     lanes: Mapping[int, Scenario],
@@ -156,7 +169,8 @@ def evaluate(
     health: Mapping[str, Any] | None = None,
 ) -> ScenarioResult:
     """Judge a job's two runs (twin name -> run, fm_jax's first): their traces bit for bit,
-    each run's streams against the reference loop, and on a mesh the map's health."""
+    each run's streams against the reference loop, no device-to-host transfer inside a
+    watched map op (the 'sync' check), and on a mesh the map's health."""
     (na, a), (nb, b) = runs.items()
     cmp = compare_traces(lanes[0].name, a, b, (na, nb))
     ref = {
@@ -173,6 +187,10 @@ def evaluate(
     for kind in ("debug", "checks"):
         if any(r.error_kind == kind for r in runs.values()):
             detectors.append(kind)
+    if any(r.syncs or r.error_kind == "sync" for r in runs.values()):
+        detectors.append("sync")
+    failures = [] if health is None else health_failures(health)
+    failures += sync_failures(runs)
     return ScenarioResult(
         name=lanes[0].name,
         dtype=job.dtype,
@@ -189,7 +207,7 @@ def evaluate(
         dp=job.dp if job.mesh else None,
         tp=job.tp if job.mesh else None,
         processes=job.processes,
-        failures=[] if health is None else health_failures(health),
+        failures=failures,
         extra={} if health is None else dict(health),
     )
 

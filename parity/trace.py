@@ -44,7 +44,10 @@ class RunResult:
         (non-spec: tokens; spec: accept length and bonus token per step).
       steps: scheduler steps run (the longest rank's).
       error: the FutureMap error that stopped the run, if any.
-      error_kind: 'debug' (an invariant violation) or 'checks' (input checks), or None.
+      error_kind: 'debug' (an invariant violation), 'checks' (input checks) or 'sync' (a
+        device-to-host transfer the detector could not let through), or None.
+      syncs: the device-to-host transfers inside map ops ('step N: op: ...'), where the
+        twin watches for them (fm_jax, gather protocol: the 'sync' check); none is allowed.
     """
 
     records: list[OpRecord] = field(default_factory=list)
@@ -52,6 +55,7 @@ class RunResult:
     steps: int = 0
     error: str | None = None
     error_kind: str | None = None
+    syncs: list[str] = field(default_factory=list)
 
     def ranks(self) -> list[int]:
         """The DP ranks with records or streams, ascending."""
@@ -72,6 +76,7 @@ def merge(parts: Sequence[RunResult]) -> RunResult:
         out.records += part.records
         out.streams.update(part.streams)
         out.steps = max(out.steps, part.steps)
+        out.syncs += part.syncs
         if out.error is None and part.error is not None:
             out.error, out.error_kind = part.error, part.error_kind
     return out

@@ -10,7 +10,7 @@ rank's devices), on which the JAX toy model runs.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax
-from parity import exchange
+from parity import exchange, transfers
 from parity import toy_model as tm
 from parity import toy_model_jax as model
 from parity.host_batch import HostBatch
@@ -48,10 +48,19 @@ class JaxTwin:
       dp, tp: the mesh; 1 x 1 is one device. The mesh takes the first dp*tp devices of
         the platform, every process's (`parity.mesh.make_mesh`).
       protocol: the map's relay protocol, 'sentinel' or 'gather' (parity.twin.PROTOCOLS).
+
+    The 'sync' check (gather protocol): every resolve, publish and stash call on the map
+    runs inside parity.transfers.no_device_to_host, which records a device-to-host
+    transfer rather than stopping the run (`transfers()` hands them to the driver). Only
+    the map's call is watched: the twin's own reads of outputs for the trace are not.
     """
 
     name = "jax"
-    errors: tuple[type[Exception], ...] = (fm_jax.InvariantViolation, fm_jax.FutureMapError)
+    errors: tuple[type[Exception], ...] = (
+        fm_jax.InvariantViolation,
+        fm_jax.FutureMapError,
+        transfers.DeviceToHostTransfer,
+    )
 
     def __init__(
         self,
@@ -96,11 +105,40 @@ class JaxTwin:
         for d in layout.mesh.local_devices:
             self._device.setdefault(layout.rank_of(d), d)
         self.health = MeshHealth() if on_mesh else None
+        self._transfers: list[str] = []
 
     # ---------------------------------------------------------------------------- helpers
     def error_kind(self, exc: BaseException) -> str:
-        """'debug' for an invariant violation, 'checks' for rejected input."""
+        """'debug' for an invariant violation, 'sync' for a transfer the detector could
+        not let through (see parity.transfers), 'checks' for rejected input."""
+        if isinstance(exc, transfers.DeviceToHostTransfer):
+            return "sync"
         return "debug" if isinstance(exc, fm_jax.InvariantViolation) else "checks"
+
+    def transfers(self) -> list[str]:
+        """The device-to-host transfers seen inside map ops since the last call, one line
+        per op call that made any ('resolve: device-to-host transfer (...)'); the 'sync'
+        check fails on any."""
+        out, self._transfers = self._transfers, []
+        return out
+
+    def _watched(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Gather protocol: `fn` (a map op) run inside the device-to-host detector, its
+        transfers recorded; sentinel protocol: `fn`."""
+        if self.protocol != "gather":
+            return fn
+
+        def run(*args: Any, **kw: Any) -> Any:
+            seen: list[str] = []
+            try:
+                with transfers.no_device_to_host(seen.append):
+                    return fn(*args, **kw)
+            finally:
+                if seen:
+                    more = f" (+{len(seen) - 1} more)" if len(seen) > 1 else ""
+                    self._transfers.append(f"{op}: {seen[0]}{more}")
+
+        return run
 
     def snap(self, x: Any, n: int | None = None) -> Any:
         """A copy of `x` (first `n` rows) that outlives the next donated op."""
@@ -202,7 +240,8 @@ class JaxTwin:
         )
         mixed = any(b.token_slots is not None for b in bs.values())
         key = ("resolve", rows, tokens, kinds, spec_decode, mixed)
-        out = self._call(key, sizes, self.fm.resolve, bs, rows=rows, tokens=tokens)
+        resolve = self._watched("resolve", self.fm.resolve)
+        out = self._call(key, sizes, resolve, bs, rows=rows, tokens=tokens)
         res = {}
         for r, hb in batches.items():
             n, t = len(hb.slots), len(hb.input_ids)
@@ -249,7 +288,9 @@ class JaxTwin:
         rows, _ = self._sizes(sizes)
         host = {r: self.host(v) for r, v in lens.items()}
         key = ("publish", rows) if any(len(s) for s in slots.values()) else None
-        self._call(key, sizes, self.fm.publish, dict(slots), host, rows=rows)
+        self._call(
+            key, sizes, self._watched("publish", self.fm.publish), dict(slots), host, rows=rows
+        )
 
     def stash(
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
@@ -270,7 +311,7 @@ class JaxTwin:
             else:
                 host[r] = self.host(p)
         key = ("stash", rows) if any(len(s) for s in slots.values()) else None
-        self._call(key, sizes, self.fm.stash, dict(slots), host, rows=rows)
+        self._call(key, sizes, self._watched("stash", self.fm.stash), dict(slots), host, rows=rows)
 
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""

@@ -140,6 +140,10 @@ class TorchTwin:
             )
         return self._t(payload)
 
+    def transfers(self) -> list[str]:
+        """No 'sync' check on fm_torch's maps: always []."""
+        return []
+
     # -------------------------------------------------------------------------------- ops
     def resolve_seq_lens_cpu(
         self, slots: Mapping[int, np.ndarray], sizes: Sizes

@@ -3,8 +3,6 @@ inputs at its entry; no sentinels, no invalidate; spec lengths gathered on the d
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
+from parity.transfers import no_device_to_host
 
 R = 8
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
@@ -135,28 +134,6 @@ def spec_step(fm: fj.FutureMap, lens: np.ndarray) -> None:
     fm.resolve(fj.Batch(D, slots, a(0, 0), a(0, 0), draft_indices=slots))
     fm.publish(slots, lens)
     fm.stash(slots, draft)
-
-
-@contextlib.contextmanager
-def no_device_to_host() -> Iterator[None]:
-    """Fail on any device-to-host read: JAX's transfer guard (live on accelerators; on CPU
-    a jax array is host memory and the guard lets reads through), and on every backend
-    the conversions that read an array's values (`jax.device_get`, `np.array(x)` through
-    `__array__`, `int(x)`, `x.tolist()`), each made to raise."""
-    impl = type(jnp.zeros(1))
-    saved = {k: impl.__dict__[k] for k in ("_value", "__array__")}
-
-    def refuse(*_: Any, **__: Any) -> Any:
-        raise RuntimeError("device-to-host transfer")
-
-    try:
-        impl._value = property(refuse)
-        impl.__array__ = refuse
-        with jax.transfer_guard_device_to_host("disallow"):
-            yield
-    finally:
-        for k, v in saved.items():
-            setattr(impl, k, v)
 
 
 def test_a_spec_step_without_the_host_copy_moves_nothing_to_the_host() -> None:

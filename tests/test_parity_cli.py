@@ -78,8 +78,9 @@ def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
 def test_cli_mutations_are_all_caught(tmp_path, capsys):
     """`--mutations` (fm_jax mutated) reports which detectors caught each variant, each
     under its own protocol; none may be null, and parity must be among them (fm_jax
-    differs from fm_torch). The gather protocol's MIXED and spec mistakes need a MIXED and
-    a spec scenario, a lost verified id a spec scenario relaying them."""
+    differs from fm_torch), or for a resolve that syncs the 'sync' check. The gather
+    protocol's MIXED and spec mistakes need a MIXED and a spec scenario, a lost verified
+    id a spec scenario relaying them."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
@@ -103,11 +104,13 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     )
     assert code == 0, capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert len(doc["mutations"]) == len(MUTATIONS) >= 10
+    assert len(doc["mutations"]) == len(MUTATIONS) >= 11
     for m in doc["mutations"]:
         assert set(m) == {"name", "protocol", "caught_by"} and m["caught_by"], m
         assert m["protocol"] == MUTATIONS[m["name"]].judged_under
-        assert "parity" in m["caught_by"].split("+"), m
+        # A resolve that syncs changes no value: the 'sync' check alone sees it.
+        want = "sync" if m["name"] == "host_copy_syncs" else "parity"
+        assert want in m["caught_by"].split("+"), m
     assert {m["protocol"] for m in doc["mutations"]} == {"sentinel", "gather"}
     assert "caught by" in capsys.readouterr().out
 

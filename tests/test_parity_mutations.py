@@ -22,10 +22,13 @@ SUITE = [Job(n, "int32", False) for n in SCENARIOS]
 
 def test_there_are_mutations_of_both_protocols():
     """Seven variants judged under the sentinel protocol (a lost verified id among them)
-    and three gather-protocol ones; fewer means a dropped check."""
+    and four gather-protocol ones (a host-length skip that still syncs among them); fewer
+    means a dropped check."""
     protocols = [cls.judged_under for cls in MUTATIONS.values()]
-    assert protocols.count("sentinel") >= 7 and protocols.count("gather") >= 3
+    assert len(MUTATIONS) >= 11
+    assert protocols.count("sentinel") >= 7 and protocols.count("gather") >= 4
     assert "skip_verified_id_stash" in MUTATIONS
+    assert MUTATIONS["host_copy_syncs"].judged_under == "gather"
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
