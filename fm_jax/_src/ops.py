@@ -374,8 +374,8 @@ def future_map(
         """The gather protocol's resolve: build the forward's inputs at its entry.
 
         Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`
-        (padding rows 0, padded with 0 to T); MIXED the given ids where `token_slots` is 0, else
-        `output_tokens[token_slots]`. Token slots apply to any batch that is not DECODE
+        (padding rows 0, padded with 0 to T); MIXED the given ids where `token_slots` is
+        0, else `output_tokens[token_slots]`. Token slots apply to any batch that is not DECODE
         (an executable that fixes 'not DECODE' serves EXTEND, MIXED and IDLE alike); only
         a MIXED batch has a nonzero one. Lengths: as given, except a spec DECODE batch's
         (it has a draft input): `new_seq_lens[draft_indices]`, the verified lengths last
@@ -389,9 +389,9 @@ def future_map(
         ts_in = batch.token_slots
         known = isinstance(mode, int | np.integer)
         is_decode: Any = mode == ForwardMode.DECODE
-        is_mixed: Any = ~is_decode
+        not_decode: Any = ~is_decode  # takes token slots (only MIXED has nonzero ones)
         if known:
-            is_mixed = not is_decode
+            not_decode = not is_decode
             if mode == ForwardMode.MIXED and ts_in is None:
                 raise FutureMapError(
                     "a MIXED batch in the gather protocol needs token_slots (the running "
@@ -404,16 +404,17 @@ def future_map(
         # Each gather from output_tokens: (values, slots read, whether this batch does it).
         reads: list[tuple[jax.Array, jax.Array, Any]] = []
         out = ids
-        if ts_in is not None and (not known or is_mixed):
+        if ts_in is not None and (not known or not_decode):
             s.check_1d_int("token_slots", ts_in, dt)
             s.check_rows("token_slots", ts_in, t)
             ts = jnp.asarray(ts_in, dt)
             if chk is not None:
                 checks.valid_slots("token_slots", ts, r, dt, chk)
             got = _gather(state.output_tokens, ts)
-            # Position 0 of a slot list is 'keep the host id': slot 0 is never gathered.
-            reads.append((got, jnp.where(ts > 0, ts, 0), is_mixed))
-            out = jnp.where(is_mixed & (ts > 0), got, out)
+            # A token slot of 0 keeps the host's id: slot 0 (padding) is never gathered, and
+            # the consume check skips its reads.
+            reads.append((got, ts, not_decode))
+            out = jnp.where(not_decode & (ts > 0), got, out)
         if spec is None and (not known or is_decode):
             if t < b:
                 raise FutureMapError(
