@@ -393,7 +393,7 @@ class FutureMap:
 
     def _ids_of(self, ids: Any, slots: Any) -> Any:
         """A batch's input ids; in the gather protocol None stands for zeros, one per row
-        (a non-spec DECODE batch's ids are gathered, not read)."""
+        (a DECODE rank's in a mapping, or a batch with a traced mode: they are not read)."""
         if ids is not None or self.protocol != "gather":
             return ids
         if isinstance(slots, Mapping):
@@ -460,6 +460,11 @@ class FutureMap:
         modes = np.full(self.layout.dp, int(ForwardMode.IDLE), np.int32)
         for r, b in batches.items():
             modes[int(r)] = _host_mode(b.forward_mode, f"batch[rank {r}].forward_mode")
+            if b.input_ids is not None and self.spec is None and self._gather_decode(modes[r]):
+                raise FutureMapError(
+                    f"batch[rank {r}].input_ids given for a DECODE batch: in the gather "
+                    "protocol its ids are gathered at req_pool_indices (pass None)"
+                )
         drafts = {r: d for r, d in field("draft_indices").items() if d is not None}
         if drafts and len(drafts) != len(batches):
             raise FutureMapError("draft_indices given on some ranks only")
