@@ -16,15 +16,19 @@ from bench.impls import (
     naive_jax,
     sglang_jax,
     sglang_torch,
+    sglang_torch_gather,
 )
 from bench.workload import Config, host_data, min_bytes
 
 BUILDERS: dict[str, Callable[..., dict[str, Op]]] = {
+    # sglang_torch: SGLang's sentinel-era class, or its current one under the gather protocol
     "fm_jax": fm_jax_class.build,
     "fm_jax_host": fm_jax_class.build_host,
     "fm_jax_fused": fm_jax_fused.build,
     "fm_torch": fm_torch_eager.build,
-    "sglang_torch": sglang_torch.build,
+    "sglang_torch": lambda cfg, *a: (
+        sglang_torch_gather.build if cfg.gather else sglang_torch.build
+    )(cfg, *a),
     "sglang_jax": sglang_jax.build,
     "naive_jax": naive_jax.build,
     "floor": floor.build,

@@ -190,16 +190,12 @@ class SGLangFutureMap(SGLangRelayBuffers):
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
-    """The production ops of `cfg` on `device()`: the sentinel-era class, or SGLang's
-    current class for a gather-protocol configuration.
+    """The production ops of `cfg` (a sentinel-protocol configuration) on `device()`: the
+    sentinel-era class.
 
     'step' returns what its resolve produced: (input_ids, seq_lens, draft info); the
     resolve ops return the resolved batch.
     """
-    if cfg.gather:
-        from bench.impls import sglang_torch_gather  # it builds on this module's types
-
-        return sglang_torch_gather.build(cfg, data, debug, ops)
     dev = device()
 
     def t(a: Any, dtype: torch.dtype) -> torch.Tensor:
