@@ -273,3 +273,145 @@ def test_topk_p_is_float32_whatever_the_default_dtype() -> None:
     got = batch.draft.payload.topk_p
     assert got.dtype == torch.float32
     assert got.view(torch.int32).tolist() == p.view(torch.int32).tolist()
+
+
+# ------------------------------------------------- gather protocol and declared draft fields
+def gmap(**kw: object) -> FutureMap:
+    return FutureMap(R, protocol="gather", **kw)  # type: ignore[arg-type]
+
+
+def vdraft(bonus: list[int], vid: torch.Tensor, extras: object = None) -> DraftPayload:
+    d = draft(bonus)
+    d.verified_id = vid
+    d.extras = extras  # type: ignore[assignment]
+    return d
+
+
+def vmap(**kw: object) -> FutureMap:
+    """A spec map whose first draft brought verified ids (int32 buffers)."""
+    fm = FutureMap(R, spec=True, dtype=torch.int32, **kw)  # type: ignore[arg-type]
+    fm.stash(t([1]), vdraft([3], t([4])))
+    return fm
+
+
+def gbatch(mode: ForwardMode, **kw: object) -> ScheduleBatch:
+    fields: dict[str, object] = {
+        "req_pool_indices": t([1]),
+        "input_ids": t([5]),
+        "seq_lens": t([2]),
+    }
+    fields.update(kw)
+    return ScheduleBatch(mode, **fields)  # type: ignore[arg-type]
+
+
+# (call, the start of its refusal, exactly)
+EXACT: dict[str, tuple[Callable[[], object], str]] = {
+    "verified id too wide": (
+        lambda: vmap().stash(t([1]), vdraft([3], t([2**31]))),
+        "draft.verified_id holds values that do not fit",
+    ),
+    "verified id negative": (
+        lambda: vmap().stash(t([1]), vdraft([3], t([-4]))),
+        "draft.verified_id holds negative values",
+    ),
+    "verified id of another rank": (
+        lambda: vmap().stash(t([1]), vdraft([3], wide([4]))),
+        "draft.verified_id must be 1-D",
+    ),
+    "verified id of other rows": (
+        lambda: vmap().stash(t([1]), vdraft([3], t([4, 4]))),
+        "draft.verified_id has 2 rows",
+    ),
+    "verified ids dropped": (
+        lambda: vmap().stash(t([1]), draft([3])),
+        "draft does not match the first draft stashed: expected verified_id",
+    ),
+    "verified ids added": (
+        lambda: spec_map().stash(t([1]), vdraft([3], t([4]))),
+        "draft does not match the first draft stashed: expected no verified_id",
+    ),
+    "extras keyed by a non-name": (
+        lambda: spec_map().stash(t([1]), vdraft([3], None, {1: t([2])})),
+        "draft.extras must be a dict of name -> tensor",
+    ),
+    "running indices on a sentinel map": (
+        lambda: FutureMap(R).resolve(gbatch(ForwardMode.MIXED, mix_running_indices=t([1]))),
+        "mix_running_indices is for the gather protocol; this map relays by sentinels",
+    ),
+    "no ids on a sentinel map": (
+        lambda: FutureMap(R).resolve(gbatch(ForwardMode.EXTEND, input_ids=None)),
+        "input_ids is None: the sentinel protocol needs every batch's ids",
+    ),
+    "gather: slots of another rank": (
+        lambda: gmap().resolve(gbatch(ForwardMode.EXTEND, req_pool_indices=wide([1]))),
+        "req_pool_indices must be 1-D",
+    ),
+    "gather: lengths of another rank": (
+        lambda: gmap().resolve(gbatch(ForwardMode.EXTEND, seq_lens=wide([1]))),
+        "seq_lens must be 1-D",
+    ),
+    "gather: lengths too wide": (
+        lambda: gmap(dtype=torch.int32).resolve(gbatch(ForwardMode.EXTEND, seq_lens=t([2**31]))),
+        "seq_lens holds values that do not fit",
+    ),
+    "gather: ids given to a DECODE batch": (
+        lambda: gmap().resolve(gbatch(ForwardMode.DECODE)),
+        "input_ids given for a DECODE batch: in the gather protocol its ids are gathered",
+    ),
+    "gather: MIXED without running rows": (
+        lambda: gmap().resolve(gbatch(ForwardMode.MIXED)),
+        "mix_running_indices is required for a MIXED batch in the gather protocol",
+    ),
+    "gather: a draft on a non-spec map": (
+        lambda: gmap().resolve(
+            gbatch(ForwardMode.DECODE, input_ids=None, draft=DraftInput(t([1])))
+        ),
+        "batch.draft given but this FutureMap has spec=False",
+    ),
+    "gather: draft indices of another rank": (
+        lambda: gmap(spec=True).resolve(gbatch(ForwardMode.DECODE, draft=DraftInput(wide([1])))),
+        "draft.indices must be 1-D",
+    ),
+    "gather: a draft before any was stashed": (
+        lambda: gmap(spec=True).resolve(gbatch(ForwardMode.DECODE, draft=DraftInput(t([1])))),
+        "resolve of spec extras before any draft was stashed",
+    ),
+    "gather: invalidate": (
+        lambda: gmap().invalidate(gbatch(ForwardMode.DECODE), t([1])),
+        "invalidate: the gather protocol leaves no sentinels",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_a_gather_or_declared_field_refusal_says_exactly_what(case: str) -> None:
+    """Each refusal of the gather protocol and of the declared draft fields starts with the
+    field at fault and what is wrong with it, spelt exactly (case included)."""
+    call, start = EXACT[case]
+    with pytest.raises(FutureMapError) as err:
+        call()
+    assert str(err.value).startswith(start), str(err.value)
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_tracked_field_of_several_values_per_row_is_checked_whole(protocol: str) -> None:
+    """A consume-tracked extra of two values per row: a row read back whole is fine, a row
+    with one -1 left (the poison of a read, its second value restored) is an RR; a value 0
+    is a value, not the poison; padding (slot 0) is never checked."""
+    fm = FutureMap(R, spec=True, debug=True, consumed=("pair",), protocol=protocol)
+
+    def batch(slots: list[int]) -> ScheduleBatch:
+        ids = t([0] * len(slots)) if protocol == "gather" else t([-s for s in slots])
+        return ScheduleBatch(ForwardMode.DECODE, t(slots), ids, ids.clone(), DraftInput(t(slots)))
+
+    pair = torch.tensor([[0, 7], [5, 0]], dtype=torch.int64)
+    fm.publish(t([1, 2]), t([3, 3]))
+    fm.stash(t([1, 2]), vdraft([3, 4], None, {"pair": pair}))
+    fm.resolve(batch([0, 1, 2]) if protocol == "sentinel" else batch([1, 2]))
+    assert fm.extras["pair"][1].tolist() == [-1, -1]
+    fm.stash(t([1]), vdraft([3], None, {"pair": torch.tensor([[0, 0]])}))
+    fm.extras["pair"][1, 1] = -1  # one value of the row still the poison
+    with pytest.raises(InvariantViolation, match=r"consume \(WRWR\)"):
+        fm.resolve(batch([1]))
+    fm.extras["pair"][1, 1] = 0
+    fm.resolve(batch([0, 1]))  # padding slot 0 reads -1 everywhere: not checked
