@@ -305,3 +305,49 @@ def test_a_resolve_refused_when_traced_takes_no_step() -> None:
     fm.resolve(fj.Batch(D, a(3, 5), None, a(5, 7)))
     assert fm.step == 1
     fm.check()
+
+
+def test_which_inputs_a_debug_map_checks_on_the_device() -> None:
+    """`on_device`: an input holding a jax array anywhere (alone, in a tuple, a list, a
+    mapping, a DraftPayload) is checked on the device; host rows, lists of numbers and
+    empty containers are not."""
+    from fm_jax._src.host_inputs import on_device
+
+    dev = jax.device_put(a(1))
+    assert on_device(dev) and on_device((a(1), dev)) and on_device({0: dev})
+    assert on_device(fj.DraftPayload(dev, a(1), a(1)))
+    assert not on_device(a(1)) and not on_device([1, 2]) and not on_device((a(1), a(2)))
+    assert not on_device({0: a(1)}) and not on_device(()) and not on_device(None)
+    assert not on_device(3)
+
+
+def test_a_negative_id_refusal_lists_the_negative_ones_only() -> None:
+    """The gather protocol's negative-id refusal lists the negative ids (not 0), at most
+    eight of them."""
+    fm = primed()
+    with pytest.raises(fj.FutureMapError) as err:
+        fm.resolve(fj.Batch(E, a(3), a(0, 7, -3), a(2)))
+    assert str(err.value).startswith("input_ids holds negative ids [-3]:"), str(err.value)
+    wide = fj.FutureMap(R, protocol="gather")  # token buckets up to 8192
+    with pytest.raises(fj.FutureMapError) as err:
+        wide.resolve(fj.Batch(E, a(3), a(*range(-1, -11, -1)), a(2)))
+    assert str(err.value).startswith(
+        "input_ids holds negative ids [-1, -2, -3, -4, -5, -6, -7, -8]:"
+    )
+
+
+def test_token_slots_are_placed_at_the_ids_size() -> None:
+    """Token slots take the size the ids were placed at (a `tokens=` bucket larger than
+    their own), and per-rank slots given as a mapping are checked against the ids' counts."""
+    fm = primed()
+    b = fj.Batch(M, a(2, 5), a(7, 0), a(3, 7), token_slots=a(0, 5))
+    r = fm.resolve(b, tokens=8)
+    assert host(r.input_ids) == [7, 50, 0, 0, 0, 0, 0, 0]
+    fm.stash(a(5), a(51))
+    r = fm.resolve({0: b})
+    assert host(r.input_ids)[:2] == [7, 51]
+    fm.stash(a(5), a(52))
+    with pytest.raises(fj.FutureMapError, match=r"token_slots has \(3,\) entries per rank"):
+        fm.resolve({0: b._replace(token_slots=a(0, 5, 0))})
+    with pytest.raises(fj.FutureMapError, match=r"token_slots has \(-1,\) entries per rank"):
+        fm.resolve(b._replace(token_slots=np.int32(5)))
