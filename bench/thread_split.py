@@ -40,8 +40,9 @@ def engine_step(ops: fj.FutureMapOps) -> Any:
     return step
 
 
-def build(cfg: Config, options: dict[str, str]) -> tuple[Series, int]:
-    """A timed step for `cfg` compiled with `options`, and its count of thread splits."""
+def build(cfg: Config, name: str, options: dict[str, str]) -> tuple[Series, int]:
+    """A timed step for `cfg` compiled with `options` (keyed `(name, pool)`), and its count
+    of thread splits."""
     dd = device_data(cfg, host_data(cfg))
     ops = fj.future_map(cfg.pool)
     step = jax.jit(engine_step(ops), donate_argnums=(0,), compiler_options=options)
@@ -55,16 +56,17 @@ def build(cfg: Config, options: dict[str, str]) -> tuple[Series, int]:
         box["state"], box["batch"] = step(box["state"], box["batch"])
         jax.block_until_ready((box["state"], box["batch"].input_ids))
 
-    return Series(("fm_jax" if options else "default", cfg.pool), run), splits
+    return Series((name, cfg.pool), run), splits
 
 
 def measure(batch: int, pools: Sequence[int], reps: int) -> list[dict[str, Any]]:
-    """Per pool: median µs with default options and with fm_jax's, and their thread splits."""
+    """Per pool: median µs with default options and with fm_jax's, and their thread splits
+    (off CPU fm_jax's options are XLA's defaults: both series then run the same options)."""
     options = fj.compiler_options(jax.devices()[0].platform)
     series, splits = [], {}
     for pool in pools:
-        for opts in ({}, options):
-            s, n = build(Config(batch, pool), opts)
+        for name, opts in (("default", {}), ("fm_jax", options)):
+            s, n = build(Config(batch, pool), name, opts)
             series.append(s)
             splits[s.key] = n
     stats = measure_group(series, reps=reps, warmup=10)

@@ -254,6 +254,7 @@ def launch(
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["PYTHONUNBUFFERED"] = "1"
+    env["JAX_PLATFORMS"] = "cpu"  # gloo over host devices, also on a GPU machine
     if any(j.dtype == "int64" for j in jobs):
         env["JAX_ENABLE_X64"] = "1"
     else:

@@ -63,5 +63,17 @@ def bytes_equal(a: Any, b: Any) -> bool:
     ta, tb = to_torch(a), to_torch(b)
     if ta.device != tb.device:
         tb = tb.to(ta.device)
-    ta, tb = ta.contiguous().reshape(-1), tb.contiguous().reshape(-1)
-    return bool(torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)))
+    return bool(torch.equal(_bytes_view(ta), _bytes_view(tb)))
+
+
+def _bytes_view(t: Any) -> Any:
+    """`t`'s bytes as a flat uint8 tensor (a copy only where `t` is not contiguous). torch
+    calls a tensor of at most one element contiguous whatever its stride, and DLPack hands
+    such CUDA arrays from JAX over with stride 0, which a dtype view refuses (contiguous()
+    and clone() keep that stride): they are given unit stride, the same memory."""
+    import torch
+
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() <= 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)

@@ -44,14 +44,17 @@ def worker_key(job: Job) -> tuple[bool, int] | None:
 
 
 def worker_env(device: str, *, x64: bool = True, mesh_devices: int = 0) -> dict[str, str]:
-    """The environment of a worker: x64 mode on if asked; on CPU, `mesh_devices` host
-    devices (appended to any XLA_FLAGS: the last occurrence of a flag wins)."""
+    """The environment of a worker: x64 mode on if asked; on CPU, JAX pinned to the CPU
+    platform (a GPU machine's default backend is its GPU) and `mesh_devices` host devices
+    (appended to any XLA_FLAGS: the last occurrence of a flag wins)."""
     env = dict(os.environ)
     if x64:
         env["JAX_ENABLE_X64"] = "1"
     if device == "cuda":  # JAX processes share the GPUs: no 75% preallocation each
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    elif mesh_devices:
+        return env
+    env["JAX_PLATFORMS"] = "cpu"
+    if mesh_devices:
         flag = f"{HOST_DEVICES_FLAG}={mesh_devices}"
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     return env

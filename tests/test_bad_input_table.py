@@ -16,7 +16,6 @@ two maps keep working afterwards.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import traceback
@@ -528,8 +527,10 @@ def _inner() -> None:
 
 @pytest.fixture(scope="module")
 def mesh_report() -> dict[str, Any]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env.pop("JAX_ENABLE_X64", None)
+    # Imported here: the child runs this file without tests/ on its path.
+    from host_devices import cpu_devices_env
+
+    env = cpu_devices_env(8)
     code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_inner']()"
     p = subprocess.run(
         [sys.executable, "-c", code],

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from bench import cli
+from parity.exchange import to_numpy
 
 ROW_KEYS = {
     "impl",
@@ -230,9 +231,9 @@ def test_each_step_resolves_what_the_previous_step_stashed(impl: str, protocol: 
             ids, lens = out[0], out[1]
         else:
             ids, lens = out.input_ids, out.seq_lens
-        np.testing.assert_array_equal(np.asarray(ids)[: cfg.batch], data.tokens)
+        np.testing.assert_array_equal(to_numpy(ids)[: cfg.batch], data.tokens)
         if lens is not None:
-            np.testing.assert_array_equal(np.asarray(lens)[: cfg.batch], data.lens)
+            np.testing.assert_array_equal(to_numpy(lens)[: cfg.batch], data.lens)
 
 
 def test_sglang_torch_spec_step_relays_the_draft() -> None:
@@ -247,12 +248,12 @@ def test_sglang_torch_spec_step_relays_the_draft() -> None:
     for _ in range(2):
         step.setup()
         _, lens, draft = step.run()
-        np.testing.assert_array_equal(lens.numpy(), data.lens)
-        np.testing.assert_array_equal(draft.bonus_tokens.numpy(), data.tokens)
-        np.testing.assert_array_equal(draft.topk_p.numpy(), data.topk_p)
-        np.testing.assert_array_equal(draft.topk_index.numpy(), data.topk_index)
+        np.testing.assert_array_equal(to_numpy(lens), data.lens)
+        np.testing.assert_array_equal(to_numpy(draft.bonus_tokens), data.tokens)
+        np.testing.assert_array_equal(to_numpy(draft.topk_p), data.topk_p)
+        np.testing.assert_array_equal(to_numpy(draft.topk_index), data.topk_index)
         want = torch.as_tensor(data.hidden).to(torch.bfloat16)
-        assert torch.equal(draft.hidden_states, want)
+        assert torch.equal(draft.hidden_states.cpu(), want)
 
 
 def test_sglang_torch_ci_mode_catches_a_read_without_a_write() -> None:
@@ -352,6 +353,10 @@ def test_floor_step_is_two_dispatches_on_the_arrays_the_class_takes(
     assert all(isinstance(x, kind) for a in calls for x in a)
     np.testing.assert_array_equal(np.asarray(calls[0][1]), -data.idx)
     np.testing.assert_array_equal(np.asarray(calls[1][2]), data.tokens)
+    # Every argument reaches the executable (and a numpy one is transferred): jit's default
+    # drops the arguments a function does not read.
+    for a in calls:
+        assert real.lower(*a).compile().as_text().count("parameter(") == len(a)
 
 
 def test_startup_table_comes_from_fresh_processes(tiny_run) -> None:
@@ -472,15 +477,14 @@ def test_gather_mixed_batch_is_the_sentinel_batch_relaid() -> None:
 
 def _resolved(out: Any) -> tuple[Any, Any, Any]:
     """(input ids, lengths, bonus tokens or None) of a resolve op's output, any impl."""
-    import numpy as np
 
     draft = getattr(out, "draft", None) or getattr(out, "spec_info", None)
     bonus = None
     if draft is not None:
         payload = getattr(draft, "payload", draft)
-        bonus = np.asarray(payload.bonus_tokens)
-    ids = None if out.input_ids is None else np.asarray(out.input_ids)
-    return ids, np.asarray(out.seq_lens), bonus
+        bonus = to_numpy(payload.bonus_tokens)
+    ids = None if out.input_ids is None else to_numpy(out.input_ids)
+    return ids, to_numpy(out.seq_lens), bonus
 
 
 @pytest.mark.parametrize("impl", ["fm_jax", "fm_jax_host", "fm_torch", "sglang_torch"])

@@ -29,7 +29,7 @@ BF16_SPECIAL = np.array([0x7FC1, 0xFFA3, 0x7F81, 0x8000, 0x7F80, 0xFF80], np.uin
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def jax_bytes(x: object) -> bytes:

@@ -322,8 +322,10 @@ def test_a_second_process_warms_up_from_the_persistent_cache(tmp_path: Path) -> 
 def test_mesh_warm_up_and_guard() -> None:
     """On a 4 x 2 mesh of 8 CPU devices (jax.make_mesh): warm_up plans the same counts,
     guarded random steps of every kind compile nothing, and an unwarmed dtype is refused."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env.pop("JAX_ENABLE_X64", None)
+    # Imported here: the child runs this file without tests/ on its path.
+    from host_devices import cpu_devices_env
+
+    env = cpu_devices_env(8)
     got = _subprocess("_mesh_process", [], env)
     for debug, part in got.items():
         assert part["compiles_after"] == 0, (debug, part)

@@ -124,6 +124,19 @@ def test_comparison_goes_through_torch_for_device_values(dtype):
     assert first_difference(torch.from_numpy(a), b)[0] == (0,)
 
 
+def test_tensors_of_at_most_one_element_with_stride_zero_are_compared_by_their_bytes():
+    """DLPack gives JAX's empty and one-element CUDA arrays stride 0 (torch still calls them
+    contiguous); their bytes are compared, not refused by the dtype view."""
+    torch = pytest.importorskip("torch")
+    one = torch.tensor([7], dtype=torch.int32).as_strided((1,), (0,))
+    empty = torch.zeros(0, dtype=torch.int32).as_strided((0,), (0,))
+    for t in (one, empty):
+        assert t.stride() == (0,) and t.is_contiguous()
+    assert first_difference(one, torch.tensor([7], dtype=torch.int32)) is None
+    assert first_difference(one, torch.tensor([6], dtype=torch.int32))[0] == (0,)
+    assert first_difference(empty, torch.zeros(0, dtype=torch.int32)) is None
+
+
 def test_ranks_are_compared_apart_and_the_earliest_step_is_first():
     """Records of DP ranks interleave differently in each run (two processes recorded
     them); each rank's own records are matched in order, and the report names the rank."""

@@ -115,6 +115,7 @@ def test_worker_env_appends_the_device_count():
         "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8"
     )
     assert "JAX_ENABLE_X64" not in env
+    assert env["JAX_PLATFORMS"] == "cpu"  # not a GPU machine's default backend
 
 
 CLEAN = {

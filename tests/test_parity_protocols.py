@@ -6,7 +6,6 @@ protocol's own mistakes are caught."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from host_devices import cpu_devices_env
 
 from parity import catalogue, cli
 from parity.compare import compare_traces
@@ -198,8 +198,7 @@ def spec_ranks_out_of_step() -> dict[str, list]:
     """protocol -> [ok, first divergence] of spec_decode on 2 DP ranks of one sharded map,
     rank 1 with every arrival 3 steps later (so at one step one rank runs a spec DECODE
     beside the other's EXTEND or IDLE), in a child whose JAX sees 2 devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env.pop("JAX_ENABLE_X64", None)
+    env = cpu_devices_env(2)
     proc = subprocess.run(
         [sys.executable, "-c", MESH_SPEC_RANKS_OUT_OF_STEP],
         capture_output=True,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from host_devices import cpu_devices_env
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
@@ -25,10 +25,7 @@ def _run(block: str, index: int) -> str:
         with contextlib.redirect_stdout(out):
             exec(compile(block, f"README.md[python block {index}]", "exec"), {})
         return out.getvalue()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={MESH_DEVICES}"
-    ).strip()
+    env = cpu_devices_env(MESH_DEVICES)
     proc = subprocess.run(
         [sys.executable, "-c", block], env=env, capture_output=True, text=True, timeout=300
     )

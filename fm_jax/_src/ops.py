@@ -389,9 +389,10 @@ def future_map(
         ts_in = batch.token_slots
         known = isinstance(mode, int | np.integer)
         is_decode: Any = mode == ForwardMode.DECODE
-        not_decode: Any = ~is_decode  # takes token slots (only MIXED has nonzero ones)
+        # Takes token slots (only MIXED has nonzero ones). `~` only on a traced mode: on a
+        # Python bool it is integer inversion (never False).
+        not_decode: Any = (not is_decode) if known else ~is_decode
         if known:
-            not_decode = not is_decode
             if mode == ForwardMode.MIXED and ts_in is None:
                 raise FutureMapError(
                     "a MIXED batch in the gather protocol needs token_slots (the running "

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The CUDA checklist (../shared/GPU.md) on a GPU machine, from the source tree, in parts that
+# each end inside a device call's ten minutes:
+#
+#   bash scripts/cuda_checklist.sh checks OUT   # versions, the cuda tests, the whole suite (~4 min)
+#   bash scripts/cuda_checklist.sh parity OUT   # fm-parity --device cuda, one protocol per step
+#   bash scripts/cuda_checklist.sh bench OUT    # fm-bench headline + protocols, start-up, serving demo
+#   bash scripts/cuda_checklist.sh extra OUT    # the mutation check on CUDA, fm-bench's sweeps
+#
+# Every step has its own time limit (seconds, overridable as LIMIT_<step>=N) and writes
+# OUT/<step>.log (parity with its progress bar, so a step stopped at its limit shows how far it
+# got); its exit status and wall time go to OUT/status.txt (124: out of time). A failed step
+# does not stop the next. Result files are named with `cuda` (fm-bench names them by JAX's
+# platform, `gpu`). PYTHON picks the interpreter (default python3).
+set -uo pipefail
+part=${1:?a part: checks, parity, bench or extra}
+out=$(mkdir -p "${2:?output folder}" && cd "$2" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the twins and test workers share one GPU
+export py=${PYTHON:-python3}
+
+step() {  # step NAME DEFAULT_LIMIT_S COMMAND...
+    local name=$1 limit_var="LIMIT_$1" t0=$SECONDS
+    local limit=${!limit_var:-$2}
+    shift 2
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s (limit ${limit}s)" | tee -a "$out/status.txt"
+}
+
+versions() {
+    nvidia-smi -L
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    "$py" - <<'EOF'
+import platform, jax, numpy, torch
+print("python", platform.python_version(), "numpy", numpy.__version__)
+print("jax", jax.__version__, jax.devices(), "backend", jax.default_backend())
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
+EOF
+}
+
+export -f versions  # run by `timeout` in a child bash
+
+case $part in
+checks)
+    step versions 60 bash -c versions
+    step cuda_tests 90 "$py" -m pytest -m cuda -rs -p no:cacheprovider
+    step suite 360 "$py" -m pytest -n 12 -rfs -p no:cacheprovider
+    ;;
+parity)
+    for protocol in sentinel gather; do
+        step "parity_$protocol" 280 "$py" -m parity.cli --device cuda --protocol "$protocol" \
+            --json "$out/parity_${protocol}_cuda.json"
+    done
+    ;;
+bench)
+    step headline 120 "$py" -m bench.cli --headline-only --out "$out/headline"
+    mv "$out/headline/results.md" "$out/headline_cuda.md"
+    mv "$out/headline/results.json" "$out/headline_cuda.json"
+    step protocols 200 "$py" -m bench.cli --protocols-only --out "$out/protocols"
+    mv "$out/protocols/protocols_gpu.md" "$out/protocols_cuda.md"
+    mv "$out/protocols/protocols_gpu.json" "$out/protocols_cuda.json"
+    rmdir "$out/headline" "$out/protocols"
+    step startup 150 "$py" -m bench.startup --runs 1 --maps plain spec debug \
+        --json "$out/startup_cuda.json"
+    step serve 90 "$py" -m bench.serve.cli --out "$out" --tag cuda
+    ;;
+extra)
+    step mutations 280 "$py" -m parity.cli --device cuda --mutations --dtype int32 \
+        --json "$out/mutations_cuda.json"
+    step sweeps 300 "$py" -m bench.cli --no-startup --no-protocols --out "$out/sweeps"
+    ;;
+*)
+    echo "unknown part: $part (checks, parity, bench or extra)" >&2
+    exit 2
+    ;;
+esac
