@@ -120,12 +120,18 @@ def _mutants_of(run_dir: Path) -> list[Mutant]:
 def _explain(mutants: list[Mutant], survivors_file: Path) -> list[dict[str, str]]:
     """Attach each listed explanation to the survivors it matches (by file and the line
     before and after the mutation; the first entry for a key wins); return the entries that
-    matched no survivor."""
-    listed = tomllib.loads(survivors_file.read_text()).get("equivalent", [])
+    matched no survivor. `[[equivalent]]` entries say why no test can kill the mutant;
+    `[[killed]]` entries name the test added after the run that kills it."""
+    table = tomllib.loads(survivors_file.read_text())
+    listed = table.get("equivalent", []) + table.get("killed", [])
     key = lambda e: (e["file"], e["before"].strip(), e["after"].strip())  # noqa: E731
     why: dict[tuple[str, str, str], str] = {}
     for e in listed:
-        why.setdefault(key(e), e["why"].strip())
+        text = e.get("why") or (
+            f"Killed by `{e['test']}`, added after this run (checked against this mutant by "
+            "hand; the next run counts it)."
+        )
+        why.setdefault(key(e), text.strip())
     matched = set()
     for m in mutants:
         if m.status not in DETECTED and (m.file, m.before, m.after) in why:
@@ -175,9 +181,9 @@ def render(
         "do not edit by hand. The score is mutants killed over mutants generated; mutmut "
         "mutates only the lines a group's tests execute (the last section lists the others). "
         "Each mutant no test kills is listed with why, from "
-        "`scripts/mutation_survivors.toml`: an equivalent mutant (no observable change), or "
+        "`scripts/mutation_survivors.toml`: an equivalent mutant (no observable change), "
         "one whose change shows only on a CUDA device or on a map of 2 or more DP ranks, "
-        "which the in-process suite does not build.",
+        "which the in-process suite does not build, or one a test added after the run kills.",
         "",
         f"**Score: {done}/{total} mutants killed ({100 * done / max(total, 1):.1f}%).**",
         "",

@@ -351,3 +351,31 @@ def test_token_slots_are_placed_at_the_ids_size() -> None:
         fm.resolve({0: b._replace(token_slots=a(0, 5, 0))})
     with pytest.raises(fj.FutureMapError, match=r"token_slots has \(-1,\) entries per rank"):
         fm.resolve(b._replace(token_slots=np.int32(5)))
+
+
+def test_host_token_slots_beside_device_ids_and_ragged_ones() -> None:
+    """Host token slots beside ids already on the device (a bucket's size: no per-rank
+    counts to match them against) are placed at the ids' size and gathered; token slots
+    that are no array (ragged rows) are refused naming token_slots, given whole or per
+    rank."""
+    fm = primed()
+    ids = jax.device_put(a(7, 0))
+    r = fm.resolve(fj.Batch(M, a(2, 5), ids, a(3, 7), token_slots=a(0, 5)))
+    assert host(r.input_ids) == [7, 50]
+    fm.stash(a(5), a(51))
+    before = buffers(fm)
+    bad = fj.Batch(M, a(2, 5), a(7, 0), a(3, 7), token_slots=[[0], [5, 5]])
+    for x in (bad, {0: bad}):
+        with pytest.raises(fj.FutureMapError, match="^token_slots is not an array"):
+            fm.resolve(x)
+    assert buffers(fm) == before
+
+
+def test_a_rank_left_out_of_per_rank_token_slots_counts_no_entries() -> None:
+    """A rank missing from every per-rank mapping is idle: its token slots count 0 entries,
+    matching its ids, and the resolve moves nothing (here the one rank of one device)."""
+    fm = primed()
+    before = buffers(fm)
+    r = fm.resolve(fj.Batch(M, {}, {}, {}, token_slots={}))
+    assert host(r.input_ids) == [0]
+    assert buffers(fm) == before
