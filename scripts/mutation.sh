@@ -155,5 +155,4 @@ EOF
     cat "$REPORT"
 }
 
-main "$@"
-exit
+main "$@"; exit  # one line: bash has read it whole before main runs
