@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU only), each holding N*M/P devices and driving its own DP ranks; the ranks' "
         "traces are merged and judged as one run",
     )
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run the scenarios in N worker processes side by side, the longest first "
+        "(default 1: here, with int64 and mesh runs in one worker each). On one GPU the "
+        "workers share it; the mutation check still runs here, one variant at a time",
+    )
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -277,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar.set_postfix_str(f"{job.scenario} {job.protocol} {job.dtype} debug {debug}")
         bar.update()
 
-    results = run_jobs(jobs, progress)
+    results = run_jobs(jobs, progress, workers=args.jobs)
     mutations = []
     if args.mutations:
         mutate = ("jax",) if args.mutate == "jax" else ("jax", "torch")

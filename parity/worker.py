@@ -1,8 +1,9 @@
-"""`python -m parity.worker`: run jobs read as JSON from stdin, one JSON line out per job.
+"""`python -m parity.worker`: run jobs read from stdin, one JSON line in and out per job.
 
 The int64 pass runs here, in its own process started with JAX_ENABLE_X64=1: fm_jax
 refuses int64 without JAX's x64 mode and never flips global config itself. Mesh jobs
 run here too, in a process whose JAX sees dp * tp devices (parity.runner.worker_env).
+With `fm-parity --jobs N` every job runs in such a worker, N of them side by side.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import sys
 
 
 def main() -> int:
-    """Read [Job fields, ...] from stdin; print {"index", "result"} per finished job."""
+    """For each line {"index", "job": Job fields} of stdin, print {"index", "result"} once
+    the job has run; jobs run in the order they arrive, until stdin closes."""
     from parity.suite import Job, run_job
 
-    jobs = [Job(**j) for j in json.load(sys.stdin)]
-    for i, job in enumerate(jobs):
-        result = run_job(job)
-        print(json.dumps({"index": i, "result": result.to_wire()}), flush=True)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        result = run_job(Job(**msg["job"]))
+        print(json.dumps({"index": msg["index"], "result": result.to_wire()}), flush=True)
     return 0
 
 

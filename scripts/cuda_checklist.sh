@@ -3,7 +3,7 @@
 # each end inside a device call's ten minutes:
 #
 #   bash scripts/cuda_checklist.sh checks OUT   # versions, the cuda tests, the whole suite (~4 min)
-#   bash scripts/cuda_checklist.sh parity OUT   # fm-parity --device cuda, one protocol per step
+#   bash scripts/cuda_checklist.sh parity OUT   # fm-parity --device cuda, 12 workers sharing the GPU
 #   bash scripts/cuda_checklist.sh bench OUT    # fm-bench headline + protocols, start-up, serving demo
 #   bash scripts/cuda_checklist.sh extra OUT    # the mutation check on CUDA, fm-bench's sweeps
 #
@@ -49,10 +49,7 @@ checks)
     step suite 360 "$py" -m pytest -n 12 -rfs -p no:cacheprovider
     ;;
 parity)
-    for protocol in sentinel gather; do
-        step "parity_$protocol" 280 "$py" -m parity.cli --device cuda --protocol "$protocol" \
-            --json "$out/parity_${protocol}_cuda.json"
-    done
+    step parity 420 "$py" -m parity.cli --device cuda --jobs 12 --json "$out/parity_cuda.json"
     ;;
 bench)
     step headline 120 "$py" -m bench.cli --headline-only --out "$out/headline"

@@ -198,7 +198,7 @@ def test_failing_mesh_row_exits_1(monkeypatch, capsys):
         extra={**CLEAN, "resharded": True},
     )
 
-    def fake_run_jobs(jobs, progress=None):
+    def fake_run_jobs(jobs, progress=None, workers=1):
         assert all(j.dp == 4 and j.tp == 2 for j in jobs)
         return [failing for _ in jobs]
 

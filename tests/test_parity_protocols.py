@@ -129,7 +129,7 @@ def test_cli_runs_the_chosen_protocols_and_their_mutations(monkeypatch, capsys):
 
     seen: dict[str, list] = {"jobs": [], "mutations": []}
 
-    def fake_run_jobs(jobs, progress=None):
+    def fake_run_jobs(jobs, progress=None, workers=1):
         seen["jobs"] = list(jobs)
         return [
             ScenarioResult(j.scenario, j.dtype, j.debug, 3, 9, 0, True, protocol=j.protocol)
