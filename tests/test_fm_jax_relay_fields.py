@@ -195,3 +195,113 @@ def test_declared_fields_serve_from_warmed_executables() -> None:
         fm.stash(a(3, 5), draft([30 + n, 50], [31, 51 + n], [1, 2], SCORES))
         r = fm.resolve(fj.Batch(D, a(3, 5), a(0, 0), a(0, 0), draft_indices=a(3, 5)))
     assert r.draft is not None and np.asarray(r.draft.verified_id).tolist() == [31, 53]
+
+
+PATH = fj.RelayField("path", (3,), consumed=True)  # consume-tracked, several ints per row
+PATH_SPEC = fj.SpecConfig(topk=2, extra=(PATH,))
+
+
+def path_draft(paths: list[list[int]]) -> Any:
+    n = len(paths)
+    return fj.DraftPayload(
+        jnp.asarray(a(*range(30, 30 + n))),
+        jnp.full((n, 2), 0.5, jnp.float32),
+        jnp.zeros((n, 2), jnp.int32),
+        extras={"path": jnp.asarray(np.array(paths, np.int32))},
+    )
+
+
+def test_a_consumed_field_of_several_values_per_row_is_tracked_row_by_row() -> None:
+    """A consume-tracked field with several ints per row: its buffer starts at -1 in every
+    entry, a stashed row with one negative entry is refused naming that row's slot (a row
+    reads as its smallest entry; the other row is clean), a resolve poisons whole rows at
+    the slots read and gives the rows back in the order asked, and a read that finds one
+    -1 entry in a row is reported for that row's slot."""
+    ops = fj.future_map(R, spec=PATH_SPEC, debug=True)
+    stash = jax.jit(checkify.checkify(ops.stash, errors=checkify.user_checks))
+    resolve = jax.jit(checkify.checkify(ops.resolve, errors=checkify.user_checks))
+    st = ops.init()
+    assert st.extras is not None and st.extras["path"].shape == (R, 3)
+    assert (np.asarray(st.extras["path"]) == -1).all()
+    st = ops.publish(st, jnp.asarray(a(3, 5)), jnp.asarray(a(4, 6)))
+    err, _ = stash(st, jnp.asarray(a(3, 5)), path_draft([[1, -1, 3], [4, 5, 6]]))
+    with pytest.raises(
+        checkify.JaxRuntimeError, match=r"draft.path holds a negative value for slot 3"
+    ):
+        err.throw()
+    err, st = stash(st, jnp.asarray(a(3, 5, 6)), path_draft([[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
+    err.throw()
+    b = fj.Batch(D, a(5, 3), a(-5, -3), a(-5, -3), draft_indices=a(5, 3))
+    err, (after, r) = resolve(st, b)
+    err.throw()
+    assert r.draft is not None and r.draft.extras is not None
+    assert np.asarray(r.draft.extras["path"]).tolist() == [[4, 5, 6], [1, 2, 3]]
+    path = np.asarray(after.extras["path"])
+    assert path[[3, 5]].tolist() == [[-1, -1, -1]] * 2 and path[6].tolist() == [7, 8, 9]
+    # Everything read restored but one entry of slot 3's path: that row reads as -1.
+    restored = after._replace(
+        output_tokens=after.output_tokens.at[jnp.asarray(a(3, 5))].set(1),
+        extras={"path": after.extras["path"].at[3].set(a(7, -1, 9)).at[5].set(a(1, 1, 1))},
+    )
+    err, _ = resolve(restored, b)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"consume \(WRWR\)\] slot 3"):
+        err.throw()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_init_fills_only_consumed_fields_with_the_poison_and_only_in_debug(debug: bool) -> None:
+    """A new spec map's buffers: the consume-tracked ones (bonus tokens, verified ids, an
+    engine's consumed field) hold -1 in debug mode and 0 otherwise; every other field holds
+    0 (bits included) in both modes."""
+    st = fj.future_map(R, spec=SPEC, debug=debug).init()
+    poison = -1 if debug else 0
+    assert st.verified_id is not None and st.extras is not None
+    for name, buf in [
+        ("output_tokens", st.output_tokens),
+        ("verified_id", st.verified_id),
+        ("steps", st.extras["steps"]),
+    ]:
+        assert (np.asarray(buf) == poison).all(), name
+    for name, buf in [
+        ("new_seq_lens", st.new_seq_lens),
+        ("topk_p", st.topk_p),
+        ("topk_index", st.topk_index),
+        ("score", st.extras["score"]),
+    ]:
+        assert (np.asarray(buf) == 0).all(), name
+
+
+def test_the_ops_hold_one_canonical_spec_however_it_was_written() -> None:
+    """A SpecConfig written with a dtype name or class and a truthy int for verified_id
+    becomes the same spec (np.dtype, bool): equal, of equal hash, so two maps declared the
+    same way share what is keyed on their spec."""
+    one = fj.future_map(
+        R, spec=fj.SpecConfig(topk=2, hidden=4, hidden_dtype="bfloat16", verified_id=1)
+    )
+    two = fj.future_map(
+        R, spec=fj.SpecConfig(topk=2, hidden=4, hidden_dtype=jnp.bfloat16, verified_id=True)
+    )
+    assert one.spec is not None and two.spec is not None
+    assert one.spec == two.spec and hash(one.spec) == hash(two.spec)
+    assert isinstance(one.spec.hidden_dtype, np.dtype) and one.spec.verified_id is True
+
+
+def test_a_scalar_field_of_its_own_dtype_is_relayed_and_a_missing_bonus_is_named() -> None:
+    """An engine's field of one float per row (its own dtype, not the map's int) is checked
+    as an array of that dtype, stashed and gathered bit for bit; a draft without its bonus
+    tokens is refused naming them."""
+    conf = fj.RelayField("conf", (), np.float32)
+    ops = fj.future_map(R, spec=fj.SpecConfig(topk=2, extra=(conf,)))
+    vals = np.array([np.nan, -0.0], np.float32)
+    d = fj.DraftPayload(
+        jnp.asarray(a(30, 50)),
+        jnp.full((2, 2), 0.5, jnp.float32),
+        jnp.zeros((2, 2), jnp.int32),
+        extras={"conf": jnp.asarray(vals)},
+    )
+    st = ops.stash(ops.init(), jnp.asarray(a(3, 5)), d)
+    _, r = ops.resolve(st, fj.Batch(D, a(5, 3), a(-5, -3), a(-5, -3), draft_indices=a(5, 3)))
+    assert r.draft is not None and r.draft.extras is not None
+    assert bits(r.draft.extras["conf"]) == bits(vals[::-1])
+    with pytest.raises(fj.FutureMapError, match="draft.bonus_tokens is missing"):
+        ops.stash(ops.init(), jnp.asarray(a(3, 5)), d._replace(bonus_tokens=None))
