@@ -179,6 +179,23 @@ def _resolve(**change: object) -> object:
     return ops.resolve(ops.init(), fj.Batch(**{**good, **change}))  # type: ignore[arg-type]
 
 
+GATHER = fj.future_map(R, protocol="gather")
+MIXED = fj.ForwardMode.MIXED
+
+
+def _gather_mixed(ops: fj.FutureMapOps = GATHER, **change: object) -> object:
+    """A gather-protocol MIXED resolve: rows 1 and 2, three tokens, the last two taken from
+    the slots' stashed tokens (token slots 1 and 2)."""
+    good: dict[str, object] = dict(
+        forward_mode=MIXED,
+        req_pool_indices=i32(1, 2),
+        input_ids=i32(5, 0, 0),
+        seq_lens=i32(3, 4),
+        token_slots=i32(0, 1, 2),
+    )
+    return ops.resolve(ops.init(), fj.Batch(**{**good, **change}))  # type: ignore[arg-type]
+
+
 def _stash_draft(**change: object) -> object:
     good = spec_draft([4], k=2, h=3)._asdict()
     return SPEC.stash(SPEC.init(), i32(1), fj.DraftPayload(**{**good, **change}))
@@ -246,6 +263,9 @@ REFUSALS = {
         "batch.draft_indices",
     ),
     "seq_lens_at int64": (lambda: OPS.seq_lens_at(OPS.init(), i64(1)), "indices"),
+    "gather token_slots rank": (lambda: _gather_mixed(token_slots=wide(0, 1, 2)), "token_slots"),
+    "gather token_slots rows": (lambda: _gather_mixed(token_slots=i32(0, 1)), "token_slots"),
+    "gather token_slots int64": (lambda: _gather_mixed(token_slots=i64(0, 1, 2)), "token_slots"),
 }
 
 
@@ -878,3 +898,29 @@ def test_a_negative_length_refusal_lists_at_most_eight_values() -> None:
     assert str(err.value).startswith(
         "new_seq_lens holds negative values [-9, -8, -7, -6, -5, -4, -3, -2]:"
     ), str(err.value)
+
+
+def test_gather_pure_ops_judge_token_slots_by_the_batch_kind() -> None:
+    """Gather protocol, mode known on the host: a MIXED batch takes its ids at its token
+    slots (slot 0 keeps the host's id) and must have them; a DECODE batch must not (it
+    gathers at its rows' slots). Both refusals are whole messages."""
+    st = GATHER.stash(GATHER.init(), i32(1, 2), i32(11, 22))
+    _, out = GATHER.resolve(
+        st, fj.Batch(MIXED, i32(1, 2), i32(5, 0, 0), i32(3, 4), token_slots=i32(0, 1, 2))
+    )
+    assert out.input_ids.tolist() == [5, 11, 22]
+    with pytest.raises(fj.FutureMapError, match=r"^a MIXED batch in the gather protocol needs"):
+        _gather_mixed(token_slots=None)
+    with pytest.raises(fj.FutureMapError, match=r"^token_slots given for a DECODE batch"):
+        _gather_mixed(forward_mode=DECODE)
+
+
+def test_debug_names_a_token_slot_outside_the_pool() -> None:
+    """Debug, gather protocol: a token slot outside [0, R) is reported naming token_slots
+    and the slot."""
+    ops = fj.future_map(R, protocol="gather", debug=True)
+    err, _ = checked(lambda st, b: ops.resolve(st, b))(
+        ops.init(),
+        fj.Batch(MIXED, i32(1, 2), i32(5, 0, 0), i32(3, 4), token_slots=i32(0, 1, R + 3)),
+    )
+    assert f"token_slots holds slot {R + 3} outside [0, {R})" in str(violation(err))
