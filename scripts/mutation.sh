@@ -4,6 +4,7 @@
 #
 #   bash scripts/mutation.sh                 # every group, fm_torch first
 #   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-checks jax-inputs)
+#   bash scripts/mutation.sh --rerun jax-ops # a finished run's survivors again, today's tests
 #
 # One group per mutated module, each with the tests that exercise it (groups below). A group
 # runs in a fresh snapshot of the working tree (tracked and untracked files, not ignored
@@ -19,6 +20,10 @@
 # docs/mutation.md and is printed: score, every mutant no test killed with its file:line,
 # the mutation and, for the known equivalent ones (scripts/mutation_survivors.toml), why no
 # test can kill it, and the lines no test of the group executes.
+#
+# --rerun: for a group whose run finished (its snapshot in MUTATION_DIR, the mutated file
+# unchanged since), mutmut runs that run's survivors again in a copy of the snapshot given
+# today's tests/ (GROUP-rerun), and the summary counts those the new tests kill.
 #
 # Environment: MUTATION_JOBS (workers, default 2), MUTATION_TIMEOUT (seconds per group,
 # default 3600), MUTATION_DIR (snapshots, default $TMPDIR/fm-jax-mutation), MUTATION_REPORT
@@ -95,7 +100,53 @@ toml_list() {  # words -> a TOML list of strings
 
 # Everything below is one function, read whole before it runs: editing this file during a
 # run (which takes a while) cannot change what the run does.
+# The env a group's mutmut runs in: its whole-selection module and its JAX compile cache.
+mutmut_in() {  # mutmut_in DIR GROUP MUTMUT_ARGS...
+    local dir=$1 g=$2 cache module
+    shift 2
+    cache=$(jax_cache_of "$g")
+    module=$(whole_selection_of "$g")
+    (cd "$dir" && export FM_MUTATION_MODULE=$module ${cache:+JAX_COMPILATION_CACHE_DIR=$cache} \
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+        && timeout "$LIMIT" "$PY" -m mutmut "$@" >mutmut.log 2>&1) || {
+        echo "mutmut failed or timed out (log: $dir/mutmut.log):" >&2
+        tail -c 2000 "$dir/mutmut.log" | tr '\r' '\n' | tail -20 >&2
+    }
+}
+
+rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
+    local g base dir file names reruns=() bases=()
+    for g in "$@"; do
+        file=$(file_of "$g")
+        base=$WORK/$g
+        dir=$WORK/$g-rerun
+        if [ ! -d "$base/mutants" ] || ! cmp -s "$file" "$base/$file"; then
+            echo "$g: no finished run of today's $file in $base: run the group first" >&2
+            return 1
+        fi
+        names=$(cd "$base" && "$PY" -m mutmut results 2>/dev/null | sed -n 's/^ *\([^ ]*\): survived$/\1/p')
+        rm -rf "$dir"
+        cp -a "$base" "$dir"
+        cp -a tests/. "$dir/tests/"
+        cp -a tests/. "$dir/mutants/tests/"
+        echo "== $g: mutmut on the $(echo "$names" | wc -w) survivors of $base, today's tests"
+        # shellcheck disable=SC2086  # one argument per mutant name
+        [ -z "$names" ] || mutmut_in "$dir" "$g" run --max-children "$JOBS" $names
+        bases+=("$base")
+        reruns+=(--rerun "$dir")
+    done
+    mkdir -p "$(dirname "$REPORT")"
+    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
+        --output "$REPORT" "${reruns[@]}" "${bases[@]}"
+    cat "$REPORT"
+}
+
 main() {
+    if [ "${1:-}" = --rerun ]; then
+        shift
+        rerun "$@"
+        return
+    fi
     [ $# -gt 0 ] || set -- "${ALL[@]}"
     groups=()
     for g in "$@"; do
@@ -130,14 +181,7 @@ use_setproctitle = false
 EOF
         echo "== $g: mutmut on $file ($JOBS workers, at most ${LIMIT}s)"
         start=$(date +%s)
-        cache=$(jax_cache_of "$g")
-        module=$(whole_selection_of "$g")
-        (cd "$dir" && export FM_MUTATION_MODULE=$module ${cache:+JAX_COMPILATION_CACHE_DIR=$cache} \
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
-            && timeout "$LIMIT" "$PY" -m mutmut run --max-children "$JOBS" >mutmut.log 2>&1) || {
-            echo "mutmut run failed or timed out (log: $dir/mutmut.log):" >&2
-            tail -c 2000 "$dir/mutmut.log" | tr '\r' '\n' | tail -20 >&2
-        }
+        mutmut_in "$dir" "$g" run --max-children "$JOBS"
         # The lines no test of the group executes (never mutated), for the summary.
         # shellcheck disable=SC2086
         (cd "$dir" && "$PY" -m coverage run --data-file=.coverage.group --include="$file" \

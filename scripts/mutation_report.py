@@ -2,8 +2,11 @@
 that no test killed with its file:line, the mutation and, when it is a known equivalent
 mutant (listed in the survivors file), why no test can kill it.
 
-Usage: mutation_report.py --survivors FILE.toml --output FILE.md RUN_DIR...
+Usage: mutation_report.py --survivors FILE.toml --output FILE.md [--rerun DIR]... RUN_DIR...
 Each RUN_DIR is a snapshot in which `mutmut run` ran (it holds pyproject.toml and mutants/).
+A --rerun DIR is a copy of one, with today's tests, in which mutmut ran again on that run's
+survivors only (`bash scripts/mutation.sh --rerun GROUP`): the survivors it kills count as
+killed, and the report says which.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ class Mutant:
     before: str
     after: str
     why: str | None = None
+    rerun: str | None = None  # the status a rerun of the survivors gave it, if one ran
+
+    @property
+    def killed(self) -> bool:
+        """Killed by the run, or (a survivor) by the rerun with today's tests."""
+        return self.status in DETECTED or self.rerun in DETECTED
 
 
 @contextlib.contextmanager
@@ -173,7 +182,14 @@ def render(
 ) -> str:
     files = sorted({m.file for m in mutants})
     total = len(mutants)
-    done = sum(m.status in DETECTED for m in mutants)
+    done = sum(m.killed for m in mutants)
+    by_rerun = sum(m.killed and m.status not in DETECTED for m in mutants)
+    rerun_note = (
+        f" ({by_rerun} of them survived the run and were killed by a rerun of its survivors "
+        "with the tests added since)"
+        if any(m.rerun is not None for m in mutants)
+        else ""
+    )
     lines = [
         "# Mutation testing",
         "",
@@ -185,18 +201,20 @@ def render(
         "one whose change shows only on a CUDA device or on a map of 2 or more DP ranks, "
         "which the in-process suite does not build, or one a test added after the run kills.",
         "",
-        f"**Score: {done}/{total} mutants killed ({100 * done / max(total, 1):.1f}%).**",
+        f"**Score: {done}/{total} mutants killed ({100 * done / max(total, 1):.1f}%)"
+        f"{rerun_note}.**",
         "",
-        "| file | mutants | killed | survived | explained | other |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| file | mutants | killed | killed by the rerun | survived | explained | other |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for f in files:
         ms = [m for m in mutants if m.file == f]
         killed = sum(m.status in DETECTED for m in ms)
-        survived = sum(m.status == "survived" for m in ms)
-        why = sum(m.why is not None for m in ms)
-        other = len(ms) - killed - survived
-        lines.append(f"| `{f}` | {len(ms)} | {killed} | {survived} | {why} | {other} |")
+        later = sum(m.killed for m in ms) - killed
+        survived = sum(not m.killed and m.status == "survived" for m in ms)
+        why = sum(m.why is not None and not m.killed for m in ms)
+        other = len(ms) - killed - later - survived
+        lines.append(f"| `{f}` | {len(ms)} | {killed} | {later} | {survived} | {why} | {other} |")
     if seconds:
         lines += ["", "Run time: " + ", ".join(f"{g} {s}s" for g, s in seconds.items()) + "."]
     if selections:
@@ -209,13 +227,28 @@ def render(
             "| --- | --- |",
         ]
         lines += [f"| {g} | {', '.join(f'`{t}`' for t in ts)} |" for g, ts in selections.items()]
-    left = [m for m in mutants if m.status not in DETECTED]
+    left = [m for m in mutants if not m.killed]
     lines += ["", "## Mutants no test killed", ""]
     if not left:
         lines.append("None.")
     for m in sorted(left, key=lambda m: (m.file, m.line)):
         lines.append(f"- `{m.file}:{m.line}` ({m.status}): {_md(m.before)} -> {_md(m.after)}")
         lines.append(f"  - {m.why}" if m.why else "  - **not explained**")
+    later = [m for m in mutants if m.killed and m.status not in DETECTED]
+    if later:
+        lines += [
+            "",
+            "## Survivors of the run killed by the rerun",
+            "",
+            "mutmut ran these again, in a copy of the run with today's tests; they failed. "
+            "Each with the test added for it (`[[killed]]` in the survivors file) or, if "
+            "none is listed, the explanation it had.",
+            "",
+        ]
+        for m in sorted(later, key=lambda m: (m.file, m.line)):
+            lines.append(f"- `{m.file}:{m.line}`: {_md(m.before)} -> {_md(m.after)}")
+            if m.why:
+                lines.append(f"  - {m.why}")
     slow = [m for m in mutants if m.status == "timeout"]
     if slow:
         lines += [
@@ -253,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--survivors", type=Path, required=True)
     p.add_argument("--output", type=Path, required=True)
+    p.add_argument(
+        "--rerun",
+        type=Path,
+        action="append",
+        default=[],
+        help="a copy of RUN_DIR/GROUP in which mutmut reran the survivors (GROUP-rerun)",
+    )
     p.add_argument("runs", type=Path, nargs="+")
     args = p.parse_args(argv)
     mutants: list[Mutant] = []
@@ -266,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         if (run / "seconds").is_file():
             seconds[run.name] = int((run / "seconds").read_text())
     stale = _explain(mutants, args.survivors)
+    survivors = {m.name: m for m in mutants if m.status not in DETECTED}
+    for rerun in args.rerun:
+        for r in _mutants_of(rerun.resolve()):  # those it did not run read 'not checked'
+            if r.name in survivors and r.status in (*DETECTED, "survived"):
+                survivors[r.name].rerun = r.status
     uncovered: dict[str, list[int]] = {}
     selections: dict[str, list[str]] = {}
     for run in args.runs:

@@ -294,17 +294,22 @@ def test_a_non_decode_batch_keeps_its_own_lengths(traced: bool) -> None:
         assert out.input_ids.tolist() == [9, 9, 5], kind
 
 
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
 @pytest.mark.parametrize("traced", [False, True])
-def test_resolved_arrays_are_in_the_map_dtype(traced: bool) -> None:
-    """An int64 map (x64) resolves int32 inputs into int64 ids and lengths, DECODE or not:
-    what it returns is in its own dtype, like what it stores."""
+def test_resolved_arrays_are_in_the_map_dtype(traced: bool, protocol: str) -> None:
+    """An int64 map (x64) resolves int32 inputs into int64 ids and lengths, DECODE or not,
+    in either protocol: what it returns is in its own dtype, like what it stores."""
     with jax.enable_x64(True):
-        ops = fj.future_map(R, dtype=jnp.int64)
+        ops = fj.future_map(R, dtype=jnp.int64, protocol=protocol)
         st = ops.publish(ops.init(), i32(1), i32(6))
         st = ops.stash(st, i32(1), i32(3))
         for kind in (DECODE, EXTEND):
             mode = jnp.asarray(np.int32(kind)) if traced else kind
-            _, out = ops.resolve(st, fj.Batch(mode, i32(1), i32(-1), i32(-1 if kind else 2)))
+            if protocol == "sentinel":  # sentinels resolved from the map
+                batch = fj.Batch(mode, i32(1), i32(-1), i32(-1 if kind else 2))
+            else:  # DECODE ids gathered; lengths (and EXTEND ids) as the host gives them
+                batch = fj.Batch(mode, i32(1), i32(0 if kind else 3), i32(6 if kind else 2))
+            _, out = ops.resolve(st, batch)
             assert out.input_ids.dtype == jnp.int64 and out.seq_lens.dtype == jnp.int64, kind
             assert out.input_ids.tolist() == [3], kind
             assert out.seq_lens.tolist() == ([6] if kind == DECODE else [2]), kind
@@ -923,4 +928,102 @@ def test_debug_names_a_token_slot_outside_the_pool() -> None:
         ops.init(),
         fj.Batch(MIXED, i32(1, 2), i32(5, 0, 0), i32(3, 4), token_slots=i32(0, 1, R + 3)),
     )
-    assert f"token_slots holds slot {R + 3} outside [0, {R})" in str(violation(err))
+    assert f"] token_slots holds slot {R + 3} outside [0, {R})" in str(violation(err))
+
+
+def test_gather_decode_padding_rows_get_id_zero_whatever_slot_zero_holds() -> None:
+    """Gather protocol, DECODE: a row's id is the token stashed at its slot (slot 1
+    included); a padding row (slot 0) gets 0, not what a padded stash left in slot 0."""
+    st = GATHER.stash(GATHER.init(), i32(0, 1, 2), i32(77, 11, 22))
+    for mode in (DECODE, jnp.asarray(np.int32(DECODE))):
+        _, out = GATHER.resolve(st, fj.Batch(mode, i32(2, 1, 0), i32(0, 0, 0), i32(3, 4, 5)))
+        assert out.input_ids.tolist() == [22, 11, 0]
+
+
+GATHER_SPEC = fj.future_map(R, spec=fj.SpecConfig(topk=2), protocol="gather")
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_gather_spec_lengths_are_gathered_for_decode_only(traced: bool) -> None:
+    """Gather protocol, spec map: a DECODE batch's lengths are the ones published at its
+    draft slots; a batch of another kind with draft slots (a rank prefilling beside a spec
+    decoding one) keeps the host's lengths."""
+    st = GATHER_SPEC.publish(GATHER_SPEC.init(), i32(1, 2), i32(40, 50))
+    st = GATHER_SPEC.stash(st, i32(1, 2), spec_draft([4, 5], k=2))
+    for kind, want in ((DECODE, [50, 40]), (EXTEND, [7, 8])):
+        mode = jnp.asarray(np.int32(kind)) if traced else kind
+        b = fj.Batch(mode, i32(2, 1), i32(0, 0), i32(7, 8), draft_indices=i32(2, 1))
+        _, out = GATHER_SPEC.resolve(st, b)
+        assert out.seq_lens.tolist() == want, kind
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(draft_indices=wide(1, 2)), r"^draft_indices must be 1-D"),
+        (dict(draft_indices=i32(1)), r"^draft_indices has 1 rows, indices have 2"),
+    ],
+)
+def test_gather_spec_refuses_bad_draft_indices_by_name(change: dict, message: str) -> None:
+    """Gather protocol, spec map: draft indices of the wrong rank or row count are refused
+    when traced, naming draft_indices."""
+    b = fj.Batch(DECODE, i32(2, 1), i32(0, 0), i32(7, 8), draft_indices=i32(2, 1))
+    with pytest.raises(fj.FutureMapError, match=message):
+        GATHER_SPEC.resolve(GATHER_SPEC.init(), b._replace(**change))
+
+
+def test_debug_gather_names_a_draft_slot_outside_the_pool() -> None:
+    """Debug, gather protocol, spec map: a draft slot outside [0, R) is reported naming
+    draft_indices and the slot."""
+    ops = fj.future_map(R, spec=fj.SpecConfig(topk=2), protocol="gather", debug=True)
+    b = fj.Batch(DECODE, i32(2, 1), i32(0, 0), i32(7, 8), draft_indices=i32(2, R + 1))
+    err, _ = checked(lambda st, b: ops.resolve(st, b))(ops.init(), b)
+    assert f"] draft_indices holds slot {R + 1} outside [0, {R})" in str(violation(err))
+
+
+def test_gather_invalidate_is_refused_with_its_whole_message() -> None:
+    """The gather protocol has no invalidate: refused, saying why, message whole."""
+    with pytest.raises(fj.FutureMapError, match=r"^invalidate: the gather protocol leaves no"):
+        GATHER.invalidate(fj.Batch(DECODE, i32(1), i32(0), i32(3)), i32(1))
+
+
+def test_debug_gather_poisons_exactly_the_live_slots_a_traced_mode_reads() -> None:
+    """Debug, gather protocol, mode traced (both gathers run, each row selects): -1 is
+    written at the live slots of the reads the batch's kind does, and nowhere else: not
+    at slot 0 (padding), not at a slot the other kind's gather read. A read the kind does
+    not do is not consume-checked either (slot 4, never stashed, holds -1)."""
+    ops = fj.future_map(R, protocol="gather", debug=True)
+    resolve = checked(lambda st, b: ops.resolve(st, b))
+    st = ops.stash(ops.init(), i32(0, 1, 2, 3), i32(77, 11, 22, 33))
+    decode = jnp.asarray(np.int32(DECODE))
+    mixed = jnp.asarray(np.int32(MIXED))
+    err, (after, out) = resolve(
+        st, fj.Batch(decode, i32(1, 0), i32(0, 0), i32(3, 4), token_slots=i32(0, 3))
+    )
+    fj.raise_if_violated(err)
+    assert out.input_ids.tolist() == [11, 0]
+    assert np.asarray(after.output_tokens)[:4].tolist() == [77, -1, 22, 33]
+    err, (after, out) = resolve(
+        st, fj.Batch(mixed, i32(1, 2), i32(5, 0), i32(3, 4), token_slots=i32(0, 3))
+    )
+    fj.raise_if_violated(err)
+    assert out.input_ids.tolist() == [5, 33]
+    assert np.asarray(after.output_tokens)[:4].tolist() == [77, 11, 22, -1]
+    err, _ = resolve(st, fj.Batch(decode, i32(1, 2), i32(0, 0), i32(3, 4), token_slots=i32(0, 4)))
+    fj.raise_if_violated(err)
+
+
+def test_debug_gather_spec_batch_poisons_its_token_slots_beside_its_draft() -> None:
+    """Debug, gather protocol, spec map: a batch that reads both token slots and a draft
+    consume-tracks both reads of the bonus tokens: the draft's slots and the token slot
+    read are all written -1."""
+    ops = fj.future_map(R, spec=fj.SpecConfig(topk=2), protocol="gather", debug=True)
+    st = ops.publish(ops.init(), i32(1, 2, 3), i32(4, 5, 6))
+    st = ops.stash(st, i32(1, 2, 3), spec_draft([11, 22, 33], k=2))
+    b = fj.Batch(
+        MIXED, i32(1, 2), i32(5, 0), i32(3, 4), token_slots=i32(0, 3), draft_indices=i32(1, 2)
+    )
+    err, (after, out) = checked(lambda st, b: ops.resolve(st, b))(st, b)
+    fj.raise_if_violated(err)
+    assert out.input_ids.tolist() == [5, 33]
+    assert np.asarray(after.output_tokens)[1:4].tolist() == [-1, -1, -1]

@@ -64,12 +64,13 @@ def test_declared_fields_are_stashed_and_gathered(protocol: str) -> None:
     fm.check()
 
 
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
 @pytest.mark.parametrize("field", ["verified_id", "steps"])
-def test_every_consumed_field_is_poisoned_and_checked(field: str) -> None:
+def test_every_consumed_field_is_poisoned_and_checked(field: str, protocol: str) -> None:
     """A consume-tracked declared field starts at -1 and is written -1 at the draft's slots
     after a resolve (a field not tracked, score, keeps its value); a read that finds -1 in
-    that field alone (every other field restored) is reported."""
-    ops = fj.future_map(R, spec=SPEC, debug=True)
+    that field alone (every other field restored) is reported. Both protocols."""
+    ops = fj.future_map(R, spec=SPEC, debug=True, protocol=protocol)
     get = lambda st: st.verified_id if field == "verified_id" else st.extras["steps"]  # noqa: E731
     st = ops.init()
     assert np.asarray(get(st)).tolist() == [-1] * R
@@ -77,7 +78,8 @@ def test_every_consumed_field_is_poisoned_and_checked(field: str) -> None:
     st = ops.stash(
         st, a(3), jax.tree_util.tree_map(jnp.asarray, draft([30], [31], [7], SCORES[:1]))
     )
-    b = fj.Batch(D, a(3), a(-3), a(-3), draft_indices=a(3))
+    ids = a(0) if protocol == "gather" else a(-3)
+    b = fj.Batch(D, a(3), ids, ids, draft_indices=a(3))
     resolve = jax.jit(checkify.checkify(ops.resolve, errors=checkify.user_checks))
     err, (st, _) = resolve(st, b)
     err.throw()
