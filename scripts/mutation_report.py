@@ -240,15 +240,20 @@ def render(
             "",
             "## Survivors of the run killed by the rerun",
             "",
-            "mutmut ran these again, in a copy of the run with today's tests; they failed. "
-            "Each with the test added for it (`[[killed]]` in the survivors file) or, if "
-            "none is listed, the explanation it had.",
+            "mutmut ran these again, in a copy of the run with today's tests, and the tests "
+            "failed on each. Each with the test added for it (`[[killed]]` in the survivors "
+            "file), where one is listed.",
             "",
         ]
         for m in sorted(later, key=lambda m: (m.file, m.line)):
             lines.append(f"- `{m.file}:{m.line}`: {_md(m.before)} -> {_md(m.after)}")
-            if m.why:
+            if m.why and m.why.startswith("Killed by"):
                 lines.append(f"  - {m.why}")
+            elif m.why:  # entries match by text: the same mutation of a twin line elsewhere
+                lines.append(
+                    "  - its text matches an `[[equivalent]]` entry, written for the same "
+                    "mutation of a line with the same text elsewhere; here a test kills it"
+                )
     slow = [m for m in mutants if m.status == "timeout"]
     if slow:
         lines += [

@@ -263,6 +263,10 @@ REFUSALS = {
         "batch.draft_indices",
     ),
     "seq_lens_at int64": (lambda: OPS.seq_lens_at(OPS.init(), i64(1)), "indices"),
+    "resolve token_slots on a sentinel map": (
+        lambda: _resolve(token_slots=i32(0)),
+        "batch.token_slots",
+    ),
     "gather token_slots rank": (lambda: _gather_mixed(token_slots=wide(0, 1, 2)), "token_slots"),
     "gather token_slots rows": (lambda: _gather_mixed(token_slots=i32(0, 1)), "token_slots"),
     "gather token_slots int64": (lambda: _gather_mixed(token_slots=i64(0, 1, 2)), "token_slots"),
