@@ -98,8 +98,10 @@ toml_list() {  # words -> a TOML list of strings
     echo "[$out]"
 }
 
-# Everything below is one function, read whole before it runs: editing this file during a
-# run (which takes a while) cannot change what the run does.
+# Everything below is functions, and main's call is the file's last line: bash has read it
+# all before main runs, so editing this file during a run (which takes a while) cannot
+# change what the run does.
+
 # The env a group's mutmut runs in: its whole-selection module and its JAX compile cache.
 mutmut_in() {  # mutmut_in DIR GROUP MUTMUT_ARGS...
     local dir=$1 g=$2 cache module
