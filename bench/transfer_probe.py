@@ -22,7 +22,7 @@ from bench.timing import Series, measure_group
 
 
 def series(k: int, batch: int) -> list[Series]:
-    """The four ways in, for k int32 arrays of `batch` entries."""
+    """The five ways in, for k int32 arrays of `batch` entries."""
     rng = np.random.default_rng(0)
     host = [rng.integers(0, 1 << 20, batch, dtype=np.int32) for _ in range(k)]
     packed = np.stack(host)

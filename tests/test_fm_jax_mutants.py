@@ -183,7 +183,7 @@ GATHER = fj.future_map(R, protocol="gather")
 MIXED = fj.ForwardMode.MIXED
 
 
-def _gather_mixed(ops: fj.FutureMapOps = GATHER, **change: object) -> object:
+def _gather_mixed(**change: object) -> object:
     """A gather-protocol MIXED resolve: rows 1 and 2, three tokens, the last two taken from
     the slots' stashed tokens (token slots 1 and 2)."""
     good: dict[str, object] = dict(
@@ -193,7 +193,7 @@ def _gather_mixed(ops: fj.FutureMapOps = GATHER, **change: object) -> object:
         seq_lens=i32(3, 4),
         token_slots=i32(0, 1, 2),
     )
-    return ops.resolve(ops.init(), fj.Batch(**{**good, **change}))  # type: ignore[arg-type]
+    return GATHER.resolve(GATHER.init(), fj.Batch(**{**good, **change}))  # type: ignore[arg-type]
 
 
 def _stash_draft(**change: object) -> object:
@@ -912,7 +912,7 @@ def test_a_negative_length_refusal_lists_at_most_eight_values() -> None:
 def test_gather_pure_ops_judge_token_slots_by_the_batch_kind() -> None:
     """Gather protocol, mode known on the host: a MIXED batch takes its ids at its token
     slots (slot 0 keeps the host's id) and must have them; a DECODE batch must not (it
-    gathers at its rows' slots). Both refusals are whole messages."""
+    gathers at its rows' slots). Both refusals are matched from their first word."""
     st = GATHER.stash(GATHER.init(), i32(1, 2), i32(11, 22))
     _, out = GATHER.resolve(
         st, fj.Batch(MIXED, i32(1, 2), i32(5, 0, 0), i32(3, 4), token_slots=i32(0, 1, 2))
