@@ -8,6 +8,7 @@ call ops one by one, on one device or a mesh.
 from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax._src.compile_options import compiler_options, use_persistent_cache
 from fm_jax._src.debug_channel import raise_if_violated
+from fm_jax._src.engine_step import EngineStep, StepInput, StepOutput, StepResult
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
@@ -33,6 +34,7 @@ __all__ = [
     "POISON",
     "Batch",
     "DraftPayload",
+    "EngineStep",
     "ForwardMode",
     "FutureMap",
     "FutureMapError",
@@ -44,6 +46,9 @@ __all__ = [
     "Resolved",
     "ShardedFutureMapOps",
     "SpecConfig",
+    "StepInput",
+    "StepOutput",
+    "StepResult",
     "WarmUpReport",
     "compiler_options",
     "future_map",

@@ -38,6 +38,27 @@ class EntryPoints(NamedTuple):
     seq_lens_at: Any
 
 
+def tail(ops: ShardedFutureMapOps) -> Any:
+    """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
+    payload) -> (state, sentinels `-indices`, or None in the gather protocol).
+
+    Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
+    consecutive shard_maps (jax 0.10: "select cases must have the same shapes").
+    """
+    local = ops.local
+
+    def local_tail(
+        state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
+    ) -> tuple[FutureMapState, Any]:
+        state = local.publish(state, indices, new_seq_lens)
+        state = local.stash(state, indices, payload)
+        if local.protocol == "gather":
+            return state, None  # no sentinels to leave
+        return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+
+    return ops.layout.map(local_tail)
+
+
 def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> EntryPoints:
     """Jit `ops` for the class: state (argument 0) donated where the op writes it.
 
@@ -79,20 +100,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
         fn = full if debug is not None else read_only
         return jit(fn, (sh, batch_sh), donate=debug is not None)
 
-    local = ops.local
-
-    def local_finish(
-        state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
-    ) -> tuple[FutureMapState, Any]:
-        state = local.publish(state, indices, new_seq_lens)
-        state = local.stash(state, indices, payload)
-        if local.protocol == "gather":
-            return state, None  # no sentinels to leave
-        return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
-
-    # One shard_map for the whole tail: checkify cannot merge the errors of consecutive
-    # shard_maps (jax 0.10: "select cases must have the same shapes").
-    finish = layout.map(local_finish)
+    finish = tail(ops)
 
     def sentinels(indices: jax.Array) -> Any:
         return ops.invalidate(Batch(None, indices, indices, indices), indices).input_ids

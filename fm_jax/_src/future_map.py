@@ -12,7 +12,7 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from fm_jax._src import buckets as bk
 from fm_jax._src import relay_fields as rf
 from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.engine_step import EngineStep, Forward, StepInput
 from fm_jax._src.entry_points import jit_entry_points
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device
@@ -58,6 +59,17 @@ per-rank mappings of either."""
 
 
 _host_mode = host_mode  # the one rule for a mode given on the host (types.py)
+
+
+class _Placed(NamedTuple):
+    """A batch placed for a resolve: the executable's key, the placed Batch (host arrays
+    padded to buckets, or the caller's jax arrays), its slots and its ids (None: a gather
+    DECODE, whose ids are gathered: T = B)."""
+
+    key: Key
+    batch: Batch
+    idx: Rows
+    ids: Rows | None
 
 
 def _rows_per_rank(x: Any, dp: int) -> int | None:
@@ -348,9 +360,16 @@ class FutureMap:
         Returns:
           Resolved ids, lengths and draft: global arrays padded per rank to the buckets.
         """
+        return self._run_resolve(self._place(batch, rows, tokens))
+
+    def _place(
+        self, batch: Batch | Mapping[int, Batch], rows: int | None, tokens: int | None
+    ) -> _Placed:
+        """The one way a batch (or a mapping DP rank -> Batch) becomes placed inputs and the
+        resolve executable's key: checked by value, padded to buckets. Nothing runs."""
         inputs = self._inputs
         if isinstance(batch, Mapping):
-            return self._resolve_by_rank(batch, rows, tokens)
+            return self._place_by_rank(batch, rows, tokens)
         if not isinstance(batch, Batch):
             raise FutureMapError(
                 f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
@@ -369,14 +388,14 @@ class FutureMap:
                 self._check_token_slots([ForwardMode.DECODE], batch.token_slots)
             idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
             lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
-            return self._resolve(batch.forward_mode, idx, None, lens, batch.draft_indices)
+            return self._placed(batch.forward_mode, idx, None, lens, batch.draft_indices)
         given = self._ids_of(batch.input_ids, batch.req_pool_indices)
         rows, tokens = self._resolve_sizes(batch.req_pool_indices, given, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
         ids = inputs.token_ids("input_ids", given, tokens)
         lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
         slots = self._token_slots(batch.token_slots, ids)
-        return self._resolve(batch.forward_mode, idx, ids, lens, batch.draft_indices, slots)
+        return self._placed(batch.forward_mode, idx, ids, lens, batch.draft_indices, slots)
 
     def _gather_decode(self, mode: Any) -> bool:
         """A DECODE batch known on the host, in the gather protocol: it places no ids when
@@ -444,9 +463,9 @@ class FutureMap:
             return rows, tokens  # not an array: placing it names the field
         return bk.resolve_sizes(n, t, self.batch_buckets, self.token_buckets)
 
-    def _resolve_by_rank(
+    def _place_by_rank(
         self, batches: Mapping[int, Batch], rows: int | None, tokens: int | None
-    ) -> Resolved:
+    ) -> _Placed:
         inputs = self._inputs
         for r, b in batches.items():
             if not isinstance(b, Batch):
@@ -474,13 +493,13 @@ class FutureMap:
             # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
             full = {r: given_slots.get(r, np.zeros(len(given[r]), self.dtype)) for r in batches}
             slots = self._token_slots(full, ids)
-        return self._resolve(modes, idx, ids, lens, drafts or None, slots)
+        return self._placed(modes, idx, ids, lens, drafts or None, slots)
 
-    def _resolve(
+    def _placed(
         self, mode: Any, idx: Rows, ids: Rows | None, lens: Any, draft: Any, slots: Any = None
-    ) -> Resolved:
-        """Resolve placed inputs; `mode` is host (a ForwardMode or one per rank) or traced.
-        No `ids`: a gather-protocol DECODE, whose ids are gathered (T = B)."""
+    ) -> _Placed:
+        """Placed inputs and their resolve key; `mode` is host (a ForwardMode or one per
+        rank) or traced. No `ids`: a gather-protocol DECODE, whose ids are gathered (T = B)."""
         if isinstance(mode, jax.Array):
             if mode.dtype != np.int32 or mode.shape not in ((), (self.layout.dp,)):
                 raise FutureMapError(
@@ -516,17 +535,24 @@ class FutureMap:
         b = Batch(mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots)
         t = idx.size if ids is None else ids.size
         key = (resolve, idx.size, t, draft is not None, slots is not None)
+        return _Placed(key, b, idx, ids)
+
+    def _run_resolve(self, p: _Placed) -> Resolved:
+        """Resolve placed inputs: a new step."""
         self.step += 1
         try:
-            out = self._apply("resolve", key, b)
+            out = self._apply("resolve", p.key, p.batch)
         except FutureMapError:
             self.step -= 1  # refused before it ran (when traced): no step was taken
             raise
         if self._debug is not None:
             self._state, out = out  # debug: the consume poison was written
-            # Only now, the resolve having run: its slots were checked on the device.
-            self._checked = weakref.ref(idx.array) if idx.counts is None else None
+            self._resolved(p.idx)
         return out  # type: ignore[no-any-return]
+
+    def _resolved(self, idx: Rows) -> None:
+        """Debug, after a resolve ran: its slots were checked on the device (only now)."""
+        self._checked = weakref.ref(idx.array) if idx.counts is None else None
 
     def _check_token_slots(self, modes: list[ForwardMode], slots: Any) -> None:
         """Gather protocol, modes known on the host: a MIXED batch brings token slots, a
@@ -589,6 +615,49 @@ class FutureMap:
         """
         if self._debug is not None:
             self._debug.check()
+
+    # ------------------------------------------------------------------------ engine step
+    def engine_step(
+        self,
+        forward: Forward,
+        *,
+        inputs: Sequence[StepInput] = (),
+        donate_argnums: Sequence[int] = (),
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> EngineStep:
+        """The engine's jitted step with this map's relay inside: the recommended way in.
+
+        One dispatch per step: resolve at the head, `forward` on the resolved ids and
+        lengths, publish, stash and (sentinel protocol) the sentinels at the tail; the map's
+        state and the arguments named by `donate_argnums` donated. The class's rules hold
+        unchanged: the batch's host arrays are checked by value and padded to the buckets,
+        every host array of a call (the batch's and the declared `inputs`) goes to the
+        device in one packed transfer, `EngineStep.warm_up` (with `guard=True`) covers the
+        step's executables, and debug errors go to `check()`.
+
+        Args:
+          forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced inside the
+            step: `resolved` the filled ids, lengths (and draft); `batch` the placed batch
+            (its `req_pool_indices` are the rows' slots; `forward_mode` a fixed ForwardMode
+            when known on the host, else traced); `inputs` the declared inputs by name;
+            `args` the step's own arguments. It returns the new lengths and the payload
+            to relay (tokens, or a DraftPayload on a spec map) and its `out`.
+          inputs: the engine's own per-row or per-token host arrays (`StepInput`).
+          donate_argnums: indices into the step's `args` to donate (the KV cache).
+          compiler_options: XLA options of the step; default `fm_jax.compiler_options()`
+            for the map's platform (on CPU that keeps the step's elementwise ops on the
+            calling thread: pass `{}` for a model that wants XLA's thread pool).
+
+        Returns:
+          EngineStep: `step(batch, *args, inputs=...) -> StepResult(out, next batch)`.
+        """
+        return EngineStep(
+            self,
+            forward,
+            inputs=inputs,
+            donate_argnums=donate_argnums,
+            options=compiler_options,
+        )
 
     # ---------------------------------------------------------------------------- warm-up
     def warm_up(
