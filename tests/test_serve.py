@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -78,12 +79,14 @@ def test_overlap_with_host_cost_tokens_equal_sync(
 
 def _lose_relay(engine: Engine) -> None:
     """Sabotage: every step starts from fresh FutureMap buffers (the relay is lost)."""
-    step, init = engine._overlap_step, engine._fm_init
+    step, fm = engine._overlap_step, engine.fm
+    init = jax.jit(fm.ops.init)
 
-    def broken(params: Any, cache: Any, _state: Any, inputs: Any) -> Any:
-        return step(params, cache, init(), inputs)
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        fm._state = init()
+        return step(*args, **kwargs)
 
-    engine._overlap_step = broken
+    engine._overlap_step = broken  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -113,9 +116,9 @@ def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
     engine = Engine(tiny_model(), tiny_engine())
     step, dispatched, lag = engine._overlap_step, [0], []
 
-    def counting(*args: Any) -> Any:
+    def counting(*args: Any, **kwargs: Any) -> Any:
         dispatched[0] += 1
-        return step(*args)
+        return step(*args, **kwargs)
 
     class Recording(Scheduler):
         processed = 0

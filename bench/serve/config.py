@@ -46,12 +46,15 @@ class EngineConfig(NamedTuple):
       prefill_budget: prompt tokens per step across prefill rows (chunked prefill).
       batch_buckets: allowed batch sizes (rows); padding rows carry slot 0.
       token_buckets: allowed flat token counts; padding tokens carry slot 0.
+      mixed: build MIXED batches (prefill chunks beside running decodes); False: a step
+        with a prefill chunk runs no decode row.
     """
 
     max_running: int = 16
     prefill_budget: int = 32
     batch_buckets: tuple[int, ...] = (16,)  # one row bucket: fewer compiles in the demo
     token_buckets: tuple[int, ...] = (16, 48)  # DECODE steps, steps with a prefill chunk
+    mixed: bool = True
 
     @property
     def pool_size(self) -> int:

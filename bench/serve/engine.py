@@ -1,15 +1,15 @@
 """The two serving loops over the same scheduler, model and requests.
 
 - sync: build batch N, run it, wait for its tokens, process them, build N+1.
-- overlap: build batch N+1 while the device runs N. JAX dispatch is asynchronous, so the
-  jitted call returns at once; only after dispatching N+1 does the host read N's tokens (for
-  outputs and stop conditions), one step late. The step resolves the decode rows of N+1
-  from the FutureMap relay that N wrote on device: their sentinels (sentinel protocol), or
-  their slots (gather protocol).
+- overlap: build batch N+1 while the device runs N. The step is a `fm_jax.FutureMap`'s
+  engine step: one dispatch, which returns once the step is enqueued; only after
+  dispatching N+1 does the host read N's tokens (for outputs and stop conditions), one step
+  late. The step resolves the decode rows of N+1 from the relay that N wrote on device:
+  their sentinels (sentinel protocol), or their slots (gather protocol).
 
-With debug, the overlap step is checkified; each step's error value is checked when that
-step's tokens are read (the host syncs on that step there anyway), so a violation raises
-within one step and no extra sync is added.
+With debug, the map checks every step on the device and the run calls `FutureMap.check()`
+when it ends (a sync per step would undo the overlap), raising InvariantViolation naming
+the step and op of every violation.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
@@ -42,6 +41,7 @@ class ServeResult:
       wait_s: time the host spent blocked on the device (reading tokens).
       step_s: sync only: per-step dispatch-to-tokens time (the device time seen by the host).
       host_s: sync only: per-step host time (building the batch, then processing its tokens).
+      dispatch_s: per step, the time inside the step call (until it returns to the host).
     """
 
     outputs: dict[int, list[int]]
@@ -51,6 +51,7 @@ class ServeResult:
     modes: dict[str, int] = field(default_factory=dict)
     step_s: list[float] = field(default_factory=list)
     host_s: list[float] = field(default_factory=list)
+    dispatch_s: list[float] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -92,10 +93,16 @@ class Engine:
         self.debug = debug
         self.protocol = protocol
         self.params = mdl.init_params(model_cfg)
-        self.ops, self._overlap_step = make_overlap_step(
-            model_cfg, engine_cfg.pool_size, debug, protocol
+        # One map for every run: a run leaves each slot's last write unread (its request
+        # finished), which the next run's first write to that slot replaces.
+        self.fm = fm_jax.FutureMap(
+            engine_cfg.pool_size,
+            debug=debug,
+            protocol=protocol,
+            batch_buckets=engine_cfg.batch_buckets,
+            token_buckets=engine_cfg.token_buckets,
         )
-        self._fm_init = jax.jit(self.ops.init)
+        self._overlap_step = make_overlap_step(model_cfg, self.fm)
         self._sync_step = make_sync_step(model_cfg)
 
     def _scheduler(
@@ -128,7 +135,7 @@ class Engine:
         """Serve `requests` synchronously: the host waits for each step's tokens."""
         sched = self._scheduler(requests, False, host_cost or HostCost())
         cache = self._fresh_cache()
-        steps, wait, modes, step_s, host_s = 0, 0.0, dict[str, int](), [], []
+        steps, wait, modes, step_s, host_s, dispatch_s = 0, 0.0, dict[str, int](), [], [], []
         t0 = time.perf_counter()
         while not sched.idle:
             t_build = time.perf_counter()
@@ -137,6 +144,7 @@ class Engine:
                 raise RuntimeError("sync scheduler built no batch while requests remain")
             t_launch = time.perf_counter()
             cache, tokens = self._sync_step(self.params, cache, batch.inputs)
+            dispatch_s.append(time.perf_counter() - t_launch)
             host_tokens = np.asarray(tokens)  # the sync point
             t_done = time.perf_counter()
             wait += t_done - t_launch
@@ -147,7 +155,7 @@ class Engine:
             modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
         wall = time.perf_counter() - t0
         outputs = {st.req.rid: st.output for st in sched.done}
-        return ServeResult(outputs, wall, steps, wait, modes, step_s, host_s)
+        return ServeResult(outputs, wall, steps, wait, modes, step_s, host_s, dispatch_s)
 
     def run_overlap(
         self, requests: Sequence[Request], host_cost: HostCost | None = None
@@ -155,38 +163,33 @@ class Engine:
         """Serve `requests` with overlap: build N+1 while N runs, read N's tokens one step late.
 
         Raises:
-          fm_jax.InvariantViolation: debug mode, when a step breaks a FutureMap invariant.
+          fm_jax.InvariantViolation: debug mode, when a step broke a FutureMap invariant.
         """
         sched = self._scheduler(requests, True, host_cost or HostCost())
         cache = self._fresh_cache()
-        fm_state = jax.block_until_ready(self._fm_init())
-        steps, wait, modes = 0, 0.0, dict[str, int]()
-        pending: tuple[int, ScheduledBatch, jax.Array, Any] | None = None
+        gather = self.protocol == "gather"
+        steps, wait, modes, dispatch_s = 0, 0.0, dict[str, int](), []
+        pending: tuple[ScheduledBatch, jax.Array] | None = None
         t0 = time.perf_counter()
         while True:
             batch = sched.build()  # runs while the device works on `pending`
             launched = None
             if batch is not None:
-                err = None
-                if self.debug:
-                    err, (cache, fm_state, tokens) = self._overlap_step(
-                        self.params, cache, fm_state, batch.inputs
-                    )
-                else:
-                    cache, fm_state, tokens = self._overlap_step(
-                        self.params, cache, fm_state, batch.inputs
-                    )
+                fm_batch, model_inputs = batch.relay_batch(gather)
+                t_launch = time.perf_counter()
+                cache, tokens = self._overlap_step(
+                    fm_batch, self.params, cache, inputs=model_inputs
+                ).out
+                dispatch_s.append(time.perf_counter() - t_launch)
                 tokens.copy_to_host_async()
                 steps += 1
                 modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
-                launched = (steps, batch, tokens, err)
+                launched = (batch, tokens)
             if pending is not None:
-                step_no, prev, prev_tokens, prev_err = pending
+                prev, prev_tokens = pending
                 t_wait = time.perf_counter()
                 host_tokens = np.asarray(prev_tokens)  # blocks on step N only, N+1 is queued
                 wait += time.perf_counter() - t_wait
-                if prev_err is not None:
-                    fm_jax.raise_if_violated(prev_err, step=step_no, op="serve step")
                 sched.process(prev, host_tokens)
             elif batch is None:  # nothing in flight and nothing to build
                 if not sched.idle:
@@ -194,5 +197,6 @@ class Engine:
                 break
             pending = launched
         wall = time.perf_counter() - t0
+        self.fm.check()  # debug: every violation of the run, by step and op
         outputs = {st.req.rid: st.output for st in sched.done}
-        return ServeResult(outputs, wall, steps, wait, modes)
+        return ServeResult(outputs, wall, steps, wait, modes, dispatch_s=dispatch_s)

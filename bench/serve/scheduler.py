@@ -38,11 +38,43 @@ class Row:
 
 @dataclass
 class ScheduledBatch:
-    """A built batch: the padded step inputs and the rows they stand for (rows[i] is row i)."""
+    """A built batch: the padded step inputs and the rows they stand for (rows[i] is row i).
+
+    `n_tokens` of the padded `inputs.input_ids` are real (the rest is padding).
+    """
 
     inputs: StepInputs
     rows: list[Row]
     mode: fm_jax.ForwardMode
+    n_tokens: int = 0
+
+    def relay_batch(self, gather: bool) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
+        """The batch as a FutureMap's engine step takes it, with the model's own inputs:
+        real rows and tokens only (the map pads them to its buckets), the mode on the host.
+
+        Gather protocol: a DECODE batch brings no ids (T = B: its token arrays are one per
+        row), a MIXED batch its token slots; sentinel protocol: the ids and lengths as built.
+        """
+        inp, b, t = self.inputs, len(self.rows), self.n_tokens
+        mode = self.mode
+        decode_gather = gather and mode == fm_jax.ForwardMode.DECODE
+        batch = fm_jax.Batch(
+            mode,
+            inp.req_pool_indices[:b],
+            None if decode_gather else inp.input_ids[:t],
+            inp.seq_lens[:b],
+            token_slots=inp.relay_slots[:t]
+            if gather and mode == fm_jax.ForwardMode.MIXED
+            else None,
+        )
+        model = {
+            "extend_lens": inp.extend_lens[:b],
+            "last_token": inp.last_token[:b],
+            "token_rows": inp.token_rows[:t],
+            "token_slots": inp.token_slots[:t],
+            "token_offsets": inp.token_offsets[:t],
+        }
+        return batch, model
 
 
 def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
@@ -127,6 +159,8 @@ class Scheduler:
                 prefill.append((st, chunk))
                 budget -= chunk
         decode = [st for st in self.running if st.wants_decode]
+        if prefill and not self.cfg.mixed:
+            decode = []  # no MIXED batches: a prefill step runs alone, decodes wait
         if not prefill and not decode:
             return None
         self.host_cost()
@@ -202,7 +236,7 @@ class Scheduler:
             last_token=last,
             relay_slots=relay,
         )
-        return ScheduledBatch(inputs, rows, mode)
+        return ScheduledBatch(inputs, rows, mode, n_tok)
 
     @staticmethod
     def _row(

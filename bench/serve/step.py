@@ -1,14 +1,14 @@
 """The jitted forward step, in two flavours over the same model.
 
 - sync step: the host passes real token ids and real lengths; no FutureMap.
-- overlap step: fm_jax's `resolve` builds the decode rows' ids at the head of the step from
-  the relay, `publish` and `stash` write the relay at its tail, and the FutureMapState is
-  threaded through and donated together with the KV cache, so every write is in place. In
-  the sentinel protocol decode rows carry `-slot` ids (and, in a DECODE batch, lengths) that
-  resolve fills; in the gather protocol they carry no id (0) and the host's lengths, and
-  resolve gathers a DECODE batch's ids at its slots and a MIXED batch's running rows' ids at
-  their `relay_slots` (docs/CONTRACT.md, 'Two protocols'). With debug, the step is
-  checkified and returns fm_jax's error value alongside.
+- overlap step: the same forward inside a `fm_jax.FutureMap`'s engine step (one dispatch):
+  resolve builds the decode rows' ids at the head from the relay, publish and stash write
+  the relay at the tail, and the map's state is donated together with the KV cache, so
+  every write is in place. In the sentinel protocol decode rows carry `-slot` ids (and, in
+  a DECODE batch, lengths) that resolve fills; in the gather protocol they carry no id and
+  the host's lengths, and resolve gathers a DECODE batch's ids at its slots and a MIXED
+  batch's running rows' ids at their `relay_slots` (docs/CONTRACT.md, 'Two protocols').
+  With debug, the map's checks report through `FutureMap.check()`.
 
 Token positions are computed on device from the resolved lengths, because in the sentinel
 protocol a DECODE row's length is itself a sentinel until resolve: position = seq_len -
@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
 import fm_jax
 from bench.serve import model as mdl
@@ -89,43 +88,49 @@ def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Arr
     return jax.jit(step, donate_argnums=(1,))
 
 
-@functools.cache
-def make_overlap_step(
-    cfg: ModelConfig, pool_size: int, debug: bool, protocol: str = "sentinel"
-) -> tuple[fm_jax.FutureMapOps, Callable[..., Any]]:
-    """fm_jax's ops for the pool, and the jitted overlap step with them inlined.
+MODEL_INPUTS = (
+    fm_jax.StepInput("extend_lens", "row"),
+    fm_jax.StepInput("last_token", "row"),
+    fm_jax.StepInput("token_rows", "token"),
+    fm_jax.StepInput("token_slots", "token"),
+    fm_jax.StepInput("token_offsets", "token"),
+)
+"""The model's own per-step host arrays, declared to the FutureMap's engine step: padded
+there like the batch's rows or tokens and sent with the batch in one transfer."""
 
-    The step: (params, cache, fm_state, inputs) -> (cache, fm_state, tokens), cache and state
-    donated. Cached per (config, pool_size, debug, protocol). With debug the step is
-    checkified: it returns (err, (cache, fm_state, tokens)) and the caller keeps `err` to
-    raise with `fm_jax.raise_if_violated` at a sync point.
 
-    Order inside the step (SPEC 'One overlap step'): resolve, forward, publish(seq_lens + 1),
-    stash(tokens). Sentinel protocol: invalidation is the scheduler's, which writes the next
-    batch's decode rows as sentinels. Gather protocol: there is none; the forward mode is
-    traced, so every batch passes its `relay_slots` (all 0 but in a MIXED batch).
+class ModelInputs(NamedTuple):
+    """The model's per-step arrays (the `MODEL_INPUTS` by name) inside the step."""
+
+    extend_lens: jax.Array
+    last_token: jax.Array
+    token_rows: jax.Array
+    token_slots: jax.Array
+    token_offsets: jax.Array
+
+
+def make_overlap_step(cfg: ModelConfig, fm: fm_jax.FutureMap) -> fm_jax.EngineStep:
+    """The overlap step: the model's forward inside `fm`'s engine step.
+
+    `step(batch, params, cache, inputs=model inputs) -> StepResult(out=(cache, tokens))`,
+    one dispatch with the cache and the map's state donated. The map resolves the batch at
+    the head (sentinel protocol: the decode rows' `-slot` ids and DECODE lengths; gather: a
+    DECODE batch's ids at its slots, a MIXED batch's running rows' ids at its token slots)
+    and publishes `seq_lens + 1` and stashes the sampled tokens at the tail (docs/CONTRACT.md,
+    'One overlap step'). Positions come from the resolved lengths, on the device.
     """
 
-    ops = fm_jax.future_map(pool_size, dtype=jnp.int32, debug=debug, protocol=protocol)
-    gather = ops.protocol == "gather"
-
-    def step(
-        params: mdl.Params, cache: mdl.KVCache, fm_state: fm_jax.FutureMapState, inp: StepInputs
-    ) -> Any:
-        batch = fm_jax.Batch(
-            inp.forward_mode,
-            inp.req_pool_indices,
-            inp.input_ids,
-            inp.seq_lens,
-            token_slots=inp.relay_slots if gather else None,
-        )
-        fm_state, res = ops.resolve(fm_state, batch)
+    def forward(
+        res: fm_jax.Resolved,
+        batch: fm_jax.Batch,
+        inputs: dict[str, jax.Array],
+        params: mdl.Params,
+        cache: mdl.KVCache,
+    ) -> fm_jax.StepOutput:
+        inp = ModelInputs(**inputs)
         tokens, cache = _run_model(params, cfg, cache, inp, res.input_ids, res.seq_lens)
-        fm_state = ops.publish(fm_state, inp.req_pool_indices, res.seq_lens + 1)
-        fm_state = ops.stash(fm_state, inp.req_pool_indices, tokens)
-        return cache, fm_state, tokens
+        return fm_jax.StepOutput(res.seq_lens + 1, tokens, (cache, tokens))
 
-    if debug:
-        checked = checkify.checkify(step, errors=checkify.user_checks)
-        return ops, jax.jit(checked, donate_argnums=(1, 2))
-    return ops, jax.jit(step, donate_argnums=(1, 2))
+    # XLA's defaults for the model (on CPU the map's option would keep its matmuls on the
+    # calling thread).
+    return fm.engine_step(forward, inputs=MODEL_INPUTS, donate_argnums=(1,), compiler_options={})

@@ -50,7 +50,9 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
     offset = 0
     for x in flat:
         if isinstance(x, np.ndarray | np.generic):
-            a = np.ascontiguousarray(x)
+            a = np.asarray(x)
+            if not a.flags.c_contiguous:
+                a = a.copy()  # (np.ascontiguousarray would make a scalar 1-D)
             spec.append((offset, a.shape, a.dtype.name))
             host.append(a.reshape(-1).view(np.uint8))
             offset += a.nbytes

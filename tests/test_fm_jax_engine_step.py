@@ -1,0 +1,383 @@
+"""FutureMap.engine_step: the engine's own step with the relay inside, and its packing.
+
+The step must leave the same bytes as the class's one-op calls (resolve, then finish with
+the same forward outside), in both protocols, with debug on and off, non-spec and spec, on
+one device and on a mesh; keep the class's rules (value checks before anything runs, the
+serving guard, debug errors at `check()`); and hand all of a call's host arrays to the
+device as one buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fm_jax as fj
+from fm_jax._src.packing import pack, unpack
+from fm_jax._src.warm_up import counting_compiles
+
+E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
+
+
+def _bytes(x: object) -> bytes:
+    return np.ascontiguousarray(np.asarray(x)).tobytes()
+
+
+# ------------------------------------------------------------------------------ packing
+def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
+    nan = np.array([np.nan, -0.0, 0.0, 1.5], np.float32)
+    nan.view(np.uint32)[0] = 0x7FC00123  # a NaN with a payload
+    tree = {
+        "ints": np.arange(5, dtype=np.int32) - 2,
+        "floats": nan,
+        "bf16": np.array([1, 0x8000, 0x7FC1], np.uint16).view(jnp.bfloat16),
+        "bytes": np.array([0, 255, 7], np.uint8),
+        "flags": np.array([True, False, True]),
+        "scalar": np.int32(3),
+        "matrix": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "device": jnp.arange(3, dtype=jnp.int32),
+        "none": None,
+    }
+    spec, packed, device = pack(tree)
+    assert packed is not None and packed.dtype == np.uint8 and packed.ndim == 1
+    assert len(device) == 1  # the jax leaf passes on its own
+    got = jax.jit(lambda p, d: unpack(spec, p, d))(packed, device)
+    for name, want in tree.items():
+        if want is None:
+            assert got[name] is None
+            continue
+        g = np.asarray(got[name])
+        assert g.dtype == np.asarray(want).dtype and g.shape == np.shape(want), name
+        assert _bytes(g) == _bytes(want), name
+
+
+def test_pack_layout_is_static_and_keys_by_shape_dtype_and_placement() -> None:
+    a = pack((np.zeros(4, np.int32), np.ones(2, np.float32)))[0]
+    b = pack((np.ones(4, np.int32), np.zeros(2, np.float32)))[0]
+    assert a == b and hash(a) == hash(b)  # values do not matter
+    assert a != pack((np.zeros(8, np.int32), np.ones(2, np.float32)))[0]
+    assert a != pack((np.zeros(4, np.int64), np.ones(2, np.float32)))[0]
+    assert a != pack((jnp.zeros(4, np.int32), np.ones(2, np.float32)))[0]
+    spec, packed, device = pack((jnp.zeros(2), None))
+    assert packed is None and spec.nbytes == 0 and len(device) == 1
+
+
+# ------------------------------------------------------------------------- a toy engine
+def _model(ids: jax.Array, lens: jax.Array, pos: jax.Array, w: jax.Array) -> jax.Array:
+    """A deterministic next token per row from its first token slot's id, length and pos."""
+    b = lens.shape[0]
+    return (ids[:b] * 7 + lens * 3 + pos + w) % 997
+
+
+def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict, w: jax.Array, cache: jax.Array):
+    tokens = _model(res.input_ids, res.seq_lens, inputs["pos"], w)
+    cache = cache.at[batch.req_pool_indices].add(tokens)  # the engine's donated state
+    return fj.StepOutput(res.seq_lens + 1, tokens, (cache, tokens))
+
+
+def _script(protocol: str) -> list[tuple[fj.Batch, np.ndarray]]:
+    """Prefill, a MIXED step (a new prefill beside the running rows), then decodes with a
+    slot retired and reused; host arrays as an overlap scheduler builds them."""
+    i32 = lambda *x: np.array(x, np.int32)  # noqa: E731
+    gather = protocol == "gather"
+    out = [(fj.Batch(E, i32(1, 2), i32(5, 9), i32(1, 1)), i32(0, 0))]
+    # MIXED: slot 3 prefills 2 tokens, slots 1 and 2 decode (lengths known on the host).
+    ids = i32(11, 12, 0, 0) if gather else i32(11, 12, -1, -2)
+    slots = i32(0, 0, 1, 2) if gather else None
+    out.append((fj.Batch(M, i32(3, 1, 2), ids, i32(2, 2, 2), token_slots=slots), i32(1, 1, 1)))
+    for step in range(3):
+        live = i32(1, 2, 3) if step < 2 else i32(2, 3)  # slot 1 retires
+        lens = np.full(len(live), 3 + step, np.int32)
+        if gather:
+            batch = fj.Batch(D, live, None, lens)
+        else:
+            batch = fj.Batch(D, live, -live, -live)
+        out.append((batch, np.arange(len(live), dtype=np.int32)))
+    out.append((fj.Batch(E, i32(1), i32(40, 41, 42), i32(3)), i32(2)))  # slot 1 reused
+    return out
+
+
+def _run_step(protocol: str, debug: bool):
+    fm = fj.FutureMap(8, protocol=protocol, debug=debug, batch_buckets=[4], token_buckets=[4, 8])
+    step = fm.engine_step(_forward, inputs=[fj.StepInput("pos", "row")], donate_argnums=(1,))
+    cache, w, outs = jnp.zeros(8, jnp.int32), jnp.int32(5), []
+    for batch, pos in _script(protocol):
+        r = step(batch, w, cache, inputs={"pos": pos})
+        cache, tokens = r.out
+        outs.append(np.asarray(tokens)[: len(batch.req_pool_indices)])
+    fm.check()
+    return fm, outs, np.asarray(cache)
+
+
+def _run_ops(protocol: str, debug: bool):
+    fm = fj.FutureMap(8, protocol=protocol, debug=debug, batch_buckets=[4], token_buckets=[4, 8])
+    cache, w, outs = np.zeros(8, np.int32), 5, []
+    for batch, pos in _script(protocol):
+        res = fm.resolve(batch)
+        n = len(batch.req_pool_indices)
+        b = res.seq_lens.shape[0]
+        tokens = np.asarray(
+            _model(res.input_ids, res.seq_lens, jnp.asarray(np.pad(pos, (0, b - n))), w)
+        )
+        fm.finish(batch, batch.req_pool_indices, np.asarray(res.seq_lens)[:n] + 1, tokens[:n])
+        np.add.at(cache, batch.req_pool_indices, tokens[:n])
+        outs.append(tokens[:n])
+    fm.check()
+    return fm, outs, cache
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_step_leaves_the_bytes_of_resolve_then_finish(protocol: str, debug: bool) -> None:
+    fm_s, outs_s, cache_s = _run_step(protocol, debug)
+    fm_o, outs_o, cache_o = _run_ops(protocol, debug)
+    for a, b in zip(outs_s, outs_o, strict=True):
+        assert _bytes(a) == _bytes(b)
+    assert _bytes(cache_s[1:]) == _bytes(cache_o[1:])  # slot 0: padding rows
+    for name, buf in fm_o.buffers().items():  # slot 0 holds padding rows' garbage
+        assert _bytes(fm_s.buffers()[name][1:]) == _bytes(buf[1:]), name
+    assert fm_s.step == fm_o.step == len(_script(protocol))
+
+
+def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_given() -> None:
+    for protocol in ("sentinel", "gather"):
+        fm = fj.FutureMap(8, protocol=protocol, batch_buckets=[4], token_buckets=[4])
+        step = fm.engine_step(lambda r, b, i: fj.StepOutput(r.seq_lens, r.input_ids[:4]))
+        batch = fj.Batch(
+            E, np.array([3, 1], np.int32), np.array([4, 4], np.int32), np.ones(2, np.int32)
+        )
+        nxt = step(batch).batch
+        if protocol == "gather":
+            assert nxt is batch
+        else:
+            assert np.asarray(nxt.input_ids).tolist() == [-3, -1, 0, 0]
+            assert np.asarray(nxt.seq_lens).tolist() == [-3, -1, 0, 0]
+
+
+def test_spec_step_relays_the_draft_like_finish() -> None:
+    spec = fj.SpecConfig(topk=2, hidden=4, hidden_dtype=jnp.bfloat16)
+    slots = np.array([1, 2], np.int32)
+
+    def draft(seed: int) -> fj.DraftPayload:
+        rng = np.random.default_rng(seed)
+        return fj.DraftPayload(
+            rng.integers(0, 50, 2).astype(np.int32),
+            rng.random((2, 2)).astype(np.float32),
+            rng.integers(0, 50, (2, 2)).astype(np.int32),
+            rng.random((2, 4)).astype(np.float32).astype(jnp.bfloat16),
+        )
+
+    def forward(res, batch, inputs, seed):
+        d = res.draft
+        nxt = fj.DraftPayload(
+            (d.bonus_tokens + seed) % 50, d.topk_p * 0.5, d.topk_index + 1, d.hidden_states * 2
+        )
+        return fj.StepOutput(res.seq_lens + 2, nxt, nxt.bonus_tokens)
+
+    maps = []
+    for use_step in (True, False):
+        fm = fj.FutureMap(4, spec=spec, protocol="gather", batch_buckets=[2], token_buckets=[2])
+        fm.finish(fj.Batch(E, slots, slots, slots), slots, np.array([3, 4], np.int32), draft(0))
+        batch = fj.Batch(D, slots, np.zeros(2, np.int32), np.zeros(2, np.int32), slots)
+        for k in range(3):
+            if use_step:
+                fm.engine_step(forward)(batch, jnp.int32(k))
+            else:
+                res = fm.resolve(batch)
+                lens, nxt, _ = jax.jit(lambda r, s: forward(r, None, None, s))(res, jnp.int32(k))
+                fm.finish(batch, slots, lens, nxt)
+        maps.append(fm)
+    for name, buf in maps[1].buffers().items():
+        assert _bytes(maps[0].buffers()[name][1:]) == _bytes(buf[1:]), name
+
+
+# ---------------------------------------------------------------------- the class's rules
+def _small_step(debug: bool = False, protocol: str = "sentinel"):
+    fm = fj.FutureMap(8, debug=debug, protocol=protocol, batch_buckets=[2, 4], token_buckets=[4, 8])
+    step = fm.engine_step(_forward, inputs=[fj.StepInput("pos", "row")], donate_argnums=(1,))
+    return fm, step
+
+
+def test_bad_input_is_refused_before_anything_runs_or_is_donated() -> None:
+    fm, step = _small_step()
+    slots = np.array([1, 2], np.int32)
+    batch = fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32))
+    cache = jnp.zeros(8, jnp.int32)
+    before = {k: _bytes(v) for k, v in fm.buffers().items()}
+    bad = [
+        (batch, {"pos": slots.astype(np.float32)}, "does not cast"),
+        (batch, {}, "missing \\['pos'\\]"),
+        (batch, {"pos": slots, "temp": slots}, "undeclared \\['temp'\\]"),
+        (batch, {"pos": np.zeros((2, 3), np.int32)}, "declared rows of shape"),
+        (batch, {"pos": np.zeros(3, np.int32)}, "pos"),
+        (
+            batch._replace(req_pool_indices=np.array([1, 1], np.int32)),
+            {"pos": slots},
+            "more than once",
+        ),
+        (batch._replace(req_pool_indices=np.array([1, 9], np.int32)), {"pos": slots}, "outside"),
+    ]
+    for b, inputs, match in bad:
+        with pytest.raises(fj.FutureMapError, match=match):
+            step(b, jnp.int32(0), cache, inputs=inputs)
+    assert not cache.is_deleted()
+    assert fm.step == 0
+    assert {k: _bytes(v) for k, v in fm.buffers().items()} == before
+
+
+def test_step_donates_the_map_state_and_the_named_args() -> None:
+    fm, step = _small_step()
+    slots = np.array([1, 2], np.int32)
+    batch = fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32))
+    cache, w = jnp.zeros(8, jnp.int32), jnp.int32(1)
+    state = fm.state
+    cache2, _ = step(batch, w, cache, inputs={"pos": slots}).out
+    assert cache.is_deleted() and state.output_tokens.is_deleted()
+    assert not w.is_deleted() and not cache2.is_deleted()
+
+
+def test_a_forward_that_returns_no_step_output_is_named() -> None:
+    fm = fj.FutureMap(8, batch_buckets=[2], token_buckets=[2])
+    step = fm.engine_step(lambda r, b, i: (r.seq_lens, r.input_ids))
+    batch = fj.Batch(E, np.array([1], np.int32), np.array([3], np.int32), np.ones(1, np.int32))
+    with pytest.raises(fj.FutureMapError, match="must return a StepOutput"):
+        step(batch)
+    assert fm.step == 0
+
+
+def test_step_declarations_are_checked_when_made() -> None:
+    fm = fj.FutureMap(8)
+    for inputs, match in [
+        ([fj.StepInput("a", "col")], "per must be"),
+        ([fj.StepInput("a", "row"), fj.StepInput("a", "token")], "distinct"),
+        ([("a", "row")], "StepInputs"),
+        ([fj.StepInput("a", "row", dtype=np.float64)], "x64"),
+    ]:
+        with pytest.raises(fj.FutureMapError, match=match):
+            fm.engine_step(_forward, inputs=inputs)
+    with pytest.raises(fj.FutureMapError, match="donate_argnums"):
+        fm.engine_step(_forward, donate_argnums=(-1,))
+    with pytest.raises(fj.FutureMapError, match="callable"):
+        fm.engine_step(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_warm_up_covers_every_bucket_and_the_guard_refuses_the_rest(protocol: str) -> None:
+    fm, step = _small_step(protocol=protocol)
+    cache, w = jnp.zeros(8, jnp.int32), jnp.int32(0)
+    rep = step.warm_up(w, cache, guard=True, traced_modes=False)
+    assert rep.executables == sum(rep.by_op.values()) and set(rep.by_op) <= {
+        "step_fixed_extend",
+        "step_fixed_decode",
+    }
+    calls = [(_script(protocol)[i]) for i in range(len(_script(protocol)))]
+    with counting_compiles() as counter:
+        for batch, pos in calls:
+            cache, _ = step(batch, w, cache, inputs={"pos": pos}).out
+    assert counter.executables == 0
+    # A traced mode was not warmed: refused, nothing ran.
+    batch = fj.Batch(
+        jnp.int32(0), np.array([1], np.int32), np.array([1], np.int32), np.ones(1, np.int32)
+    )
+    n = fm.step
+    with pytest.raises(fj.FutureMapError, match="serving guard"):
+        step(batch, w, cache, inputs={"pos": np.zeros(1, np.int32)})
+    assert fm.step == n and not cache.is_deleted()
+
+
+def test_debug_violation_in_a_step_is_reported_at_check_with_step_and_op() -> None:
+    fm, step = _small_step(debug=True)
+    slots = np.array([1, 2], np.int32)
+    cache, w = jnp.zeros(8, jnp.int32), jnp.int32(0)
+    # A DECODE of slots never written: the consume check finds the poison.
+    step(fj.Batch(D, slots, -slots, -slots), w, cache, inputs={"pos": slots})
+    with pytest.raises(fj.InvariantViolation) as info:
+        fm.check()
+    assert info.value.step == 1 and info.value.op == "resolve"
+
+
+def test_a_host_fed_step_is_one_executable_taking_one_host_buffer() -> None:
+    """The compiled step's parameters: the state's buffers, one packed buffer, the args."""
+    fm, step = _small_step()
+    slots = np.array([1, 2], np.int32)
+    batch = fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32))
+    from fm_jax._src.engine_step import _step_key
+
+    placed = fm._place(batch, None, None)
+    host = step._place_inputs({"pos": slots}, placed.idx, placed.ids)
+    spec, packed, device = pack((placed.batch, host))
+    assert device == ()  # every host array of the call is in the one buffer
+    fn = step._jitted(_step_key(placed.key)[0], spec, 2)
+    args = (fm.state, packed, device, jnp.int32(0), jnp.zeros(8, jnp.int32))
+    n_params = len(jax.tree.leaves(fm.state)) + 1 + 2
+    assert len(fn.trace(*args).lower().in_avals[0]) == n_params
+
+
+# ---------------------------------------------------------------------------------- mesh
+_MESH_CHILD = textwrap.dedent(
+    """
+    import json, numpy as np, jax, jax.numpy as jnp
+    import fm_jax as fj
+    E, D = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"))
+    out = {}
+    for debug in (False, True):
+        fm = fj.FutureMap(8, mesh=mesh, tp_axis="tp", debug=debug, batch_buckets=[2],
+                          token_buckets=[2])
+        def fwd(res, batch, inputs):
+            tok = (res.input_ids * 7 + res.seq_lens + inputs["pos"]) % 97
+            return fj.StepOutput(res.seq_lens + 1, tok, tok)
+        step = fm.engine_step(fwd, inputs=[fj.StepInput("pos", "row")])
+        ref = fj.FutureMap(8, mesh=mesh, tp_axis="tp", debug=debug, batch_buckets=[2],
+                           token_buckets=[2])
+        i32 = lambda *x: np.array(x, np.int32)
+        seq = [
+            {0: fj.Batch(E, i32(1, 2), i32(5, 6), i32(1, 1)), 1: fj.Batch(E, i32(3), i32(7), i32(2))},
+            {0: fj.Batch(D, i32(1, 2), i32(-1, -2), i32(-1, -2)), 1: fj.Batch(E, i32(1), i32(9), i32(1))},
+            {0: fj.Batch(D, i32(1, 2), i32(-1, -2), i32(-1, -2)), 1: fj.Batch(D, i32(3, 1), i32(-3, -1), i32(-3, -1))},
+        ]
+        toks = []
+        for batches in seq:
+            pos = {r: np.arange(len(b.req_pool_indices), dtype=np.int32) for r, b in batches.items()}
+            toks.append(np.asarray(step(batches, inputs={"pos": pos}).out).tolist())
+            res = ref.resolve(batches)
+            want = (np.asarray(res.input_ids) * 7 + np.asarray(res.seq_lens)
+                    + np.concatenate([np.pad(pos[r], (0, 2 - len(pos[r]))) for r in (0, 1)])) % 97
+            idx = {r: b.req_pool_indices for r, b in batches.items()}
+            lens = {r: np.asarray(res.seq_lens)[2 * r: 2 * r + len(idx[r])] + 1 for r in idx}
+            tk = {r: want[2 * r: 2 * r + len(idx[r])].astype(np.int32) for r in idx}
+            ref.publish(idx, lens); ref.stash(idx, tk)
+        fm.check(); ref.check()
+        live = lambda a: np.asarray(a).reshape(2, 8)[:, 1:].tobytes()  # slot 0 pads
+        same = all(live(a) == live(ref.buffers()[k]) for k, a in fm.buffers().items())
+        sharding_kept = fm.state.output_tokens.sharding == ref.state.output_tokens.sharding
+        out[str(debug)] = {"same": same, "sharding": bool(sharding_kept), "tokens": toks}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_step_on_a_mesh_matches_the_class_ops_rank_by_rank() -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from host_devices import cpu_devices_env
+
+    got = subprocess.run(
+        [sys.executable, "-c", _MESH_CHILD],
+        env=cpu_devices_env(4),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    report = json.loads(got.stdout.strip().splitlines()[-1])
+    for debug, r in report.items():
+        assert r["same"] and r["sharding"], (debug, r)
+    assert report["False"]["tokens"] == report["True"]["tokens"]
