@@ -339,14 +339,17 @@ _MESH_CHILD = textwrap.dedent(
         ref = fj.FutureMap(8, mesh=mesh, tp_axis="tp", debug=debug, batch_buckets=[2],
                            token_buckets=[2])
         i32 = lambda *x: np.array(x, np.int32)
+        B = fj.Batch
         seq = [
-            {0: fj.Batch(E, i32(1, 2), i32(5, 6), i32(1, 1)), 1: fj.Batch(E, i32(3), i32(7), i32(2))},
-            {0: fj.Batch(D, i32(1, 2), i32(-1, -2), i32(-1, -2)), 1: fj.Batch(E, i32(1), i32(9), i32(1))},
-            {0: fj.Batch(D, i32(1, 2), i32(-1, -2), i32(-1, -2)), 1: fj.Batch(D, i32(3, 1), i32(-3, -1), i32(-3, -1))},
+            {0: B(E, i32(1, 2), i32(5, 6), i32(1, 1)), 1: B(E, i32(3), i32(7), i32(2))},
+            {0: B(D, i32(1, 2), i32(-1, -2), i32(-1, -2)), 1: B(E, i32(1), i32(9), i32(1))},
+            {0: B(D, i32(1, 2), i32(-1, -2), i32(-1, -2)),
+             1: B(D, i32(3, 1), i32(-3, -1), i32(-3, -1))},
         ]
         toks = []
         for batches in seq:
-            pos = {r: np.arange(len(b.req_pool_indices), dtype=np.int32) for r, b in batches.items()}
+            pos = {r: np.arange(len(b.req_pool_indices), dtype=np.int32)
+                   for r, b in batches.items()}
             toks.append(np.asarray(step(batches, inputs={"pos": pos}).out).tolist())
             res = ref.resolve(batches)
             want = (np.asarray(res.input_ids) * 7 + np.asarray(res.seq_lens)
