@@ -96,10 +96,7 @@ def _script(protocol: str) -> list[tuple[fj.Batch, np.ndarray]]:
     for step in range(3):
         live = i32(1, 2, 3) if step < 2 else i32(2, 3)  # slot 1 retires
         lens = np.full(len(live), 3 + step, np.int32)
-        if gather:
-            batch = fj.Batch(D, live, None, lens)
-        else:
-            batch = fj.Batch(D, live, -live, -live)
+        batch = fj.Batch(D, live, None, lens) if gather else fj.Batch(D, live, -live, -live)
         out.append((batch, np.arange(len(live), dtype=np.int32)))
     out.append((fj.Batch(E, i32(1), i32(40, 41, 42), i32(3)), i32(2)))  # slot 1 reused
     return out
