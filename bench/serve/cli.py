@@ -13,6 +13,7 @@ from bench.serve.config import (
     DEFAULT_REQUESTS,
     TINY_REQUESTS,
     EngineConfig,
+    accelerator_model,
     ModelConfig,
     tiny_engine,
     tiny_model,
@@ -56,6 +57,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "Eigen use every core",
     )
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192)")
+    p.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        help="residual width (default: 256 on CPU; 4096 on an accelerator, whose step must "
+        "outlast its dispatch for overlap to show)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (4; GPU 8)")
+    p.add_argument(
+        "--no-mixed", action="store_true", help="no MIXED batches (prefill steps run alone)"
+    )
+    p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        help="prompt tokens per step (chunked prefill); a budget above every prompt turns "
+        "chunking off",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and requests")
     p.add_argument(
         "--repeats", type=int, default=1, help="runs per mode and ratio; the fastest counts"
@@ -67,6 +86,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="sentinel",
         help="the overlap engine's FutureMap relay protocol (docs/CONTRACT.md, 'Two "
         "protocols'): sentinel placeholders, or gathers at the rows' slots; same tokens",
+    )
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="instead of the sweep: the correctness matrix on the tiny model (sync vs overlap "
+        "tokens across protocol x debug x chunked prefill x MIXED x slot reuse)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--out", type=Path, default=None, help="write serve_<tag>.{json,md,png} here")
@@ -94,17 +119,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.serve import report
     from bench.serve.sweep import run_sweep
 
+    if args.matrix:
+        from bench.serve.matrix import run_matrix
+
+        got = run_matrix(log=lambda m: print(m, file=sys.stderr, flush=True))
+        bad = {k: v for k, v in got.items() if v}
+        print(f"correctness matrix: {len(got) - len(bad)}/{len(got)} cells equal")
+        for k, v in bad.items():
+            print(f"  {k}: {v[:3]}")
+        if args.json is not None:
+            import json
+
+            args.json.write_text(json.dumps({"cells": got, "equal": not bad}, indent=2) + "\n")
+        return 0 if not bad else 1
+
     if args.quick:
         model, engine = tiny_model(), tiny_engine()
         n = args.requests or 64
         shape = TINY_REQUESTS
         ratios = args.ratios or [0.0, 1.0]
     else:
-        model, engine = ModelConfig(), EngineConfig()
+        import jax
+
+        on_cpu = jax.devices()[0].platform == "cpu"
+        model, engine = (ModelConfig() if on_cpu else accelerator_model()), EngineConfig()
         n = args.requests or 64
         shape = DEFAULT_REQUESTS
         ratios = args.ratios or [0.0, 0.5, 1.0, 2.0]
     model = model._replace(seed=args.seed, **({"vocab": args.vocab} if args.vocab else {}))
+    if args.d_model is not None:
+        heads = model.n_heads if args.d_model % model.n_heads == 0 else 1
+        model = model._replace(d_model=args.d_model, d_ff=4 * args.d_model, n_heads=heads)
+    if args.layers is not None:
+        model = model._replace(n_layers=args.layers)
+    if args.no_mixed:
+        engine = engine._replace(mixed=False)
+    if args.prefill_budget is not None:
+        budget = args.prefill_budget
+        tokens = max(max(engine.token_buckets), budget + engine.max_running)
+        tokens += -tokens % model.row_tile
+        engine = engine._replace(
+            prefill_budget=budget, token_buckets=(*engine.token_buckets[:-1], tokens)
+        )
     requests = make_requests(
         n, vocab=model.vocab, seed=args.seed, prompt_len=shape.prompt_len, max_new=shape.max_new
     )
