@@ -13,8 +13,8 @@ from bench.serve.config import (
     DEFAULT_REQUESTS,
     TINY_REQUESTS,
     EngineConfig,
-    accelerator_model,
     ModelConfig,
+    accelerator_model,
     tiny_engine,
     tiny_model,
 )
