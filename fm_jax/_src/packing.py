@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 Leaf = tuple[int, tuple[int, ...], str] | None
-"""A packed leaf's (byte offset, shape, dtype name); None for a leaf passed as it is."""
+"""A packed leaf's (byte offset, shape, dtype string); None for a leaf passed as it is."""
 
 
 class PackSpec(NamedTuple):
@@ -53,7 +53,7 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
             a = np.asarray(x)
             if not a.flags.c_contiguous:
                 a = a.copy()  # (np.ascontiguousarray would make a scalar 1-D)
-            spec.append((offset, a.shape, a.dtype.name))
+            spec.append((offset, a.shape, a.dtype.str))  # .str: no Python-level lookup
             host.append(a.reshape(-1).view(np.uint8))
             offset += a.nbytes
         else:
