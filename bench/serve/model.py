@@ -95,7 +95,14 @@ def _by_tiles(fn: Any, x: jax.Array, row_tile: int) -> jax.Array:
     rows = x.shape[0]
     if rows % row_tile:
         raise ValueError(f"{rows} rows is not a multiple of the row tile {row_tile}")
-    tiles = jax.lax.map(fn, x.reshape(rows // row_tile, row_tile, *x.shape[1:]))
+    # Unrolled: a rolled loop is an XLA while loop, whose output buffer is a copy of a
+    # broadcast and, on a GPU, whose trip test the host waits for each iteration.
+    _, tiles = jax.lax.scan(
+        lambda c, a: (c, fn(a)),
+        None,
+        x.reshape(rows // row_tile, row_tile, *x.shape[1:]),
+        unroll=True,
+    )
     return tiles.reshape(rows, *tiles.shape[2:])
 
 
