@@ -155,7 +155,8 @@ RATIOS = (
     ("fm_jax_fused marginal host (us)", "fm_jax_fused", "no_map_jax", "diff", "host_us"),
     ("sglang_jax_fused marginal host (us)", "sglang_jax_fused", "no_map_jax", "diff", "host_us"),
     ("packed / one transfer per array, host", "no_map_packed", "no_map_arrays", "ratio", "host_us"),
-    ("fm_jax_step / sglang_jax_fused, pipe", "fm_jax_step_jax", "sglang_jax_fused", "ratio", "pipe_us"),
+    ("fm_jax_step / sglang_jax_fused, pipe", "fm_jax_step_jax", "sglang_jax_fused", "ratio",
+     "pipe_us"),
 )
 
 

@@ -567,3 +567,16 @@ def test_sglang_torch_gather_model_follows_the_current_class() -> None:
     assert b.seq_lens.tolist() == [2, 6] and b.input_ids is None
     assert b.spec_info is not None and b.spec_info.bonus_tokens.tolist() == [22, 21]
     assert torch.equal(b.spec_info.hidden_states, hidden.flip(0))
+
+
+def test_engine_step_bench_runs_and_reports_three_figures_per_series() -> None:
+    """bench.engine_step at a tiny size: every series has host, pipe and waited figures."""
+    from bench.engine_step import RATIOS, markdown, run
+
+    res = run(8, [64], runs=1, steps=5, waited=2, log=lambda _: None)
+    names = {r["impl"] for r in res["rows"]}
+    assert {"fm_jax_step", "no_map_packed", "fm_jax_fused", "sglang_jax_fused"} <= names
+    for r in res["rows"]:
+        assert r["host_us"] > 0 and r["pipe_us"] > 0 and r["waited_us"] > 0
+    assert len(res["figures"]) == len(RATIOS)
+    assert "fm_jax_step" in markdown(res)
