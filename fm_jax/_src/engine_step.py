@@ -30,6 +30,7 @@ from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.entry_points import tail
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import Rows
+from fm_jax._src.host_inputs import _host as host_array
 from fm_jax._src.packing import PackSpec, pack, unpack
 from fm_jax._src.types import Batch, ForwardMode
 from fm_jax._src.warm_up import (
@@ -261,10 +262,7 @@ class EngineStep:
     @staticmethod
     def _host(name: str, x: Any, d: StepInput) -> np.ndarray:
         """A host input at its declared dtype and trailing shape."""
-        try:
-            a = np.asarray(x)
-        except (TypeError, ValueError) as bad:
-            raise FutureMapError(f"{name} is not an array: {bad}") from None
+        a = host_array(name, x)
         if a.ndim < 1 or a.shape[1:] != d.shape:
             raise FutureMapError(
                 f"{name} has shape {list(a.shape)}, declared rows of shape {list(d.shape)}"
