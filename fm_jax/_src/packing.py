@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Leaf = tuple[int, tuple[int, ...], str] | None
-"""A packed leaf's (byte offset, shape, dtype string); None for a leaf passed as it is."""
+Leaf = tuple[int, tuple[int, ...], np.dtype] | None
+"""A packed leaf's (byte offset, shape, dtype); None for a leaf passed as it is."""
 
 
 class PackSpec(NamedTuple):
@@ -53,7 +53,8 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
             a = np.asarray(x)
             if not a.flags.c_contiguous:
                 a = a.copy()  # (np.ascontiguousarray would make a scalar 1-D)
-            spec.append((offset, a.shape, a.dtype.str))  # .str: no Python-level lookup
+            # The dtype itself (hashable, no name lookup; bf16's .str is the opaque '|V2').
+            spec.append((offset, a.shape, a.dtype))
             host.append(a.reshape(-1).view(np.uint8))
             offset += a.nbytes
         else:
@@ -73,8 +74,7 @@ def unpack(spec: PackSpec, packed: Any, device: tuple[Any, ...]) -> Any:
         if leaf is None:
             out.append(next(it))
             continue
-        offset, shape, name = leaf
-        dtype = np.dtype(name)
+        offset, shape, dtype = leaf
         n = int(np.prod(shape, dtype=np.int64))
         raw = jax.lax.slice(packed, (offset,), (offset + n * dtype.itemsize,))
         if dtype == np.bool_:
