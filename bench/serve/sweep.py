@@ -4,7 +4,8 @@ For each host-cost ratio r the scheduler spends r x t_fwd per batch (t_fwd: the 
 time of a warm synchronous run with no added host cost). The ideal overlap speedup counts
 the dispatch as host time: (H + S) / max(H + D, S), with H (host time per step, the
 scheduler's own Python work included) and S (the step, dispatch to tokens) from that
-ratio's synchronous run and D (time inside the step call) from its overlap run. Every
+ratio's synchronous run and D (time inside the step call) from its overlap run; it falls
+below 1 where the overlap step's dispatch outlasts the sync step (tiny steps). Every
 run's tokens are compared with the first synchronous run's.
 """
 
