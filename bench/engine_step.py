@@ -155,8 +155,13 @@ RATIOS = (
     ("fm_jax_fused marginal host (us)", "fm_jax_fused", "no_map_jax", "diff", "host_us"),
     ("sglang_jax_fused marginal host (us)", "sglang_jax_fused", "no_map_jax", "diff", "host_us"),
     ("packed / one transfer per array, host", "no_map_packed", "no_map_arrays", "ratio", "host_us"),
-    ("fm_jax_step / sglang_jax_fused, pipe", "fm_jax_step_jax", "sglang_jax_fused", "ratio",
-     "pipe_us"),
+    (
+        "fm_jax_step / sglang_jax_fused, pipe",
+        "fm_jax_step_jax",
+        "sglang_jax_fused",
+        "ratio",
+        "pipe_us",
+    ),
 )
 
 
@@ -183,9 +188,7 @@ def run(
                 row[f + "_range"] = [round(min(vals), 2), round(max(vals), 2)]
             rows.append(row)
         for label, a, b, how, f in RATIOS:
-            vals = [
-                pr[a][f] - pr[b][f] if how == "diff" else pr[a][f] / pr[b][f] for pr in per_run
-            ]
+            vals = [pr[a][f] - pr[b][f] if how == "diff" else pr[a][f] / pr[b][f] for pr in per_run]
             figures.append(
                 {
                     "figure": label,
