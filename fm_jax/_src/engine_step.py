@@ -404,8 +404,8 @@ class EngineStep:
         summary = report(planned, counter, time.perf_counter() - t0)
         if guard:
             self._serving = {
-                (p.key, spec): Guarded(compiled[p.key], p.key)
-                for p, spec in zip(planned, specs, strict=True)
+                (p.key, spec): Guarded(c, p.key)
+                for p, spec, c in zip(planned, specs, compiled, strict=True)
             }
         else:
             self._serving = None

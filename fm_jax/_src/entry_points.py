@@ -14,6 +14,7 @@ import jax
 
 from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.sharding import ShardedFutureMapOps
 from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
 
@@ -36,6 +37,44 @@ class EntryPoints(NamedTuple):
     finish: Any
     sentinels: Any
     seq_lens_at: Any
+
+
+def writes_state(name: str, debug: bool) -> bool:
+    """Whether entry point `name` (or its `unchecked_` twin) writes the state, so takes it
+    donated: the tail ops always, resolve only in debug (the consume poison)."""
+    name = name.removeprefix("unchecked_")
+    return name in ("publish", "stash", "finish") or (debug and name.startswith("resolve"))
+
+
+def takes_state(name: str) -> bool:
+    """Whether entry point `name` takes the state as its first argument."""
+    return name != "sentinels"
+
+
+def packed_entry_point(
+    jitted: Any, name: str, spec: PackSpec, *, debug: bool, options: Any, sharding: Any
+) -> Any:
+    """Entry point `jitted` (named `name`) fed its host arguments as one packed buffer laid
+    out by `spec`: `(state, packed)`, or `(packed,)` for an op without state.
+
+    Traces the function `jitted` wraps (`__wrapped__`, as functools.wraps leaves it: a
+    jit's compiler options cannot nest) with the same donation and options. The buffer
+    goes to every device of `sharding` (replicated: each rank slices its own rows); the
+    ops' shard_maps place the unpacked arguments.
+    """
+    fn = jitted.__wrapped__
+    if not takes_state(name):
+        return jax.jit(
+            lambda packed: fn(*unpack(spec, packed, ())),
+            in_shardings=sharding,
+            compiler_options=options,
+        )
+    return jax.jit(
+        lambda state, packed: fn(state, *unpack(spec, packed, ())),
+        in_shardings=(None, sharding),
+        donate_argnums=(0,) if writes_state(name, debug) else (),
+        compiler_options=options,
+    )
 
 
 def tail(ops: ShardedFutureMapOps) -> Any:
@@ -76,13 +115,13 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
     batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
 
-    def jit(fn: Any, in_shardings: Any, *, donate: bool, checked: bool = True) -> Any:
+    def jit(fn: Any, name: str, in_shardings: Any, *, checked: bool = True) -> Any:
         if debug is not None and checked:
             fn = debug.checked(fn)
         return jax.jit(
             fn,
             in_shardings=in_shardings,
-            donate_argnums=(0,) if donate else (),
+            donate_argnums=(0,) if writes_state(name, debug is not None) else (),
             compiler_options=options,
         )
 
@@ -98,7 +137,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
             return full(state, batch)[1]  # type: ignore[no-any-return]
 
         fn = full if debug is not None else read_only
-        return jit(fn, (sh, batch_sh), donate=debug is not None)
+        return jit(fn, "resolve", (sh, batch_sh))
 
     finish = tail(ops)
 
@@ -106,11 +145,11 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
         return ops.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 
     return EntryPoints(
-        publish=jit(ops.publish, sh, donate=True),
-        stash=jit(ops.stash, sh, donate=True),
+        publish=jit(ops.publish, "publish", sh),
+        stash=jit(ops.stash, "stash", sh),
         resolve=jit_resolve(None),
         resolve_by_mode=(jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE)),
-        finish=jit(finish, sh, donate=True),
-        sentinels=jit(sentinels, sh, donate=False, checked=False),
-        seq_lens_at=jit(ops.seq_lens_at, sh, donate=False),
+        finish=jit(finish, "finish", sh),
+        sentinels=jit(sentinels, "sentinels", sh, checked=False),
+        seq_lens_at=jit(ops.seq_lens_at, "seq_lens_at", sh),
     )

@@ -28,6 +28,7 @@ from jax import monitoring
 from fm_jax._src.buckets import resolve_sizes
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows
+from fm_jax._src.packing import PackSpec
 from fm_jax._src.relay_fields import element_dtype
 from fm_jax._src.types import Batch, FutureMapState, SpecConfig, draft_payload
 
@@ -48,7 +49,8 @@ class WarmUpReport:
       compiled: XLA compiles seen during warm-up.
       from_cache: executables loaded from JAX's persistent compilation cache instead.
       seconds: wall time of the warm-up.
-      by_op: executables per entry point name (as in `FutureMap.executables()`).
+      by_op: executables per entry point name (as in `FutureMap.executables()`; those fed
+        one packed host buffer as "name (packed)").
     """
 
     executables: int
@@ -65,11 +67,13 @@ class WarmUpReport:
 
 
 class Planned(NamedTuple):
-    """One executable to make ready: its key, its jitted entry point, its arguments."""
+    """One executable to make ready: its key, its jitted entry point, its arguments, and
+    for one that takes its host arguments as one packed buffer, their layout."""
 
     key: Key
     fn: Any
     args: tuple[Any, ...]
+    packed: PackSpec | None = None
 
 
 def plan(
@@ -160,13 +164,12 @@ def plan(
     return out
 
 
-def compile_plan(planned: list[Planned], threads: int | None = None) -> dict[Key, Any]:
-    """Lower each planned executable, compile them on `threads` threads; by key."""
+def compile_plan(planned: list[Planned], threads: int | None = None) -> list[Any]:
+    """Lower each planned executable, compile them on `threads` threads; in plan order."""
     lowered = [p.fn.trace(*p.args).lower() for p in planned]
     workers = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        compiled = list(pool.map(lambda lo: lo.compile(), lowered))
-    return {p.key: c for p, c in zip(planned, compiled, strict=True)}
+        return list(pool.map(lambda lo: lo.compile(), lowered))
 
 
 class _Counter:
@@ -205,7 +208,8 @@ def report(planned: list[Planned], counter: _Counter, seconds: float) -> WarmUpR
     """The summary of a compiled plan."""
     by_op: dict[str, int] = {}
     for p in planned:
-        by_op[p.key[0]] = by_op.get(p.key[0], 0) + 1
+        name = p.key[0] if p.packed is None else f"{p.key[0]} (packed)"
+        by_op[name] = by_op.get(name, 0) + 1
     return WarmUpReport(
         executables=len(planned),
         compiled=counter.executables - counter.cache_hits,

@@ -1,0 +1,213 @@
+"""The class's one-op entry points fed one packed host buffer (`pack_inputs`).
+
+A packed map must leave the same bytes as an unpacked one (every op, both protocols, debug
+on and off, spec with bf16 hidden states), send a call's host arrays in one transfer, and
+keep the serving guard whole: warm-up covers the packed host calls and the unpacked ones
+that bring jax arrays.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fm_jax as fj
+
+R = 32
+BATCH, TOKENS = (4, 16, 32), (4, 16, 64)
+E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
+SPEC = fj.SpecConfig(topk=2, hidden=3, hidden_dtype=jnp.bfloat16)
+
+
+def a(*x: int) -> np.ndarray:
+    return np.array(x, np.int32)
+
+
+def make(pack: bool, protocol: str, debug: bool, spec: bool = False) -> fj.FutureMap:
+    return fj.FutureMap(
+        R,
+        pack_inputs=pack,
+        protocol=protocol,
+        debug=debug,
+        spec=SPEC if spec else None,
+        batch_buckets=BATCH,
+        token_buckets=TOKENS,
+    )
+
+
+def to_bytes(tree: Any) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def draft(rng: np.random.Generator, n: int) -> fj.DraftPayload:
+    """A spec payload of n rows; hidden states with NaN payloads and -0.0 (bytes matter)."""
+    hidden = rng.standard_normal((n, 3)).astype(np.float32)
+    hidden[:, 0] = -0.0
+    bits = hidden.view(np.uint32)
+    bits[:, 1] = 0x7FC00001  # a NaN with a payload
+    return fj.DraftPayload(
+        rng.integers(0, 99, n).astype(np.int32),
+        rng.random((n, 2), np.float32),
+        rng.integers(0, 99, (n, 2)).astype(np.int32),
+        jnp.asarray(hidden, jnp.bfloat16).__array__(),
+    )
+
+
+def steps(fm: fj.FutureMap, seed: int) -> list[bytes]:
+    """A seeded overlap loop (prefill, EXTEND, DECODE, MIXED, idle, a traced mode, a jax-fed
+    tail) through one map; every output's and the final buffers' bytes."""
+    rng = np.random.default_rng(seed)
+    gather, spec = fm.protocol == "gather", fm.spec is not None
+    out: list[bytes] = []
+    live = np.arange(1, R, dtype=np.int32)
+
+    def payload(n: int) -> Any:
+        return draft(rng, n) if spec else rng.integers(0, 99, n).astype(np.int32)
+
+    fm.publish(live, np.full(len(live), 3, np.int32))
+    fm.stash(live, payload(len(live)))
+    for step in range(12):
+        n = int(rng.integers(1, 5))
+        idx = rng.choice(live, n, replace=False).astype(np.int32)
+        kind = step % 4
+        if kind == 0:  # EXTEND: real ids and lengths
+            t = int(rng.integers(n, 3 * n + 1))
+            batch = fj.Batch(E, idx, rng.integers(0, 99, t).astype(np.int32), np.ones(n, np.int32))
+        elif kind == 1:  # DECODE
+            if gather:
+                batch = fj.Batch(D, idx, a(*idx) if spec else None, np.zeros(n, np.int32))
+            else:
+                batch = fj.Batch(D, idx, -idx, -idx)
+            if spec:
+                batch = batch._replace(draft_indices=idx)
+        elif kind == 2:  # MIXED: one prefill row of 3 tokens, then running rows
+            ids = np.r_[rng.integers(0, 99, 3), -idx[1:]].astype(np.int32)
+            slots = np.r_[np.zeros(3, np.int32), idx[1:]].astype(np.int32)
+            batch = fj.Batch(M, idx, ids, np.full(n, 5, np.int32))
+            if gather:
+                batch = batch._replace(input_ids=np.where(slots > 0, 0, ids), token_slots=slots)
+        else:  # the same kind traced (a jax mode: this call brings a jax array)
+            batch = fj.Batch(jnp.int32(E), idx, rng.integers(0, 99, n).astype(np.int32), idx)
+        out += to_bytes(fm.resolve(batch))
+        lens = rng.integers(1, 9, n).astype(np.int32)
+        if step % 3 == 2:  # the forward's outputs on the device, the slots on the host
+            padded = np.zeros(BATCH[0], np.int32)  # n <= 4: the smallest bucket
+            padded[:n] = lens
+            fm.publish(idx, jax.device_put(padded))
+            fm.stash(idx, payload(n))
+            if not gather:
+                out += to_bytes(fm.invalidate(batch, idx))
+        else:
+            out += to_bytes(fm.finish(batch, idx, lens, payload(n)))
+    fm.finish(fj.Batch(fj.ForwardMode.IDLE, a(), a(), a()), a(), a(), payload(0))
+    if spec:
+        out.append(np.asarray(fm.resolve_seq_lens_cpu(live[:5])).tobytes())
+    fm.check()
+    return out + to_bytes(fm.state)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["tokens", "spec"])
+@pytest.mark.parametrize("debug", [False, True], ids=["prod", "debug"])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_packed_map_leaves_the_same_bytes(protocol: str, debug: bool, spec: bool) -> None:
+    """Every output and buffer of a seeded loop, byte for byte, with and without packing
+    (host calls packed; calls with a traced mode or device lengths unpacked)."""
+    assert steps(make(True, protocol, debug, spec), 7) == steps(
+        make(False, protocol, debug, spec), 7
+    )
+
+
+def _transfers(capfd: pytest.CaptureFixture[str], call: Any) -> int:
+    """Host-to-device transfers `call` makes (JAX's transfer guard logs each one)."""
+    capfd.readouterr()
+    with jax.transfer_guard_host_to_device("log"):
+        jax.block_until_ready(call())
+    return len(re.findall("host-to-device transfer", capfd.readouterr().err))
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_host_call_is_one_transfer(protocol: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """Each one-op entry point fed host arrays makes one transfer when packed, one per
+    array when not; a call that brings a jax array passes its host arrays as they are."""
+    counts = {}
+    for pack in (False, True):
+        fm = make(pack, protocol, debug=False)
+        ext = fj.Batch(E, a(3, 5), a(7, 8, 9), a(2, 1))
+        calls = {
+            "publish": lambda: fm.publish(a(3, 5), a(4, 4)),
+            "stash": lambda: fm.stash(a(3, 5), a(11, 12)),
+            "finish": lambda: fm.finish(ext, a(3, 5), a(3, 2), a(11, 12)).req_pool_indices,
+            "resolve": lambda: fm.resolve(ext),
+            "finish, device lengths": lambda: (
+                fm.finish(ext, a(3, 5), jax.device_put(a(3, 2, 0, 0)), a(11, 12)).req_pool_indices
+            ),
+        }
+        for name, call in calls.items():
+            call()  # compile first: a compile's own transfers are not the call's
+            counts[pack, name] = _transfers(capfd, call)
+    for name in ("publish", "stash", "finish", "resolve"):
+        assert counts[True, name] == 1, (name, counts)
+        assert counts[False, name] >= 2, (name, counts)
+    # Its two host arrays (slots, tokens) go one by one, packed map or not.
+    assert counts[True, "finish, device lengths"] == counts[False, "finish, device lengths"] == 2
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["prod", "debug"])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_the_guard_serves_packed_and_unpacked_calls_without_compiling(
+    protocol: str, debug: bool
+) -> None:
+    """After warm_up(guard=True) a packed map runs the whole loop (host calls packed, jax
+    arrays unpacked) without a compile; the report names the packed executables."""
+    fm = make(True, protocol, debug)
+    report = fm.warm_up(guard=True)
+    packed = {k for k in report.by_op if k.endswith(" (packed)")}
+    assert packed == {f"{k} (packed)" for k in report.by_op if not k.endswith(" (packed)")}
+    compiles: list[str] = []
+
+    def listen(event: str, *_: Any, **__: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jnp.int32(E)  # the loop's traced mode, made before counting
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        steps(fm, 3)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
+def test_refused_packed_calls_change_nothing() -> None:
+    """A packed map refuses bad host input by name before anything runs: no buffer
+    changes, no step counts; under the guard an unwarmed size is refused, not compiled."""
+    fm = make(True, "sentinel", debug=False)
+    fm.warm_up(guard=True)
+    fm.publish(a(3, 5), a(4, 4))
+    before, step = to_bytes(fm.state), fm.step
+    with pytest.raises(fj.FutureMapError, match="outside"):
+        fm.publish(a(3, R), a(4, 4))
+    with pytest.raises(fj.FutureMapError, match="live slots"):
+        fm.finish(fj.Batch(E, a(3, 3), a(1, 2), a(1, 1)), a(3, 3), a(1, 1), a(1, 1))
+    with pytest.raises(fj.FutureMapError, match="tokens of 200 exceeds"):
+        fm.resolve(fj.Batch(E, a(3, 5), np.arange(200, dtype=np.int32), a(1, 1)))
+    dev = jax.device_put  # jax arrays at a (rows, tokens) pair warm-up did not plan
+    with pytest.raises(fj.FutureMapError, match="4 rows x 16 tokens .*not compiled by warm_up"):
+        fm.resolve(
+            fj.Batch(E, dev(a(1, 2, 0, 0)), dev(np.arange(16, dtype=np.int32)), dev(a(1, 1, 0, 0)))
+        )
+    assert to_bytes(fm.state) == before and fm.step == step
+
+
+def test_packing_is_off_on_cpu_by_default_and_a_bool() -> None:
+    """On XLA:CPU a numpy argument costs less than packing it: the default is off there.
+    `pack_inputs` must be a bool or None."""
+    assert fj.FutureMap(R).pack_inputs is (jax.devices()[0].platform != "cpu")
+    assert fj.FutureMap(R, pack_inputs=True).pack_inputs is True
+    with pytest.raises(fj.FutureMapError, match="pack_inputs must be a bool"):
+        fj.FutureMap(R, pack_inputs="yes")  # type: ignore[arg-type]
