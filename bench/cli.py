@@ -7,6 +7,7 @@
     fm-bench --startup-only       # the start-up table only (warm_up cold and from disk)
     fm-bench --protocols-only --out bench/results   # gather vs sentinel only, into
                                   # protocols_<platform>.{json,md}
+    fm-bench --engine-step-only   # the engine-step group only (bench.engine_step)
 
 The peers are SGLang's FutureMap (`sglang_torch`) and sglang-jax's future token map
 (`sglang_jax`), reproduced as they run; `naive_jax` and `floor` are references.
@@ -220,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         "written as protocols_<platform>.{json,md}; no files unless --out or --json is given",
     )
     ap.add_argument("--no-protocols", action="store_true", help="skip the protocol comparison")
+    ap.add_argument(
+        "--engine-step-only",
+        action="store_true",
+        help="only the engine-step group (the map inside the engine's step, host and "
+        "waited figures); no files unless --out or --json is given",
+    )
+    ap.add_argument("--no-engine-step", action="store_true", help="skip the engine-step group")
     ap.add_argument("--plan", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--child-int64", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -238,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0, load_start = time.perf_counter(), _load()
     only_startup, only_protocols = args.startup_only, args.protocols_only
-    only_part = only_startup or only_protocols
+    only_engine_step = args.engine_step_only
+    only_part = only_startup or only_protocols or only_engine_step
     sweeps = not (args.headline_only or only_part)
     with_int64 = sweeps and not args.no_int64
     with_startup = (
@@ -246,14 +255,19 @@ def main(argv: list[str] | None = None) -> int:
         and not args.no_startup
         and not args.headline_only
         and not only_protocols
+        and not only_engine_step
     )
     protocols = p.protocols if (sweeps or only_protocols) and not args.no_protocols else None
+    engine_step = (
+        p.engine_step if (sweeps or only_engine_step) and not args.no_engine_step else None
+    )
     n_groups = (
         int(not only_part)
         + (len(p.sweep_configs(False)) if sweeps else 0)
         + int(with_int64)
         + int(with_startup)
         + (len(protocols.pools) * protocols.runs if protocols else 0)
+        + int(engine_step is not None)
     )
     int64_error = None
     figs: list[dict[str, Any]] = []
@@ -262,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     startup_rows: list[dict[str, Any]] = []
     protocol_rows: list[dict[str, Any]] = []
     comparisons: list[dict[str, Any]] = []
+    step_doc: dict[str, Any] | None = None
     with tqdm(total=n_groups, file=sys.stderr, unit="group") as bar:
         if not only_part:
             figs, rows, head_rows = _measure_all(p, False, bar, sweeps)
@@ -278,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
 
             protocol_rows, comparisons = protocol_groups.measure(
                 protocols, warmup=p.warmup, min_reps=p.min_reps, on_group=next_group
+            )
+            bar.update(1)
+        if engine_step is not None:
+            from bench import engine_step as step_group
+
+            bar.set_description("engine step")
+            e = engine_step
+            step_doc = step_group.run(
+                e.batch, list(e.pools), e.runs, e.steps, e.waited, log=lambda _: None
             )
             bar.update(1)
         if with_int64:
@@ -301,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sweeps:
         part = ", start-up only" if only_startup else ", headline only"
         part = ", protocols only" if only_protocols else part
+        part = ", engine step only" if only_engine_step else part
     given = sys.argv[1:] if argv is None else argv
     doc: dict[str, Any] = {
         "device": _device(),
@@ -322,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "startup": startup_rows,
         "protocols": comparisons,
         "protocol_results": protocol_rows,
+        "engine_step": step_doc,
     }
     from bench import plots, report
 

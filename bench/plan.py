@@ -119,6 +119,18 @@ class Startup:
 
 
 @dataclass(frozen=True)
+class EngineStepPlan:
+    """The engine-step group's sizes (`bench.engine_step`): B, pools, runs, and steps per
+    host figure and per waited figure."""
+
+    batch: int
+    pools: tuple[int, ...]
+    runs: int
+    steps: int
+    waited: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """A whole run: sweep configurations, headline sizes and repetition counts."""
 
@@ -140,6 +152,7 @@ class Plan:
     )
     startup: Startup | None = None
     protocols: Protocols | None = None
+    engine_step: EngineStepPlan | None = None
 
     def sweep_configs(self, int64: bool) -> list[Config]:
         """Distinct configurations of the int32 sweeps (or of the int64 one), in order."""
@@ -164,6 +177,7 @@ def _full() -> Plan:
         inplace_check=(Config(256, 1 << 20), Config(256, 16384, spec=True, hidden=h)),
         startup=Startup(runs=3),
         protocols=Protocols(256, (4096, 1 << 20), (h, 256), runs=5, reps=400, budget_s=15.0),
+        engine_step=EngineStepPlan(256, (4096, 1 << 20), runs=5, steps=300, waited=50),
     )
 
 
@@ -184,6 +198,7 @@ def _quick() -> Plan:
         inplace_check=(Config(64, 16384),),
         startup=Startup(runs=1, pool=65, small=True, maps=("plain", "mesh")),
         protocols=Protocols(64, (1024, 16384), (h, h), runs=2, reps=15, budget_s=0.5),
+        engine_step=EngineStepPlan(64, (1024,), runs=2, steps=50, waited=10),
     )
 
 
@@ -205,6 +220,7 @@ def _tiny() -> Plan:
         debug_variants=("fm_jax", "fm_torch", "sglang_torch"),
         startup=Startup(runs=1, pool=65, small=True, maps=("plain",)),
         protocols=Protocols(8, (64,), (16,), runs=2, reps=3),
+        engine_step=EngineStepPlan(8, (64,), runs=1, steps=4, waited=2),
     )
 
 

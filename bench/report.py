@@ -202,6 +202,11 @@ def markdown(doc: dict[str, Any], sections: Sequence[tuple[str, str, list[dict[s
     if doc.get("headline"):
         parts += _headline_section(doc)
     parts += _protocol_section(doc)
+    if doc.get("engine_step"):
+        from bench.engine_step import markdown as engine_step_markdown
+
+        page = engine_step_markdown(doc["engine_step"]).replace("# ", "## ", 1)
+        parts += [page, ""]
     if doc.get("inplace_check"):
         parts += [
             "## In place: whole-buffer rewrites in the compiled HLO",

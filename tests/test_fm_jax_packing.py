@@ -135,10 +135,10 @@ def test_a_host_call_is_one_transfer(protocol: str, capfd: pytest.CaptureFixture
     """Each one-op entry point fed host arrays makes one transfer when packed, one per
     array when not; a call that brings a jax array passes its host arrays as they are."""
     counts = {}
-    for pack in (False, True):
-        fm = make(pack, protocol, debug=False)
-        ext = fj.Batch(E, a(3, 5), a(7, 8, 9), a(2, 1))
-        calls = {
+    ext = fj.Batch(E, a(3, 5), a(7, 8, 9), a(2, 1))
+
+    def calls(fm: fj.FutureMap) -> dict[str, Any]:
+        return {
             "publish": lambda: fm.publish(a(3, 5), a(4, 4)),
             "stash": lambda: fm.stash(a(3, 5), a(11, 12)),
             "finish": lambda: fm.finish(ext, a(3, 5), a(3, 2), a(11, 12)).req_pool_indices,
@@ -147,7 +147,9 @@ def test_a_host_call_is_one_transfer(protocol: str, capfd: pytest.CaptureFixture
                 fm.finish(ext, a(3, 5), jax.device_put(a(3, 2, 0, 0)), a(11, 12)).req_pool_indices
             ),
         }
-        for name, call in calls.items():
+
+    for pack in (False, True):
+        for name, call in calls(make(pack, protocol, debug=False)).items():
             call()  # compile first: a compile's own transfers are not the call's
             counts[pack, name] = _transfers(capfd, call)
     for name in ("publish", "stash", "finish", "resolve"):

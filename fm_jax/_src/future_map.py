@@ -28,7 +28,7 @@ from fm_jax._src.entry_points import jit_entry_points, packed_entry_point, takes
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device
 from fm_jax._src.ops import future_map
-from fm_jax._src.packing import PackSpec, pack
+from fm_jax._src.packing import PackSpec, pack_host
 from fm_jax._src.sharding import MeshLayout, lift, mesh_layout, per_rank, single_device_layout
 from fm_jax._src.types import (
     Batch,
@@ -247,12 +247,11 @@ class FutureMap:
         packed buffer; a call that brings any jax array passes its arrays as they are.
         """
         name = key[0]
-        if self.pack_inputs:
-            spec, packed, device = pack(args)
-            if packed is not None and not device:
-                exe = self._packed_exe(key, spec)
-                if exe is not None:
-                    return exe(self._state, packed) if takes_state(name) else exe(packed)
+        host = pack_host(args) if self.pack_inputs else None
+        if host is not None:
+            exe = self._packed_exe(key, host[0])
+            if exe is not None:
+                return exe(self._state, host[1]) if takes_state(name) else exe(host[1])
         exe = self._exe(key)
         return exe(self._state, *args) if takes_state(name) else exe(*args)
 
@@ -719,10 +718,10 @@ class FutureMap:
     def _packed_plan(self, p: Planned) -> Planned | None:
         """Planned executable `p` fed one packed buffer, as serving's host calls feed it;
         None when no argument of `p` is on the host."""
-        args = p.args[1:] if takes_state(p.key[0]) else p.args
-        spec, packed, device = pack(args)
-        if packed is None or device:
+        host = pack_host(p.args[1:] if takes_state(p.key[0]) else p.args)
+        if host is None:
             return None
+        spec, packed = host
         fn = self._packed.get((p.key[0], spec)) or self._packed_entry_point(p.key[0], spec)
         self._packed[(p.key[0], spec)] = fn
         head = (self._state,) if takes_state(p.key[0]) else ()

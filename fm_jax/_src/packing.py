@@ -66,6 +66,17 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
     return PackSpec(treedef, tuple(spec), offset), packed, tuple(device)
 
 
+def pack_host(tree: Any) -> tuple[PackSpec, np.ndarray] | None:
+    """`tree` packed when every leaf is on the host and there is one; else None (checked
+    before anything is copied)."""
+    flat = jax.tree_util.tree_leaves(tree)
+    if not flat or not all(isinstance(x, np.ndarray | np.generic) for x in flat):
+        return None
+    spec, packed, _ = pack(tree)
+    assert packed is not None
+    return spec, packed
+
+
 def unpack(spec: PackSpec, packed: Any, device: tuple[Any, ...]) -> Any:
     """Inside jit: the tree `pack` split, host leaves sliced from `packed` at their dtype."""
     out = []
