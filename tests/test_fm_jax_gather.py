@@ -290,7 +290,8 @@ def test_a_gather_loop_serves_from_warmed_executables_only() -> None:
             b = fj.Batch(M, a(2, 3, 5), a(9, 0, 0), a(1, 5, 7), token_slots=a(0, 3, 5))
         else:
             b = fj.Batch(D, a(3, 5), None, a(5, 7))
-        fm.resolve(b if step < 2 else b._replace(forward_mode=jnp.int32(D)))
+        # A traced DECODE brings ids (placeholders: its kind is known only on the device).
+        fm.resolve(b if step < 2 else b._replace(forward_mode=jnp.int32(D), input_ids=a(0, 0)))
     fm.check()
 
 
@@ -380,3 +381,93 @@ def test_a_rank_left_out_of_per_rank_token_slots_counts_no_entries() -> None:
     r = fm.resolve(fj.Batch(M, {}, {}, {}, token_slots={}))
     assert host(r.input_ids) == [0]
     assert buffers(fm) == before
+
+
+# -------------------------------------------------- which fields a batch brings
+def test_a_traced_mixed_batch_without_token_slots_is_reported() -> None:
+    """Defect (reliability round two, 1): a gather MIXED batch without token_slots whose kind
+    is known only on the device was accepted silently, its running rows keeping the host's
+    placeholder ids. Debug now reports it as a batch-fields violation; on the host (a host
+    mode, or a mesh rank's) it is refused before anything runs."""
+    fm = primed(debug=True)
+    fm.resolve(fj.Batch(jnp.int32(M), a(2, 5), a(7, 0), a(3, 7)))
+    with pytest.raises(fj.InvariantViolation, match=r"\[batch fields\] a MIXED batch"):
+        fm.check()
+    before = buffers(fm)
+    with pytest.raises(fj.FutureMapError, match="MIXED batch in the gather protocol needs"):
+        fm.resolve(fj.Batch(M, a(2, 5), a(7, 0), a(3, 7)))
+    assert buffers(fm) == before
+    fm.resolve(fj.Batch(jnp.int32(E), a(2), a(7), a(3)))  # not MIXED: nothing to report
+    fm.check()
+
+
+def test_token_slots_of_a_batch_that_is_not_mixed() -> None:
+    """Defect (reliability round two, 2): a gather batch that was not MIXED but carried
+    nonzero token_slots gathered into its prefill ids, and in debug consumed the slot, so
+    the slot's next legitimate read was reported against the wrong op. On the host (a host
+    mode, or a mesh rank's) nonzero token slots outside MIXED are refused, buffers
+    untouched; with a traced mode they are reported, not gathered, and the slot is not
+    consumed. All-zero token slots gather nothing and are accepted."""
+    fm = primed(debug=True)
+    before = buffers(fm)
+    for mode in (E, fj.ForwardMode.IDLE):
+        with pytest.raises(fj.FutureMapError, match="only a MIXED batch has running rows"):
+            fm.resolve(fj.Batch(mode, a(2, 3), a(7, 8), a(3, 3), token_slots=a(0, 5)))
+    with pytest.raises(fj.FutureMapError, match=r"batch\[rank 0\].token_slots of a batch"):
+        fm.resolve({0: fj.Batch(E, a(2, 3), a(7, 8), a(3, 3), token_slots=a(0, 5))})
+    assert buffers(fm) == before and fm.step == 0
+    r = fm.resolve(fj.Batch(E, a(2), a(7, 8), a(3), token_slots=a(0, 0)))
+    assert host(r.input_ids)[:2] == [7, 8]
+    r = fm.resolve(fj.Batch(jnp.int32(E), a(2, 3), a(7, 8), a(3, 3), token_slots=a(0, 5)))
+    assert host(r.input_ids)[:2] == [7, 8]  # the host's ids: slot 5 was not gathered
+    with pytest.raises(fj.InvariantViolation, match=r"\[batch fields\] token_slots name slot 5"):
+        fm.check()
+    r = fm.resolve(fj.Batch(D, a(5), None, a(7)))  # slot 5's one legitimate read
+    assert host(r.input_ids)[:1] == [50]
+    fm.check()
+
+
+def test_a_gather_batch_without_ids_is_refused_unless_decode() -> None:
+    """Defect (reliability round two, 3): a gather EXTEND or MIXED batch with
+    input_ids=None resolved to zeros. Only a DECODE batch known on the host comes without
+    ids (as fm_torch rules); EXTEND, MIXED, IDLE and a traced mode (whose kind the host
+    does not know) are refused by name, in the class and in the pure ops."""
+    fm = primed()
+    before = buffers(fm)
+    batches = [
+        fj.Batch(E, a(2), None, a(3)),
+        fj.Batch(M, a(2, 5), None, a(3, 7), token_slots=a(0, 5)),
+        fj.Batch(fj.ForwardMode.IDLE, a(), None, a()),
+    ]
+    for b in batches:
+        with pytest.raises(fj.FutureMapError, match="only a DECODE batch comes without ids"):
+            fm.resolve(b)
+    with pytest.raises(fj.FutureMapError, match="input_ids is None with a traced"):
+        fm.resolve(fj.Batch(jnp.int32(D), a(3, 5), None, a(5, 7)))
+    with pytest.raises(fj.FutureMapError, match=r"batch\[rank 0\].input_ids is None"):
+        fm.resolve({0: fj.Batch(E, a(2), None, a(3))})
+    assert buffers(fm) == before and fm.step == 0
+    ops = fj.future_map(R, protocol="gather")
+    for mode in (E, jnp.int32(E)):
+        with pytest.raises(fj.FutureMapError, match="input_ids is None"):
+            ops.resolve(ops.init(), fj.Batch(mode, a(2), None, a(3)))
+    assert host(ops.resolve(ops.init(), fj.Batch(D, a(2), None, a(3)))[1].input_ids) == [0]
+
+
+@pytest.mark.parametrize("protocol", ["gather", "sentinel"])
+def test_draft_indices_shorter_than_the_batch_are_refused(protocol: str) -> None:
+    """Defect (reliability round two, 4): a spec DECODE whose draft_indices were shorter
+    than the batch was padded with slot 0, whose rows got slot 0's length and draft with no
+    report. One draft slot per row, refused by name otherwise (fm_torch's rule)."""
+    fm = fj.FutureMap(
+        R, protocol=protocol, spec=fj.SpecConfig(topk=1), batch_buckets=(2, 4), token_buckets=(2, 4)
+    )
+    fm.publish(a(3, 5), a(4, 6))
+    fm.stash(a(3, 5), fj.DraftPayload(a(30, 50), np.ones((2, 1), np.float32), a(1, 1)[:, None]))
+    before = buffers(fm)
+    ids = a(30, 50) if protocol == "gather" else a(-3, -5)
+    with pytest.raises(fj.FutureMapError, match="draft_indices has .* rows per rank"):
+        fm.resolve(fj.Batch(D, a(3, 5), ids, ids, draft_indices=a(3)))
+    assert buffers(fm) == before and fm.step == 0
+    r = fm.resolve(fj.Batch(D, a(3, 5), ids, ids, draft_indices=a(3, 5)))
+    assert host(r.seq_lens)[:2] == [4, 6]

@@ -307,3 +307,39 @@ def test_a_scalar_field_of_its_own_dtype_is_relayed_and_a_missing_bonus_is_named
     assert bits(r.draft.extras["conf"]) == bits(vals[::-1])
     with pytest.raises(fj.FutureMapError, match="draft.bonus_tokens is missing"):
         ops.stash(ops.init(), jnp.asarray(a(3, 5)), d._replace(bonus_tokens=None))
+
+
+def test_a_declared_bf16_field_with_bits_relays_its_bytes() -> None:
+    """Defect (reliability round two, 5): `bits=True` was refused for bfloat16 (numpy
+    reports its kind as 'V'), so no engine-declared bf16 field could be bit-exact: XLA:CPU
+    canonicalises NaN payloads of a bf16 scatter. Declared with bits, the rows resolve with
+    their bytes: a NaN payload and -0.0 included."""
+    field = fj.RelayField("h", (3,), jnp.bfloat16, bits=True)
+    fm = fj.FutureMap(R, spec=fj.SpecConfig(topk=1, extra=(field,)), batch_buckets=(2,))
+    rows = np.asarray(jnp.asarray([[1.0, -0.0, 2.0], [3.0, 4.0, 5.0]], jnp.bfloat16)).copy()
+    rows.view(np.uint16)[0, 2] = 0x7FC1  # a NaN with a payload
+    payload = fj.DraftPayload(
+        a(1, 2), np.ones((2, 1), np.float32), np.ones((2, 1), np.int32), extras={"h": rows}
+    )
+    fm.stash(a(3, 5), payload)
+    fm.publish(a(3, 5), a(2, 2))
+    res = fm.resolve(fj.Batch(D, a(3, 5), a(-3, -5), a(-3, -5), draft_indices=a(3, 5)))
+    assert res.draft is not None and res.draft.extras is not None
+    assert np.asarray(res.draft.extras["h"])[:2].tobytes() == rows.tobytes()
+
+
+def test_a_field_the_map_could_never_store_is_refused_when_declared() -> None:
+    """Defect (reliability round two): a 64-bit field without x64 was accepted and then
+    refused every stash. Declarations no stash could serve (a 64-bit dtype without x64, an
+    object or string dtype, bits on an int) are refused when the map is built."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on: a 64-bit field is servable")
+    for bad in (
+        fj.RelayField("d", (), np.float64),
+        fj.RelayField("n", (2,), np.int64),
+        fj.RelayField("o", (), object),
+        fj.RelayField("s", (), np.str_),
+        fj.RelayField("i", (), np.int32, bits=True),
+    ):
+        with pytest.raises(fj.FutureMapError, match=f"spec.extra\\[{bad.name}\\]"):
+            fj.FutureMap(R, spec=fj.SpecConfig(topk=1, extra=(bad,)))

@@ -38,6 +38,7 @@ CONSUME = "consume (WRWR)"
 FORWARD_MODE = "forward mode"
 PUBLISHED_LENGTHS = "published lengths >= 0"
 STASHED_TOKENS = "stashed tokens >= 0"
+BATCH_FIELDS = "batch fields"
 
 SLOT_NAMED = re.compile(r"\bslot (-?\d+)")
 """Where a check's message names the slot it failed at (every check's but the mode's)."""
@@ -169,6 +170,37 @@ def known_mode(mode: jax.Array, dtype: Any, into: OpChecks) -> None:
             "the batch ran as one that is not DECODE",
             dtype,
             mode,
+        ),
+    )
+
+
+def token_slots_only_mixed(
+    mode: jax.Array, slots: jax.Array | None, dtype: Any, into: OpChecks
+) -> None:
+    """Gather protocol, a mode known only on the device: a MIXED batch brings token slots
+    (else its running rows would keep the host's ids), and only a MIXED batch has a
+    nonzero one (another kind's would gather into its own ids). Assumes slots >= 0."""
+    is_mixed = mode == ForwardMode.MIXED
+    if slots is None:
+        into.add(
+            None,
+            lambda _: _check(
+                ~is_mixed,
+                f"[{BATCH_FIELDS}] a MIXED batch (forward_mode {{value}}) came without "
+                "token_slots: its running rows kept the host's ids",
+                dtype,
+                mode,
+            ),
+        )
+        return
+    into.add(
+        _witness(~is_mixed & (slots > 0), slots),
+        lambda slot: _check(
+            slot == 0,
+            f"[{BATCH_FIELDS}] token_slots name slot {{value}} in a batch that is not MIXED "
+            "(only a MIXED batch's running rows gather; the slot was not read)",
+            dtype,
+            slot,
         ),
     )
 

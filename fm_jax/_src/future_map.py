@@ -75,6 +75,16 @@ class _Placed(NamedTuple):
     ids: Rows | None
 
 
+def _all_zero(slots: Any) -> bool:
+    """Host token slots that gather nothing (a jax array is not read: False)."""
+    if isinstance(slots, jax.Array):
+        return False
+    try:
+        return not np.any(np.asarray(slots))
+    except (TypeError, ValueError):
+        return False  # not an array: placing it names the field
+
+
 def _rows_per_rank(x: Any, dp: int) -> int | None:
     """Rows per DP rank of a host input before it is placed (a mapping: its largest
     rank's); None when `x` has no length (placing it then names what is wrong)."""
@@ -444,7 +454,7 @@ class FutureMap:
             idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
             lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
             return self._placed(batch.forward_mode, idx, None, lens, batch.draft_indices)
-        given = self._ids_of(batch.input_ids, batch.req_pool_indices)
+        given = self._ids_of(batch.input_ids, batch.req_pool_indices, batch.forward_mode)
         rows, tokens = self._resolve_sizes(batch.req_pool_indices, given, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
         ids = inputs.token_ids("input_ids", given, tokens)
@@ -465,15 +475,30 @@ class FutureMap:
             and int(mode) == ForwardMode.DECODE
         )
 
-    def _ids_of(self, ids: Any, slots: Any) -> Any:
-        """A batch's input ids; in the gather protocol None stands for zeros, one per row
-        (a DECODE rank's in a mapping, or a batch with a traced mode: they are not read)."""
+    def _ids_of(self, ids: Any, slots: Any, mode: Any, where: str = "") -> Any:
+        """A batch's input ids. In the gather protocol only a DECODE batch known on the
+        host comes without ids (a DECODE rank's in a mapping: zeros, one per row, never
+        read); any other batch without ids is refused, a traced mode's included (its
+        kind is known only on the device)."""
         if ids is not None or self.protocol != "gather":
             return ids
-        if isinstance(slots, Mapping):
-            return {r: np.zeros(len(s), self.dtype) for r, s in slots.items()}
-        if isinstance(slots, jax.Array):
-            return jnp.zeros(slots.shape, self.dtype, device=slots.sharding)
+        if isinstance(mode, jax.Array):
+            raise FutureMapError(
+                f"{where}input_ids is None with a traced forward_mode: a batch whose kind is "
+                "known only on the device brings its ids (any value at DECODE rows: they are "
+                "gathered)"
+            )
+        if isinstance(mode, np.ndarray) and mode.ndim == 1:  # one per rank: idle ones too
+            kinds = {_host_mode(m, f"{where}forward_mode") for m in mode.tolist()}
+            kinds -= {ForwardMode.IDLE}
+        else:
+            kinds = {_host_mode(mode, f"{where}forward_mode")}
+        if kinds - {ForwardMode.DECODE}:
+            names = "/".join(sorted(k.name for k in kinds))
+            raise FutureMapError(
+                f"{where}input_ids is None with forward_mode {names}: only a DECODE batch "
+                "comes without ids in the gather protocol"
+            )
         try:
             return np.zeros(len(slots), self.dtype)
         except TypeError:
@@ -526,7 +551,10 @@ class FutureMap:
             if not isinstance(b, Batch):
                 raise FutureMapError(f"batch[rank {r}] must be a Batch, got {type(b).__name__}")
         field = lambda f: {r: getattr(b, f) for r, b in batches.items()}  # noqa: E731
-        given = {r: self._ids_of(b.input_ids, b.req_pool_indices) for r, b in batches.items()}
+        given = {
+            r: self._ids_of(b.input_ids, b.req_pool_indices, b.forward_mode, f"batch[rank {r}].")
+            for r, b in batches.items()
+        }
         rows, tokens = self._resolve_sizes(field("req_pool_indices"), given, rows, tokens)
         idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
         ids = inputs.token_ids("input_ids", given, tokens)
@@ -543,6 +571,13 @@ class FutureMap:
         if drafts and len(drafts) != len(batches):
             raise FutureMapError("draft_indices given on some ranks only")
         given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
+        for r, ts in given_slots.items():
+            if modes[int(r)] != ForwardMode.MIXED and not _all_zero(ts):
+                raise FutureMapError(
+                    f"batch[rank {r}].token_slots of a batch of kind "
+                    f"{ForwardMode(modes[int(r)]).name} name slots: only a MIXED batch has "
+                    "running rows to gather"
+                )
         slots = None
         if given_slots:
             # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
@@ -586,7 +621,13 @@ class FutureMap:
         if draft is not None:
             if self.spec is None:
                 raise FutureMapError("batch.draft_indices given but the map was built without spec")
-            draft_idx = self._inputs.slots("draft_indices", draft, idx.size).array
+            placed = self._inputs.slots("draft_indices", draft, idx.size)
+            if None not in (placed.counts, idx.counts) and placed.counts != idx.counts:
+                raise FutureMapError(
+                    f"draft_indices has {placed.counts} rows per rank, req_pool_indices "
+                    f"{idx.counts}: one draft slot per row"
+                )
+            draft_idx = placed.array
         b = Batch(mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots)
         t = idx.size if ids is None else ids.size
         key = (resolve, idx.size, t, draft is not None, slots is not None)
@@ -622,6 +663,12 @@ class FutureMap:
         if slots is not None and modes == [ForwardMode.DECODE]:
             raise FutureMapError(
                 "token_slots given for a DECODE batch: it gathers at req_pool_indices"
+            )
+        if slots is not None and ForwardMode.MIXED not in modes and not _all_zero(slots):
+            kinds = "/".join(sorted({ForwardMode(m).name for m in modes}))
+            raise FutureMapError(
+                f"token_slots of a batch of kind {kinds} name slots (or are a jax array, not "
+                "read here): only a MIXED batch has running rows to gather"
             )
 
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:

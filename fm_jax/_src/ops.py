@@ -291,6 +291,16 @@ def future_map(
         if batch.input_ids is None:
             if not gather:
                 raise FutureMapError("batch.input_ids is None: a sentinel-protocol batch has ids")
+            if not isinstance(mode, int | np.integer):
+                raise FutureMapError(
+                    "batch.input_ids is None with a traced forward_mode: a batch whose kind is "
+                    "known only on the device brings its ids (any value at DECODE rows)"
+                )
+            if mode != ForwardMode.DECODE:
+                raise FutureMapError(
+                    f"batch.input_ids is None with forward_mode {ForwardMode(mode).name}: only "
+                    "a DECODE batch comes without ids in the gather protocol"
+                )
             batch = batch._replace(input_ids=jnp.zeros(jnp.shape(idx)[0], dt))
         s.check_1d_int("input_ids", batch.input_ids, dt)
         s.check_1d_int("seq_lens", batch.seq_lens, dt)
@@ -389,9 +399,11 @@ def future_map(
         ts_in = batch.token_slots
         known = isinstance(mode, int | np.integer)
         is_decode: Any = mode == ForwardMode.DECODE
-        # Takes token slots (only MIXED has nonzero ones). `~` only on a traced mode: on a
-        # Python bool it is integer inversion (never False).
-        not_decode: Any = (not is_decode) if known else ~is_decode
+        # Gathers at its token slots. A mode fixed when traced is 'DECODE or not' (one
+        # executable serves EXTEND, MIXED and IDLE; the host refuses token slots on a batch
+        # that is not MIXED); a traced mode gathers only when MIXED (debug reports token
+        # slots on another kind). `~` only on a traced mode: on a bool it is int inversion.
+        takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
         if known:
             if mode == ForwardMode.MIXED and ts_in is None:
                 raise FutureMapError(
@@ -405,17 +417,21 @@ def future_map(
         # Each gather from output_tokens: (values, slots read, whether this batch does it).
         reads: list[tuple[jax.Array, jax.Array, Any]] = []
         out = ids
-        if ts_in is not None and (not known or not_decode):
+        if ts_in is not None and (not known or takes_slots):
             s.check_1d_int("token_slots", ts_in, dt)
             s.check_rows("token_slots", ts_in, t)
             ts = jnp.asarray(ts_in, dt)
             if chk is not None:
                 checks.valid_slots("token_slots", ts, r, dt, chk)
+                if not known:
+                    checks.token_slots_only_mixed(mode, ts, dt, chk)
             got = _gather(state.output_tokens, ts)
             # A token slot of 0 keeps the host's id: slot 0 (padding) is never gathered, and
             # the consume check skips its reads.
-            reads.append((got, ts, not_decode))
-            out = jnp.where(not_decode & (ts > 0), got, out)
+            reads.append((got, ts, takes_slots))
+            out = jnp.where(takes_slots & (ts > 0), got, out)
+        elif chk is not None and not known:
+            checks.token_slots_only_mixed(mode, None, dt, chk)
         if spec is None and (not known or is_decode):
             if t < b:
                 raise FutureMapError(

@@ -80,11 +80,19 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
             dt = None if f.dtype is None else np.dtype(f.dtype)
         except TypeError:
             raise FutureMapError(f"spec.extra[{f.name}]: dtype {f.dtype!r} is not one") from None
+        if dt is not None and (dt.kind not in "biufcV" or dt.itemsize == 0):
+            raise FutureMapError(f"spec.extra[{f.name}]: dtype {dt} is not a numeric one")
+        if dt is not None and jax.dtypes.canonicalize_dtype(dt) != dt:
+            raise FutureMapError(
+                f"spec.extra[{f.name}]: dtype {dt} needs JAX's x64 mode, which is off: no "
+                "stash could store it"
+            )
         if f.consumed and dt is not None and dt.kind != "i":
             raise FutureMapError(
                 f"spec.extra[{f.name}]: a consumed field is a signed int (poison -1), got {dt}"
             )
-        if f.bits and (dt is None or dt.kind not in "fc" or dt.itemsize > 8):
+        # bfloat16 is a float whose numpy kind is 'V'; its bits are uint16.
+        if f.bits and (dt is None or not jnp.issubdtype(dt, jnp.inexact) or dt.itemsize > 8):
             raise FutureMapError(f"spec.extra[{f.name}]: bits=True stores a float's bits")
         out.append(f._replace(shape=shape, dtype=dt))
     return tuple(out)
