@@ -471,3 +471,18 @@ def test_draft_indices_shorter_than_the_batch_are_refused(protocol: str) -> None
     assert buffers(fm) == before and fm.step == 0
     r = fm.resolve(fj.Batch(D, a(3, 5), ids, ids, draft_indices=a(3, 5)))
     assert host(r.seq_lens)[:2] == [4, 6]
+
+
+def test_debug_reports_negative_device_ids() -> None:
+    """Defect (reliability round two): gather debug did not report negative device
+    input_ids (fm_torch refuses them; host ids are refused on the host). Reported now as a
+    batch-fields violation naming the id."""
+    fm = primed(debug=True)
+    ids = jax.device_put(a(7, -3))
+    fm.resolve(fj.Batch(E, jax.device_put(a(2, 0)), ids, jax.device_put(a(3, 0))))
+    with pytest.raises(
+        fj.InvariantViolation, match=r"\[batch fields\] input_ids holds a negative id -3"
+    ):
+        fm.check()
+    with pytest.raises(fj.FutureMapError, match="negative ids"):
+        fm.resolve(fj.Batch(E, a(2), a(7, -3), a(3)))

@@ -331,3 +331,33 @@ def test_mesh_warm_up_and_guard() -> None:
         assert part["compiles_after"] == 0, (debug, part)
         assert part["by_op"]["resolve"] == 3 and part["by_op"]["publish"] == 3
         assert "serving guard" in part["refused"] and "publish at 2 rows" in part["refused"]
+
+
+_OTHER_DEVICE_CHILD = """
+import numpy as np, jax, fm_jax as fj
+fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(2,))
+fm.warm_up(guard=True, traced_modes=False)
+x = jax.device_put(np.array([1, 2], np.int32), jax.devices()[1])
+try:
+    fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, x, x, x))
+    print("ran")
+except fj.FutureMapError as e:
+    print("refused", fm.step, "other arguments" in str(e))
+"""
+
+
+def test_the_guard_refuses_an_array_on_another_device_by_name() -> None:
+    """Defect (reliability round two): under warm_up(guard=True) a jax array committed to
+    another device raised a raw ValueError, and the refused call still counted a step.
+    It is a FutureMapError from the guard now, and the step count stays."""
+    from host_devices import cpu_devices_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _OTHER_DEVICE_CHILD],
+        env=cpu_devices_env(2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["refused", "0", "True"]

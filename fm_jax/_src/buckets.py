@@ -23,11 +23,16 @@ def power_of_two_buckets(largest: int) -> tuple[int, ...]:
 
 
 def normalize_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
-    """Sorted, de-duplicated positive bucket sizes, or FutureMapError."""
-    bs = sorted(set(int(b) for b in buckets))
-    if not bs or bs[0] < 1:
-        raise FutureMapError(f"buckets must be positive sizes, got {list(buckets)}")
-    return tuple(bs)
+    """Sorted, de-duplicated positive bucket sizes, or FutureMapError (an empty list, a
+    value that is not an int, a size < 1)."""
+    ok = isinstance(buckets, Sequence) and not isinstance(buckets, str | bytes)
+    if ok and all(
+        isinstance(b, int | np.integer) and not isinstance(b, bool | np.bool_) for b in buckets
+    ):
+        bs = sorted({int(b) for b in buckets})
+        if bs and bs[0] >= 1:
+            return tuple(bs)
+    raise FutureMapError(f"buckets must be a non-empty list of int sizes >= 1, got {buckets!r}")
 
 
 def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:

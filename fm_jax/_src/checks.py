@@ -159,6 +159,24 @@ def sentinels_in_range(input_ids: jax.Array, pool_size: int, into: OpChecks) -> 
     into.add(~input_ids, emit)
 
 
+def ids_not_negative(input_ids: jax.Array, into: OpChecks) -> None:
+    """Gather protocol: every input id is a token id, >= 0 (there are no sentinels)."""
+    if input_ids.shape[0] == 0:
+        return
+
+    def emit(not_lo: jax.Array) -> None:
+        lo = ~not_lo.astype(input_ids.dtype)  # max(~x) = ~min(x), with no overflow
+        _check(
+            lo >= 0,
+            f"[{BATCH_FIELDS}] input_ids holds a negative id {{value}}: the gather protocol "
+            "has no sentinels (token ids are >= 0)",
+            input_ids.dtype,
+            lo,
+        )
+
+    into.add(~input_ids, emit)
+
+
 def known_mode(mode: jax.Array, dtype: Any, into: OpChecks) -> None:
     """A traced forward mode is one of the ForwardMode values (0..3)."""
     top = max(int(m) for m in ForwardMode)

@@ -148,6 +148,10 @@ class FutureMap:
     ) -> None:
         if mesh is not None and device is not None:
             raise FutureMapError("pass a mesh or a device, not both")
+        if device is not None and not isinstance(device, jax.Device):
+            raise FutureMapError(f"device must be a jax.Device, got {device!r}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
         self.layout: MeshLayout = (
             single_device_layout(device or jax.devices()[0])
             if mesh is None
@@ -161,8 +165,12 @@ class FutureMap:
         self._fields = self.spec.fields() if self.spec is not None else ()
         self.debug = debug
         self.protocol: str = local.protocol
-        self.batch_buckets = bk.normalize_buckets(batch_buckets or bk.power_of_two_buckets(1024))
-        self.token_buckets = bk.normalize_buckets(token_buckets or bk.power_of_two_buckets(8192))
+        self.batch_buckets = bk.normalize_buckets(
+            bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
+        )
+        self.token_buckets = bk.normalize_buckets(
+            bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
+        )
         self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
         self.step = 0
         self._inputs = HostInputs(
@@ -192,7 +200,14 @@ class FutureMap:
         # same array would find the same.
         self._checked: weakref.ref[jax.Array] | None = None
         init = jax.jit(self.ops.init, out_shardings=self.layout.sharding)
-        self._state: FutureMapState = init()
+        try:
+            self._state: FutureMapState = init()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise FutureMapError(
+                f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
+            ) from None
         self._fns = self.executables()
         platform = self.layout.mesh.devices.flat[0].platform
         if pack_inputs is not None and not isinstance(pack_inputs, bool):
@@ -485,7 +500,7 @@ class FutureMap:
         if isinstance(mode, jax.Array):
             raise FutureMapError(
                 f"{where}input_ids is None with a traced forward_mode: a batch whose kind is "
-                "known only on the device brings its ids (any value at DECODE rows: they are "
+                "known only on the device brings its ids (any id >= 0 at DECODE rows: they are "
                 "gathered)"
             )
         if isinstance(mode, np.ndarray) and mode.ndim == 1:  # one per rank: idle ones too

@@ -144,22 +144,14 @@ def future_map(
     Returns:
       FutureMapOps. Inputs are checked for rank, shape and dtype when traced.
     """
-    if not isinstance(pool_size, int) or pool_size < 2:
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 2:
         raise FutureMapError(f"pool_size must be an int >= 2 (slot 0 is padding), got {pool_size}")
+    if not isinstance(debug, bool):
+        raise FutureMapError(f"debug must be a bool, got {debug!r}")
     dt = int_dtype(dtype)
     gather = check_protocol(protocol) == "gather"
     if spec is not None:
-        if spec.topk < 1 or spec.hidden < 0:
-            raise FutureMapError(f"spec needs topk >= 1 and hidden >= 0, got {spec}")
-        if np.dtype(spec.hidden_dtype) not in HIDDEN_DTYPES:
-            raise FutureMapError(
-                f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}"
-            )
-        spec = spec._replace(
-            hidden_dtype=np.dtype(spec.hidden_dtype),
-            verified_id=bool(spec.verified_id),
-            extra=rf.check_extra(tuple(spec.extra)),
-        )
+        spec = rf.check_spec(spec)
     # What a spec map relays, in stash order; the bonus tokens live in output_tokens.
     fields = spec.fields() if spec is not None else ()
     consumed = [f.name for f in fields if f.consumed]
@@ -294,7 +286,7 @@ def future_map(
             if not isinstance(mode, int | np.integer):
                 raise FutureMapError(
                     "batch.input_ids is None with a traced forward_mode: a batch whose kind is "
-                    "known only on the device brings its ids (any value at DECODE rows)"
+                    "known only on the device brings its ids (any id >= 0 at DECODE rows)"
                 )
             if mode != ForwardMode.DECODE:
                 raise FutureMapError(
@@ -414,6 +406,8 @@ def future_map(
                 raise FutureMapError(
                     "token_slots given for a DECODE batch: it gathers at req_pool_indices"
                 )
+        if chk is not None:
+            checks.ids_not_negative(ids, chk)
         # Each gather from output_tokens: (values, slots read, whether this batch does it).
         reads: list[tuple[jax.Array, jax.Array, Any]] = []
         out = ids

@@ -9,6 +9,7 @@ the same fields the same way (standard attributes, `extras` by name).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -62,6 +63,39 @@ def standard_fields(
     return tuple(out)
 
 
+def _count(x: Any, low: int) -> bool:
+    """`x` is an int (not a bool) >= low."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) and bool(x >= low)
+
+
+def check_spec(spec: Any) -> Any:
+    """A SpecConfig normalised (numpy dtypes, a tuple of fields), or FutureMapError naming
+    what no map could serve: topk an int >= 1, hidden an int >= 0, a bf16/f16/f32 hidden
+    dtype, verified_id a bool, extra a sequence of RelayFields (`check_extra`)."""
+    from fm_jax._src.types import SpecConfig  # types imports this module
+
+    if not isinstance(spec, SpecConfig):
+        raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
+    if not _count(spec.topk, 1) or not _count(spec.hidden, 0):
+        raise FutureMapError(f"spec needs an int topk >= 1 and an int hidden >= 0, got {spec}")
+    try:
+        hidden_dtype = np.dtype(spec.hidden_dtype)
+    except TypeError:
+        hidden_dtype = None
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
+    if not isinstance(spec.verified_id, bool):
+        raise FutureMapError(f"spec.verified_id must be a bool, got {spec.verified_id!r}")
+    if isinstance(spec.extra, str | bytes | RelayField) or not isinstance(spec.extra, tuple | list):
+        raise FutureMapError(f"spec.extra must be a tuple of RelayFields, got {spec.extra!r}")
+    return spec._replace(
+        topk=int(spec.topk),
+        hidden=int(spec.hidden),
+        hidden_dtype=hidden_dtype,
+        extra=check_extra(tuple(spec.extra)),
+    )
+
+
 def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
     """An engine's own fields, normalised (dtype a numpy dtype or None); FutureMapError
     naming what is wrong: a name taken or repeated, a bad shape or dtype, a consumed
@@ -73,9 +107,13 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
         if not isinstance(f.name, str) or not f.name.isidentifier() or f.name in seen:
             raise FutureMapError(f"spec.extra: field name {f.name!r} is not a new identifier")
         seen.add(f.name)
-        shape = tuple(f.shape)
-        if not all(isinstance(d, int) and d >= 1 for d in shape):
-            raise FutureMapError(f"spec.extra[{f.name}]: shape must hold ints >= 1, got {shape}")
+        if not isinstance(f.shape, tuple | list) or not all(_count(d, 1) for d in f.shape):
+            raise FutureMapError(
+                f"spec.extra[{f.name}]: shape must be a tuple of ints >= 1, got {f.shape!r}"
+            )
+        shape = tuple(int(d) for d in f.shape)
+        if not isinstance(f.consumed, bool) or not isinstance(f.bits, bool):
+            raise FutureMapError(f"spec.extra[{f.name}]: consumed and bits must be bools")
         try:
             dt = None if f.dtype is None else np.dtype(f.dtype)
         except TypeError:
@@ -144,6 +182,10 @@ def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
     """FutureMapError if `draft` (a DraftPayload) gives a field the spec does not declare:
     every value given is relayed, none is dropped."""
     names = {f.name for f in fields}
+    if draft.extras is not None and not isinstance(draft.extras, Mapping):
+        raise FutureMapError(
+            f"draft.extras must be a mapping field name -> rows, got {type(draft.extras).__name__}"
+        )
     if draft.hidden_states is not None and "hidden_states" not in names:
         raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
     if draft.verified_id is not None and "verified_id" not in names:

@@ -232,7 +232,8 @@ class Guarded:
     def __call__(self, *args: Any) -> Any:
         try:
             return self.compiled(*args)
-        except TypeError as e:  # raised while matching arguments: nothing ran
+        except (TypeError, ValueError) as e:  # raised while matching arguments (a shape,
+            # a dtype, a device or sharding it was not built for): nothing ran
             raise FutureMapError(
                 f"serving guard: {describe(self.key)} was warmed for other arguments and would "
                 f"compile again: {e}"
