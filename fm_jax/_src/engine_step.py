@@ -203,6 +203,17 @@ class EngineStep:
         Returns:
           StepResult: the forward's `out` and the batch for the next step.
         """
+        with self._fm._lock:  # one op at a time on the map (see FutureMap)
+            return self._step(batch, args, inputs, rows, tokens)
+
+    def _step(
+        self,
+        batch: Batch | Mapping[int, Batch],
+        args: tuple[Any, ...],
+        inputs: Mapping[str, Any] | None,
+        rows: int | None,
+        tokens: int | None,
+    ) -> StepResult:
         fm = self._fm
         placed = fm._place(batch, rows, tokens)
         host = self._place_inputs(inputs, placed.idx, placed.ids)
@@ -358,6 +369,12 @@ class EngineStep:
           traced_modes: also warm a traced forward mode (see `FutureMap.warm_up`).
           threads: compile threads; default min(8, CPU count).
         """
+        with self._fm._lock:
+            return self._warm_up(args, guard, traced_modes, threads)
+
+    def _warm_up(
+        self, args: tuple[Any, ...], guard: bool, traced_modes: bool, threads: int | None
+    ) -> WarmUpReport:
         t0 = time.perf_counter()
         fm = self._fm
         inputs = fm._inputs

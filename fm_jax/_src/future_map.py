@@ -8,11 +8,13 @@ both; `host_inputs` says what a caller may pass.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,7 @@ from fm_jax._src.warm_up import (
 )
 
 _log = logging.getLogger("fm_jax")
+_M = TypeVar("_M", bound=Callable[..., Any])
 _FIXED = ("resolve_fixed_extend", "resolve_fixed_decode")
 """The resolve executables with the mode fixed when traced: not DECODE, DECODE."""
 Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
@@ -73,6 +76,18 @@ class _Placed(NamedTuple):
     batch: Batch
     idx: Rows
     ids: Rows | None
+
+
+def _serialized(method: _M) -> _M:
+    """`method` run under the map's lock: calls from several threads take turns (each op
+    donates the state the next one reads). Uncontended, the lock costs well under 1 us."""
+
+    @functools.wraps(method)
+    def locked(self: FutureMap, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 def _all_zero(slots: Any) -> bool:
@@ -108,6 +123,10 @@ class FutureMap:
 
     Debug mode adds no host sync per step: each op's checkify error stays on device and is
     reported by `check()`, or by `resolve_seq_lens_cpu` (which syncs anyway).
+
+    Threads: a map's ops (and its engine steps) take turns on one lock per map, so several
+    threads may call one map; each op sees the state the previous one left. Uncontended
+    the lock costs about 0.2 us a call.
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1); slot 0 is padding.
@@ -146,6 +165,8 @@ class FutureMap:
         protocol: str = "sentinel",
         pack_inputs: bool | None = None,
     ) -> None:
+        # One op at a time (`_serialized`); reentrant: an op may call another (check).
+        self._lock = threading.RLock()
         if mesh is not None and device is not None:
             raise FutureMapError("pass a mesh or a device, not both")
         if device is not None and not isinstance(device, jax.Device):
@@ -326,6 +347,7 @@ class FutureMap:
         return self._run((op, idx.size), idx.array, *args)
 
     # -------------------------------------------------------------------------------- ops
+    @_serialized
     def publish(
         self, indices: RowsInput, new_seq_lens: RowsInput, *, rows: int | None = None
     ) -> None:
@@ -342,6 +364,7 @@ class FutureMap:
         lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True, relayed=True)
         self._state = self._tail("publish", idx, lens, given=new_seq_lens)
 
+    @_serialized
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place.
 
@@ -356,6 +379,7 @@ class FutureMap:
             return  # DP idle: nothing ran, nothing to relay
         self._state = self._tail("stash", idx, self._payload(payload, idx), given=payload)
 
+    @_serialized
     def finish(
         self,
         batch: Batch,
@@ -416,6 +440,7 @@ class FutureMap:
 
         return draft_payload({f.name: field(f) for f in self._fields})
 
+    @_serialized
     def resolve(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -686,6 +711,7 @@ class FutureMap:
                 "read here): only a MIXED batch has running rows to gather"
             )
 
+    @_serialized
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
         """Sentinels for the next step: ids and lengths := -indices (padding rows: 0).
 
@@ -704,6 +730,7 @@ class FutureMap:
         sentinel = self._run(("sentinels", idx.size), idx.array)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
+    @_serialized
     def resolve_seq_lens_cpu(
         self, indices: RowsInput, *, rows: int | None = None
     ) -> np.ndarray | dict[int, np.ndarray]:
@@ -724,6 +751,7 @@ class FutureMap:
         self.check()
         return self._inputs.unpad(host, idx)
 
+    @_serialized
     def check(self) -> None:
         """Raise InvariantViolation listing every failed debug check since the last call.
 
@@ -789,6 +817,7 @@ class FutureMap:
         head = (self._state,) if takes_state(p.key[0]) else ()
         return Planned(p.key, fn, (*head, packed), packed=spec)
 
+    @_serialized
     def warm_up(
         self, *, guard: bool = False, traced_modes: bool = True, threads: int | None = None
     ) -> WarmUpReport:
