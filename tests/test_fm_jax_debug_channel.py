@@ -3,6 +3,8 @@ every violation reported."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,6 +129,33 @@ def test_a_full_pending_list_keeps_the_failures_and_raises_nowhere_else(
     with pytest.raises(fj.InvariantViolation) as got:
         fm.check()
     assert (got.value.op, got.value.invariant) == ("publish", "duplicate live slot")
+
+
+def test_failures_past_the_pending_bound_do_not_sync_every_op(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect (reliability round two): once the bound's worth of failed errors was pending,
+    every later debug op fetched them all again (a sync of about 3 ms an op). Failures
+    fetched by a flush wait on the host: one fetch per bound's worth of ops, every
+    violation still reported by check()."""
+    from fm_jax._src import debug_channel
+
+    monkeypatch.setattr(debug_channel, "MAX_PENDING_ERRORS", 3)
+    fetches = []
+    real = DebugChannel._failures
+
+    def counted(self: DebugChannel) -> Any:
+        fetches.append(1)
+        return real(self)
+
+    monkeypatch.setattr(DebugChannel, "_failures", counted)
+    fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    for _ in range(9):
+        fm.publish(dv(3, 3), np.array([1, 1]))  # a violation each time
+    assert len(fetches) == 3  # at the 3rd, 6th and 9th op, not at every op past the 3rd
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    assert len(got.value.violations) == 9
 
 
 def test_each_violation_names_invariant_step_op_and_slots() -> None:

@@ -31,9 +31,9 @@ from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.sharding import MeshLayout
 
 MAX_PENDING_ERRORS = 4096
-"""Packed errors kept on device; past this many, `record` fetches them (a host sync) and
-keeps only the failed ones, still pending, so that the list stays short without raising
-inside an unrelated call."""
+"""Packed errors kept on device; past this many, `record` fetches them (a host sync), keeps
+the failed ones' messages on the host for `check()` and empties the list: one sync per
+this many ops, however many of them failed, and no raise inside an unrelated call."""
 
 _MAPPED = re.compile(r"^at mapped index (\d+): (.*)$")
 _INVARIANT = re.compile(r"^\[([^\]]+)\]")
@@ -142,6 +142,8 @@ class DebugChannel:
         self._layouts: list[tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]] = []
         # (step, op, packed error): on device, or on the host once fetched by a flush.
         self._pending: list[tuple[int, str, Any]] = []
+        # Failures already fetched by a flush, (step, op, message), in op order.
+        self._failed: list[tuple[int, str, str]] = []
 
     # ------------------------------------------------------------------ inside jit
     def checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -191,8 +193,8 @@ class DebugChannel:
 
     @property
     def pending(self) -> int:
-        """How many op errors wait for `check()`."""
-        return len(self._pending)
+        """How many op errors wait for `check()` (on device, or fetched and failed)."""
+        return len(self._pending) + len(self._failed)
 
     def _failures(self) -> list[tuple[int, str, Any, str]]:
         """The pending entries that hold a failure, fetched to the host (one transfer), each
@@ -215,7 +217,8 @@ class DebugChannel:
             failed = self._failures()
         except Exception:  # noqa: BLE001  # reported by check(), not by this op
             return
-        self._pending = [(step, op, h) for step, op, h, _ in failed]
+        self._failed += [(step, op, msg) for step, op, _, msg in failed]
+        self._pending = []
 
     def check(self) -> None:
         """Raise InvariantViolation listing every failed check since the last call.
@@ -223,12 +226,9 @@ class DebugChannel:
         A host sync. Every failure is reported, in op order; the pending list is cleared
         only after all of them are translated.
         """
-        if not self._pending:
+        if not self._pending and not self._failed:
             return
-        found = [
-            v
-            for step, op, _, msg in self._failures()
-            for v in _violations(msg, step, op, self.layout)
-        ]
-        self._pending = []
+        failed = self._failed + [(step, op, msg) for step, op, _, msg in self._failures()]
+        found = [v for step, op, msg in failed for v in _violations(msg, step, op, self.layout)]
+        self._pending, self._failed = [], []
         _raise_all(found)
