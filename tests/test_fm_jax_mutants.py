@@ -994,15 +994,16 @@ def test_gather_invalidate_is_refused_with_its_whole_message() -> None:
 def test_debug_gather_poisons_exactly_the_live_slots_a_traced_mode_reads() -> None:
     """Debug, gather protocol, mode traced (both gathers run, each row selects): -1 is
     written at the live slots of the reads the batch's kind does, and nowhere else: not
-    at slot 0 (padding), not at a slot the other kind's gather read. A read the kind does
-    not do is not consume-checked either (slot 4, never stashed, holds -1)."""
+    at slot 0 (padding), not at a slot the other kind's gather read. A token slot on a
+    batch that is not MIXED is not read, so not consume-checked (slot 4, never stashed,
+    holds -1): it is reported as a batch-fields violation instead."""
     ops = fj.future_map(R, protocol="gather", debug=True)
     resolve = checked(lambda st, b: ops.resolve(st, b))
     st = ops.stash(ops.init(), i32(0, 1, 2, 3), i32(77, 11, 22, 33))
     decode = jnp.asarray(np.int32(DECODE))
     mixed = jnp.asarray(np.int32(MIXED))
     err, (after, out) = resolve(
-        st, fj.Batch(decode, i32(1, 0), i32(0, 0), i32(3, 4), token_slots=i32(0, 3))
+        st, fj.Batch(decode, i32(1, 0), i32(0, 0), i32(3, 4), token_slots=i32(0, 0))
     )
     fj.raise_if_violated(err)
     assert out.input_ids.tolist() == [11, 0]
@@ -1013,8 +1014,12 @@ def test_debug_gather_poisons_exactly_the_live_slots_a_traced_mode_reads() -> No
     fj.raise_if_violated(err)
     assert out.input_ids.tolist() == [5, 33]
     assert np.asarray(after.output_tokens)[:4].tolist() == [77, 11, 22, -1]
-    err, _ = resolve(st, fj.Batch(decode, i32(1, 2), i32(0, 0), i32(3, 4), token_slots=i32(0, 4)))
-    fj.raise_if_violated(err)
+    err, (after, _) = resolve(
+        st, fj.Batch(decode, i32(1, 2), i32(0, 0), i32(3, 4), token_slots=i32(0, 4))
+    )
+    with pytest.raises(fj.InvariantViolation, match=r"\[batch fields\] token_slots name slot 4"):
+        fj.raise_if_violated(err)
+    assert np.asarray(after.output_tokens)[:5].tolist() == [77, -1, -1, 33, -1]
 
 
 def test_debug_gather_spec_batch_poisons_its_token_slots_beside_its_draft() -> None:
