@@ -34,6 +34,17 @@ wheels=("$tmp"/dist/fm_jax-*-py3-none-any.whl)
 [ ${#wheels[@]} -eq 1 ] && [ -f "${wheels[0]}" ] || { echo "no single wheel built" >&2; exit 1; }
 echo "built $(basename "${sdists[0]}") and $(basename "${wheels[0]}")"
 
+# Every top-level name the wheel installs starts with fm_: nothing to shadow another
+# distribution's import package (a `bench` or `parity` would).
+.venv/bin/python - "${wheels[0]}" <<'PY'
+import sys, zipfile
+names = {n.split("/")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist()}
+bad = sorted(n for n in names if not n.startswith("fm_"))
+if bad:
+    sys.exit(f"the wheel installs top-level names that do not start with fm_: {bad}")
+print("wheel top-level names:", sorted(names))
+PY
+
 "$python" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q "${wheels[0]}" ${extra[@]+"${extra[@]}"}
 if "$tmp/venv/bin/python" -c 'import torch' 2>/dev/null; then

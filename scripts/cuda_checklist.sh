@@ -49,24 +49,24 @@ checks)
     step suite 360 "$py" -m pytest -n 12 -rfs -p no:cacheprovider
     ;;
 parity)
-    step parity 420 "$py" -m parity.cli --device cuda --jobs 12 --json "$out/parity_cuda.json"
+    step parity 420 "$py" -m fm_parity.cli --device cuda --jobs 12 --json "$out/parity_cuda.json"
     ;;
 bench)
-    step headline 120 "$py" -m bench.cli --headline-only --out "$out/headline"
+    step headline 120 "$py" -m fm_bench.cli --headline-only --out "$out/headline"
     mv "$out/headline/results.md" "$out/headline_cuda.md"
     mv "$out/headline/results.json" "$out/headline_cuda.json"
-    step protocols 200 "$py" -m bench.cli --protocols-only --out "$out/protocols"
+    step protocols 200 "$py" -m fm_bench.cli --protocols-only --out "$out/protocols"
     mv "$out/protocols/protocols_gpu.md" "$out/protocols_cuda.md"
     mv "$out/protocols/protocols_gpu.json" "$out/protocols_cuda.json"
     rmdir "$out/headline" "$out/protocols"
-    step startup 150 "$py" -m bench.startup --runs 1 --maps plain spec debug \
+    step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec debug \
         --json "$out/startup_cuda.json"
-    step serve 90 "$py" -m bench.serve.cli --out "$out" --tag cuda
+    step serve 90 "$py" -m fm_bench.serve.cli --out "$out" --tag cuda
     ;;
 extra)
-    step mutations 280 "$py" -m parity.cli --device cuda --mutations --dtype int32 \
+    step mutations 280 "$py" -m fm_parity.cli --device cuda --mutations --dtype int32 \
         --json "$out/mutations_cuda.json"
-    step sweeps 300 "$py" -m bench.cli --no-startup --no-protocols --out "$out/sweeps"
+    step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps"
     ;;
 *)
     echo "unknown part: $part (checks, parity, bench or extra)" >&2

@@ -170,7 +170,7 @@ main() {
         cat >>"$dir/pyproject.toml" <<EOF
 
 [tool.mutmut]
-source_paths = ["fm_jax", "fm_torch", "parity", "bench"]
+source_paths = ["fm_jax", "fm_torch", "fm_parity", "fm_bench"]
 only_mutate = ["$file"]
 mutate_only_covered_lines = true
 pytest_add_cli_args_test_selection = $(toml_list $tests)

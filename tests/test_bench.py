@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from bench import cli
-from parity.exchange import to_numpy
+from fm_bench import cli
+from fm_parity.exchange import to_numpy
 
 ROW_KEYS = {
     "impl",
@@ -51,7 +51,7 @@ def tiny_run(
     out = tmp_path_factory.mktemp("bench")
     child_json = out / "int64.json"
     env = dict(os.environ, JAX_ENABLE_X64="1")
-    cmd = [sys.executable, "-m", "bench.cli", "--child-int64", "--plan", "tiny"]
+    cmd = [sys.executable, "-m", "fm_bench.cli", "--child-int64", "--plan", "tiny"]
     child = subprocess.Popen(
         [*cmd, "--json", str(child_json)],
         env=env,
@@ -136,8 +136,8 @@ def test_inplace_check_sees_no_rewrite_and_no_thread_split_in_fm_jax_ops() -> No
     """The in-place table's claims at a pool where XLA:CPU splits ops by default (1 MB)."""
     import jax
 
-    from bench import inplace
-    from bench.workload import Config
+    from fm_bench import inplace
+    from fm_bench.workload import Config
 
     got = inplace.check(Config(64, 1 << 18), debug=False)
     assert set(got) == {"publish", "stash", "resolve_decode", "fused step"}
@@ -151,7 +151,7 @@ def test_whole_buffer_ops_counts_the_naive_copy() -> None:
     import jax
     import jax.numpy as jnp
 
-    from bench import inplace
+    from fm_bench import inplace
 
     pool = 1 << 12
 
@@ -163,8 +163,8 @@ def test_whole_buffer_ops_counts_the_naive_copy() -> None:
 
 
 def test_thread_split_benchmark_runs_on_tiny_sizes() -> None:
-    """bench.thread_split: both option sets measured per pool, splits counted."""
-    from bench import thread_split
+    """fm_bench.thread_split: both option sets measured per pool, splits counted."""
+    from fm_bench import thread_split
 
     rows = thread_split.measure(batch=8, pools=[64, 128], reps=3)
     assert [r["pool"] for r in rows] == [64, 128]
@@ -192,7 +192,7 @@ def test_headline_only_json_has_the_headline_group_in_the_row_schema(tmp_path: P
 
 
 def _tiny(spec: bool = False) -> tuple[Any, Any]:
-    from bench.workload import Config, host_data
+    from fm_bench.workload import Config, host_data
 
     cfg = Config(8, 64, spec=spec, hidden=16) if spec else Config(8, 64)
     return cfg, host_data(cfg)
@@ -217,7 +217,7 @@ def test_each_step_resolves_what_the_previous_step_stashed(impl: str, protocol: 
 
     import numpy as np
 
-    from bench import run
+    from fm_bench import run
 
     cfg, data = _tiny()
     cfg = replace(cfg, protocol=protocol)
@@ -241,7 +241,7 @@ def test_sglang_torch_spec_step_relays_the_draft() -> None:
     import numpy as np
     import torch
 
-    from bench.impls import sglang_torch
+    from fm_bench.impls import sglang_torch
 
     cfg, data = _tiny(spec=True)
     step = sglang_torch.build(cfg, data, False, ("step",))["step"]
@@ -261,7 +261,7 @@ def test_sglang_torch_ci_mode_catches_a_read_without_a_write() -> None:
     production map (debug off) has no check and returns the stale token."""
     import torch
 
-    from bench.impls.sglang_torch import Batch, SGLangFutureMap
+    from fm_bench.impls.sglang_torch import Batch, SGLangFutureMap
 
     idx = torch.tensor([3, 5], dtype=torch.int64)
 
@@ -295,7 +295,7 @@ def test_sglang_jax_map_follows_the_peer() -> None:
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from bench.impls import sglang_jax as sj
+    from fm_bench.impls import sglang_jax as sj
 
     fm = sj.FutureTokenMap(6)
     assert fm.map.shape == (8,) and fm.map.dtype == np.int32
@@ -317,7 +317,7 @@ def test_sglang_jax_map_follows_the_peer() -> None:
 
 def test_sglang_jax_has_no_spec_lengths_or_debug() -> None:
     """The peer relays tokens only: a spec or debug configuration has nothing to measure."""
-    from bench.impls import sglang_jax
+    from fm_bench.impls import sglang_jax
 
     cfg, data = _tiny()
     assert sglang_jax.build(cfg, data, True, cfg.ops()) == {}
@@ -335,7 +335,7 @@ def test_floor_step_is_two_dispatches_on_the_arrays_the_class_takes(
     import jax
     import numpy as np
 
-    from bench.impls import floor
+    from fm_bench.impls import floor
 
     calls: list[tuple[Any, ...]] = []
     real = floor._noop
@@ -382,7 +382,7 @@ def test_protocol_groups_compare_every_impl_op_and_map(tiny_run) -> None:
     is the median of its runs' ratios; the report prints the table."""
     import statistics
 
-    from bench.plan import PROTOCOL_IMPLS, get
+    from fm_bench.plan import PROTOCOL_IMPLS, get
 
     doc, out, _ = tiny_run
     runs = get("tiny").protocols.runs
@@ -422,7 +422,7 @@ def test_protocols_only_writes_its_own_files(
 
     import jax
 
-    from bench import plan
+    from fm_bench import plan
 
     tiny = plan.PLANS["tiny"]
 
@@ -448,8 +448,8 @@ def test_protocols_only_writes_its_own_files(
 def test_gather_configs_have_no_invalidate_and_sentinel_only_impls_build_nothing() -> None:
     """A gather configuration measures no invalidate; the implementations that relay by
     placeholders only (sglang_jax, naive_jax, the floors) build nothing for it."""
-    from bench import run
-    from bench.workload import Config, host_data
+    from fm_bench import run
+    from fm_bench.workload import Config, host_data
 
     for spec in (False, True):
         cfg = Config(8, 64, spec=spec, hidden=16, protocol="gather")
@@ -495,8 +495,8 @@ def test_each_resolve_op_builds_the_forwards_inputs(impl: str, protocol: str) ->
     the running rows' tokens, and a spec resolve the published lengths and bonus tokens."""
     import numpy as np
 
-    from bench import run
-    from bench.workload import Config, host_data
+    from fm_bench import run
+    from fm_bench.workload import Config, host_data
 
     for cfg in (
         Config(8, 64, protocol=protocol),
@@ -528,8 +528,8 @@ def test_sglang_torch_gather_model_follows_the_current_class() -> None:
     read, the production map returns the stale token."""
     import torch
 
-    from bench.impls.sglang_torch import Draft, DraftInfo
-    from bench.impls.sglang_torch_gather import Batch, SGLangGatherFutureMap
+    from fm_bench.impls.sglang_torch import Draft, DraftInfo
+    from fm_bench.impls.sglang_torch_gather import Batch, SGLangGatherFutureMap
 
     cpu = torch.device("cpu")
     idx = torch.tensor([3, 5])
@@ -570,8 +570,8 @@ def test_sglang_torch_gather_model_follows_the_current_class() -> None:
 
 
 def test_engine_step_bench_runs_and_reports_three_figures_per_series() -> None:
-    """bench.engine_step at a tiny size: every series has host, pipe and waited figures."""
-    from bench.engine_step import RATIOS, markdown, run
+    """fm_bench.engine_step at a tiny size: every series has host, pipe and waited figures."""
+    from fm_bench.engine_step import RATIOS, markdown, run
 
     res = run(8, [64], runs=1, steps=5, waited=2, log=lambda _: None)
     names = {r["impl"] for r in res["rows"]}

@@ -1,4 +1,4 @@
-"""bench.transfer_probe: every way in computes the same sum, and the CLI writes its JSON."""
+"""fm_bench.transfer_probe: every way in computes the same sum, and the CLI writes its JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from bench import transfer_probe
+from fm_bench import transfer_probe
 
 
 def test_every_way_in_gives_the_same_sum():

@@ -73,7 +73,7 @@ def test_without_the_options_xla_splits_the_same_ops() -> None:
 
 @cpu_only
 def test_an_engine_step_jitted_with_the_options_is_not_split() -> None:
-    from bench.thread_split import engine_step
+    from fm_bench.thread_split import engine_step
 
     ops = fj.future_map(POOL)
     step = engine_step(ops)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
-from parity.transfers import no_device_to_host
+from fm_parity.transfers import no_device_to_host
 
 R = 8
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED

@@ -112,7 +112,7 @@ PLAIN_CASES = {
         lambda fm: fm.resolve(batch([1], [-1], [-1], mode=jnp.float32(1))),
         "int32",
     ),
-    "object_tokens": (lambda fm: fm.stash(np.array([1]), np.array([None])), "integer dtype"),
+    "object_tokens": (lambda fm: fm.stash(np.array([1]), np.array([None])), "not a numeric array"),
     "rank_key_bool": (lambda fm: fm.stash({True: np.array([1])}, {True: [1]}), "DP rank"),
     "rank_key_float": (lambda fm: fm.stash({1.0: np.array([1])}, {1.0: [1]}), "DP rank"),
     "foreign_rank": (lambda fm: fm.stash({1: np.array([1])}, {1: [1]}), "DP rank 1"),

@@ -375,7 +375,7 @@ def test_import_pulls_in_no_torch_parity_or_bench():
         "import sys, numpy as np, fm_jax as fj\n"
         "fm = fj.FutureMap(4, batch_buckets=(1,), token_buckets=(1,))\n"
         "fm.publish(np.array([1]), np.array([2]))\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'parity', 'bench')]\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'fm_parity', 'fm_bench')]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

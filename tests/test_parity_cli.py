@@ -1,5 +1,5 @@
 """fm-parity end to end: arguments, table, JSON schema, exit status (the report's fields:
-README, 'Parity'; what they compare: docs/CONTRACT.md)."""
+docs/parity.md; what they compare: docs/CONTRACT.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from parity import cli
-from parity.mutations import MUTATIONS
+from fm_parity import cli
+from fm_parity.mutations import MUTATIONS
 
 SCENARIO_KEYS = {
     "name",
@@ -27,7 +27,7 @@ SCENARIO_KEYS = {
 
 
 def test_console_script_is_installed():
-    """`fm-parity` (the README's first command) must resolve to parity.cli:main."""
+    """`fm-parity` (the README's first command) must resolve to fm_parity.cli:main."""
     try:
         importlib.metadata.distribution("fm-jax")
     except importlib.metadata.PackageNotFoundError:

@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from parity.compare import compare_traces, first_difference
-from parity.trace import Field, OpRecord, RunResult, merge
+from fm_parity.compare import compare_traces, first_difference
+from fm_parity.trace import Field, OpRecord, RunResult, merge
 
 
 def _run(*records: OpRecord, error: str | None = None) -> RunResult:

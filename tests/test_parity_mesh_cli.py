@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity import cli
-from parity.driver import run_overlap
-from parity.runner import worker_env
-from parity.suite import Job, ScenarioResult, evaluate, health_failures, lanes_for, make_twins
-from parity.twin_torch import TorchTwin
+from fm_parity import cli
+from fm_parity.driver import run_overlap
+from fm_parity.runner import worker_env
+from fm_parity.suite import Job, ScenarioResult, evaluate, health_failures, lanes_for, make_twins
+from fm_parity.twin_torch import TorchTwin
 
 SCENARIO_KEYS = {
     "name",
@@ -40,7 +40,7 @@ def test_mesh_cli_end_to_end(tmp_path):
     env.pop("JAX_ENABLE_X64", None)
     argv = ["--dp", "2", "--tp", "2", "--scenario", "steady_decode", "--scenario", "dp_overlap"]
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", *argv, "--no-progress", "--json", str(out)],
+        [sys.executable, "-m", "fm_parity.cli", *argv, "--no-progress", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -182,7 +182,7 @@ def test_one_rank_going_wrong_fails_the_row_naming_the_rank():
 
 def test_failing_mesh_row_exits_1(monkeypatch, capsys):
     """Pins: a mesh run whose rows fail (here: a resharded state) still exiting 0."""
-    import parity.runner
+    import fm_parity.runner
 
     failing = ScenarioResult(
         "idle_steps",
@@ -202,7 +202,7 @@ def test_failing_mesh_row_exits_1(monkeypatch, capsys):
         assert all(j.dp == 4 and j.tp == 2 for j in jobs)
         return [failing for _ in jobs]
 
-    monkeypatch.setattr(parity.runner, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(fm_parity.runner, "run_jobs", fake_run_jobs)
     assert cli.main(["--dp", "4", "--tp", "2", "--scenario", "idle_steps", "--no-progress"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "another sharding" in out

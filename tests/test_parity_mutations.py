@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from parity.mutations import MUTATIONS
-from parity.suite import Job, check_mutation
+from fm_parity.mutations import MUTATIONS
+from fm_parity.suite import Job, check_mutation
 
 # retire_reuse is the smallest scenario with every ingredient the sentinel mutations and
 # the dropped gather stash break: decode relays, retirement with immediate slot reuse,

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 from host_devices import cpu_devices_env
 
-from parity import catalogue, cli
-from parity.compare import compare_traces
-from parity.driver import run_overlap
-from parity.host_batch import build
-from parity.mutations import MUTATIONS
-from parity.scenario import Kind, Row, Scenario, StepPlan
-from parity.suite import Job, ScenarioResult, check_mutation, evaluate, lanes_for, make_twins
-from parity.trace import OpRecord, RunResult
-from parity.twin import PROTOCOLS
-from parity.twin_torch import TorchTwin
+from fm_parity import catalogue, cli
+from fm_parity.compare import compare_traces
+from fm_parity.driver import run_overlap
+from fm_parity.host_batch import build
+from fm_parity.mutations import MUTATIONS
+from fm_parity.scenario import Kind, Row, Scenario, StepPlan
+from fm_parity.suite import Job, ScenarioResult, check_mutation, evaluate, lanes_for, make_twins
+from fm_parity.trace import OpRecord, RunResult
+from fm_parity.twin import PROTOCOLS
+from fm_parity.twin_torch import TorchTwin
 
 GATHER_MUTATIONS = [n for n, cls in MUTATIONS.items() if cls.judged_under == "gather"]
 SYNC_ONLY = {"host_copy_syncs"}
@@ -124,8 +124,8 @@ def test_cli_runs_the_chosen_protocols_and_their_mutations(monkeypatch, capsys):
     """Pins: --protocol not reaching the jobs (default: both, each scenario under each), a
     mutation run under a protocol that was not chosen, and the table losing its protocol
     column. The jobs themselves are stubbed: only the grid is checked here."""
-    import parity.runner
-    import parity.suite
+    import fm_parity.runner
+    import fm_parity.suite
 
     seen: dict[str, list] = {"jobs": [], "mutations": []}
 
@@ -138,12 +138,12 @@ def test_cli_runs_the_chosen_protocols_and_their_mutations(monkeypatch, capsys):
 
     def fake_check(name, jobs, mutate=("jax",)):
         seen["mutations"].append(name)
-        return parity.suite.MutationResult(
+        return fm_parity.suite.MutationResult(
             name, "parity", "idle_steps", MUTATIONS[name].judged_under
         )
 
-    monkeypatch.setattr(parity.runner, "run_jobs", fake_run_jobs)
-    monkeypatch.setattr(parity.suite, "check_mutation", fake_check)
+    monkeypatch.setattr(fm_parity.runner, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(fm_parity.suite, "check_mutation", fake_check)
     base = ["--scenario", "idle_steps", "--dtype", "int32", "--debug", "off", "--no-progress"]
     assert cli.main(base) == 0
     assert [j.protocol for j in seen["jobs"]] == list(PROTOCOLS)
@@ -167,7 +167,7 @@ def test_unknown_protocol_is_refused():
     with pytest.raises(ValueError, match="unknown protocol 'gathered'"):
         TorchTwin(catalogue.build("idle_steps"), "int32", False, "cpu", protocol="gathered")
     with pytest.raises(ValueError, match="unknown protocol"):
-        from parity.suite import run_job
+        from fm_parity.suite import run_job
 
         run_job(Job("idle_steps", "int32", False, protocol="gathered"))
 
@@ -175,9 +175,9 @@ def test_unknown_protocol_is_refused():
 MESH_SPEC_RANKS_OUT_OF_STEP = textwrap.dedent(
     """
     import dataclasses, json
-    from parity import catalogue
-    from parity.driver import run_overlap
-    from parity.suite import Job, evaluate, make_twins
+    from fm_parity import catalogue
+    from fm_parity.driver import run_overlap
+    from fm_parity.suite import Job, evaluate, make_twins
 
     a = catalogue.build("spec_decode")
     late = tuple(dataclasses.replace(r, arrival=r.arrival + 3) for r in a.requests)

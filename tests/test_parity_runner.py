@@ -1,12 +1,12 @@
-"""parity.runner: jobs run here or in worker processes, one at a time per worker, with the
+"""fm_parity.runner: jobs run here or in worker processes, one at a time per worker, with the
 same results in the order of the jobs whatever the number of workers."""
 
 from __future__ import annotations
 
 import pytest
 
-from parity import runner
-from parity.suite import Job
+from fm_parity import runner
+from fm_parity.suite import Job
 
 
 def _jobs() -> list[Job]:

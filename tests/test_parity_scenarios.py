@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity import catalogue
-from parity import toy_model as tm
-from parity.scenario import Kind, Scheduler
-from parity.suite import Job, run_job
-from parity.twin import PROTOCOLS
+from fm_parity import catalogue
+from fm_parity import toy_model as tm
+from fm_parity.scenario import Kind, Scheduler
+from fm_parity.suite import Job, run_job
+from fm_parity.twin import PROTOCOLS
 
 SMALL = [n for n in catalogue.CATALOGUE if n != "long_run"]
 
@@ -116,8 +116,8 @@ def test_toy_model_backends_agree_bit_for_bit():
     model instead of the FutureMap."""
     import torch
 
-    from parity import toy_model_jax as mj
-    from parity import toy_model_torch as mt
+    from fm_parity import toy_model_jax as mj
+    from fm_parity import toy_model_torch as mt
 
     rng = np.random.default_rng(0)
     bonus = rng.integers(0, 2**33, 64).astype(np.int64)
@@ -173,9 +173,9 @@ def test_reference_loop_shares_only_the_scenario_and_the_toy_model_with_the_driv
     import ast
     from pathlib import Path
 
-    import parity
+    import fm_parity
 
-    root = Path(parity.__file__).parent
+    root = Path(fm_parity.__file__).parent
 
     def imports(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
@@ -183,7 +183,7 @@ def test_reference_loop_shares_only_the_scenario_and_the_toy_model_with_the_driv
         out |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         return out
 
-    ref = {m for m in imports(root / "reference.py") if m.startswith("parity")}
-    assert ref <= {"parity", "parity.scenario", "parity.toy_model"}, ref
+    ref = {m for m in imports(root / "reference.py") if m.startswith("fm_parity")}
+    assert ref <= {"fm_parity", "fm_parity.scenario", "fm_parity.toy_model"}, ref
     for path in root.glob("*.py"):
         assert not any(m.startswith("fm_jax._src") for m in imports(path)), path.name

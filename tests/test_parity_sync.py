@@ -1,7 +1,7 @@
 """The 'sync' check (docs/CONTRACT.md, 'Two protocols'): in the gather protocol an engine
 that never asks for the host lengths moves nothing from the device to the host, so parity
 runs every fm_jax resolve, publish and stash inside a device-to-host detector
-(parity.transfers), and a resolve that still reads its lengths back is caught."""
+(fm_parity.transfers), and a resolve that still reads its lengths back is caught."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parity.driver import run_overlap
-from parity.suite import Job, check_mutation, evaluate, lanes_for, make_twins, run_job
-from parity.transfers import DeviceToHostTransfer, no_device_to_host
+from fm_parity.driver import run_overlap
+from fm_parity.suite import Job, check_mutation, evaluate, lanes_for, make_twins, run_job
+from fm_parity.transfers import DeviceToHostTransfer, no_device_to_host
 
 READS = {
     "device_get": jax.device_get,
@@ -25,7 +25,7 @@ READS = {
 def test_the_detector_raises_or_records_every_read(read):
     """Pins: a read path the detector misses, a recording detector that changes the value
     read, and a patch left behind after the block. (`np.asarray` and `x.item()` of a CPU
-    array read through the buffer protocol, which no patch reaches: see parity.transfers.)"""
+    array read through the buffer protocol, which no patch reaches: see fm_parity.transfers.)"""
     x = jnp.arange(3, dtype=jnp.int32) + 1
     with pytest.raises(DeviceToHostTransfer, match="device-to-host transfer"), no_device_to_host():
         READS[read](x + 0)

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from parity import catalogue
-from parity import toy_model as tm
-from parity import toy_model_jax as mj
-from parity import toy_model_torch as mt
-from parity.driver import run_overlap
-from parity.mutations import MUTATIONS
-from parity.suite import Job, evaluate, lanes_for, make_twins, run_job
-from parity.twin import PROTOCOLS
+from fm_parity import catalogue
+from fm_parity import toy_model as tm
+from fm_parity import toy_model_jax as mj
+from fm_parity import toy_model_torch as mt
+from fm_parity.driver import run_overlap
+from fm_parity.mutations import MUTATIONS
+from fm_parity.suite import Job, evaluate, lanes_for, make_twins, run_job
+from fm_parity.twin import PROTOCOLS
 
 SPEC = (4, 0)
 
@@ -150,8 +150,8 @@ def test_the_mesh_hlo_check_lowers_a_stash_with_verified_ids():
     """Pins: the mesh health check lowering a spec stash without the declared verified ids
     (refused as missing, so every mesh row of spec_verified failed). The one-device
     layout lowers the same executables."""
-    from parity.mesh import hlo_collectives
-    from parity.twin_jax import JaxTwin
+    from fm_parity.mesh import hlo_collectives
+    from fm_parity.twin_jax import JaxTwin
 
     for protocol in PROTOCOLS:
         twin = JaxTwin(catalogue.build("spec_verified"), "int32", False, "cpu", protocol=protocol)

@@ -1,8 +1,8 @@
 """Data-parallel ranks across processes: jax.distributed on 127.0.0.1 with gloo.
 
-Each test starts its worker processes itself (`parity.dist_run`), bounds the run's wall
+Each test starts its worker processes itself (`fm_parity.dist_run`), bounds the run's wall
 time and always kills what is left. A run over processes is judged like every parity
-job (parity.suite.evaluate): the union of the workers' traces, each DP rank from the
+job (fm_parity.suite.evaluate): the union of the workers' traces, each DP rank from the
 process that holds it, against fm_torch's map for each rank, byte for byte, and every
 rank's streams against the reference loop (docs/CONTRACT.md, 'What parity compares').
 """
@@ -13,9 +13,9 @@ import signal
 
 import pytest
 
-from parity.dist_run import EXIT_PEER_FAILED, judge, launch, run_dist_jobs
-from parity.scenario import Kind, Scheduler
-from parity.suite import Job, lanes_for
+from fm_parity.dist_run import EXIT_PEER_FAILED, judge, launch, run_dist_jobs
+from fm_parity.scenario import Kind, Scheduler
+from fm_parity.suite import Job, lanes_for
 
 STEPS = 8
 

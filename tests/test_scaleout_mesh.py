@@ -3,7 +3,7 @@
 The pytest process has already started JAX with one device, so the 8-device checks run
 once in a subprocess (`_inner`, this file run with XLA_FLAGS set) that prints a JSON
 report; each test below asserts on its part of that report. Parity runs on a mesh go
-through the same pipeline as on one device (parity.suite.run_job): each DP rank of the
+through the same pipeline as on one device (fm_parity.suite.run_job): each DP rank of the
 sharded map against fm_torch's map for that rank (docs/CONTRACT.md, 'What parity
 compares').
 """
@@ -28,7 +28,7 @@ POOL = 8
 
 # ------------------------------------------------------------------- inside the subprocess
 def _parity_rows() -> dict[str, Any]:
-    from parity.suite import Job, run_job
+    from fm_parity.suite import Job, run_job
 
     rows = []
     runs = [(dp, tp, False) for dp, tp in SHAPES] + [(dp, tp, True) for dp, tp in DEBUG_SHAPES]
@@ -40,10 +40,10 @@ def _parity_rows() -> dict[str, Any]:
 
 def _one_byte_in_one_rank() -> dict[str, Any]:
     """One byte of rank 2's buffer flipped after one stash; the comparer must say where."""
-    from parity.driver import run_overlap
-    from parity.mutations import FlipByte
-    from parity.scenario import Kind, Scheduler
-    from parity.suite import Job, evaluate, lanes_for, make_twins
+    from fm_parity.driver import run_overlap
+    from fm_parity.mutations import FlipByte
+    from fm_parity.scenario import Kind, Scheduler
+    from fm_parity.suite import Job, evaluate, lanes_for, make_twins
 
     job = Job("dp_overlap", "int32", False, steps=STEPS, dp=4, tp=2)
     lanes = lanes_for(job)
@@ -70,7 +70,7 @@ def _idle_ranks_compile_nothing() -> dict[str, Any]:
     import jax
 
     from fm_jax import Batch, ForwardMode, FutureMap, per_rank
-    from parity.mesh import count_compiles, make_mesh
+    from fm_parity.mesh import count_compiles, make_mesh
 
     fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
     sharding = fm.state.output_tokens.sharding
@@ -113,7 +113,7 @@ def _collective_counter_sees_resharding() -> dict[str, Any]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from parity.mesh import count_collectives, make_mesh
+    from fm_parity.mesh import count_collectives, make_mesh
 
     mesh = make_mesh(4, 2)
     x = jax.device_put(np.arange(32, dtype=np.int32), NamedSharding(mesh, PartitionSpec("dp")))
@@ -127,7 +127,7 @@ def _collective_counter_sees_resharding() -> dict[str, Any]:
 
 def _layout() -> dict[str, Any]:
     from fm_jax import FutureMap
-    from parity.mesh import make_mesh
+    from fm_parity.mesh import make_mesh
 
     mesh = make_mesh(4, 2)
     fm = FutureMap(POOL, mesh=mesh, dp_axis="dp", tp_axis="tp")
@@ -143,7 +143,7 @@ def _layout() -> dict[str, Any]:
 
 def _debug_violation_names_rank() -> dict[str, Any]:
     from fm_jax import Batch, ForwardMode, FutureMap, InvariantViolation
-    from parity.mesh import make_mesh
+    from fm_parity.mesh import make_mesh
 
     fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp", debug=True)
     ok = np.array([1], np.int32)
@@ -160,7 +160,7 @@ def _debug_violation_names_rank() -> dict[str, Any]:
 
 def _bad_input_named() -> dict[str, Any]:
     from fm_jax import FutureMap, FutureMapError, per_rank
-    from parity.mesh import make_mesh
+    from fm_parity.mesh import make_mesh
 
     fm = FutureMap(POOL, mesh=make_mesh(4, 2), dp_axis="dp", tp_axis="tp")
     before = per_rank(fm.buffers()["output_tokens"], fm.layout)
@@ -186,7 +186,7 @@ def _spec_draft_matches_per_rank() -> dict[str, Any]:
     import jax.numpy as jnp
 
     from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map, sharded_future_map
-    from parity.mesh import make_mesh
+    from fm_parity.mesh import make_mesh
 
     dp, b, k, h = 4, 4, 2, 3
     spec = SpecConfig(topk=k, hidden=h, hidden_dtype=jnp.bfloat16)
@@ -231,7 +231,7 @@ def _same_calls_one_device_and_mesh() -> dict[str, Any]:
     import jax
 
     from fm_jax import Batch, DraftPayload, ForwardMode, FutureMap, Resolved, SpecConfig
-    from parity.mesh import make_mesh
+    from fm_parity.mesh import make_mesh
 
     spec = SpecConfig(topk=2, hidden=0)
 
@@ -329,7 +329,7 @@ CATALOGUE_RUNS = [("spec_decode", False), ("mixed_batches", True)]  # (scenario,
 
 
 def _catalogue_on_mesh() -> dict[str, Any]:
-    from parity.suite import Job, run_job
+    from fm_parity.suite import Job, run_job
 
     rows = []
     for name, debug in CATALOGUE_RUNS:
@@ -554,7 +554,7 @@ def test_mesh_layout_refuses_bad_axes():
     import jax
 
     from fm_jax import FutureMapError, mesh_layout
-    from parity.mesh import make_mesh
+    from fm_parity.mesh import make_mesh
 
     mesh = make_mesh(1, 1, jax.devices()[:1])
     with pytest.raises(FutureMapError, match="'data'"):
@@ -569,8 +569,8 @@ def test_mesh_layout_refuses_bad_axes():
 def test_dp_scenario_has_ranks_idle_and_differing_in_kind_at_one_step():
     """Pins: a DP scenario in which no rank ever idles while another runs, or all busy ranks
     always share one batch kind (so a sharded map's traced-mode resolve is never run)."""
-    from parity.scenario import Kind, Scheduler
-    from parity.suite import Job, lanes_for
+    from fm_parity.scenario import Kind, Scheduler
+    from fm_parity.suite import Job, lanes_for
 
     lanes = lanes_for(Job("dp_overlap", "int32", False, dp=4))
     assert len({s.pool_size for s in lanes.values()}) == 1

@@ -1,4 +1,4 @@
-"""The overlap-scheduled serving demo (bench/serve) on a tiny model: token equality and JSON.
+"""The overlap-scheduled serving demo (fm_bench/serve) on a tiny model: token equality and JSON.
 
 Engines share compiled steps (cached per config), so the module compiles each step variant
 once: sync, and overlap with debug off and on in each relay protocol (sentinel, gather).
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 import fm_jax
-from bench.serve import cli
-from bench.serve.config import TINY_REQUESTS, tiny_engine, tiny_model
-from bench.serve.engine import Engine, ServeResult
-from bench.serve.host_cost import HostCost
-from bench.serve.requests import Request, RequestState, make_requests
-from bench.serve.scheduler import Scheduler
-from bench.serve.sweep import diff_outputs
+from fm_bench.serve import cli
+from fm_bench.serve.config import TINY_REQUESTS, tiny_engine, tiny_model
+from fm_bench.serve.engine import Engine, ServeResult
+from fm_bench.serve.host_cost import HostCost
+from fm_bench.serve.requests import Request, RequestState, make_requests
+from fm_bench.serve.scheduler import Scheduler
+from fm_bench.serve.sweep import diff_outputs
 
 N_REQUESTS = 64
 
@@ -264,7 +264,7 @@ def test_correctness_matrix_overlap_equals_sync_in_every_setting() -> None:
     reference across protocol x debug x chunked prefill x MIXED x heavy slot reuse (32
     cells), as vLLM tests its async scheduling; the lost-relay tests above show the token
     check can fail."""
-    from bench.serve.matrix import cells, run_matrix
+    from fm_bench.serve.matrix import cells, run_matrix
 
     got = run_matrix()
     assert len(got) == len(cells()) == 32

@@ -77,14 +77,15 @@ def check_spec(spec: Any) -> Any:
     if not isinstance(spec, SpecConfig):
         raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
     if not _count(spec.topk, 1) or not _count(spec.hidden, 0):
-        raise FutureMapError(f"spec needs an int topk >= 1 and an int hidden >= 0, got {spec}")
+        raise FutureMapError(f"spec needs topk >= 1 and hidden >= 0 (ints), got {spec}")
     try:
         hidden_dtype = np.dtype(spec.hidden_dtype)
     except TypeError:
         hidden_dtype = None
     if hidden_dtype not in HIDDEN_DTYPES:
         raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
-    if not isinstance(spec.verified_id, bool):
+    # A bool, or an int 0 / 1 written for one (normalised to the bool).
+    if not isinstance(spec.verified_id, bool | np.bool_) and spec.verified_id not in (0, 1):
         raise FutureMapError(f"spec.verified_id must be a bool, got {spec.verified_id!r}")
     if isinstance(spec.extra, str | bytes | RelayField) or not isinstance(spec.extra, tuple | list):
         raise FutureMapError(f"spec.extra must be a tuple of RelayFields, got {spec.extra!r}")
@@ -92,6 +93,7 @@ def check_spec(spec: Any) -> Any:
         topk=int(spec.topk),
         hidden=int(spec.hidden),
         hidden_dtype=hidden_dtype,
+        verified_id=bool(spec.verified_id),
         extra=check_extra(tuple(spec.extra)),
     )
 
@@ -109,7 +111,7 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
         seen.add(f.name)
         if not isinstance(f.shape, tuple | list) or not all(_count(d, 1) for d in f.shape):
             raise FutureMapError(
-                f"spec.extra[{f.name}]: shape must be a tuple of ints >= 1, got {f.shape!r}"
+                f"spec.extra[{f.name}]: shape must hold ints >= 1 (a tuple), got {f.shape!r}"
             )
         shape = tuple(int(d) for d in f.shape)
         if not isinstance(f.consumed, bool) or not isinstance(f.bits, bool):

@@ -1,5 +1,0 @@
-"""fm-bench: side-by-side cost of FutureMap implementations (fm_jax, fm_torch, a naive JAX map).
-
-Entry point: `fm-bench` (bench.cli:main). Measurements are interleaved so that machine noise
-hits every implementation alike; see bench/timing.py.
-"""

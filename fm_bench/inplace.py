@@ -1,0 +1,107 @@
+"""In-place check from the compiled HLO: does an op copy or convert a whole buffer?
+
+For each fm_jax op (jitted with the state donated, as the class does) and for the fused
+engine step, count the instructions of the optimised module that produce an array with the
+pool's leading dimension R other than the in-place writes themselves (copies, converts,
+bitcast-converts). Zero means the op moves batch-sized data only. Each op is compiled with
+`fm_jax.compiler_options()`, as the class compiles it; the last column counts instructions
+that XLA:CPU would still split over threads (0: the op runs on the calling thread).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+from jax.experimental import checkify
+
+import fm_jax as fj
+from fm_bench.impls.fm_jax_fused import _model
+from fm_bench.impls.jax_common import device_data, int_dtype
+from fm_bench.workload import Config, host_data
+
+_WHOLE = re.compile(r"=\s*\w+\[(\d+)(?:,\d+)*\]\{[^}]*\}\s+(copy|convert|bitcast-convert|fusion)\(")
+_KIND = re.compile(r"calls=%(\w+)")
+THREAD_SPLIT = "outer_dimension_partitions"
+"""Marks an instruction XLA:CPU hands to its thread pool, in compiled HLO text."""
+
+
+def whole_buffer_ops(hlo: str, pool: int) -> list[str]:
+    """Names of instructions in `hlo` (entry computation) that rewrite a whole [R, ...] buffer
+    other than by an in-place scatter."""
+    entry = hlo[hlo.index("ENTRY") :]
+    out = []
+    for line in entry.splitlines():
+        m = _WHOLE.search(line)
+        if not m or int(m.group(1)) != pool:
+            continue
+        if m.group(2) == "fusion":
+            k = _KIND.search(line)
+            if k is None or "scatter" in k.group(1):
+                continue  # an in-place scatter: touches the batch's rows only
+        out.append(line.strip().split(" ")[0])
+    return out
+
+
+def check(cfg: Config, debug: bool) -> dict[str, Any]:
+    """{op: {"whole_buffer_ops": n, "aliased": bool}} for the ops of `cfg`."""
+    dd = device_data(cfg, host_data(cfg))
+    spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
+    ops = fj.future_map(cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug)
+    state = ops.init()
+    idx = dd.idx
+    draft = fj.DraftPayload(dd.tokens, dd.topk_p, dd.topk_index, dd.hidden)
+    payload = draft if cfg.spec else dd.tokens
+    batch = fj.Batch(dd.decode_mode, idx, -idx, -idx, idx if cfg.spec else None)
+
+    def engine(state: fj.FutureMapState, batch: fj.Batch) -> Any:
+        state, res = ops.resolve(state, batch)
+        out, lens = _model(res)
+        state = ops.publish(state, batch.req_pool_indices, lens)
+        return ops.stash(state, batch.req_pool_indices, out), ops.invalidate(batch, idx)
+
+    def wrap(f: Any) -> Any:
+        return checkify.checkify(f, errors=checkify.user_checks) if debug else f
+
+    def resolved_only(state: fj.FutureMapState, batch: fj.Batch) -> Any:
+        # As the class runs a non-debug resolve: it reads the state, returns no state (a
+        # returned, undonated state would have to be copied).
+        return ops.resolve(state, batch)[1]
+
+    resolve = ops.resolve if debug else resolved_only
+    table = {
+        "publish": (ops.publish, (state, idx, dd.lens), True),
+        "stash_spec" if cfg.spec else "stash": (ops.stash, (state, idx, payload), True),
+        "resolve_spec" if cfg.spec else "resolve_decode": (resolve, (state, batch), debug),
+        "fused step": (engine, (state, batch), True),
+    }
+    options = fj.compiler_options(jax.devices()[0].platform)  # as the class compiles them
+    out: dict[str, Any] = {}
+    for name, (fn, args, donate) in table.items():
+        jitted = jax.jit(wrap(fn), donate_argnums=(0,) if donate else (), compiler_options=options)
+        hlo = jitted.lower(*args).compile().as_text() or ""
+        out[name] = {
+            "whole_buffer_ops": len(whole_buffer_ops(hlo, cfg.pool)),
+            "aliased": (not donate) or "input_output_alias" in hlo,
+            "thread_splits": hlo.count(THREAD_SPLIT),
+        }
+    return out
+
+
+def table(cfgs: list[Config]) -> str:
+    """Markdown: whole-buffer rewrites per op, debug off and on, for each configuration."""
+    lines = [
+        "| config | op | whole-buffer rewrites (debug off) | (debug on) | donated state aliased "
+        "| split over threads (off / on) |",
+        "| --- | --- | ---: | ---: | --- | ---: |",
+    ]
+    for cfg in cfgs:
+        off, on = check(cfg, False), check(cfg, True)
+        for op in off:
+            lines.append(
+                f"| {cfg.label()} | {op} | {off[op]['whole_buffer_ops']} | "
+                f"{on[op]['whole_buffer_ops']} | {'yes' if off[op]['aliased'] else 'NO'} | "
+                f"{off[op]['thread_splits']} / {on[op]['thread_splits']} |"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,281 @@
+"""Continuous batching on the host: admission, chunked prefill, decode, MIXED, retirement.
+
+The scheduler never reads device values. In overlap mode a decode row's input id is not
+known on the host. Sentinel protocol: the id is the sentinel `-slot` (and, in a DECODE
+batch, so is its length): what fm_jax's `invalidate` leaves after the previous step, written
+here directly because each batch is built afresh. Gather protocol: the id is 0 (none), the
+length is the host's own count, and a MIXED batch names each running row's slot at its token
+position (`relay_slots`), where resolve gathers its id. In sync mode the same rows carry the
+real last token, which the host read back.
+
+Row order: prefill rows first, then running decode rows (a MIXED batch, SPEC 'Batch kinds').
+Batches are padded to a batch bucket and a token bucket; padding carries slot 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+import fm_jax
+from fm_bench.serve.config import EngineConfig
+from fm_bench.serve.host_cost import HostCost
+from fm_bench.serve.requests import Request, RequestState
+from fm_bench.serve.step import StepInputs
+
+
+@dataclass
+class Row:
+    """One batch row: its request, and whether this step samples an output token for it."""
+
+    state: RequestState
+    samples: bool
+
+
+@dataclass
+class ScheduledBatch:
+    """A built batch: the padded step inputs and the rows they stand for (rows[i] is row i).
+
+    `n_tokens` of the padded `inputs.input_ids` are real (the rest is padding).
+    """
+
+    inputs: StepInputs
+    rows: list[Row]
+    mode: fm_jax.ForwardMode
+    n_tokens: int = 0
+
+    def relay_batch(self, gather: bool) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
+        """The batch as a FutureMap's engine step takes it, with the model's own inputs:
+        real rows and tokens only (the map pads them to its buckets), the mode on the host.
+
+        Gather protocol: a DECODE batch brings no ids (T = B: its token arrays are one per
+        row), a MIXED batch its token slots; sentinel protocol: the ids and lengths as built.
+        """
+        inp, b, t = self.inputs, len(self.rows), self.n_tokens
+        mode = self.mode
+        decode_gather = gather and mode == fm_jax.ForwardMode.DECODE
+        batch = fm_jax.Batch(
+            mode,
+            inp.req_pool_indices[:b],
+            None if decode_gather else inp.input_ids[:t],
+            inp.seq_lens[:b],
+            token_slots=inp.relay_slots[:t]
+            if gather and mode == fm_jax.ForwardMode.MIXED
+            else None,
+        )
+        model = {
+            "extend_lens": inp.extend_lens[:b],
+            "last_token": inp.last_token[:b],
+            "token_rows": inp.token_rows[:t],
+            "token_slots": inp.token_slots[:t],
+            "token_offsets": inp.token_offsets[:t],
+        }
+        return batch, model
+
+
+def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{what} of {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class Scheduler:
+    """Request queue, pool slots and batch building for one serving run.
+
+    Args:
+      requests: served in order of arrival (all queued at start).
+      cfg: engine limits and buckets.
+      overlap: decode rows carry no real id (the relay fills it) instead of the last token.
+      protocol: overlap only: "sentinel" (`-slot` ids and DECODE lengths) or "gather" (no
+        ids, host lengths, relay slots in MIXED batches).
+      host_cost: simulated scheduling cost spent per built batch.
+      max_seq_len: the model's KV positions per slot; a request that cannot fit is refused.
+      eos_id: the token that stops a request (read back one step late in overlap mode).
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        cfg: EngineConfig,
+        *,
+        overlap: bool,
+        host_cost: HostCost,
+        max_seq_len: int,
+        eos_id: int,
+        protocol: str = "sentinel",
+    ) -> None:
+        if protocol not in ("sentinel", "gather"):
+            raise ValueError(f"protocol must be 'sentinel' or 'gather', got {protocol!r}")
+        if max(cfg.batch_buckets) < cfg.max_running:
+            raise ValueError(
+                f"largest batch bucket {max(cfg.batch_buckets)} < max_running {cfg.max_running}"
+            )
+        if max(cfg.token_buckets) < cfg.prefill_budget + cfg.max_running:
+            raise ValueError("largest token bucket must hold prefill_budget + max_running tokens")
+        for r in requests:
+            if len(r.prompt) + r.max_new_tokens > max_seq_len:
+                raise ValueError(
+                    f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
+                    f"exceeds max_seq_len {max_seq_len}"
+                )
+        self.cfg = cfg
+        self.overlap = overlap
+        self.gather = overlap and protocol == "gather"
+        self.host_cost = host_cost
+        self.eos_id = eos_id
+        self.queue = collections.deque(RequestState(r) for r in requests)
+        self.running: list[RequestState] = []  # admission order
+        self.free_slots = list(range(cfg.pool_size - 1, 0, -1))  # pop() gives the lowest
+        self.last_token: dict[int, int] = {}  # sync mode: rid -> the token to feed next
+        self.done: list[RequestState] = []
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing running."""
+        return not self.queue and not self.running
+
+    # ---------------------------------------------------------------------------- building
+    def _admit(self) -> None:
+        while self.queue and self.free_slots:
+            st = self.queue.popleft()
+            st.slot = self.free_slots.pop()
+            self.running.append(st)
+
+    def build(self) -> ScheduledBatch | None:
+        """Admit, pick rows, spend the host cost and return the padded batch (None: no row)."""
+        self._admit()
+        budget = self.cfg.prefill_budget
+        prefill: list[tuple[RequestState, int]] = []
+        for st in self.running:
+            if budget == 0:
+                break
+            if not st.prefill_done:
+                chunk = min(len(st.req.prompt) - st.prefilled, budget)
+                prefill.append((st, chunk))
+                budget -= chunk
+        decode = [st for st in self.running if st.wants_decode]
+        if prefill and not self.cfg.mixed:
+            decode = []  # no MIXED batches: a prefill step runs alone, decodes wait
+        if not prefill and not decode:
+            return None
+        self.host_cost()
+        if not decode:
+            mode = fm_jax.ForwardMode.EXTEND
+        elif not prefill:
+            mode = fm_jax.ForwardMode.DECODE
+        else:
+            mode = fm_jax.ForwardMode.MIXED
+        return self._assemble(mode, prefill, decode)
+
+    def _assemble(
+        self,
+        mode: fm_jax.ForwardMode,
+        prefill: list[tuple[RequestState, int]],
+        decode: list[RequestState],
+    ) -> ScheduledBatch:
+        """Fill the host arrays and advance each row's host-side counters."""
+        n_rows = len(prefill) + len(decode)
+        n_tok = sum(c for _, c in prefill) + len(decode)
+        b = _bucket(n_rows, self.cfg.batch_buckets, "batch rows")
+        t = _bucket(n_tok, self.cfg.token_buckets, "batch tokens")
+        slots = np.zeros(b, np.int32)
+        seq_lens = np.zeros(b, np.int32)
+        ext = np.zeros(b, np.int32)
+        last = np.zeros(b, np.int32)
+        ids = np.zeros(t, np.int32)
+        tok_rows = np.zeros(t, np.int32)
+        tok_slots = np.zeros(t, np.int32)
+        tok_off = np.zeros(t, np.int32)
+        relay = np.zeros(t, np.int32)
+        rows: list[Row] = []
+        pos = 0
+        for i, (st, chunk) in enumerate(prefill):
+            lo = st.prefilled
+            ids[pos : pos + chunk] = st.req.prompt[lo : lo + chunk]
+            self._row(i, st, chunk, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
+            seq_lens[i] = lo + chunk
+            st.prefilled += chunk
+            final = st.prefill_done
+            if final:  # the last chunk samples the first output token
+                st.scheduled += 1
+                st.seq_len_cpu = len(st.req.prompt) + 1
+            rows.append(Row(st, final))
+            pos += chunk
+        for j, st in enumerate(decode, start=len(prefill)):
+            self._row(j, st, 1, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
+            if self.gather:
+                # No id: resolve gathers it at the row's slot (DECODE: req_pool_indices;
+                # MIXED: relay_slots). The host's length is exact (one more per step).
+                relay[pos] = st.slot if mode == fm_jax.ForwardMode.MIXED else 0
+                seq_lens[j] = st.seq_len_cpu
+            elif self.overlap:
+                ids[pos] = -st.slot  # sentinel: resolved from the relay on device
+                # a MIXED batch carries host lengths; only DECODE restores them on device
+                seq_lens[j] = -st.slot if mode == fm_jax.ForwardMode.DECODE else st.seq_len_cpu
+            else:
+                ids[pos] = self.last_token[st.req.rid]
+                seq_lens[j] = st.seq_len_cpu
+            st.seq_len_cpu += 1
+            st.scheduled += 1
+            rows.append(Row(st, True))
+            pos += 1
+        inputs = StepInputs(
+            forward_mode=np.int32(int(mode)),
+            req_pool_indices=slots,
+            input_ids=ids,
+            seq_lens=seq_lens,
+            extend_lens=ext,
+            token_rows=tok_rows,
+            token_slots=tok_slots,
+            token_offsets=tok_off,
+            last_token=last,
+            relay_slots=relay,
+        )
+        return ScheduledBatch(inputs, rows, mode, n_tok)
+
+    @staticmethod
+    def _row(
+        i: int,
+        st: RequestState,
+        n: int,
+        pos: int,
+        slots: np.ndarray,
+        ext: np.ndarray,
+        last: np.ndarray,
+        tok_rows: np.ndarray,
+        tok_slots: np.ndarray,
+        tok_off: np.ndarray,
+    ) -> None:
+        """Write row i's slot and the layout of its n tokens starting at flat index pos."""
+        slots[i] = st.slot
+        ext[i] = n
+        last[i] = pos + n - 1
+        tok_rows[pos : pos + n] = i
+        tok_slots[pos : pos + n] = st.slot
+        tok_off[pos : pos + n] = np.arange(n)
+
+    # -------------------------------------------------------------------------- results
+    def process(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+        """Take a finished step's sampled tokens: append outputs, apply stops, retire.
+
+        A row whose request already finished (overlap: its EOS was read one step late, after
+        this step was dispatched) is discarded. Retirement frees the slot for the next build.
+        """
+        for i, row in enumerate(batch.rows):
+            st = row.state
+            if not row.samples or st.finished:
+                continue
+            tok = int(tokens[i])
+            st.output.append(tok)
+            self.last_token[st.req.rid] = tok
+            if tok == self.eos_id or len(st.output) == st.req.max_new_tokens:
+                st.finished = True
+                self.running.remove(st)
+                self.free_slots.append(st.slot)
+                self.free_slots.sort(reverse=True)
+                self.done.append(st)

@@ -1,0 +1,136 @@
+"""The jitted forward step, in two flavours over the same model.
+
+- sync step: the host passes real token ids and real lengths; no FutureMap.
+- overlap step: the same forward inside a `fm_jax.FutureMap`'s engine step (one dispatch):
+  resolve builds the decode rows' ids at the head from the relay, publish and stash write
+  the relay at the tail, and the map's state is donated together with the KV cache, so
+  every write is in place. In the sentinel protocol decode rows carry `-slot` ids (and, in
+  a DECODE batch, lengths) that resolve fills; in the gather protocol they carry no id and
+  the host's lengths, and resolve gathers a DECODE batch's ids at its slots and a MIXED
+  batch's running rows' ids at their `relay_slots` (docs/CONTRACT.md, 'Two protocols').
+  With debug, the map's checks report through `FutureMap.check()`.
+
+Token positions are computed on device from the resolved lengths, because in the sentinel
+protocol a DECODE row's length is itself a sentinel until resolve: position = seq_len -
+extend_len + offset.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import fm_jax
+from fm_bench.serve import model as mdl
+from fm_bench.serve.config import ModelConfig
+
+Ints = Any
+"""A host int array (np.ndarray) when built, a traced jax.Array inside the jitted step."""
+
+
+class StepInputs(NamedTuple):
+    """One scheduled batch as host arrays, padded to a batch bucket B and a token bucket T.
+
+    Padding rows and padding tokens carry slot 0 (and id 0, length 0).
+    """
+
+    forward_mode: Ints  # int32 scalar, a fm_jax.ForwardMode
+    req_pool_indices: Ints  # [B] slot of each row
+    input_ids: Ints  # [T] flat ids; overlap decode rows: -slot
+    seq_lens: Ints  # [B] length incl. this step's tokens; overlap DECODE: -slot
+    extend_lens: Ints  # [B] tokens each row contributes (prefill chunk, or 1)
+    token_rows: Ints  # [T] row of each token (padding tokens: 0)
+    token_slots: Ints  # [T] slot of each token (padding tokens: 0)
+    token_offsets: Ints  # [T] offset of each token within its row's tokens
+    last_token: Ints  # [B] index of each row's last token (padding rows: 0)
+    relay_slots: Ints  # [T] gather-protocol MIXED: a running row's slot at its token, else 0
+
+
+def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
+    """Each token's position in its slot's sequence; padding tokens sit at position 0."""
+    start = seq_lens - inp.extend_lens  # [B]: first position this step writes per row
+    pos = start[inp.token_rows] + inp.token_offsets
+    return jnp.where(inp.token_slots > 0, pos, 0)
+
+
+def _run_model(
+    params: mdl.Params,
+    cfg: ModelConfig,
+    cache: mdl.KVCache,
+    inp: Any,
+    input_ids: jax.Array,
+    seq_lens: jax.Array,
+) -> tuple[jax.Array, mdl.KVCache]:
+    """Forward plus greedy sampling: (tokens [B] int32, updated cache)."""
+    positions = jnp.clip(_positions(inp, seq_lens), 0, cfg.max_seq_len - 1)
+    logits, cache = mdl.forward(
+        params, cfg, cache, input_ids, inp.token_slots, positions, inp.last_token
+    )
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+@functools.cache
+def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Array]]:
+    """The jitted synchronous step: (params, cache, inputs) -> (cache, tokens); cache donated.
+
+    Assumes the host filled in real token ids and lengths (no sentinels). Cached per config,
+    so engines with the same model share compiled executables.
+    """
+
+    def step(params: mdl.Params, cache: mdl.KVCache, inp: StepInputs) -> Any:
+        tokens, cache = _run_model(params, cfg, cache, inp, inp.input_ids, inp.seq_lens)
+        return cache, tokens
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+MODEL_INPUTS = (
+    fm_jax.StepInput("extend_lens", "row"),
+    fm_jax.StepInput("last_token", "row"),
+    fm_jax.StepInput("token_rows", "token"),
+    fm_jax.StepInput("token_slots", "token"),
+    fm_jax.StepInput("token_offsets", "token"),
+)
+"""The model's own per-step host arrays, declared to the FutureMap's engine step: padded
+there like the batch's rows or tokens and sent with the batch in one transfer."""
+
+
+class ModelInputs(NamedTuple):
+    """The model's per-step arrays (the `MODEL_INPUTS` by name) inside the step."""
+
+    extend_lens: jax.Array
+    last_token: jax.Array
+    token_rows: jax.Array
+    token_slots: jax.Array
+    token_offsets: jax.Array
+
+
+def make_overlap_step(cfg: ModelConfig, fm: fm_jax.FutureMap) -> fm_jax.EngineStep:
+    """The overlap step: the model's forward inside `fm`'s engine step.
+
+    `step(batch, params, cache, inputs=model inputs) -> StepResult(out=(cache, tokens))`,
+    one dispatch with the cache and the map's state donated. The map resolves the batch at
+    the head (sentinel protocol: the decode rows' `-slot` ids and DECODE lengths; gather: a
+    DECODE batch's ids at its slots, a MIXED batch's running rows' ids at its token slots)
+    and publishes `seq_lens + 1` and stashes the sampled tokens at the tail (docs/CONTRACT.md,
+    'One overlap step'). Positions come from the resolved lengths, on the device.
+    """
+
+    def forward(
+        res: fm_jax.Resolved,
+        batch: fm_jax.Batch,
+        inputs: dict[str, jax.Array],
+        params: mdl.Params,
+        cache: mdl.KVCache,
+    ) -> fm_jax.StepOutput:
+        inp = ModelInputs(**inputs)
+        tokens, cache = _run_model(params, cfg, cache, inp, res.input_ids, res.seq_lens)
+        return fm_jax.StepOutput(res.seq_lens + 1, tokens, (cache, tokens))
+
+    # XLA's defaults for the model (on CPU the map's option would keep its matmuls on the
+    # calling thread).
+    return fm.engine_step(forward, inputs=MODEL_INPUTS, donate_argnums=(1,), compiler_options={})

@@ -1,0 +1,335 @@
+"""The named scenarios. Each builder returns a Scenario; `size` scales the request count."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from fm_parity.scenario import Policy, Request, Scenario, SpecShape
+
+
+def steady_decode(size: int = 1, seed: int = 0) -> Scenario:
+    """Requests prefilled once, then a long steady run of DECODE batches."""
+    n = 6 * size
+    reqs = tuple(Request(i, 3 + i % 5, 40) for i in range(n))
+    pol = Policy(max_running=n, max_prefill_rows=n, max_prefill_tokens=64)
+    return Scenario(
+        "steady_decode",
+        "prefill once, then steady decode",
+        reqs,
+        n + 1,
+        pol,
+        batch_buckets=(8 * size,),
+        token_buckets=(64 + 8 * size,),
+    )
+
+
+def prefill_then_decode(size: int = 1, seed: int = 0) -> Scenario:
+    """Staggered arrivals: each request's EXTEND gives its first DECODE token and length."""
+    reqs = tuple(Request(i, 1 + (7 * i) % 13, 2 + i % 6, arrival=2 * i) for i in range(8 * size))
+    return Scenario(
+        "prefill_then_decode",
+        "staggered prefill, then decode",
+        reqs,
+        6,
+        Policy(max_running=5, max_prefill_tokens=32),
+        batch_buckets=(8,),
+        token_buckets=(32, 128),
+    )
+
+
+def chunked_prefill(size: int = 1, seed: int = 0) -> Scenario:
+    """Long prompts split into many chunks; intermediate chunks' stashes are never read."""
+    reqs = tuple(Request(i, 23 + 9 * i, 5, arrival=3 * i) for i in range(4 * size))
+    pol = Policy(chunk=6, max_prefill_rows=2, max_prefill_tokens=12, max_running=4)
+    return Scenario(
+        "chunked_prefill",
+        "prompts over several chunks",
+        reqs,
+        5,
+        pol,
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def mixed_batches(size: int = 1, seed: int = 0) -> Scenario:
+    """Chunked prefill merged with running decodes: MIXED batches with sentinel tails."""
+    reqs = tuple(Request(i, 5 + (11 * i) % 17, 6 + i % 9, arrival=i) for i in range(10 * size))
+    pol = Policy(mixed=True, chunk=5, max_prefill_rows=2, max_prefill_tokens=10, max_running=6)
+    return Scenario(
+        "mixed_batches",
+        "chunked prefill + decode in one batch",
+        reqs,
+        7,
+        pol,
+        batch_buckets=(8,),
+        token_buckets=(32,),
+    )
+
+
+def retire_reuse(size: int = 1, seed: int = 0) -> Scenario:
+    """Short requests through a tiny pool: every retirement hands its slot over at once."""
+    reqs = tuple(Request(i, 2 + i % 4, 1 + (5 * i) % 7, arrival=i // 3) for i in range(24 * size))
+    return Scenario(
+        "retire_reuse",
+        "retire and immediate slot reuse",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_tokens=8),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def prefill_burst(size: int = 1, seed: int = 0) -> Scenario:
+    """A request waits through 100 prefill batches before its first decode.
+
+    The other requests generate one token each (finished by their prefill) and cycle
+    through the remaining slots, so the waiting request's slot is the only one that
+    keeps its relay entry across the burst.
+    """
+    first = Request(0, 5, 12)
+    burst = tuple(Request(i, 1 + i % 3, 1, arrival=1) for i in range(1, 101))
+    pol = Policy(max_prefill_rows=1, max_prefill_tokens=8, max_running=3)
+    return Scenario(
+        "prefill_burst",
+        "100 prefill batches before a first decode",
+        (first,) + burst,
+        4,
+        pol,
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def idle_steps(size: int = 1, seed: int = 0) -> Scenario:
+    """Idle data-parallel steps: forced IDLE batches and gaps between arrivals."""
+    reqs = tuple(Request(i, 3, 4 + i % 3, arrival=12 * i) for i in range(4 * size))
+    return Scenario(
+        "idle_steps",
+        "IDLE batches (empty indices)",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_tokens=4, idle_every=3),
+        batch_buckets=(4,),
+        token_buckets=(8,),
+    )
+
+
+def padded_batches(size: int = 1, seed: int = 0) -> Scenario:
+    """Coarse buckets: most rows and tokens are slot-0 padding that writes garbage."""
+    reqs = tuple(Request(i, 1 + i % 6, 3 + i % 8, arrival=i % 5) for i in range(12 * size))
+    return Scenario(
+        "padded_batches",
+        "batches padded with slot-0 rows",
+        reqs,
+        10,
+        Policy(max_running=9, max_prefill_rows=3, max_prefill_tokens=16),
+        batch_buckets=(4, 16),
+        token_buckets=(16, 64),
+    )
+
+
+def prebuilt_bootstrap(size: int = 1, seed: int = 0) -> Scenario:
+    """Disaggregated decode: PREBUILT requests bootstrapped by publish + stash."""
+    reqs = tuple(
+        Request(i, 4 + i % 5, 3 + i % 4, arrival=2 * i, prebuilt=i % 3 != 2)
+        for i in range(9 * size)
+    )
+    return Scenario(
+        "prebuilt_bootstrap",
+        "publish + stash bootstrap, then decode",
+        reqs,
+        5,
+        Policy(max_running=4, max_prefill_tokens=8),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def spec_decode(size: int = 1, seed: int = 0) -> Scenario:
+    """EAGLE-like spec decode: variable accept lengths, top-k and bf16 hidden states."""
+    reqs = tuple(Request(i, 3 + i % 7, 12 + 3 * (i % 5), arrival=i) for i in range(8 * size))
+    return Scenario(
+        "spec_decode",
+        "spec decode with top-k and bf16 hidden",
+        reqs,
+        6,
+        Policy(max_running=5, max_prefill_rows=2, max_prefill_tokens=16),
+        spec=SpecShape(topk=4, hidden=8),
+        batch_buckets=(8,),
+        token_buckets=(32,),
+    )
+
+
+def spec_verified(size: int = 1, seed: int = 0) -> Scenario:
+    """Spec decode relaying verified ids: spec prefill, PREBUILT bootstrap, slot reuse.
+
+    The verify hashes each row's gathered verified id, so a lost or stale one (also one
+    left by a slot's previous request) changes every later token. Small on purpose: no
+    hidden states (spec_decode covers them), top-k 2, one batch bucket.
+    """
+    reqs = tuple(
+        Request(i, 2 + i % 4, 5 + 2 * (i % 3), arrival=i, prebuilt=i % 3 == 1)
+        for i in range(6 * size)
+    )
+    return Scenario(
+        "spec_verified",
+        "spec decode relaying verified ids",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
+        spec=SpecShape(topk=2, hidden=0, verified_id=True),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def random_mix(size: int = 1, seed: int = 0) -> Scenario:
+    """A seeded random mix of every feature above (non-spec)."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 12) * size
+    pool = rng.randint(3, 9)
+    reqs = tuple(
+        Request(
+            i,
+            rng.randint(1, 30),
+            rng.randint(1, 12),
+            rng.randint(0, 3 * n),
+            prebuilt=rng.random() < 0.2,
+        )
+        for i in range(n)
+    )
+    pol = Policy(
+        mixed=rng.random() < 0.6,
+        chunk=rng.choice([None, 3, 7]),
+        max_prefill_rows=rng.randint(1, 3),
+        max_prefill_tokens=rng.choice([8, 16, 24]),
+        idle_every=rng.choice([0, 0, 5, 7]),
+        max_running=pool - 1,
+    )
+    return Scenario(
+        f"random_mix[{seed}]",
+        "seeded mix of all features",
+        reqs,
+        pool,
+        pol,
+        batch_buckets=(4, 8),
+        token_buckets=(16, 64),
+    )
+
+
+def random_spec_mix(size: int = 1, seed: int = 0) -> Scenario:
+    """A seeded random mix for spec decode: chunks, PREBUILT, idle steps, reuse."""
+    rng = random.Random(seed + 7919)
+    n = rng.randint(3, 9) * size
+    pool = rng.randint(3, 7)
+    reqs = tuple(
+        Request(
+            i,
+            rng.randint(1, 20),
+            rng.randint(1, 25),
+            rng.randint(0, 2 * n),
+            prebuilt=rng.random() < 0.25,
+        )
+        for i in range(n)
+    )
+    pol = Policy(
+        chunk=rng.choice([None, 4]),
+        max_prefill_rows=rng.randint(1, 3),
+        max_prefill_tokens=16,
+        idle_every=rng.choice([0, 6]),
+        max_running=pool - 1,
+    )
+    spec = SpecShape(topk=rng.choice([1, 2, 4]), hidden=rng.choice([0, 4]))
+    return Scenario(
+        f"random_spec_mix[{seed}]",
+        "seeded spec mix",
+        reqs,
+        pool,
+        pol,
+        spec=spec,
+        batch_buckets=(8,),
+        token_buckets=(32,),
+    )
+
+
+def dp_overlap(size: int = 1, seed: int = 0) -> Scenario:
+    """Data-parallel ranks out of step: each seed arrives, mixes and idles at its own steps.
+
+    On a mesh rank d runs seed d, so at one step some ranks are IDLE while others run, and
+    busy ranks differ in kind (DECODE beside EXTEND or MIXED). The pool size does not
+    depend on the seed: every rank fits one sharded map.
+    """
+    rng = random.Random(seed + 31337)
+    reqs = tuple(
+        Request(i, rng.randint(1, 6), rng.randint(1, 5), arrival=rng.randint(0, 14))
+        for i in range(12 * size)
+    )
+    pol = Policy(
+        mixed=True,
+        max_prefill_rows=3,
+        max_prefill_tokens=12,
+        idle_every=5,
+        idle_phase=seed % 5,
+        max_running=7,
+    )
+    return Scenario(
+        "dp_overlap",
+        "DP ranks idle and mix kinds at different steps",
+        reqs,
+        8,
+        pol,
+        batch_buckets=(4, 8),
+        token_buckets=(16, 32),
+    )
+
+
+def long_run(size: int = 1, seed: int = 0) -> Scenario:
+    """1,000+ steps with 256 requests running at once (size scales nothing: it is long)."""
+    rng = random.Random(seed + 104729)
+    reqs = tuple(
+        Request(i, rng.randint(1, 24), rng.randint(150, 420), arrival=rng.randint(0, 600))
+        for i in range(620)
+    )
+    pol = Policy(mixed=True, chunk=16, max_prefill_rows=8, max_prefill_tokens=128, max_running=256)
+    return Scenario(
+        "long_run",
+        "1000+ steps, 256 concurrent requests",
+        reqs,
+        257,
+        pol,
+        batch_buckets=(256,),
+        token_buckets=(512,),
+        max_steps=1200,
+    )
+
+
+Builder = Callable[[int, int], Scenario]
+
+CATALOGUE: dict[str, Builder] = {
+    "steady_decode": steady_decode,
+    "prefill_then_decode": prefill_then_decode,
+    "chunked_prefill": chunked_prefill,
+    "mixed_batches": mixed_batches,
+    "retire_reuse": retire_reuse,
+    "prefill_burst": prefill_burst,
+    "idle_steps": idle_steps,
+    "padded_batches": padded_batches,
+    "prebuilt_bootstrap": prebuilt_bootstrap,
+    "spec_decode": spec_decode,
+    "spec_verified": spec_verified,
+    "random_mix": random_mix,
+    "random_spec_mix": random_spec_mix,
+    "dp_overlap": dp_overlap,
+    "long_run": long_run,
+}
+"""Scenario name -> builder(size, seed). The default run takes every entry at size 1."""
+
+
+def build(name: str, *, size: int = 1, seed: int = 0) -> Scenario:
+    """The named scenario; ValueError listing the names when `name` is unknown."""
+    if name not in CATALOGUE:
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(CATALOGUE)}")
+    return CATALOGUE[name](size, seed)

@@ -1,0 +1,325 @@
+"""Deliberately broken FutureMap variants, to show that the suite catches them.
+
+Each variant wraps a twin (fm_parity.twin.Twin) and breaks one thing in how the FutureMap
+behaves as the engine sees it; everything else passes through. They apply to either
+framework alike, so the same bug can be put into fm_jax alone (parity must see it) or
+into both twins (then only the oracle or the debug checks can). Each is a mistake of one
+relay protocol (docs/CONTRACT.md, 'Two protocols') and is judged under it (`judged_under`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fm_parity.host_batch import MODE, HostBatch
+from fm_parity.scenario import Kind
+from fm_parity.twin import ResolvedOut, Sizes, Twin
+
+Slots = Mapping[int, np.ndarray]
+
+
+class Mutant:
+    """A twin with one op broken; every other attribute is the wrapped twin's.
+
+    `judged_under` is the relay protocol whose mistake it makes: the mutation check runs
+    it under that protocol only. Its `protocol`, like every other attribute, is the wrapped
+    twin's: the driver lays out batches for the map's protocol.
+    """
+
+    judged_under = "sentinel"
+
+    def __init__(self, inner: Twin) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class SkipStash(Mutant):
+    """Every third non-empty stash is dropped: the slots keep their previous (read) tokens."""
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        if any(len(s) for s in slots.values()):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                return
+        self.inner.stash(slots, payload, sizes)
+
+
+class StashTwice(Mutant):
+    """Every stash is issued twice: again, one step late, right after the next stash.
+
+    The late copy overwrites the fresh tokens of slots that ran in both steps.
+    """
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.previous: tuple[Slots, Mapping[int, Any]] | None = None
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        self.inner.stash(slots, payload, sizes)
+        if self.previous is not None:
+            self.inner.stash(*self.previous, sizes)
+        busy = {r for r, s in slots.items() if len(s)}
+        if busy:
+            self.previous = ({r: slots[r] for r in busy}, {r: payload[r] for r in busy})
+
+
+class PublishWithoutPlusOne(Mutant):
+    """publish writes the lengths one short (seq_lens instead of seq_lens + 1)."""
+
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes) -> None:
+        self.inner.publish(slots, {r: v - 1 for r, v in lens.items()}, sizes)
+
+
+class SentinelOffByOne(Mutant):
+    """invalidate leaves -(slot + 1) instead of -slot in live rows."""
+
+    def invalidate(
+        self, batches: Mapping[int, HostBatch], res: Mapping[int, ResolvedOut], sizes: Sizes
+    ) -> dict[int, tuple[Any, Any]]:
+        out = {}
+        for r, (ids, lens) in self.inner.invalidate(batches, res, sizes).items():
+            ids, lens = self.inner.host(ids).copy(), self.inner.host(lens).copy()
+            live = np.zeros(len(ids), bool)
+            live[: len(batches[r].slots)] = batches[r].slots != 0
+            ids[live] -= 1
+            lens[live] -= 1
+            out[r] = (ids, lens)
+        return out
+
+
+class StaleSlotAfterReuse(Mutant):
+    """A stash into a slot that still holds an unread token is dropped.
+
+    A map that treats an unread slot as still owned: after retirement and reuse, the new
+    request's first decode resolves the previous occupant's last token (and after a
+    chunked prefill, an intermediate chunk's token). Consume tracking cannot see it: the
+    stale value was written and never read.
+    """
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.unread: dict[int, set[int]] = {}
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        for r, hb in batches.items():
+            read = hb.live_slots if hb.spec_decode else -hb.input_ids[hb.input_ids < 0]
+            self.unread.setdefault(r, set()).difference_update(read.tolist())
+        return self.inner.resolve(batches, sizes)
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        kept = {}
+        for r, s in slots.items():
+            unread = self.unread.setdefault(r, set())
+            k = s.copy()
+            k[np.isin(s, list(unread)) & (s != 0)] = 0  # to the padding row
+            unread |= set(s[s != 0].tolist())
+            kept[r] = k
+        self.inner.stash(kept, payload, sizes)
+
+
+class SkipDecodeRestore(Mutant):
+    """resolve skips the DECODE length restore: the batch keeps its length sentinels."""
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        extend = MODE[Kind.EXTEND]
+        changed = {
+            r: dataclasses.replace(hb, mode=extend) if hb.mode == MODE[Kind.DECODE] else hb
+            for r, hb in batches.items()
+        }
+        return self.inner.resolve(changed, sizes)
+
+
+class MixedGathersWrongRows(Mutant):
+    """Gather protocol: a MIXED batch gathers its running rows' tokens at the batch's first
+    rows (req_pool_indices[:M], prefill rows among them) instead of the running rows'
+    slots."""
+
+    judged_under = "gather"
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        changed = {
+            r: dataclasses.replace(hb, running=hb.slots[: len(hb.running)])
+            if hb.mode == MODE[Kind.MIXED]
+            else hb
+            for r, hb in batches.items()
+        }
+        return self.inner.resolve(changed, sizes)
+
+
+class SpecKeepsHostLengths(Mutant):
+    """Gather protocol, spec: resolve gathers the draft but not the verified lengths; the
+    forward gets the host's seq_lens, which lag a step behind the accepted drafts."""
+
+    judged_under = "gather"
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = self.inner.resolve(batches, sizes)
+        for r, res in out.items():
+            hb = batches[r]
+            if hb.spec_decode:
+                out[r] = res._replace(seq_lens=_like(res.seq_lens, hb.seq_lens))
+        return out
+
+
+class SkipStashRows(Mutant):
+    """Gather protocol: every second non-empty stash skips its first live row. Its slot
+    keeps what it held: the token its last resolve already gathered (debug mode: the
+    poison that resolve wrote), or after a prefill the slot's previous value."""
+
+    judged_under = "gather"
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        if any(len(s) for s in slots.values()):
+            self.calls += 1
+            if self.calls % 2 == 0:
+                slots = {r: s.copy() for r, s in slots.items()}
+                for s in slots.values():
+                    s[:1] = 0  # to the padding row (live rows come first)
+        self.inner.stash(slots, payload, sizes)
+
+
+class SkipVerifiedIdStash(Mutant):
+    """Spec with verified ids: every second stash of a draft with live rows leaves the
+    verified id of its first row whose slot was stashed before as it was (the value last
+    stashed there, from this request or the slot's previous one); the bonus token and
+    the rest of the draft are written. Relay fields are the same in both protocols
+    (docs/CONTRACT.md, 'Relay fields'), so it is a mistake of either: the mutation table
+    judges it under the sentinel protocol, the tests under both. Consume tracking cannot
+    see it (a non-negative value is in the slot when the next verify reads it); the
+    verify hashes the stale id, so the oracle can."""
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.calls = 0
+        self.stashed: dict[int, dict[int, int]] = {}  # rank -> slot -> verified id held
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        drafts = {
+            r: p
+            for r, p in payload.items()
+            if getattr(p, "verified_id", None) is not None and (slots[r] != 0).any()
+        }
+        if drafts:
+            self.calls += 1
+        changed = dict(payload)
+        for r, p in drafts.items():
+            held = self.stashed.setdefault(r, {})
+            vid = self.inner.host(p.verified_id).copy()
+            if self.calls % 2 == 0:
+                stale = [i for i, s in enumerate(slots[r].tolist()) if s in held]
+                if stale:
+                    vid[stale[0]] = held[int(slots[r][stale[0]])]
+                    changed[r] = _with_verified_id(p, vid)
+            for s, v in zip(slots[r].tolist(), vid.tolist(), strict=False):
+                if s != 0:  # slot 0 is padding: what it holds is never read
+                    held[s] = v
+        self.inner.stash(slots, changed, sizes)
+
+
+class HostCopySyncs(Mutant):
+    """Gather protocol: resolve reads the lengths it resolved back to the host, as a host
+    length copy that was switched off yet still syncs would (the engine never called
+    resolve_seq_lens_cpu, so the step must move nothing from the device to the host).
+    Every value is as it should be: only the 'sync' check, which watches fm_jax's map ops
+    for device-to-host transfers, can catch it (fm_torch's maps read theirs unwatched)."""
+
+    judged_under = "gather"
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        if hasattr(inner, "fm"):  # fm_jax: one map
+            inner.fm = _SyncingMap(inner.fm)
+        if hasattr(inner, "fms"):  # fm_torch: one map per rank
+            inner.fms = {r: _SyncingMap(fm) for r, fm in inner.fms.items()}
+
+
+class _SyncingMap:
+    """A FutureMap whose resolve reads the resolved lengths to the host before it returns
+    (fm_jax's come back in its output, fm_torch's in the batch it resolves in place)."""
+
+    def __init__(self, fm: Any) -> None:
+        self._fm = fm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fm, name)
+
+    def resolve(self, batch: Any, *args: Any, **kw: Any) -> Any:
+        out = self._fm.resolve(batch, *args, **kw)
+        lens = getattr(out, "seq_lens", None)
+        if lens is None:
+            lens = batch.seq_lens
+        if type(lens).__module__.startswith("torch"):
+            lens.tolist()
+        else:
+            import jax
+
+            jax.device_get(lens)  # the sync a skipped host copy must not do
+        return out
+
+
+def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
+    """`payload` (either twin's DraftPayload: a NamedTuple or a dataclass) with host verified
+    ids `vid`; both twins take host rows in a stash."""
+    if hasattr(payload, "_replace"):  # fm_jax's NamedTuple
+        return payload._replace(verified_id=vid)
+    return dataclasses.replace(payload, verified_id=vid)
+
+
+def _like(x: Any, host: np.ndarray) -> Any:
+    """`host` as an array of `x`'s framework, dtype and device (x: a torch tensor or a
+    one-device jax array)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return torch.as_tensor(host).to(device=x.device, dtype=x.dtype)
+    import jax
+
+    return jax.device_put(host.astype(x.dtype), next(iter(x.devices())))
+
+
+MUTATIONS: dict[str, type[Mutant]] = {
+    "skip_stash": SkipStash,
+    "stash_twice": StashTwice,
+    "publish_without_plus_one": PublishWithoutPlusOne,
+    "sentinel_off_by_one": SentinelOffByOne,
+    "stale_slot_after_reuse": StaleSlotAfterReuse,
+    "skip_decode_restore": SkipDecodeRestore,
+    "mixed_gathers_wrong_rows": MixedGathersWrongRows,
+    "spec_keeps_host_lengths": SpecKeepsHostLengths,
+    "skip_stash_rows": SkipStashRows,
+    "skip_verified_id_stash": SkipVerifiedIdStash,
+    "host_copy_syncs": HostCopySyncs,
+}
+"""Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
+
+
+class FlipByte(Mutant):
+    """After the stash of step `step`, one byte of rank `rank`'s buffer flips: the token of
+    the first slot stashed there (its lowest bit). Not a mutation of the check: it shows
+    that a one-byte difference in one DP rank is found and located."""
+
+    def __init__(self, inner: Twin, rank: int, step: int) -> None:
+        super().__init__(inner)
+        self.rank, self.step, self.calls = rank, step, 0
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        self.inner.stash(slots, payload, sizes)
+        self.calls += 1  # the driver stashes once per step
+        s = slots.get(self.rank)
+        if self.calls == self.step and s is not None and len(s) and s[0] != 0:
+            token = self.inner.host(payload[self.rank])[:1] ^ 1
+            self.inner.stash({self.rank: s[:1]}, {self.rank: token}, sizes)

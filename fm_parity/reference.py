@@ -1,0 +1,93 @@
+"""The synchronous reference loop: the same scenario with no FutureMap, no overlap, no padding.
+
+The oracle of both overlap runs. It shares only the scenario (its Scheduler) and the toy
+model with the driver it checks: each request's last token (spec: its draft) and length
+live in host dicts, every live row is computed on its own from them with the numpy model,
+and what each request produces is appended here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fm_parity import toy_model as tm
+from fm_parity.scenario import Kind, Scenario, Scheduler
+
+Streams = dict[int, list[int]]
+"""Request id -> non-spec: its tokens; spec: its first token, then accept length and bonus
+token per decode step (as the overlap runs record them)."""
+
+
+def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) -> Streams:
+    """Run `scenario` synchronously; return what each request produced, in order."""
+    offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
+    spec = None if scenario.spec is None else (scenario.spec.topk, scenario.spec.hidden)
+    verified = scenario.spec is not None and scenario.spec.verified_id
+    sched = Scheduler(scenario, max_steps)
+    streams: Streams = {}
+    last: dict[int, int] = {}  # request -> its last token (spec: bonus token)
+    length: dict[int, int] = {}  # request -> its length after its last forward
+    drafts: dict[int, tm.Draft] = {}  # spec: request -> its draft, one row
+
+    while (plan := sched.next_step()) is not None:
+        if plan.kind is Kind.IDLE:
+            continue
+        rows = plan.rows
+        if plan.kind is Kind.PREBUILT:
+            for row in rows:
+                req = sched.request(row.rid)
+                tok, d = tm.bootstrap(
+                    row.rid, req.prompt_len, row.slot, spec, offset, npdt, verified
+                )
+                last[row.rid], length[row.rid] = tok, row.seq_len
+                if d is not None:
+                    drafts[row.rid] = d
+                streams.setdefault(row.rid, []).append(tok)
+            continue
+        ids, lens = [], []
+        for row in rows:
+            if row.phase == "prefill":
+                ids += tm.prompt_tokens(row.rid, row.end - 1, row.end, offset)
+                lens.append(row.end)
+            else:
+                ids.append(last[row.rid])
+                lens.append(length[row.rid])
+        ids_a, lens_a = np.array(ids, npdt), np.array(lens, npdt)
+        slots = np.array([row.slot for row in rows], npdt)
+        every = np.arange(len(rows))
+        accept = None
+        if spec is None:
+            token, new_lens = tm.forward_tokens(ids_a, lens_a, slots, every, tm.NUMPY, offset)
+            draft = None
+        elif plan.kind is Kind.DECODE:
+            sched.observe({row.rid: length[row.rid] for row in rows})
+            held = [drafts[row.rid] for row in rows]
+            hidden = None if held[0].hidden is None else np.concatenate([d.hidden for d in held])
+            vid = np.concatenate([d.verified for d in held]) if verified else None
+            gathered = tm.Draft(
+                ids_a,
+                np.concatenate([d.topk_p for d in held]),
+                np.concatenate([d.topk_index for d in held]),
+                hidden,
+                vid,
+            )
+            accept, new_lens, draft = tm.forward_spec_decode(
+                gathered, lens_a, slots, tm.NUMPY, spec, offset, verified
+            )
+            token = draft.bonus
+        else:  # a spec prefill accepts nothing: its stream starts with the bonus token
+            _, new_lens, draft = tm.forward_spec_extend(
+                ids_a, lens_a, slots, every, tm.NUMPY, spec, offset, verified
+            )
+            token = draft.bonus
+        for i, row in enumerate(rows):
+            if row.phase == "prefill" and not row.final:
+                continue  # an intermediate chunk's token is never read
+            last[row.rid], length[row.rid] = int(token[i]), int(new_lens[i])
+            if draft is not None:  # the request's own row of every draft field
+                drafts[row.rid] = tm.Draft._make(None if x is None else x[i : i + 1] for x in draft)
+            s = streams.setdefault(row.rid, [])
+            if accept is not None:
+                s.append(int(accept[i]))
+            s.append(int(token[i]))
+    return streams

@@ -1,7 +1,0 @@
-"""parity: the same overlap scenarios through fm_torch and fm_jax, compared bit for bit.
-
-Data flows one way, for one device, a mesh and many processes alike: scenario -> driver ->
-FutureMap twin -> trace -> comparison -> report. What the twins must agree on and what is
-compared: docs/CONTRACT.md. The console script `fm-parity` (parity.cli) runs the catalogue
-(parity.catalogue).
-"""
