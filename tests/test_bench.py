@@ -597,3 +597,13 @@ def test_cli_engine_step_only_writes_its_rows(tmp_path: Any) -> None:
     assert any(
         f["figure"].startswith("fm_jax_step marginal host") for f in doc["engine_step"]["figures"]
     )
+
+
+def test_host_lengths_bench_runs_at_a_tiny_size() -> None:
+    """fm_bench.host_lengths: both modes' waits and the forward alone, as a markdown page."""
+    from fm_bench.host_lengths import markdown, measure
+
+    res = measure(8, 64, 32, 2)
+    for key in ("wait_ms_copy", "wait_ms_gather", "forward_ms"):
+        assert res[key]["min"] <= res[key]["median"] <= res[key]["max"]
+    assert "needs_cpu_seq_lens" in markdown(res)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fm_jax._src.compile_options import compiler_options
@@ -230,7 +231,8 @@ class EngineStep:
             for op, err in zip(("resolve", "finish"), errors, strict=True):
                 fm._debug.record(fm.step, op, err)
             fm._resolved(placed.idx)
-        fm._state, result, sentinels = out
+        fm._state, result, sentinels, lens = out
+        fm._published(placed.idx, lens)
         if sentinels is None:
             return StepResult(result, batch)
         if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
@@ -345,7 +347,9 @@ class EngineStep:
                 )
             idx = batch.req_pool_indices
             e_tail, (state, sentinels) = checked(tail_fn)(state, idx, got.new_seq_lens, got.payload)
-            out = (state, got.out, sentinels)
+            # The published lengths leave the step only when the host reads them.
+            lens = None if fm._host_lengths is None else jnp.asarray(got.new_seq_lens, fm.dtype)
+            out = (state, got.out, sentinels, lens)
             return out if debug is None else ((e_head, e_tail), out)
 
         return body

@@ -29,6 +29,7 @@ from fm_jax._src.engine_step import EngineStep, Forward, StepInput
 from fm_jax._src.entry_points import jit_entry_points, packed_entry_point, takes_state
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device
+from fm_jax._src.host_lengths import HostLengths
 from fm_jax._src.ops import future_map
 from fm_jax._src.packing import PackSpec, pack_host
 from fm_jax._src.sharding import MeshLayout, lift, mesh_layout, per_rank, single_device_layout
@@ -147,6 +148,11 @@ class FutureMap:
         where a transfer costs more than packing (GPU, TPU: about 55 us of host time per
         numpy argument), off on CPU (about 2.5 us, less than the packing itself). One
         process only: across processes each array is sharded as given.
+      needs_cpu_seq_lens: the engine reads lengths on the host (`resolve_seq_lens_cpu`):
+        each publish starts copying its lengths to the host, so a read of the slots last
+        published waits for the publishing step only (`host_lengths`). False (SGLang's
+        `needs_cpu_seq_lens` off): no copy at all; `resolve_seq_lens_cpu` then gathers
+        from the buffer, a sync behind everything queued.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class FutureMap:
         device: jax.Device | None = None,
         protocol: str = "sentinel",
         pack_inputs: bool | None = None,
+        needs_cpu_seq_lens: bool = True,
     ) -> None:
         # One op at a time (`_serialized`); reentrant: an op may call another (check).
         self._lock = threading.RLock()
@@ -237,6 +244,12 @@ class FutureMap:
             platform != "cpu" if pack_inputs is None else pack_inputs
         )
         self._options = compiler_options(platform)
+        if not isinstance(needs_cpu_seq_lens, bool):
+            raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
+        # The last publish's lengths on their way to the host (one process only).
+        self._host_lengths = (
+            HostLengths() if needs_cpu_seq_lens and self._inputs.single_process else None
+        )
         self._packed: dict[tuple[str, PackSpec], Any] = {}
         # After warm_up(guard=True): the only executables serving may run, by key (and by
         # packing layout for those fed one packed buffer).
@@ -363,6 +376,7 @@ class FutureMap:
             return  # DP idle: nothing ran, nothing to relay
         lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True, relayed=True)
         self._state = self._tail("publish", idx, lens, given=new_seq_lens)
+        self._published(idx, lens)
 
     @_serialized
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
@@ -404,9 +418,15 @@ class FutureMap:
         self._state, sentinel = self._tail(
             "finish", idx, lens, self._payload(payload, idx), given=(new_seq_lens, payload)
         )
+        self._published(idx, lens)
         if gather:
             return batch
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
+
+    def _published(self, idx: Rows, lens: Any) -> None:
+        """A publish wrote `lens` at `idx` (as placed): start their copy to the host."""
+        if self._host_lengths is not None:
+            self._host_lengths.published(idx, lens)
 
     def _payload(self, payload: Payload, idx: Rows) -> Any:
         """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
@@ -734,12 +754,21 @@ class FutureMap:
     def resolve_seq_lens_cpu(
         self, indices: RowsInput, *, rows: int | None = None
     ) -> np.ndarray | dict[int, np.ndarray]:
-        """Host copy of `new_seq_lens[indices]` (a sync point: pending debug errors raise here).
+        """Host copy of `new_seq_lens[indices]` (pending debug errors raise here).
+
+        At exactly the slots of the last publish (or `finish`, or engine step) it takes the
+        copy that publish started: it waits for the publishing step only, not for work
+        queued after it (`needs_cpu_seq_lens`). Other slots are gathered from the buffer:
+        a sync behind everything queued.
 
         Returns the lengths in the form `indices` was given: [B] host rows (global, padding
         removed for host input), or a mapping DP rank -> lengths.
         """
         idx = self._inputs.slots("indices", indices, rows)
+        copied = None if self._host_lengths is None else self._host_lengths.read(idx)
+        if copied is not None:  # the slots last published: their copy, no gather
+            self.check()
+            return self._inputs.unpad(copied, idx)
         out = self._apply("resolve_seq_lens_cpu", ("seq_lens_at", idx.size), idx.array)
         if self._inputs.single_process:
             host = np.asarray(jax.device_get(out))

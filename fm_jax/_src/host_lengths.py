@@ -1,0 +1,54 @@
+"""The last published lengths on their way to the host, so reading them waits for the
+publishing step only.
+
+`resolve_seq_lens_cpu(indices)` used to gather `new_seq_lens[indices]` on the device and
+fetch it: a sync behind everything queued before it, the next forward included when the
+engine had already enqueued it. SGLang instead copies the published lengths to the host on
+a side stream, into pinned memory, gated on the publish; the scheduler then waits for the
+publishing step alone (its #29556 took a 2.1 ms DFlash verify wait out that way). Here the
+publish starts the same copy (`jax.Array.copy_to_host_async`: a host copy in flight, not a
+wait) and keeps it with the slots it was published at; a later read of exactly those slots
+takes the copy, waiting only for the computation that produced the lengths. A publish given
+host lengths keeps them as they are: no copy at all. Only the most recent publish is kept:
+a read of other slots, or after another publish, gathers from the buffer as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from fm_jax._src.host_inputs import Rows
+
+
+class _Published(NamedTuple):
+    idx: Rows  # the slots, as placed (host: padded; a jax array: taken as given)
+    lens: Any  # the lengths, placed like idx: a host array, or a jax array copying to host
+
+
+class HostLengths:
+    """The most recent publish's lengths (one map; single process)."""
+
+    def __init__(self) -> None:
+        self._last: _Published | None = None
+
+    def published(self, idx: Rows, lens: Any) -> None:
+        """A publish wrote `lens` at `idx` (both as placed): keep them, a device array with
+        its host copy started."""
+        if isinstance(lens, jax.Array):
+            lens.copy_to_host_async()
+        self._last = _Published(idx, lens)
+
+    def read(self, idx: Rows) -> np.ndarray | None:
+        """The lengths last published at exactly the slots `idx` (as placed, padded), or
+        None when the last publish was at other slots (or there was none)."""
+        last = self._last
+        if last is None or last.idx.size != idx.size:
+            return None
+        if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
+            same = idx.array is last.idx.array
+        else:
+            same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
+        return np.asarray(last.lens) if same else None
