@@ -108,3 +108,15 @@ def test_needs_cpu_seq_lens_is_a_bool() -> None:
     """A clear error for anything else."""
     with pytest.raises(fj.FutureMapError, match="needs_cpu_seq_lens must be a bool"):
         fj.FutureMap(8, needs_cpu_seq_lens="no")  # type: ignore[arg-type]
+
+
+def test_a_host_array_reused_after_publish_does_not_change_the_read() -> None:
+    """The host lengths and slots a publish was given are kept as copies: an engine that
+    refills its own arrays for the next batch does not change what the read returns."""
+    fm = make(True)
+    idx, lens = a(3, 5, 7, 9), a(4, 5, 6, 7)
+    fm.publish(idx, lens)
+    lens[:] = 99
+    assert fm.resolve_seq_lens_cpu(a(3, 5, 7, 9)).tolist() == [4, 5, 6, 7]
+    idx[:] = a(1, 2, 4, 6)
+    assert fm.resolve_seq_lens_cpu(a(1, 2, 4, 6)).tolist() == [0, 0, 0, 0]

@@ -39,6 +39,10 @@ class HostLengths:
         its host copy started."""
         if isinstance(lens, jax.Array):
             lens.copy_to_host_async()
+        else:  # the caller's own array may be reused for the next batch: keep a copy
+            lens = np.array(lens)
+        if idx.counts is not None:
+            idx = idx._replace(array=np.array(idx.array))
         self._last = _Published(idx, lens)
 
     def read(self, idx: Rows) -> np.ndarray | None:
