@@ -394,7 +394,7 @@ def future_map(
         # Gathers at its token slots. A mode fixed when traced is 'DECODE or not' (one
         # executable serves EXTEND, MIXED and IDLE; the host refuses token slots on a batch
         # that is not MIXED); a traced mode gathers only when MIXED (debug reports token
-        # slots on another kind). `~` only on a traced mode: on a bool it is int inversion.
+        # slots on another kind).
         takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
         if known:
             if mode == ForwardMode.MIXED and ts_in is None:
