@@ -137,10 +137,10 @@ def spec_step(fm: fj.FutureMap, lens: np.ndarray) -> None:
 
 
 def test_a_spec_step_without_the_host_copy_moves_nothing_to_the_host() -> None:
-    """With the host length copy off (no resolve_seq_lens_cpu), a gather-protocol spec step
-    (resolve, publish, stash) does no device-to-host transfer; asking for the copy does
-    one (so the detector is live)."""
-    fm = gather_map(spec=fj.SpecConfig(topk=2))
+    """With the host length copy off (`needs_cpu_seq_lens=False`), a gather-protocol spec
+    step (resolve, publish, stash) does no device-to-host transfer; asking for the lengths
+    then gathers them, one transfer (so the detector is live)."""
+    fm = gather_map(spec=fj.SpecConfig(topk=2), needs_cpu_seq_lens=False)
     fm.publish(a(3, 5), a(4, 6))
     spec_step(fm, a(5, 7))  # compile outside the guard
     with no_device_to_host():
