@@ -62,20 +62,37 @@ class Figure:
     at_least: bool = False  # True: ratio must be >= target (a speed-up)
 
     def evaluate(self, stats: dict[Hashable, Stats]) -> dict[str, Any]:
-        """The figure as a JSON row: both medians, the ratio, the target and pass/miss."""
-        n, d = stats[self.num].median_us, stats[self.den].median_us
-        # A marginal cost can come out <= 0 (indistinguishable from nothing): no ratio then.
-        ratio = n / d if d > 0 else None
+        """The figure as a JSON row: both medians (waited, and host time with one step in
+        flight), both ratios, the target and pass/miss. The target judges the host-time
+        ratio (what an overlap engine's scheduler pays), or the waited one where no host
+        time was measured."""
+        num, den = stats[self.num], stats[self.den]
+
+        def ratio_of(n: float | None, d: float | None) -> float | None:
+            # A marginal cost can come out <= 0 (indistinguishable from nothing): no ratio.
+            return None if n is None or d is None or d <= 0 else n / d
+
+        waited = ratio_of(num.median_us, den.median_us)
+        host = ratio_of(num.host_us, den.host_us)
+        ratio = waited if num.host_us is None else host
         ok = None
         if self.target is not None and ratio is not None:
             ok = ratio >= self.target if self.at_least else ratio <= self.target
+
+        def us(x: float | None) -> float | None:
+            return None if x is None else round(x, 2)
+
         return {
             "figure": self.name,
             "numerator": _describe(self.num),
             "denominator": _describe(self.den),
-            "numerator_us": round(n, 2),
-            "denominator_us": round(d, 2),
+            "numerator_us": round(num.median_us, 2),
+            "denominator_us": round(den.median_us, 2),
+            "numerator_host_us": us(num.host_us),
+            "denominator_host_us": us(den.host_us),
             "ratio": None if ratio is None else round(ratio, 3),
+            "host_ratio": None if host is None else round(host, 3),
+            "waited_ratio": None if waited is None else round(waited, 3),
             "target": None
             if self.target is None
             else (">= " if self.at_least else "<= ") + f"{self.target:g}",

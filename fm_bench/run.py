@@ -87,6 +87,8 @@ def row(key: Key, st: timing.Stats, stats: dict[Hashable, timing.Stats]) -> dict
         "p10_us": round(st.p10_us, 2),
         "p90_us": round(st.p90_us, 2),
         "n": st.n,
+        "host_us": None if st.host_us is None else round(st.host_us, 2),
+        "pipe_us": None if st.pipe_us is None else round(st.pipe_us, 2),
         "bytes": min_bytes(c, key.op),
     }
     if c.spec:

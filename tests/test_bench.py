@@ -82,6 +82,11 @@ def test_json_rows_follow_the_schema(tiny_run: tuple[dict[str, Any], Path]) -> N
         assert r["protocol"] == "sentinel"  # the sweeps; the protocol groups are apart
         assert isinstance(r["debug"], bool) and isinstance(r["spec"], bool)
         assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
+        # Host time with one step in flight, and that loop's wall time per step (a fused
+        # row's are marginal: step minus baseline, and may come out <= 0).
+        assert isinstance(r["host_us"], float) and isinstance(r["pipe_us"], float), r
+        if r["impl"] != "fm_jax_fused":
+            assert 0 < r["host_us"] and 0 < r["pipe_us"], r
     assert {r["impl"] for r in rows} == IMPLS
     ops = {r["op"] for r in rows}
     for op in ("publish", "stash", "stash_spec", "resolve_decode", "resolve_mixed"):
@@ -112,6 +117,9 @@ def test_headline_figures_and_files_are_written(tiny_run: tuple[dict[str, Any], 
         assert any(peer in f["figure"] for f in figs), peer
     for f in figs:
         assert {"figure", "ratio", "target", "pass", "numerator_us", "denominator_us"} <= set(f)
+        # The target judges the host-time ratio; the waited one is kept beside it.
+        assert {"host_ratio", "waited_ratio", "numerator_host_us"} <= set(f)
+        assert f["ratio"] == f["host_ratio"]
     head = doc["headline_results"]
     assert head and all(r["op"] == "step" and set(r) >= ROW_KEYS for r in head)
     md = (out / "results.md").read_text()

@@ -21,6 +21,7 @@ import numpy as np
 
 from fm_bench.impls import Op
 from fm_bench.impls.jax_common import device_data, int_dtype
+from fm_bench.timing import wait_jax
 from fm_bench.workload import Config, HostData
 
 
@@ -36,7 +37,7 @@ def _run(*calls: tuple[Any, ...]) -> Callable[[], object]:
     """One timed run: a no-op dispatch per argument tuple, then a wait for all of them."""
 
     def run() -> object:
-        return jax.block_until_ready([_noop(*a) for a in calls])
+        return wait_jax([_noop(*a) for a in calls])
 
     return run
 

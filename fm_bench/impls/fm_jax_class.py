@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 import fm_jax as fj
 from fm_bench.impls import Op
 from fm_bench.impls.jax_common import device_data, int_dtype
+from fm_bench.timing import wait_jax
 from fm_bench.workload import Config, HostData
 
 
@@ -81,11 +81,11 @@ def _build(
         mixed = fj.Batch(fj.ForwardMode.MIXED, idx, a["mixed_ids"], a["mixed_lens"])
     fm.publish(idx, lens)
     fm.stash(idx, payload)
-    jax.block_until_ready(fm.state)
+    wait_jax(fm.state)
     state = {"batch": decode}
 
     def sync(*xs: object) -> None:
-        jax.block_until_ready((fm.state, xs))
+        wait_jax((fm.state, xs))
 
     def restash() -> None:
         # Every resolving op reads slots written since their last read (debug: WRWR), even
@@ -93,7 +93,7 @@ def _build(
         if debug:
             fm.check()  # the sync point an engine has anyway: surface errors, keep the list short
         fm.stash(idx, payload)
-        jax.block_until_ready(fm.state)
+        wait_jax(fm.state)
 
     def publish() -> None:
         fm.publish(idx, lens)

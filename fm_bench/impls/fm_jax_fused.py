@@ -22,6 +22,7 @@ from jax.experimental import checkify
 import fm_jax as fj
 from fm_bench.impls import Op
 from fm_bench.impls.jax_common import device_data, int_dtype
+from fm_bench.timing import wait_jax
 from fm_bench.workload import VOCAB, Config, HostData
 
 
@@ -94,12 +95,12 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
             err, out = out
             box["errors"].append(err)
         box["state"], box["batch"], _ = out
-        jax.block_until_ready(out)
+        wait_jax(out)
 
     def base() -> None:
         out = model_only(box["state2"], box["batch2"])
         box["state2"] = out[0]
-        jax.block_until_ready(out)
+        wait_jax(out)
 
     def setup() -> None:
         for err in box["errors"]:  # an engine checks where it syncs anyway

@@ -14,6 +14,7 @@ import torch
 
 import fm_torch as ft
 from fm_bench.impls import Op
+from fm_bench.timing import wait_torch
 from fm_bench.workload import Config, HostData
 from fm_torch.batch import DraftInput, DraftPayload, ForwardMode, ScheduleBatch
 
@@ -24,11 +25,6 @@ _HIDDEN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 def device() -> torch.device:
     """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
@@ -54,7 +50,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     payload: torch.Tensor | DraftPayload = draft if cfg.spec else tokens
     fm.publish(idx, lens)
     fm.stash(idx, payload)
-    _sync(dev)
+    wait_torch(dev)
 
     def decode_batch() -> ScheduleBatch:
         draft = DraftInput(idx) if cfg.spec else None
@@ -75,34 +71,34 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         # Every resolving op reads slots written since their last read (debug: WRWR), even
         # when other ops on this map ran in between.
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def fresh_decode() -> None:
         box["batch"] = decode_batch()
         fm.stash(idx, payload)  # a debug resolve must read written slots
-        _sync(dev)
+        wait_torch(dev)
 
     def fresh_mixed() -> None:
         box["batch"] = mixed_batch()
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def publish() -> None:
         fm.publish(idx, lens)
-        _sync(dev)
+        wait_torch(dev)
 
     def stash() -> None:
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def resolve() -> ScheduleBatch:
         fm.resolve(box["batch"])
-        _sync(dev)
+        wait_torch(dev)
         return box["batch"]
 
     def invalidate() -> None:
         fm.invalidate(box["batch"], idx)
-        _sync(dev)
+        wait_torch(dev)
 
     step_box = {"batch": decode_batch()}
 
@@ -118,7 +114,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
             fm.invalidate(b, idx)
         if b.draft is not None:
             b.draft.payload = None
-        _sync(dev)
+        wait_torch(dev)
 
     table = {"publish": Op(publish), "step": Op(step, restash)}
     if not cfg.gather:

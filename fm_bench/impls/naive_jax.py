@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from fm_bench.impls import Op
 from fm_bench.impls.jax_common import device_data, int_dtype
+from fm_bench.timing import wait_jax
 from fm_bench.workload import Config, HostData
 
 
@@ -75,30 +76,30 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
 
     def publish() -> None:
         box["lens"] = _set(box["lens"], idx, dd.lens)
-        jax.block_until_ready(box["lens"])
+        wait_jax(box["lens"])
 
     def stash() -> None:
         box["tok"] = _set(box["tok"], idx, dd.tokens)
-        jax.block_until_ready(box["tok"])
+        wait_jax(box["tok"])
 
     def stash_spec() -> None:
         box["tok"] = _set(box["tok"], idx, dd.tokens)
         box["extras"] = _set_draft(box["extras"], idx, extras_in)
-        jax.block_until_ready((box["tok"], box["extras"]))
+        wait_jax((box["tok"], box["extras"]))
 
     sentinels = -dd.idx
 
     def resolve_decode() -> None:
-        jax.block_until_ready(_resolve(box["tok"], box["lens"], sentinels, idx, dd.decode_mode))
+        wait_jax(_resolve(box["tok"], box["lens"], sentinels, idx, dd.decode_mode))
 
     def resolve_mixed() -> None:
-        jax.block_until_ready(_resolve_mixed(box["tok"], dd.mixed_ids, dd.mixed_lens))
+        wait_jax(_resolve_mixed(box["tok"], dd.mixed_ids, dd.mixed_lens))
 
     def resolve_spec() -> None:
-        jax.block_until_ready(_resolve_draft((box["tok"], *box["extras"]), box["lens"], idx))
+        wait_jax(_resolve_draft((box["tok"], *box["extras"]), box["lens"], idx))
 
     def invalidate() -> None:
-        jax.block_until_ready(_invalidate(idx))
+        wait_jax(_invalidate(idx))
 
     def step() -> None:
         if cfg.spec:
@@ -112,7 +113,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         else:
             box["tok"] = _set(box["tok"], idx, dd.tokens)
         box["ids"], sentinel_lens = _invalidate(idx)
-        jax.block_until_ready((got, box["tok"], box["lens"], box.get("extras"), sentinel_lens))
+        wait_jax((got, box["tok"], box["lens"], box.get("extras"), sentinel_lens))
 
     table = {"publish": publish, "invalidate": invalidate, "step": step}
     if cfg.spec:

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fm_bench.impls import Op
+from fm_bench.timing import wait_jax
 from fm_bench.workload import Config, HostData
 
 MAP_DTYPE = np.int32
@@ -125,14 +126,14 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     mixed = data.mixed_ids
     mixed_ids = fm.on_mesh(np.where(mixed < 0, mixed - 1, mixed))
     fm.set(slots, tokens)
-    jax.block_until_ready(fm.map)
+    wait_jax(fm.map)
 
     def stash() -> None:
         fm.set(slots, tokens)
-        jax.block_until_ready(fm.map)
+        wait_jax(fm.map)
 
     def resolve(ids: jax.Array) -> jax.Array:
-        return jax.block_until_ready(fm.resolve(ids))
+        return wait_jax(fm.resolve(ids))
 
     def invalidate() -> np.ndarray:
         return placeholders(seq_lens, future_slots(seq_lens, rpi, fm.size))
@@ -142,7 +143,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         placeholders(seq_lens, s)  # handed to the scheduler for the next batch
         out = fm.resolve(decode_ids)
         fm.set(s, tokens)
-        return jax.block_until_ready((out, fm.map))[0]
+        return wait_jax((out, fm.map))[0]
 
     table = {
         "stash": Op(stash),

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fm_bench.impls import Op
+from fm_bench.timing import wait_torch
 from fm_bench.workload import Config, HostData
 
 _HIDDEN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -40,11 +41,6 @@ _HIDDEN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 def device() -> torch.device:
     """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _check_and_poison(values: torch.Tensor, buf: torch.Tensor, indices: torch.Tensor) -> None:
@@ -218,7 +214,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         )
     fm.publish(idx, lens)
     fm.stash(idx, payload)
-    _sync(dev)
+    wait_torch(dev)
 
     def decode_batch() -> Batch:
         draft = DraftInfo(idx) if cfg.spec else None
@@ -229,7 +225,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     def restash() -> None:
         # A resolving op reads slots written since their last read (CI mode: WRWR).
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def fresh(batch: Callable[[], Batch]) -> Callable[[], None]:
         def setup() -> None:
@@ -243,20 +239,20 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
 
     def publish() -> None:
         fm.publish(idx, lens)
-        _sync(dev)
+        wait_torch(dev)
 
     def stash() -> None:
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def resolve() -> Batch:
         fm.resolve(box["op"])
-        _sync(dev)
+        wait_torch(dev)
         return box["op"]
 
     def invalidate() -> None:
         fm.invalidate(box["op"], idx)
-        _sync(dev)
+        wait_torch(dev)
 
     def step() -> tuple[torch.Tensor, torch.Tensor, DraftInfo | None]:
         # The scheduler's order: resolve, (forward), publish, stash, invalidate.
@@ -268,7 +264,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         fm.invalidate(b, idx)
         if cfg.spec:
             b.spec_info = DraftInfo(idx)  # the next forward's draft input
-        _sync(dev)
+        wait_torch(dev)
         return out
 
     table = {

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from fm_bench.impls import Op
-from fm_bench.impls.sglang_torch import _HIDDEN, Draft, DraftInfo, SGLangRelayBuffers, _sync, device
+from fm_bench.impls.sglang_torch import _HIDDEN, Draft, DraftInfo, SGLangRelayBuffers, device
+from fm_bench.timing import wait_torch
 from fm_bench.workload import Config, HostData
 
 
@@ -135,7 +136,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         )
     fm.publish(idx, lens)
     fm.stash(idx, payload)
-    _sync(dev)
+    wait_torch(dev)
 
     def decode_batch() -> Batch:
         # No ids: resolve gathers them (spec: the host's lengths, replaced by the gathered).
@@ -151,7 +152,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     def restash() -> None:
         # A resolving op reads slots written since their last read (CI mode: WRWR).
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def fresh(batch: Callable[[], Batch]) -> Callable[[], None]:
         def setup() -> None:
@@ -162,15 +163,15 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
 
     def publish() -> None:
         fm.publish(idx, lens)
-        _sync(dev)
+        wait_torch(dev)
 
     def stash() -> None:
         fm.stash(idx, payload)
-        _sync(dev)
+        wait_torch(dev)
 
     def resolve() -> Batch:
         fm.resolve(box["op"])
-        _sync(dev)
+        wait_torch(dev)
         return box["op"]
 
     def step() -> tuple[torch.Tensor | None, torch.Tensor, DraftInfo | None]:
@@ -184,7 +185,7 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
         b.input_ids, b.seq_lens = None, lens
         if cfg.spec:
             b.spec_info = DraftInfo(idx)
-        _sync(dev)
+        wait_torch(dev)
         return out
 
     table = {"publish": Op(publish), "step": Op(step, restash)}
