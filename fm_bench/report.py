@@ -39,7 +39,7 @@ def headline_table(figs: Sequence[dict[str, Any]]) -> str:
     waited medians and ratio beside them, the target and pass/miss."""
     lines = [
         "| figure | host µs (num / den) | host ratio | waited µs (num / den) | waited ratio "
-        "| target | result |",
+        "| target (judges) | result |",
         "| --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
 
@@ -52,7 +52,8 @@ def headline_table(figs: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {f['figure']} | {host} | {num(f.get('host_ratio'), 2)} | "
             f"{f['numerator_us']:.1f} / {f['denominator_us']:.1f} | "
-            f"{num(f.get('waited_ratio', f['ratio']), 2)} | {f['target'] or 'reported'} | {res} |"
+            f"{num(f.get('waited_ratio', f['ratio']), 2)} | "
+            f"{f['target'] or 'reported'} ({f.get('judged_on', 'waited')}) | {res} |"
         )
     return "\n".join(lines)
 
