@@ -64,7 +64,8 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
     out: dict[str, Callable[[], Any]] = {}
 
     # fm_jax's engine step, fed numpy and fed jax arrays.
-    fm = fj.FutureMap(pool, batch_buckets=[batch], token_buckets=[batch])
+    # No host copy of the lengths (`needs_cpu_seq_lens`): the peers read none either.
+    fm = fj.FutureMap(pool, batch_buckets=[batch], token_buckets=[batch], needs_cpu_seq_lens=False)
 
     def forward(res: fj.Resolved, b: fj.Batch, inputs: Any) -> fj.StepOutput:
         tokens = _tokens(res.input_ids, inputs)
@@ -135,7 +136,13 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
 
     class_fn = jax.jit(class_forward, compiler_options=options)
     for name, packing in (("fm_jax_class", False), ("fm_jax_class_packed", True)):
-        cm = fj.FutureMap(pool, batch_buckets=[batch], token_buckets=[batch], pack_inputs=packing)
+        cm = fj.FutureMap(
+            pool,
+            batch_buckets=[batch],
+            token_buckets=[batch],
+            pack_inputs=packing,
+            needs_cpu_seq_lens=False,
+        )
         cm.finish(fj.Batch(DECODE, slots, slots, slots), slots, slots, slots)
 
         def class_call(cm: fj.FutureMap = cm) -> Any:

@@ -58,7 +58,16 @@ def _build(
 ) -> dict[str, Op]:
     hidden = a["hidden"]
     spec = fj.SpecConfig(cfg.topk, cfg.hidden, hidden.dtype) if cfg.spec else None
-    fm = fj.FutureMap(cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug, protocol=cfg.protocol)
+    # No host copy of the lengths: the peers are modelled with SGLang's `needs_cpu_seq_lens`
+    # off (their lengths stay on the device), and so is this map.
+    fm = fj.FutureMap(
+        cfg.pool,
+        dtype=int_dtype(cfg),
+        spec=spec,
+        debug=debug,
+        protocol=cfg.protocol,
+        needs_cpu_seq_lens=False,
+    )
     idx = a["idx"]
     draft = fj.DraftPayload(a["tokens"], a["topk_p"], a["topk_index"], hidden)
     payload = draft if cfg.spec else a["tokens"]
