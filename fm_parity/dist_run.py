@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from fm_parity.jax_internals import coordination_client
 from fm_parity.mesh import merge_reports
 from fm_parity.suite import Job, ScenarioResult, evaluate, failed, lanes_for
 from fm_parity.trace import RunResult, merge
@@ -66,15 +67,13 @@ class DpSync:
     """
 
     def __init__(self, process_id: int, num_processes: int, timeout_s: float, delay_s: float):
-        from jax._src import distributed  # the coordination service's key-value store
-
         self.pid, self.n, self.timeout_s, self.delay_s = (
             process_id,
             num_processes,
             timeout_s,
             delay_s,
         )
-        client = distributed.global_state.client
+        client = coordination_client()
         if client is None:
             raise RuntimeError("DpSync needs jax.distributed.initialize() first")
         self.client = client

@@ -24,27 +24,19 @@ DeviceToHostTransfer.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+
+from fm_parity.jax_internals import ARRAY_READS, array_impl
 
 GUARD_MESSAGE = "Disallowed device-to-host transfer"
 """What JAX's transfer guard says when it refuses a transfer."""
 
-_PATCHED = ("_value", "__array__", "copy_to_host_async")
-
 
 class DeviceToHostTransfer(RuntimeError):
     """A device-to-host transfer inside a `no_device_to_host()` block."""
-
-
-@functools.cache
-def _array_impl() -> Any:
-    """jax's concrete array class (ArrayImpl), whose read entry points are patched."""
-    return type(jnp.zeros(1))
 
 
 @contextlib.contextmanager
@@ -56,8 +48,8 @@ def no_device_to_host(on_transfer: Callable[[str], None] | None = None) -> Itera
         (<entry point>)'). Else it is called with that text for each read and the read
         goes ahead.
     """
-    impl = _array_impl()
-    saved = {k: impl.__dict__[k] for k in _PATCHED}
+    impl = array_impl()
+    saved = {k: impl.__dict__[k] for k in ARRAY_READS}
 
     def seen(what: str) -> None:
         text = f"device-to-host transfer ({what})"
@@ -81,7 +73,7 @@ def no_device_to_host(on_transfer: Callable[[str], None] | None = None) -> Itera
             return saved["copy_to_host_async"](self)
 
     try:
-        for k, v in zip(_PATCHED, (property(value), array, copy_async), strict=True):
+        for k, v in zip(ARRAY_READS, (property(value), array, copy_async), strict=True):
             setattr(impl, k, v)
         with jax.transfer_guard_device_to_host("disallow"):
             yield
