@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fm_parity.host_devices import with_host_devices
+
 MAPS = ("plain", "spec", "debug", "mesh")
 MODES = ("no cache", "filling the cache", "from the cache")
 SMALL_BUCKETS = (1, 4, 16)  # --small: a check of the machinery, not a figure
@@ -69,9 +71,7 @@ def _spawn(kind: str, pool: int, small: bool, cache: str | None) -> dict[str, An
     env = dict(os.environ)
     env.pop("JAX_ENABLE_X64", None)
     if kind == "mesh" and "cpu" in env.get("JAX_PLATFORMS", "cpu"):
-        env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        ).strip()
+        env = with_host_devices(env, 8)
     root = Path(__file__).resolve().parent.parent
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("STARTUP ")]

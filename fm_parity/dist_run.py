@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from fm_parity.host_devices import with_host_devices
 from fm_parity.jax_internals import coordination_client
 from fm_parity.mesh import merge_reports
 from fm_parity.suite import Job, ScenarioResult, evaluate, failed, lanes_for
@@ -131,9 +132,7 @@ def _part_path(out_dir: Path, job: int, process: int) -> Path:
 
 def worker(args: argparse.Namespace) -> int:
     """One process of a distributed run: join, run every job over its ranks, save each part."""
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
+    os.environ.update(with_host_devices(os.environ, args.devices))
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -23,11 +23,10 @@ from dataclasses import asdict
 from typing import Any
 
 from fm_parity.dist_run import run_dist_jobs
+from fm_parity.host_devices import with_host_devices
 from fm_parity.suite import Job, ScenarioResult, failed, run_job
 
 Progress = Callable[[Job, ScenarioResult], None]
-
-HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def worker_key(job: Job) -> tuple[bool, int] | None:
@@ -56,8 +55,7 @@ def worker_env(device: str, *, x64: bool = True, mesh_devices: int = 0) -> dict[
         return env
     env["JAX_PLATFORMS"] = "cpu"
     if mesh_devices:
-        flag = f"{HOST_DEVICES_FLAG}={mesh_devices}"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+        env = with_host_devices(env, mesh_devices)
     return env
 
 
