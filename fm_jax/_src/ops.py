@@ -473,13 +473,14 @@ def future_map(
         return state, Resolved(out, seq_lens, draft)
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
-        """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""
+        """Leave sentinels for the next step: ids and lengths := -indices (padding: 0).
+        Debug: the slots are checked like every op's (range, no live slot twice)."""
         if gather:
             raise FutureMapError(
                 "invalidate: the gather protocol leaves no sentinels (resolve gathers the "
                 "decode ids at forward entry)"
             )
-        s.check_1d_int("indices", indices, dt)
+        check_indices("indices", indices)
         sentinel = -jnp.asarray(indices).astype(dt)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
