@@ -47,8 +47,8 @@ def writes_state(name: str, debug: bool) -> bool:
 
 
 def takes_state(name: str) -> bool:
-    """Whether entry point `name` (or its `unchecked_` twin) takes the state first."""
-    return name.removeprefix("unchecked_") != "sentinels"
+    """Whether entry point `name` takes the state as its first argument."""
+    return name != "sentinels"
 
 
 def packed_entry_point(
@@ -106,8 +106,8 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
 
     Without debug, resolve only reads the buffers: it is jitted without donation and returns
     only the Resolved outputs (returning a non-donated state would make XLA copy it).
-    With debug, every op is checked through `debug` and resolve donates the state, since it
-    writes the consume poison back.
+    With debug, every op but `sentinels` is checked through `debug` and resolve donates the
+    state, since it writes the consume poison back.
     """
     layout = ops.layout
     options = compiler_options(layout.mesh.devices.flat[0].platform)
@@ -150,6 +150,6 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
         resolve=jit_resolve(None),
         resolve_by_mode=(jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE)),
         finish=jit(finish, "finish", sh),
-        sentinels=jit(sentinels, "sentinels", sh),
+        sentinels=jit(sentinels, "sentinels", sh, checked=False),
         seq_lens_at=jit(ops.seq_lens_at, "seq_lens_at", sh),
     )

@@ -473,14 +473,13 @@ def future_map(
         return state, Resolved(out, seq_lens, draft)
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
-        """Leave sentinels for the next step: ids and lengths := -indices (padding: 0).
-        Debug: the slots are checked like every op's (range, no live slot twice)."""
+        """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""
         if gather:
             raise FutureMapError(
                 "invalidate: the gather protocol leaves no sentinels (resolve gathers the "
                 "decode ids at forward entry)"
             )
-        check_indices("indices", indices)
+        s.check_1d_int("indices", indices, dt)
         sentinel = -jnp.asarray(indices).astype(dt)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
