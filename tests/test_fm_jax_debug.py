@@ -179,3 +179,23 @@ def test_pure_ops_ww_then_one_read_passes() -> None:
     err, (st, out) = RESOLVE(st, resolve_batch(DECODE, 1, 0))
     fj.raise_if_violated(err)
     assert int(out.input_ids[0]) == 3
+
+
+def test_debug_invalidate_checks_device_slots() -> None:
+    """Defect (reliability round two): debug `invalidate` did not check device slots,
+    although every op checks slot range. A device slot out of range, or a live slot twice,
+    is reported against invalidate; host slots are checked on the host; clean slots pass."""
+    fm = fj.FutureMap(16, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    two = np.array([1, 2], np.int32)
+    b = fj.Batch(fj.ForwardMode.DECODE, two, -two, -two)
+    fm.invalidate(b, jax.device_put(np.array([3, 99], np.int32)))
+    fm.invalidate(b, jax.device_put(np.array([3, 3], np.int32)))
+    with pytest.raises(fj.InvariantViolation) as got:
+        fm.check()
+    found = [(v.op, v.invariant) for v in got.value.violations]
+    assert found == [("invalidate", "slot range"), ("invalidate", "duplicate live slot")]
+    with pytest.raises(fj.FutureMapError, match="outside"):
+        fm.invalidate(b, np.array([3, 99], np.int32))
+    out = fm.invalidate(b, jax.device_put(np.array([3, 4], np.int32)))
+    assert np.asarray(out.input_ids).tolist() == [-3, -4]
+    fm.check()

@@ -112,9 +112,12 @@ def test_executables_grow_with_the_sum_of_the_buckets(debug: bool) -> None:
         "resolve": 3,
     }
     if debug:
-        want.update({"unchecked_publish": 3, "unchecked_stash": 3, "unchecked_finish": 3})
+        want.update(
+            {"unchecked_publish": 3, "unchecked_stash": 3, "unchecked_finish": 3}
+            | {"unchecked_sentinels": 3}
+        )
     assert report.by_op == want
-    assert report.executables == sum(want.values()) == 3 * 3 * tails + 3 + 8
+    assert report.executables == sum(want.values()) == 3 * 4 * tails + 8
     assert report.compiled + report.from_cache == report.executables
     assert report.seconds > 0 and "executables in" in str(report)
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from fm_jax._src import checks
 from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.packing import PackSpec, unpack
@@ -47,8 +48,8 @@ def writes_state(name: str, debug: bool) -> bool:
 
 
 def takes_state(name: str) -> bool:
-    """Whether entry point `name` takes the state as its first argument."""
-    return name != "sentinels"
+    """Whether entry point `name` (or its `unchecked_` twin) takes the state first."""
+    return name.removeprefix("unchecked_") != "sentinels"
 
 
 def packed_entry_point(
@@ -106,8 +107,8 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
 
     Without debug, resolve only reads the buffers: it is jitted without donation and returns
     only the Resolved outputs (returning a non-donated state would make XLA copy it).
-    With debug, every op but `sentinels` is checked through `debug` and resolve donates the
-    state, since it writes the consume poison back.
+    With debug, every op is checked through `debug` and resolve donates the state, since it
+    writes the consume poison back.
     """
     layout = ops.layout
     options = compiler_options(layout.mesh.devices.flat[0].platform)
@@ -141,8 +142,17 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
 
     finish = tail(ops)
 
-    def sentinels(indices: jax.Array) -> Any:
-        return ops.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+    local = ops.local
+
+    def local_sentinels(indices: jax.Array) -> Any:
+        # Debug: each rank's slots checked like every op's (range, no live slot twice).
+        if debug is not None:
+            chk = checks.OpChecks()
+            checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
+            chk.run()
+        return local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+
+    sentinels = ops.layout.map(local_sentinels)
 
     return EntryPoints(
         publish=jit(ops.publish, "publish", sh),
@@ -150,6 +160,6 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
         resolve=jit_resolve(None),
         resolve_by_mode=(jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE)),
         finish=jit(finish, "finish", sh),
-        sentinels=jit(sentinels, "sentinels", sh, checked=False),
+        sentinels=jit(sentinels, "sentinels", sh),
         seq_lens_at=jit(ops.seq_lens_at, "seq_lens_at", sh),
     )

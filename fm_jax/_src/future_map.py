@@ -747,7 +747,16 @@ class FutureMap:
         return self._invalidated(batch, self._inputs.slots("indices", indices, rows))
 
     def _invalidated(self, batch: Batch, idx: Rows) -> Batch:
-        sentinel = self._run(("sentinels", idx.size), idx.array)
+        """The sentinels of slots `idx`; a debug map checks device slots on the device
+        (unless the last resolve checked that very array), host slots were checked here."""
+        if self._debug is not None:
+            last = self._checked() if self._checked is not None else None
+            if idx.counts is None and idx.array is not last:
+                sentinel = self._apply("invalidate", ("sentinels", idx.size), idx.array)
+            else:
+                sentinel = self._run(("unchecked_sentinels", idx.size), idx.array)
+        else:
+            sentinel = self._run(("sentinels", idx.size), idx.array)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
     @_serialized

@@ -126,7 +126,9 @@ def plan(
             for name in tails:
                 out.append(Planned((prefix + name, b), fns[prefix + name], (state, *args[name])))
         if protocol == "sentinel":
-            out.append(Planned(("sentinels", b), fns["sentinels"], (idx.array,)))
+            for prefix in prefixes:
+                name = prefix + "sentinels"
+                out.append(Planned((name, b), fns[name], (idx.array,)))
         else:  # a gather DECODE places no ids (spec: with its draft): one per batch bucket
             draft = None if spec is None else idx.array
             batch = Batch(None, idx.array, None, rows(idx), draft)
