@@ -486,3 +486,22 @@ def test_debug_reports_negative_device_ids() -> None:
         fm.check()
     with pytest.raises(fj.FutureMapError, match="negative ids"):
         fm.resolve(fj.Batch(E, a(2), a(7, -3), a(3)))
+
+
+def test_buckets_that_skip_a_token_bucket_still_serve_a_traced_decode() -> None:
+    """Defect (found beside reliability round two): with batch buckets (4, 8, 32) and token
+    buckets (4, 16, 64), 16 tokens paired with 32 rows, so a gather warm-up with traced
+    modes failed (a DECODE gathers one id per row: T >= B) and so did serving such a batch.
+    Tokens now go up to the bucket that holds the rows: warm-up and a traced DECODE of 10
+    rows run, the DECODE from the warmed executables."""
+    from fm_jax._src.buckets import resolve_sizes
+
+    assert resolve_sizes(10, 10, (4, 8, 32), (4, 16, 64)) == (32, 64)
+    assert resolve_sizes(3, 3, (4, 8, 32), (4, 16, 64)) == (4, 4)
+    fm = fj.FutureMap(64, protocol="gather", batch_buckets=(4, 8, 32), token_buckets=(4, 16, 64))
+    fm.warm_up(guard=True)
+    idx = np.arange(1, 11, dtype=np.int32)
+    fm.publish(idx, idx)
+    fm.stash(idx, idx + 100)
+    out = fm.resolve(fj.Batch(jnp.int32(D), idx, np.zeros(10, np.int32), idx))
+    assert host(out.input_ids)[:10] == (idx + 100).tolist()

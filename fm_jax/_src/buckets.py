@@ -50,8 +50,10 @@ def resolve_sizes(
 
     Tokens go to the smallest token bucket holding max(tokens, rows); rows to the batch
     bucket of min(that, the largest batch bucket). A batch has at least one token per row
-    (a decode row one, a prefill row its chunk), so rows <= tokens; a spec batch may carry
-    fewer ids than rows, and its ids are padded up to its rows. Either way the pair is
+    (a decode row one, a prefill row its chunk), so rows <= tokens (where the batch buckets
+    skip past a token bucket, its tokens go up to the next one that holds the rows); a spec
+    batch may carry fewer ids than rows, and its ids are padded up to its rows. Either way
+    the pair is
     fixed by one token bucket: resolve compiles once per token bucket (and mode), not once
     per (batch bucket, token bucket) pair, at the price of padding a prefill batch's rows
     up to its token bucket (row work is a few flops a row).
@@ -61,7 +63,12 @@ def resolve_sizes(
       batch_buckets, token_buckets: the map's sorted buckets.
     """
     t = bucket_for(max(tokens, rows, 1), token_buckets, "tokens")
-    return bucket_for(max(min(t, batch_buckets[-1]), rows), batch_buckets, "rows"), t
+    b = bucket_for(max(min(t, batch_buckets[-1]), rows), batch_buckets, "rows")
+    if b > t and b <= token_buckets[-1]:
+        # The batch buckets skip past t: tokens go up to the rows' bucket, so T >= B (a
+        # gather DECODE, its mode traced, gathers one id per row into the T ids).
+        t = bucket_for(b, token_buckets, "tokens")
+    return b, t
 
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:

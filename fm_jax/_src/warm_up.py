@@ -140,8 +140,10 @@ def plan(
     traced = np.zeros((dp,) if dp > 1 else (), np.int32)
     largest = batch_buckets[-1]
     _, decode_tokens = resolve_sizes(largest, largest, batch_buckets, token_buckets)
-    for t in token_buckets:
-        b, _ = resolve_sizes(0, t, batch_buckets, token_buckets)
+    # The (rows, tokens) pairs serving reaches: one per token bucket that is a pair's own
+    # (a token bucket the batch buckets skip past pairs with the next one's rows).
+    pairs = dict.fromkeys(resolve_sizes(0, t, batch_buckets, token_buckets) for t in token_buckets)
+    for b, t in pairs:
         idx = inputs.slots("warm-up slots", np.zeros(dp * b, dt), b)
         placed = inputs.token_ids("warm-up tokens", np.zeros(dp * t, dt), t)
         ids = placed.array
