@@ -9,7 +9,8 @@ publishing step alone (its #29556 took a 2.1 ms DFlash verify wait out that way)
 publish starts the same copy (`jax.Array.copy_to_host_async`: a host copy in flight, not a
 wait) and keeps it with the slots it was published at; a later read of exactly those slots
 takes the copy, waiting only for the computation that produced the lengths. A publish given
-host lengths keeps them as they are: no copy at all. Only the most recent publish is kept:
+host lengths needs no device-to-host copy: it keeps a host copy of them (the caller may refill
+its arrays for the next batch). Only the most recent publish is kept:
 a read of other slots, or after another publish, gathers from the buffer as before.
 """
 
