@@ -186,6 +186,48 @@ def spec_verified(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def spec_sglang_eagle(size: int = 1, seed: int = 0) -> Scenario:
+    """SGLang's EAGLE relay payload today: the standard fields plus draft probabilities
+    (float32 with NaN payloads) and DSA top-k indices, declared as an engine's own fields.
+    The verify hashes both, so a field lost or read from another slot changes every later
+    token. Spec prefill, PREBUILT bootstrap and slot reuse."""
+    reqs = tuple(
+        Request(i, 2 + i % 5, 6 + 2 * (i % 3), arrival=i, prebuilt=i % 4 == 1)
+        for i in range(6 * size)
+    )
+    return Scenario(
+        "spec_sglang_eagle",
+        "spec decode relaying SGLang's EAGLE payload",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
+        spec=SpecShape(topk=2, hidden=4, payload="sglang_eagle"),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def spec_ngram(size: int = 1, seed: int = 0) -> Scenario:
+    """SGLang's n-gram relay payload: no bonus token and no top-k relayed, only each row's
+    accepted tokens and accept length (zero-filled: a row never stashed reads length 0).
+    The verify takes its last token from them. Spec prefill, PREBUILT bootstrap and slot
+    reuse."""
+    reqs = tuple(
+        Request(i, 2 + i % 4, 5 + 3 * (i % 3), arrival=i, prebuilt=i % 3 == 2)
+        for i in range(6 * size)
+    )
+    return Scenario(
+        "spec_ngram",
+        "spec decode relaying SGLang's n-gram payload",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
+        spec=SpecShape(topk=3, hidden=0, payload="ngram"),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
 def random_mix(size: int = 1, seed: int = 0) -> Scenario:
     """A seeded random mix of every feature above (non-spec)."""
     rng = random.Random(seed)
@@ -320,6 +362,8 @@ CATALOGUE: dict[str, Builder] = {
     "prebuilt_bootstrap": prebuilt_bootstrap,
     "spec_decode": spec_decode,
     "spec_verified": spec_verified,
+    "spec_sglang_eagle": spec_sglang_eagle,
+    "spec_ngram": spec_ngram,
     "random_mix": random_mix,
     "random_spec_mix": random_spec_mix,
     "dp_overlap": dp_overlap,

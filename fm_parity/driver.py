@@ -33,16 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from fm_parity import host_batch
+from fm_parity import host_batch, payloads
 from fm_parity import toy_model as tm
 from fm_parity.host_batch import HostBatch
 from fm_parity.scenario import Kind, Row, Scenario, Scheduler, StepPlan
 from fm_parity.trace import Field, OpRecord, RunResult
 from fm_parity.twin import ForwardOut, ResolvedOut, Sizes, Twin, check_protocol
-
-DRAFT_FIELDS = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
-"""The draft fields recorded, in the contract's stash order ('Relay fields'); a field the
-scenario does not relay (None) is not recorded, so its records are unchanged."""
 
 Sync = Callable[[int, Sizes, bool], tuple[Sizes, bool]]
 """(step, this process's sizes, whether it has a running rank) -> (agreed sizes, whether
@@ -107,7 +103,7 @@ def bootstrap_rows(
     plan: StepPlan, sched: Scheduler, scenario: Scenario, dtype: np.dtype, offset: int, rows: int
 ) -> tuple[np.ndarray, np.ndarray, tm.Draft | None]:
     """A PREBUILT step's padded (lengths, tokens, draft) as a prefill node hands them over."""
-    spec = None if scenario.spec is None else (scenario.spec.topk, scenario.spec.hidden)
+    spec = None if scenario.spec is None else payloads.layout(scenario.spec)
     verified = scenario.spec is not None and scenario.spec.verified_id
     lens = np.zeros(rows, dtype=dtype)
     toks = np.zeros(rows, dtype=dtype)
@@ -119,16 +115,8 @@ def bootstrap_rows(
         drafts.append(d)
     if spec is None:
         return lens, toks, None
-    pad = rows - len(plan.rows)
-
-    def cat(k: int) -> Any:
-        parts = [d[k] for d in drafts if d is not None]
-        if parts[0] is None:
-            return None  # no hidden states (H == 0), no verified ids
-        zeros = np.zeros((pad,) + parts[0].shape[1:], dtype=parts[0].dtype)
-        return np.concatenate(parts + [zeros])
-
-    return lens, toks, tm.Draft(toks, cat(1), cat(2), cat(3), cat(4))
+    draft = tm.concat_drafts([d for d in drafts if d is not None], rows - len(plan.rows))
+    return lens, toks, draft._replace(bonus=toks)
 
 
 class _Recorder:
@@ -158,10 +146,8 @@ def _resolved_fields(twin: Twin, res: ResolvedOut, hb: HostBatch) -> Fields:
         "seq_lens": (twin.snap(res.seq_lens, n), hb.live_slots),
     }
     if res.draft is not None:
-        for k in DRAFT_FIELDS:
-            v = getattr(res.draft, k)
-            if v is not None:
-                f[f"draft.{k}"] = (twin.snap(v, n), hb.live_slots)
+        for k, v in payloads.fields(res.draft).items():
+            f[f"draft.{k}"] = (twin.snap(v, n), hb.live_slots)
     return f
 
 
@@ -174,9 +160,8 @@ def _forward_fields(twin: Twin, out: ForwardOut, hb: HostBatch) -> Fields:
     if out.accept is not None:
         f["accept"] = (twin.snap(out.accept, n), live)
     if out.draft is not None:
-        for k in DRAFT_FIELDS[1:]:
-            v = getattr(out.draft, k)
-            if v is not None:
+        for k, v in payloads.fields(out.draft).items():
+            if k != "bonus_tokens":  # recorded as the token
                 f[f"draft.{k}"] = (twin.snap(v, n), live)
     return f
 
@@ -304,8 +289,8 @@ def _step(
             spec = lanes[r].scenario.spec
             if spec is not None:  # a spec map stashes drafts only: an empty one
                 vid = none if spec.verified_id else None  # every declared field, no rows
-                shape = (spec.topk, spec.hidden)
-                draft = tm.make_draft(tm.NUMPY, none, none, none, shape, offset, vid)
+                layout = payloads.layout(spec)
+                draft = tm.make_draft(tm.NUMPY, none, none, none, layout, offset, vid)
                 payload[r] = twin.draft_payload(none, draft)
     slots = {r: hb.slots for r, hb in hbs.items()}
     twin.publish(slots, lens, sizes)

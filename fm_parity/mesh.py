@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import fm_jax
+from fm_parity import payloads
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
@@ -72,13 +73,14 @@ def hlo_collectives(fm: fm_jax.FutureMap, rows: int, tokens: int) -> dict[str, i
     )
     spec = fm.spec
     payload, draft = arr(rows), None
-    if spec is not None:
-        hidden = arr(rows, spec.hidden, dtype=spec.hidden_dtype) if spec.hidden else None
-        k = spec.topk
-        vid = arr(rows) if spec.verified_id else None  # every declared field (parity's)
-        payload = fm_jax.DraftPayload(
-            arr(rows), arr(rows, k, dtype=np.float32), arr(rows, k), hidden, verified_id=vid
-        )
+    if spec is not None:  # every declared field
+        rows_of = {
+            f.name: arr(rows, *f.shape, dtype=dt if f.dtype is None else f.dtype)
+            for f in spec.fields()
+        }
+        extras = {k: v for k, v in rows_of.items() if k not in payloads.STANDARD} or None
+        std = {k: v for k, v in rows_of.items() if k in payloads.STANDARD}
+        payload = fm_jax.DraftPayload(**std, extras=extras)
         draft = arr(rows)
     mode: Any = jax.ShapeDtypeStruct((dp,), np.int32)  # traced: one per rank
     gather = fm.protocol == "gather"

@@ -8,8 +8,11 @@ and what each request produces is appended here.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
+from fm_parity import payloads
 from fm_parity import toy_model as tm
 from fm_parity.scenario import Kind, Scenario, Scheduler
 
@@ -21,7 +24,7 @@ token per decode step (as the overlap runs record them)."""
 def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) -> Streams:
     """Run `scenario` synchronously; return what each request produced, in order."""
     offset, npdt = tm.token_offset(dtype), np.dtype(dtype)
-    spec = None if scenario.spec is None else (scenario.spec.topk, scenario.spec.hidden)
+    spec = None if scenario.spec is None else payloads.layout(scenario.spec)
     verified = scenario.spec is not None and scenario.spec.verified_id
     sched = Scheduler(scenario, max_steps)
     streams: Streams = {}
@@ -61,16 +64,9 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             draft = None
         elif plan.kind is Kind.DECODE:
             sched.observe({row.rid: length[row.rid] for row in rows})
-            held = [drafts[row.rid] for row in rows]
-            hidden = None if held[0].hidden is None else np.concatenate([d.hidden for d in held])
-            vid = np.concatenate([d.verified for d in held]) if verified else None
-            gathered = tm.Draft(
-                ids_a,
-                np.concatenate([d.topk_p for d in held]),
-                np.concatenate([d.topk_index for d in held]),
-                hidden,
-                vid,
-            )
+            # What the map relays of each request's draft (its bonus token: the last one).
+            held = tm.concat_drafts([drafts[row.rid] for row in rows])._replace(bonus=ids_a)
+            gathered = payloads.gathered(payloads.to_payload(_Relayed, held, spec))
             accept, new_lens, draft = tm.forward_spec_decode(
                 gathered, lens_a, slots, tm.NUMPY, spec, offset, verified
             )
@@ -85,9 +81,34 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
                 continue  # an intermediate chunk's token is never read
             last[row.rid], length[row.rid] = int(token[i]), int(new_lens[i])
             if draft is not None:  # the request's own row of every draft field
-                drafts[row.rid] = tm.Draft._make(None if x is None else x[i : i + 1] for x in draft)
+                drafts[row.rid] = _row(draft, i)
             s = streams.setdefault(row.rid, [])
             if accept is not None:
                 s.append(int(accept[i]))
             s.append(int(token[i]))
     return streams
+
+
+class _Relayed(NamedTuple):
+    """A relayed draft as the reference holds it: the fields a map would give, by the
+    twins' DraftPayload names."""
+
+    bonus_tokens: Any = None
+    topk_p: Any = None
+    topk_index: Any = None
+    hidden_states: Any = None
+    verified_id: Any = None
+    extras: dict[str, Any] | None = None
+
+
+def _row(draft: tm.Draft, i: int) -> tm.Draft:
+    """Row `i` of every field of `draft`, kept 2-D ([1, ...])."""
+
+    def one(x: Any) -> Any:
+        return None if x is None else x[i : i + 1]
+
+    d = draft
+    extras = {k: one(v) for k, v in (d.extras or {}).items()} or None
+    return tm.Draft(
+        one(d.bonus), one(d.topk_p), one(d.topk_index), one(d.hidden), one(d.verified), extras
+    )

@@ -44,12 +44,20 @@ class Request:
 
 @dataclass(frozen=True)
 class SpecShape:
-    """Speculative extras: top-k width (also the draft count), hidden width (bf16), and
-    whether each draft relays a verified id (docs/CONTRACT.md, 'Relay fields')."""
+    """Speculative extras: top-k width (also the draft count), hidden width (bf16), whether
+    each draft relays a verified id (docs/CONTRACT.md, 'Relay fields'), and which payload
+    the drafts relay (fm_parity.payloads: 'eagle', 'sglang_eagle' or 'ngram')."""
 
     topk: int
     hidden: int
     verified_id: bool = False
+    payload: str = "eagle"
+
+    def __post_init__(self) -> None:
+        if self.payload not in ("eagle", "sglang_eagle", "ngram"):
+            raise ValueError(f"unknown spec payload {self.payload!r}")
+        if self.payload == "ngram" and (self.hidden or self.verified_id):
+            raise ValueError("an n-gram draft relays no hidden states and no verified ids")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@ int32 and int64 give the same numbers and no framework's overflow rule matters.
   the position and the slot. Draft floats are built from integer bit patterns through
   bitcasts, never by float arithmetic: the table includes quiet and signalling NaNs with
   payloads, -0.0, +-inf and denormals, so both frameworks produce identical bytes.
+- Spec with an engine's own fields (`Layout.extras`, SGLang's payloads as
+  fm_parity.payloads declares them): each is built from the draft's hash (floats through
+  bitcasts of the same special table) and the verify hashes every value gathered. An
+  n-gram draft relays no bonus token: its accepted tokens (`accepted` columns, the bonus
+  token last, 0 after) and its accept length (`accept_len`); the verify takes its last
+  token from them.
 - Spec with verified ids (asked for with `verified=True`): each draft also carries the
   row's verified id, the last token verified before its bonus token (a prefill's last
   prompt token; after a verify, the last accepted draft token, or the previous bonus
@@ -83,14 +89,37 @@ class Backend(Protocol):
 
 
 class Draft(NamedTuple):
-    """A draft as the model writes it: bonus token, top-k (ids, probs), hidden states, and
-    the verified id when the run relays one."""
+    """A draft as the model writes it: bonus token, top-k (ids, probs), hidden states, the
+    verified id when the run relays one, and the engine's own fields by name. As gathered
+    for a verify, a field the map does not relay is None."""
 
     bonus: Any  # [B] int
     topk_p: Any  # [B, K] float32
     topk_index: Any  # [B, K] int
     hidden: Any  # [B, H] bfloat16, or None when H == 0
     verified: Any = None  # [B] int, or None when the run relays no verified ids
+    extras: dict[str, Any] | None = None  # [B, width] (width 0: [B]) per Layout.extras
+
+
+class Extra(NamedTuple):
+    """An engine's own draft field: its name, width (0: one value per row) and what it
+    holds: 'f32' (float bits from the special table), 'int' (ids >= 0), 'accepted' (the
+    tokens a verify accepted, the bonus token last, 0 after) or 'accept_len' (how many)."""
+
+    name: str
+    width: int
+    kind: str
+
+
+class Layout(NamedTuple):
+    """A spec run's draft: top-k width K (also the draft count: accept in [1, K + 1]),
+    hidden width H, the engine's own fields, and whether the map relays the bonus token
+    and the top-k fields (an n-gram draft relays only its own fields)."""
+
+    topk: int
+    hidden: int
+    extras: tuple[Extra, ...] = ()
+    relays_standard: bool = True
 
 
 def mix(acc: Any, x: Any) -> Any:
@@ -118,14 +147,16 @@ def make_draft(
     bonus: Any,
     pos: Any,
     slots: Any,
-    spec: tuple[int, int],
+    spec: Layout,
     offset: int,
     verified: Any = None,
+    accept: Any = None,
 ) -> Draft:
-    """The draft that follows `bonus` at `pos` in `slots`; spec = (K, H). `verified` (the
-    rows' verified ids, or None) is carried as given: the other fields do not depend on it.
+    """The draft that follows `bonus` at `pos` in `slots`. `verified` (the rows' verified
+    ids, or None) is carried as given: the other fields do not depend on it. `accept` (the
+    verify's accept lengths; None: a prefill's, 1) shapes the n-gram fields.
     """
-    k_width, h_width = spec
+    k_width, h_width = spec.topk, spec.hidden
     g = mix(mix(bonus % P, pos), slots)
     ids, probs = [], []
     for k in range(k_width):
@@ -142,7 +173,38 @@ def make_draft(
         # Stack the integer bits, then bitcast once: XLA's CPU concatenate and scatter of
         # bf16 canonicalise NaN payloads, a bitcast does not.
         hidden = b.bf16_from_bits(b.stack(cols))
-    return Draft(bonus, b.f32_from_bits(b.stack(probs)), b.stack(ids), hidden, verified)
+    extras = {e.name: _extra(b, e, g, bonus, offset, accept) for e in spec.extras} or None
+    return Draft(bonus, b.f32_from_bits(b.stack(probs)), b.stack(ids), hidden, verified, extras)
+
+
+def _extra(b: Backend, e: Extra, g: Any, bonus: Any, offset: int, accept: Any) -> Any:
+    """Field `e` of the draft hashed `g` (see Extra for what each kind holds)."""
+    n = accept if accept is not None else bonus * 0 + 1
+    if e.kind == "accept_len":
+        return b.to_int(n, bonus)
+    cols = []
+    for j in range(max(e.width, 1)):
+        u = mix(g, 3000 + 100 * len(e.name) + j)
+        if e.kind == "f32":
+            cols.append(_pattern(b, u, F32_SPECIALS, u * 1024 + 0x3C00_0000))
+        elif e.kind == "accepted":  # accepted drafts, then the bonus token, then 0
+            tok = b.where(j == n - 1, bonus, b.where(j < n - 1, u % VOCAB + offset, 0))
+            cols.append(b.to_int(tok, bonus))
+        else:
+            cols.append(b.to_int(u, bonus))
+    col = b.stack(cols)
+    out = b.f32_from_bits(col) if e.kind == "f32" else col
+    return out if e.width else b.column(out, 0)
+
+
+def _last_accepted(b: Backend, draft: Draft, spec: Layout) -> Any:
+    """An n-gram draft's last accepted token (its bonus token): `accepted[accept_len - 1]`."""
+    by_kind = {e.kind: (draft.extras or {})[e.name] for e in spec.extras}
+    toks, n = by_kind["accepted"], by_kind["accept_len"]
+    last = b.column(toks, 0)
+    for j in range(1, toks.shape[1]):
+        last = b.where(n == j + 1, b.column(toks, j), last)
+    return last
 
 
 def forward_tokens(
@@ -162,7 +224,7 @@ def forward_spec_extend(
     slots: Any,
     last_index: Any,
     b: Backend,
-    spec: tuple[int, int],
+    spec: Layout,
     offset: int,
     verified: bool = False,
 ) -> tuple[Any, Any, Draft]:
@@ -181,7 +243,7 @@ def forward_spec_decode(
     seq_lens: Any,
     slots: Any,
     b: Backend,
-    spec: tuple[int, int],
+    spec: Layout,
     offset: int,
     verified: bool = False,
 ) -> tuple[Any, Any, Draft]:
@@ -190,21 +252,31 @@ def forward_spec_decode(
     With `verified`, the gathered `draft.verified` enters the hash (right after the slot)
     and the next draft carries the last token verified before its bonus: the accepted
     draft token `topk_index[:, accept - 2]`, or the gathered bonus token when accept is 1.
+    The engine's own fields enter the hash after the standard ones, in declared order.
     """
-    k_width, h_width = spec
-    h = mix(mix(draft.bonus % P, seq_lens - 1), slots)
+    k_width, h_width = spec.topk, spec.hidden
+    bonus_in = draft.bonus if spec.relays_standard else _last_accepted(b, draft, spec)
+    h = mix(mix(bonus_in % P, seq_lens - 1), slots)
     if verified:
         if draft.verified is None:
             raise ValueError("forward_spec_decode(verified=True) needs the draft's verified ids")
         h = mix(h, draft.verified)
-    p_bits = b.bits_of_f32(draft.topk_p, h)
-    for k in range(k_width):
-        h = mix(h, b.column(draft.topk_index, k))
-        h = mix(h, b.column(p_bits, k))
-    if h_width:
-        h_bits = b.bits_of_bf16(draft.hidden, h)
-        for j in range(h_width):
-            h = mix(h, b.column(h_bits, j))
+    if spec.relays_standard:
+        p_bits = b.bits_of_f32(draft.topk_p, h)
+        for k in range(k_width):
+            h = mix(h, b.column(draft.topk_index, k))
+            h = mix(h, b.column(p_bits, k))
+        if h_width:
+            h_bits = b.bits_of_bf16(draft.hidden, h)
+            for j in range(h_width):
+                h = mix(h, b.column(h_bits, j))
+    for e in spec.extras:
+        v = (draft.extras or {})[e.name]
+        bits = b.bits_of_f32(v, h) if e.kind == "f32" else v
+        for j in range(e.width):
+            h = mix(h, b.column(bits, j))
+        if not e.width:
+            h = mix(h, bits)
     accept = h % (k_width + 1) + 1
     new_lens = seq_lens + accept
     bonus = mix(h, accept) % VOCAB + offset
@@ -213,7 +285,8 @@ def forward_spec_decode(
         vid = draft.bonus
         for k in range(k_width):  # accept == k + 2: drafts 0..k accepted, k the last
             vid = b.where(accept == k + 2, b.column(draft.topk_index, k), vid)
-    return accept, new_lens, make_draft(b, bonus, new_lens - 1, slots, spec, offset, vid)
+    nd = make_draft(b, bonus, new_lens - 1, slots, spec, offset, vid, accept)
+    return accept, new_lens, nd
 
 
 class NumpyBackend:
@@ -259,7 +332,7 @@ def bootstrap(
     rid: int,
     prompt_len: int,
     slot: int,
-    spec: tuple[int, int] | None,
+    spec: Layout | None,
     offset: int,
     dtype: np.dtype,
     verified: bool = False,
@@ -276,3 +349,26 @@ def bootstrap(
     if spec is None:
         return int(tok[0]), None
     return int(tok[0]), make_draft(NUMPY, tok, lens, sl, spec, offset, last if verified else None)
+
+
+def concat_drafts(drafts: list[Draft], pad: int = 0) -> Draft:
+    """Host drafts (numpy rows) stacked row-wise, then `pad` zero rows; a field every
+    draft leaves None stays None."""
+
+    def cat(parts: list[Any]) -> Any:
+        if parts[0] is None:
+            return None
+        zeros = np.zeros((pad,) + parts[0].shape[1:], dtype=parts[0].dtype)
+        return np.concatenate(parts + [zeros])
+
+    extras = None
+    if drafts[0].extras:
+        extras = {k: cat([d.extras[k] for d in drafts if d.extras]) for k in drafts[0].extras}
+    return Draft(
+        cat([d.bonus for d in drafts]),
+        cat([d.topk_p for d in drafts]),
+        cat([d.topk_index for d in drafts]),
+        cat([d.hidden for d in drafts]),
+        cat([d.verified for d in drafts]),
+        extras,
+    )

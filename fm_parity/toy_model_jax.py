@@ -57,7 +57,7 @@ def forward_spec_extend(
     seq_lens: Any,
     slots: Any,
     last_index: Any,
-    spec: tuple[int, int],
+    spec: tm.Layout,
     offset: int,
     verified: bool = False,
 ) -> Any:
@@ -71,7 +71,7 @@ def forward_spec_decode(
     draft: tm.Draft,
     seq_lens: Any,
     slots: Any,
-    spec: tuple[int, int],
+    spec: tm.Layout,
     offset: int,
     verified: bool = False,
 ) -> Any:

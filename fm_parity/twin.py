@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from fm_parity import payloads
 from fm_parity import toy_model as tm
 from fm_parity.host_batch import HostBatch
 
@@ -106,7 +107,7 @@ def run_forward(
     hb: HostBatch,
     slots: Any,
     last: Any,
-    spec: tuple[int, int] | None,
+    spec: tm.Layout | None,
     offset: int,
     verified: bool = False,
 ) -> ForwardOut:
@@ -117,7 +118,7 @@ def run_forward(
       payload_type: the twin's DraftPayload class (spec payloads are built as it).
       res: what resolve handed the forward; hb: the host batch.
       slots, last: hb's slots and last-token indices as framework arrays.
-      spec: the scenario's (top-k, hidden) widths, or None; offset: the token offset.
+      spec: the scenario's draft layout, or None; offset: the token offset.
       verified: the scenario relays verified ids: a spec verify hashes the gathered ones,
         and every draft it stashes carries the next (`DraftPayload.verified_id`).
     """
@@ -125,9 +126,7 @@ def run_forward(
         tokens, new_lens = model.forward_tokens(res.input_ids, res.seq_lens, slots, last, offset)
         return ForwardOut(new_lens, tokens, tokens, None, None)
     if hb.spec_decode:
-        d = res.draft
-        vid = d.verified_id if verified else None
-        draft = tm.Draft(d.bonus_tokens, d.topk_p, d.topk_index, d.hidden_states, vid)
+        draft = payloads.gathered(res.draft)
         accept, new_lens, nd = model.forward_spec_decode(
             draft, res.seq_lens, slots, spec, offset, verified=verified
         )
@@ -135,5 +134,5 @@ def run_forward(
         accept, new_lens, nd = model.forward_spec_extend(
             res.input_ids, res.seq_lens, slots, last, spec, offset, verified=verified
         )
-    payload = payload_type(nd.bonus, nd.topk_p, nd.topk_index, nd.hidden, verified_id=nd.verified)
+    payload = payloads.to_payload(payload_type, nd, spec)
     return ForwardOut(new_lens, payload, nd.bonus, accept, payload)

@@ -10,6 +10,7 @@ rank's devices), on which the JAX toy model runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax
-from fm_parity import exchange, transfers
+from fm_parity import exchange, payloads, transfers
 from fm_parity import toy_model as tm
 from fm_parity import toy_model_jax as model
 from fm_parity.host_batch import HostBatch
@@ -79,11 +80,9 @@ class JaxTwin:
         self.protocol = check_protocol(protocol)
         self.on_host = device == "cpu"
         sp = scenario.spec
-        self.spec = None if sp is None else (sp.topk, sp.hidden)
+        self.spec = None if sp is None else payloads.layout(sp)
         self.verified = sp is not None and sp.verified_id
-        cfg = None
-        if sp is not None:
-            cfg = fm_jax.SpecConfig(sp.topk, sp.hidden, jnp.bfloat16, verified_id=sp.verified_id)
+        cfg = None if sp is None or self.spec is None else _spec_config(self.spec, sp.verified_id)
         on_mesh = dp * tp > 1
         first = jax_device(device)
         mesh = make_mesh(dp, tp, jax.devices(first.platform)) if on_mesh else None
@@ -181,16 +180,18 @@ class JaxTwin:
         out: dict[int, dict[str, Any]] = {}
         for rank, spec in extras.items():
             bufs = {"output_tokens": st.output_tokens, "new_seq_lens": st.new_seq_lens}
-            if spec and st.topk_p is not None and st.topk_index is not None:
-                bufs.update(topk_p=st.topk_p, topk_index=st.topk_index)
-                if st.hidden_states is not None and self.fm.spec is not None:
-                    # fm_jax keeps hidden states as raw bits (uint16 for bf16): view them as
-                    # the declared dtype, bit for bit, to compare with fm_torch's buffer.
-                    bufs["hidden_states"] = jax.lax.bitcast_convert_type(
-                        self._block(st.hidden_states, rank), self.fm.spec.hidden_dtype
-                    )
-                if st.verified_id is not None:
-                    bufs["verified_id"] = st.verified_id
+            if spec and self.fm.spec is not None:
+                for f in self.fm.spec.fields():
+                    if f.name == "hidden_states":
+                        # fm_jax keeps hidden states as raw bits (uint16 for bf16): view them
+                        # as the declared dtype, bit for bit, to compare with fm_torch's.
+                        bufs[f.name] = jax.lax.bitcast_convert_type(
+                            self._block(st.hidden_states, rank), self.fm.spec.hidden_dtype
+                        )
+                    elif f.name in payloads.STANDARD and f.name != "bonus_tokens":
+                        bufs[f.name] = getattr(st, f.name)  # output_tokens holds bonus tokens
+                    elif f.name not in payloads.STANDARD:
+                        bufs[f.name] = (st.extras or {})[f.name]
             out[rank] = {
                 k: self.snap(v if k == "hidden_states" else self._block(v, rank))[1:]
                 for k, v in bufs.items()
@@ -247,15 +248,7 @@ class JaxTwin:
             n, t = len(hb.slots), len(hb.input_ids)
             draft = None
             if out.draft is not None and hb.spec_decode:
-                d = out.draft
-                hidden, vid = d.hidden_states, d.verified_id
-                draft = fm_jax.DraftPayload(
-                    self._rows(d.bonus_tokens, r, n),
-                    self._rows(d.topk_p, r, n),
-                    self._rows(d.topk_index, r, n),
-                    None if hidden is None else self._rows(hidden, r, n),
-                    verified_id=None if vid is None else self._rows(vid, r, n),
-                )
+                draft = payloads.convert(out.draft, functools.partial(self._rows, rank=r, n=n))
             ids, lens = self._rows(out.input_ids, r, t), self._rows(out.seq_lens, r, n)
             res[r] = ResolvedOut(ids, lens, draft, None)
         return res
@@ -299,15 +292,7 @@ class JaxTwin:
         host: dict[int, Any] = {}
         for r, p in payload.items():
             if isinstance(p, fm_jax.DraftPayload):
-                hidden = None if p.hidden_states is None else self.host(p.hidden_states)
-                vid = None if p.verified_id is None else self.host(p.verified_id)
-                host[r] = fm_jax.DraftPayload(
-                    self.host(p.bonus_tokens),
-                    self.host(p.topk_p),
-                    self.host(p.topk_index),
-                    hidden,
-                    verified_id=vid,
-                )
+                host[r] = payloads.convert(p, self.host)
             else:
                 host[r] = self.host(p)
         key = ("stash", rows) if any(len(s) for s in slots.values()) else None
@@ -315,9 +300,8 @@ class JaxTwin:
 
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
-        return fm_jax.DraftPayload(
-            bonus, draft.topk_p, draft.topk_index, draft.hidden, verified_id=draft.verified
-        )
+        assert self.spec is not None
+        return payloads.to_payload(fm_jax.DraftPayload, draft._replace(bonus=bonus), self.spec)
 
     def invalidate(
         self,
@@ -332,3 +316,22 @@ class JaxTwin:
         slots = {r: hb.slots for r, hb in batches.items()}
         out = self._call(("invalidate", rows), sizes, self.fm.invalidate, batch, slots, rows=rows)
         return {r: (self._block(out.input_ids, r), self._block(out.seq_lens, r)) for r in batches}
+
+
+def _spec_config(spec: tm.Layout, verified_id: bool) -> fm_jax.SpecConfig:
+    """fm_jax's declaration of a scenario's draft fields (fm_parity.payloads): the standard
+    ones as the layout relays them, then the engine's own (float32, or the map's ints)."""
+    extra = tuple(
+        fm_jax.RelayField(
+            e.name, (e.width,) if e.width else (), np.dtype(np.float32) if e.kind == "f32" else None
+        )
+        for e in spec.extras
+    )
+    return fm_jax.SpecConfig(
+        spec.topk if spec.relays_standard else 0,
+        spec.hidden,
+        jnp.bfloat16,
+        verified_id=verified_id,
+        extra=extra,
+        bonus_tokens=spec.relays_standard,
+    )

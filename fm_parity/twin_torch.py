@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import fm_torch
-from fm_parity import exchange
+from fm_parity import exchange, payloads
 from fm_parity import toy_model as tm
 from fm_parity import toy_model_torch as model
 from fm_parity.host_batch import HostBatch
@@ -61,7 +61,7 @@ class TorchTwin:
         self.on_host = self.device.type == "cpu"
         self.dtype = TORCH_INT[dtype]
         sp = scenario.spec
-        self.spec = None if sp is None else (sp.topk, sp.hidden)
+        self.spec = None if sp is None else payloads.layout(sp)
         # fm_torch relays verified ids when the first draft stashed brings them: every
         # draft of a verified-id scenario does (forward, bootstrap and IDLE alike).
         self.verified = sp is not None and sp.verified_id
@@ -110,12 +110,14 @@ class TorchTwin:
                 "output_tokens": fm.output_tokens,
                 "new_seq_lens": fm.new_seq_lens,
             }
-            if spec and fm.topk_p is not None and fm.topk_index is not None:
-                bufs.update(topk_p=fm.topk_p, topk_index=fm.topk_index)
-                if fm.hidden_states is not None:
-                    bufs["hidden_states"] = fm.hidden_states
-                if fm.verified_id is not None:
-                    bufs["verified_id"] = fm.verified_id
+            if spec:
+                kept = {
+                    "topk_p": fm.topk_p,
+                    "topk_index": fm.topk_index,
+                    "hidden_states": fm.hidden_states,
+                    "verified_id": fm.verified_id,
+                }
+                bufs.update({k: v for k, v in kept.items() if v is not None} | fm.extras)
             out[rank] = {k: self.snap(v[1:]) for k, v in bufs.items()}
         return out
 
@@ -130,14 +132,7 @@ class TorchTwin:
 
     def _payload(self, payload: Any) -> Any:
         if isinstance(payload, fm_torch.DraftPayload):
-            vid = payload.verified_id
-            return fm_torch.DraftPayload(
-                self._t(payload.bonus_tokens),
-                self._t(payload.topk_p),
-                self._t(payload.topk_index),
-                None if payload.hidden_states is None else self._t(payload.hidden_states),
-                verified_id=None if vid is None else self._t(vid),
-            )
+            return payloads.convert(payload, self._t)
         return self._t(payload)
 
     def transfers(self) -> list[str]:
@@ -202,11 +197,9 @@ class TorchTwin:
 
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""
-        hidden = None if draft.hidden is None else self._t(draft.hidden)
-        vid = None if draft.verified is None else self._t(draft.verified)
-        return fm_torch.DraftPayload(
-            self._t(bonus), self._t(draft.topk_p), self._t(draft.topk_index), hidden, vid
-        )
+        assert self.spec is not None
+        host = payloads.to_payload(fm_torch.DraftPayload, draft._replace(bonus=bonus), self.spec)
+        return payloads.convert(host, self._t)
 
     def invalidate(
         self,

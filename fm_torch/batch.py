@@ -23,13 +23,14 @@ class DraftPayload:
     """Speculative draft state relayed from one step to the next.
 
     `stash` takes it as written by a forward; `resolve` fills it from the buffers.
-    `hidden_states` is None when the draft model needs none; `verified_id` and `extras`
-    are relayed when the first draft stashed has them (as SGLang shapes its buffers).
+    Each field is relayed when the first draft stashed has it (as SGLang shapes its
+    buffers) and is None otherwise: an EAGLE draft brings bonus tokens and top-k, an
+    n-gram draft only its `extras` (SGLang's accept tokens and lengths).
     """
 
-    bonus_tokens: torch.Tensor  # [B] int
-    topk_p: torch.Tensor  # [B, K] float32
-    topk_index: torch.Tensor  # [B, K] int
+    bonus_tokens: torch.Tensor | None = None  # [B] int
+    topk_p: torch.Tensor | None = None  # [B, K] float32
+    topk_index: torch.Tensor | None = None  # [B, K] int
     hidden_states: torch.Tensor | None = None  # [B, H] bf16 / f16 / f32
     verified_id: torch.Tensor | None = None  # [B] int (EAGLE's verified ids)
     extras: dict[str, torch.Tensor] | None = None  # the engine's own fields, [B, ...] each

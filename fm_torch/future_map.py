@@ -58,9 +58,9 @@ class FutureMap:
       pool_size: R, rows of the request pool (max running requests + 1). Slot 0 is padding.
       device: where the buffers live ('cpu', 'cuda', 'cuda:1', ...).
       dtype: int dtype of token and length buffers: torch.int64 (SGLang's) or torch.int32.
-      spec: relay speculative-decoding extras (topk_p, topk_index, optional hidden_states,
-        verified ids and the engine's own fields); which are relayed, and their K, H and
-        dtypes, are fixed by the first non-empty `stash` of a draft.
+      spec: relay speculative-decoding extras (bonus tokens, topk_p, topk_index,
+        hidden_states, verified ids and the engine's own fields); which are relayed, and
+        their K, H and dtypes, are fixed by the first non-empty `stash` of a draft.
       debug: consume tracking and invariant checks; None reads FM_DEBUG.
       consumed: the engine's own draft fields (`DraftPayload.extras` names) that debug
         consume-tracks, as it does the bonus tokens and verified ids.
@@ -102,6 +102,7 @@ class FutureMap:
         self.output_tokens = torch.full((pool_size,), fill, dtype=dtype, device=self.device)
         self.new_seq_lens = torch.zeros(pool_size, dtype=dtype, device=self.device)
         # Spec extras are shaped by the first draft stashed (K, H unknown until then).
+        self.bonus_tokens = True  # whether drafts relay bonus tokens (in output_tokens)
         self.topk_p: torch.Tensor | None = None
         self.topk_index: torch.Tensor | None = None
         self.hidden_states: torch.Tensor | None = None
@@ -159,8 +160,9 @@ class FutureMap:
         """Write this forward's output for the next step to read.
 
         Non-spec: `payload` is the sampled tokens, `output_tokens[indices] := tokens`.
-        Spec: `payload` is a DraftPayload; bonus tokens go to `output_tokens`, the extras to
-        their buffers (shaped by the first non-empty draft). Empty `indices` is a no-op.
+        Spec: `payload` is a DraftPayload; bonus tokens (when relayed) go to `output_tokens`,
+        the extras to their buffers (shaped by the first non-empty draft). Empty `indices`
+        is a no-op.
         """
         indices = v.check_1d_int("indices", indices, self.device)
         if indices.numel() == 0:
@@ -179,10 +181,12 @@ class FutureMap:
             v.check_rows("tokens", tokens, rows)
         if self._values_checked:
             v.check_slots("indices", indices, self.pool_size)
-            v.check_fits(name, tokens, self.dtype)
-            v.check_non_negative(name, tokens)
+            if tokens is not None:
+                v.check_fits(name, tokens, self.dtype)
+                v.check_non_negative(name, tokens)
             if isinstance(payload, DraftPayload):
-                v.check_fits("draft.topk_index", payload.topk_index.reshape(-1), self.dtype)
+                if payload.topk_index is not None:
+                    v.check_fits("draft.topk_index", payload.topk_index.reshape(-1), self.dtype)
                 if payload.verified_id is not None:
                     v.check_fits("draft.verified_id", payload.verified_id, self.dtype)
                     v.check_non_negative("draft.verified_id", payload.verified_id)
@@ -190,20 +194,38 @@ class FutureMap:
                     if name in self.consumed:
                         v.check_non_negative(f"draft.{name}", x.reshape(-1))
         # Every check has passed: only now is anything written.
-        self.output_tokens[indices] = tokens.to(self.dtype)
+        if tokens is not None:
+            self.output_tokens[indices] = tokens.to(self.dtype)
         if isinstance(payload, DraftPayload):
             self._stash_extras(indices, payload)
 
-    def _check_draft(self, draft: DraftPayload, rows: int) -> torch.Tensor:
-        """Check a draft's structure against the buffers (or fix their shapes); return tokens."""
-        tokens = v.check_1d_int("draft.bonus_tokens", draft.bonus_tokens, self.device)
-        v.check_rows("draft.bonus_tokens", tokens, rows)
+    def _check_draft(self, draft: DraftPayload, rows: int) -> torch.Tensor | None:
+        """Check a draft's structure against the buffers (or fix their shapes); return its
+        bonus tokens (None when drafts relay none)."""
+        if self._spec_shaped:
+            for name, kept in (
+                ("bonus_tokens", self.bonus_tokens),
+                ("topk_p", self.topk_p is not None),
+                ("topk_index", self.topk_index is not None),
+            ):
+                if (getattr(draft, name) is not None) != kept:
+                    want = name if kept else f"no {name}"
+                    raise FutureMapError(
+                        f"draft does not match the first draft stashed: expected {want}"
+                    )
+        tokens = None
+        if draft.bonus_tokens is not None:
+            tokens = v.check_1d_int("draft.bonus_tokens", draft.bonus_tokens, self.device)
+            v.check_rows("draft.bonus_tokens", tokens, rows)
         topk_p = draft.topk_p
-        if not isinstance(topk_p, torch.Tensor) or topk_p.dim() != 2:
-            raise FutureMapError("draft.topk_p must be a 2-D tensor [B, K]")
-        k = topk_p.shape[1] if not self._spec_shaped else self.topk_p.shape[1]  # type: ignore[union-attr]
-        v.check_tensor("draft.topk_p", topk_p, self.device, (rows, k), (torch.float32,))
-        v.check_tensor("draft.topk_index", draft.topk_index, self.device, (rows, k), v.INT_DTYPES)
+        if topk_p is not None or draft.topk_index is not None:
+            if not isinstance(topk_p, torch.Tensor) or topk_p.dim() != 2:
+                raise FutureMapError("draft.topk_p must be a 2-D tensor [B, K]")
+            k = topk_p.shape[1] if self.topk_p is None else self.topk_p.shape[1]
+            v.check_tensor("draft.topk_p", topk_p, self.device, (rows, k), (torch.float32,))
+            v.check_tensor(
+                "draft.topk_index", draft.topk_index, self.device, (rows, k), v.INT_DTYPES
+            )
         hidden = draft.hidden_states
         if self._spec_shaped:
             if (hidden is None) != (self.hidden_states is None):
@@ -226,6 +248,9 @@ class FutureMap:
                 "draft.hidden_states", hidden, self.device, (rows, hidden.shape[1]), v.HIDDEN_DTYPES
             )
         self._check_declared_fields(draft, rows)
+        given = (draft.bonus_tokens, draft.topk_p, draft.hidden_states, draft.verified_id)
+        if not self._spec_shaped and all(x is None for x in given) and not draft.extras:
+            raise FutureMapError("the first draft stashed relays no field")
         return tokens
 
     def _check_declared_fields(self, draft: DraftPayload, rows: int) -> None:
@@ -266,9 +291,12 @@ class FutureMap:
 
     def _stash_extras(self, indices: torch.Tensor, draft: DraftPayload) -> None:
         if not self._spec_shaped:
-            r, k = self.pool_size, draft.topk_p.shape[1]
-            self.topk_p = torch.zeros((r, k), dtype=torch.float32, device=self.device)
-            self.topk_index = torch.zeros((r, k), dtype=self.dtype, device=self.device)
+            r = self.pool_size
+            self.bonus_tokens = draft.bonus_tokens is not None
+            if draft.topk_p is not None:
+                k = draft.topk_p.shape[1]
+                self.topk_p = torch.zeros((r, k), dtype=torch.float32, device=self.device)
+                self.topk_index = torch.zeros((r, k), dtype=self.dtype, device=self.device)
             if draft.hidden_states is not None:
                 h = draft.hidden_states.shape[1]
                 self.hidden_states = torch.zeros(
@@ -286,9 +314,10 @@ class FutureMap:
                     device=self.device,
                 )
             self._spec_shaped = True
-        assert self.topk_p is not None and self.topk_index is not None
-        self.topk_p[indices] = draft.topk_p
-        self.topk_index[indices] = draft.topk_index.to(self.dtype)
+        if self.topk_p is not None and self.topk_index is not None:
+            assert draft.topk_p is not None and draft.topk_index is not None
+            self.topk_p[indices] = draft.topk_p
+            self.topk_index[indices] = draft.topk_index.to(self.dtype)
         if self.hidden_states is not None and draft.hidden_states is not None:
             self.hidden_states[indices] = draft.hidden_states
         if self.verified_id is not None and draft.verified_id is not None:
@@ -378,7 +407,8 @@ class FutureMap:
         payload = self._read_extras(indices)
         if self.debug:
             self._check_consumed_fields(payload, indices)
-            self._consume(payload.bonus_tokens, indices, source_slots=indices)
+            if payload.bonus_tokens is not None:
+                self._consume(payload.bonus_tokens, indices, source_slots=indices)
             self._poison_fields(indices)
         return payload
 
@@ -405,11 +435,10 @@ class FutureMap:
 
     def _read_extras(self, indices: torch.Tensor) -> DraftPayload:
         """Spec: the draft state stashed at `indices`, read only (no consume check)."""
-        assert self.topk_p is not None and self.topk_index is not None
         return DraftPayload(
-            bonus_tokens=self.output_tokens[indices],
-            topk_p=self.topk_p[indices],
-            topk_index=self.topk_index[indices],
+            bonus_tokens=self.output_tokens[indices] if self.bonus_tokens else None,
+            topk_p=None if self.topk_p is None else self.topk_p[indices],
+            topk_index=None if self.topk_index is None else self.topk_index[indices],
             hidden_states=None if self.hidden_states is None else self.hidden_states[indices],
             verified_id=None if self.verified_id is None else self.verified_id[indices],
             extras={k: b[indices] for k, b in self.extras.items()} or None,
@@ -486,29 +515,30 @@ class FutureMap:
             if mode == ForwardMode.DECODE:
                 seq_lens = self.new_seq_lens[draft_indices]
             payload = self._read_extras(draft_indices)
-            if self.debug and mix is not None:
+            if self.debug and mix is not None and payload.bonus_tokens is not None:
                 # Read after the running rows' consume: a slot both gathered finds the
                 # poison that consume wrote, as it would in sequence.
                 consumed = torch.isin(draft_indices, mix)
                 payload.bonus_tokens = torch.where(
                     consumed, torch.full_like(payload.bonus_tokens, POISON), payload.bonus_tokens
                 )
-            reads.append((payload.bonus_tokens, draft_indices))
+            if payload.bonus_tokens is not None:
+                reads.append((payload.bonus_tokens, draft_indices))
 
         if self.debug:
             if seq_lens is not None:
                 assert draft_indices is not None
                 self._check_positive_lengths(seq_lens, draft_indices)
-            if reads:
-                # One consume over every read: all checked before any slot is poisoned.
+            # Every read checked before any slot is poisoned.
+            if payload is not None:
+                assert draft_indices is not None
+                self._check_consumed_fields(payload, draft_indices)
+            if reads:  # one consume over every read of output_tokens
                 values = torch.cat([r[0] for r in reads])
                 slots = torch.cat([r[1].to(torch.int64) for r in reads])
-                if payload is not None:
-                    assert draft_indices is not None
-                    self._check_consumed_fields(payload, draft_indices)
                 self._consume(values, slots, source_slots=slots)
-                if payload is not None and draft_indices is not None:
-                    self._poison_fields(draft_indices)
+            if payload is not None and draft_indices is not None:
+                self._poison_fields(draft_indices)
         if new_ids is not None:
             batch.input_ids = new_ids
         if seq_lens is not None:

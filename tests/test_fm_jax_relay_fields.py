@@ -343,3 +343,76 @@ def test_a_field_the_map_could_never_store_is_refused_when_declared() -> None:
     ):
         with pytest.raises(fj.FutureMapError, match=f"spec.extra\\[{bad.name}\\]"):
             fj.FutureMap(R, spec=fj.SpecConfig(topk=1, extra=(bad,)))
+
+
+NGRAM = fj.SpecConfig(
+    topk=0,
+    bonus_tokens=False,
+    extra=(fj.RelayField("accept_tokens", (3,)), fj.RelayField("accept_lens")),
+)
+"""SGLang's n-gram payload: no bonus token, no top-k; accepted tokens and accept length."""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_an_ngram_payload_relays_only_its_own_fields(protocol: str, debug: bool) -> None:
+    """A spec declaring no bonus token and no top-k (SGLang's n-gram payload) keeps no
+    buffer for them, relays its accepted tokens and lengths, and a slot never stashed
+    resolves to accept length 0 (its buffers start at 0, debug or not: nothing there is
+    consume-tracked, so debug reports nothing)."""
+    fm = fj.FutureMap(R, spec=NGRAM, protocol=protocol, debug=debug)
+    st = fm.state
+    assert st.topk_p is None and st.topk_index is None and st.verified_id is None
+    assert [f.name for f in NGRAM.fields()] == ["accept_tokens", "accept_lens"]
+    fm.publish(a(3, 5, 6), a(4, 6, 2))
+    toks = np.array([[11, 12, 0], [13, 0, 0]], np.int32)
+    fm.stash(a(3, 5), fj.DraftPayload(extras={"accept_tokens": toks, "accept_lens": a(2, 1)}))
+    ids = a(0, 0, 0) if protocol == "gather" else a(-5, -3, -6)
+    for _ in range(2):  # nothing is consumed: a second read gives the same
+        r = fm.resolve(fj.Batch(D, a(5, 3, 6), ids, ids, draft_indices=a(5, 3, 6)))
+        assert r.draft is not None and r.draft.extras is not None
+        assert r.draft.bonus_tokens is None and r.draft.topk_p is None
+        assert np.asarray(r.draft.extras["accept_lens"])[:3].tolist() == [1, 2, 0]
+        got = np.asarray(r.draft.extras["accept_tokens"])[:3]
+        assert got.tolist() == [[13, 0, 0], [11, 12, 0], [0, 0, 0]]
+        assert np.asarray(r.seq_lens)[:3].tolist() == [6, 4, 2]
+    fm.check()
+
+
+def test_an_ngram_map_refuses_the_fields_it_does_not_declare() -> None:
+    """A bonus token or top-k given to a map that does not declare them is refused by
+    name, before anything is written; a spec that declares nothing is refused when built."""
+    fm = fj.FutureMap(R, spec=NGRAM)
+    before = jax.tree.map(np.asarray, fm.state)
+    own = {"accept_tokens": np.zeros((1, 3), np.int32), "accept_lens": a(1)}
+    for given, name in (
+        (dict(bonus_tokens=a(4)), "bonus_tokens"),
+        (dict(topk_p=np.ones((1, 1), np.float32)), "topk_p"),
+    ):
+        with pytest.raises(fj.FutureMapError, match=name):
+            fm.stash(a(3), fj.DraftPayload(**given, extras=own))
+    after = jax.tree.map(np.asarray, fm.state)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bits(x) == bits(y), before, after))
+    with pytest.raises(fj.FutureMapError, match="no field"):
+        fj.FutureMap(R, spec=fj.SpecConfig(topk=0, bonus_tokens=False))
+    with pytest.raises(fj.FutureMapError, match="bonus_tokens"):
+        fj.FutureMap(R, spec=fj.SpecConfig(topk=1, bonus_tokens="no"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_the_pure_ops_relay_an_ngram_payload_under_checkify(protocol: str) -> None:
+    """The pure ops, jitted under checkify with debug checks: a spec with no consume-tracked
+    field traces (no consume check to build) and relays the declared fields."""
+    ops = fj.future_map(R, spec=NGRAM, debug=True, protocol=protocol)
+    state = ops.publish(ops.init(), jnp.array([2]), jnp.array([5]))
+    toks = jnp.array([[7, 8, 9]], jnp.int32)
+    payload = fj.DraftPayload(extras={"accept_tokens": toks, "accept_lens": jnp.array([3])})
+    err, state = checkify.checkify(jax.jit(ops.stash))(state, jnp.array([2]), payload)
+    err.throw()
+    ids = jnp.zeros(1, jnp.int32) if protocol == "gather" else -jnp.array([2], jnp.int32)
+    batch = fj.Batch(jnp.int32(D), jnp.array([2]), ids, ids, draft_indices=jnp.array([2]))
+    err, (state, r) = checkify.checkify(jax.jit(ops.resolve))(state, batch)
+    err.throw()
+    assert r.draft is not None and r.draft.extras is not None
+    assert np.asarray(r.draft.extras["accept_tokens"]).tolist() == [[7, 8, 9]]
+    assert np.asarray(r.draft.extras["accept_lens"]).tolist() == [3]

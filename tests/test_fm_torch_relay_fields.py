@@ -224,3 +224,78 @@ def test_both_twins_relay_declared_fields_to_the_same_bytes(protocol: str, debug
             assert np.asarray(jb)[1:].tobytes() == tb.numpy()[1:].tobytes(), step
     if debug:
         jm.check()
+
+
+def ngram(rows: int, step: int) -> Any:
+    """An n-gram draft as SGLang relays it: accepted tokens and accept lengths only."""
+    toks = torch.arange(rows * 3, dtype=torch.int64).reshape(rows, 3) + 100 * step
+    return DraftPayload(extras={"accept_tokens": toks, "accept_lens": t(*range(1, rows + 1))})
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_an_ngram_first_draft_fixes_a_relay_without_bonus_tokens(
+    protocol: str, debug: bool
+) -> None:
+    """A first draft without bonus tokens and top-k (SGLang's n-gram payload) keeps no
+    buffers for them and never writes output_tokens; resolve gives None for them, the
+    accepted tokens and lengths as stashed, and 0 for a slot never stashed; a later draft
+    that brings a bonus token is refused."""
+    fm = FutureMap(R, spec=True, debug=debug, protocol=protocol)
+    tokens_before = fm.output_tokens.clone()
+    fm.publish(t(3, 5, 6), t(4, 6, 2))
+    fm.stash(t(3, 5), ngram(2, 1))
+    assert fm.topk_p is None and fm.topk_index is None and not fm.bonus_tokens
+    assert torch.equal(fm.output_tokens, tokens_before)
+    for _ in range(2):  # nothing is consume-tracked: a second read gives the same
+        b = batch(protocol, t(5, 3, 6))
+        fm.resolve(b)
+        assert b.draft is not None and b.draft.payload is not None
+        got = b.draft.payload
+        assert got.bonus_tokens is None and got.topk_p is None and got.extras is not None
+        assert got.extras["accept_lens"].tolist() == [2, 1, 0]
+        assert got.extras["accept_tokens"].tolist() == [[103, 104, 105], [100, 101, 102], [0] * 3]
+        assert b.seq_lens.tolist() == [6, 4, 2]
+    with pytest.raises(FutureMapError, match="bonus_tokens"):
+        fm.stash(t(3), DraftPayload(bonus_tokens=t(1), extras=ngram(1, 2).extras))
+    with pytest.raises(FutureMapError, match="relays no field"):
+        FutureMap(R, spec=True).stash(t(3), DraftPayload())
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_both_twins_relay_an_ngram_payload_to_the_same_bytes(protocol: str, debug: bool) -> None:
+    """fm_jax declaring SGLang's n-gram payload and fm_torch taking it from its first draft:
+    the same gathered fields and buffer bytes over publish, stash and resolve."""
+    spec = fj.SpecConfig(
+        topk=0,
+        bonus_tokens=False,
+        extra=(fj.RelayField("accept_tokens", (3,)), fj.RelayField("accept_lens")),
+    )
+    jm = fj.FutureMap(R, spec=spec, debug=debug, dtype=np.int32, protocol=protocol)
+    tm = FutureMap(R, spec=True, debug=debug, dtype=torch.int32, protocol=protocol)
+    live = np.arange(2, 7, dtype=np.int32)  # every slot read has a length
+    jm.publish(live, live)
+    tm.publish(torch.from_numpy(live), torch.from_numpy(live))
+    for step in range(3):
+        s = np.array([3, 5], np.int32) if step % 2 else np.array([5, 6, 2], np.int32)
+        ts = torch.from_numpy(s)
+        td = ngram(len(s), step)
+        td.extras = {k: v.to(torch.int32) for k, v in (td.extras or {}).items()}
+        jd = fj.DraftPayload(extras={k: v.numpy() for k, v in (td.extras or {}).items()})
+        jm.publish(s, s + step)
+        tm.publish(ts, ts + step)
+        jm.stash(s, jd)
+        tm.stash(ts, td)
+        r_slots = np.array([2, 3, 4], np.int32)  # slot 4 never stashed
+        ids = np.zeros(3, np.int32) if protocol == "gather" else -r_slots
+        r = jm.resolve(fj.Batch(ForwardMode.DECODE, r_slots, ids, ids, draft_indices=r_slots))
+        tb = batch(protocol, torch.from_numpy(r_slots))
+        tm.resolve(tb)
+        assert r.draft is not None and r.draft.extras is not None
+        assert tb.draft is not None and tb.draft.payload is not None
+        for k, v in (tb.draft.payload.extras or {}).items():
+            assert np.asarray(r.draft.extras[k])[:3].tobytes() == v.numpy().tobytes(), k
+        for k, buf in tm.extras.items():
+            assert np.asarray((jm.state.extras or {})[k]).tobytes() == buf.numpy().tobytes(), k
+    jm.check()

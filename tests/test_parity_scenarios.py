@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fm_parity import catalogue
+from fm_parity import catalogue, payloads
 from fm_parity import toy_model as tm
-from fm_parity.scenario import Kind, Scheduler
+from fm_parity.scenario import Kind, Scheduler, SpecShape
 from fm_parity.suite import Job, run_job
 from fm_parity.twin import PROTOCOLS
 
@@ -123,7 +123,8 @@ def test_toy_model_backends_agree_bit_for_bit():
     bonus = rng.integers(0, 2**33, 64).astype(np.int64)
     pos = rng.integers(1, 5000, 64).astype(np.int64)
     slots = rng.integers(0, 300, 64).astype(np.int64)
-    spec = (4, 8)
+    # SGLang's EAGLE payload: the standard fields and two of the engine's own.
+    spec = payloads.layout(SpecShape(4, 8, payload="sglang_eagle"))
     ref = tm.make_draft(tm.NUMPY, bonus, pos, slots, spec, tm.WIDE_OFFSET)
     got_t = tm.make_draft(
         mt.TORCH,
@@ -135,6 +136,8 @@ def test_toy_model_backends_agree_bit_for_bit():
     )
     for k in ("topk_p", "topk_index"):
         assert getattr(ref, k).tobytes() == getattr(got_t, k).numpy().tobytes()
+    for k, v in ref.extras.items():
+        assert v.tobytes() == got_t.extras[k].numpy().tobytes(), k
     assert ref.hidden.view(np.int16).tobytes() == got_t.hidden.view(torch.int16).numpy().tobytes()
     b32, p32, s32 = (x.astype(np.int32) % 40000 for x in (bonus, pos, slots))
     ref32 = tm.make_draft(tm.NUMPY, b32, p32, s32, spec, 0)
@@ -144,8 +147,64 @@ def test_toy_model_backends_agree_bit_for_bit():
     )
     assert ref32.topk_p.tobytes() == np.asarray(d.topk_p).tobytes()
     assert ref32.hidden.tobytes() == np.asarray(d.hidden).tobytes()
+    for k, v in ref32.extras.items():
+        assert v.tobytes() == np.asarray(d.extras[k]).tobytes(), k
     acc, lens, _ = tm.forward_spec_decode(ref, pos, slots, tm.NUMPY, spec, tm.WIDE_OFFSET)
-    assert acc.min() >= 1 and acc.max() <= spec[0] + 1 and len(set(acc.tolist())) > 1
+    assert acc.min() >= 1 and acc.max() <= spec.topk + 1 and len(set(acc.tolist())) > 1
+    # The verify hashes the engine's own fields: one float bit flipped changes its accepts.
+    probs = ref.extras["draft_probs"].copy()
+    probs.view(np.uint32)[:, 0] ^= 1
+    flipped = ref._replace(extras={**ref.extras, "draft_probs": probs})
+    acc2, _, _ = tm.forward_spec_decode(flipped, pos, slots, tm.NUMPY, spec, tm.WIDE_OFFSET)
+    assert (acc2 != acc).any()
+
+
+def test_toy_model_ngram_draft_relays_its_accepted_tokens_and_length():
+    """An n-gram draft (SGLang's payload: no bonus token relayed) holds the accepted tokens
+    with the bonus token last and 0 after, and its accept length; the verify takes its last
+    token from them, identically in the three backends."""
+    import torch
+
+    from fm_parity import toy_model_jax as mj
+    from fm_parity import toy_model_torch as mt
+
+    spec = payloads.layout(SpecShape(3, 0, payload="ngram"))
+    rng = np.random.default_rng(2)
+    bonus, pos, slots = (rng.integers(1, 30000, 64).astype(np.int32) for _ in range(3))
+    first = tm.make_draft(tm.NUMPY, bonus, pos, slots, spec, 0)
+    assert (first.extras["accept_lens"] == 1).all()
+    assert (first.extras["accept_tokens"][:, 0] == bonus).all()
+    assert (first.extras["accept_tokens"][:, 1:] == 0).all()
+    gathered = first._replace(bonus=None, topk_p=None, topk_index=None)  # as relayed
+    acc, _, nd = tm.forward_spec_decode(gathered, pos, slots, tm.NUMPY, spec, 0)
+    toks, n = nd.extras["accept_tokens"], nd.extras["accept_lens"]
+    assert (n == acc).all() and len(set(acc.tolist())) > 1
+    assert (toks[np.arange(64), n - 1] == nd.bonus).all()
+    assert all((toks[i, n[i] :] == 0).all() for i in range(64))
+    got_t = tm.forward_spec_decode(
+        tm.Draft(
+            None, None, None, None, None, {k: torch.from_numpy(v) for k, v in first.extras.items()}
+        ),
+        torch.from_numpy(pos),
+        torch.from_numpy(slots),
+        mt.TORCH,
+        spec,
+        0,
+    )
+    got_j = tm.forward_spec_decode(
+        tm.Draft(
+            None, None, None, None, None, {k: jax.numpy.asarray(v) for k, v in first.extras.items()}
+        ),
+        jax.numpy.asarray(pos),
+        jax.numpy.asarray(slots),
+        mj.JAX,
+        spec,
+        0,
+    )
+    for got in (got_t, got_j):
+        assert np.asarray(got[0]).tobytes() == acc.tobytes()
+        for k, v in nd.extras.items():
+            assert np.asarray(got[2].extras[k]).tobytes() == v.tobytes(), k
 
 
 def test_toy_model_drafts_carry_nan_signed_zero_and_inf_bit_patterns():
@@ -157,7 +216,7 @@ def test_toy_model_drafts_carry_nan_signed_zero_and_inf_bit_patterns():
         rng.integers(0, 30000, n),
         rng.integers(1, 999, n),
         rng.integers(1, 9, n),
-        (4, 8),
+        tm.Layout(4, 8),
         0,
     )
     p_bits = set(d.topk_p.view(np.uint32).reshape(-1).tolist())

@@ -19,7 +19,7 @@ from fm_parity.mutations import MUTATIONS
 from fm_parity.suite import Job, evaluate, lanes_for, make_twins, run_job
 from fm_parity.twin import PROTOCOLS
 
-SPEC = (4, 0)
+SPEC = tm.Layout(4, 0)
 
 
 def _gathered(n: int, seed: int, offset: int = 0) -> tuple[tm.Draft, np.ndarray, np.ndarray]:

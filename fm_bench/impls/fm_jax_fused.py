@@ -32,6 +32,8 @@ def _model(res: fj.Resolved) -> tuple[Any, jax.Array]:
     if res.draft is None:
         return (res.input_ids * 31 + 7) % VOCAB, lens
     d = res.draft
+    # The bench's spec declares these (bench.workload): present whenever a draft is.
+    assert d.bonus_tokens is not None and d.topk_p is not None and d.topk_index is not None
     nxt = fj.DraftPayload(
         bonus_tokens=(d.bonus_tokens * 31 + 7) % VOCAB,
         topk_p=d.topk_p * 0.5,

@@ -349,8 +349,11 @@ def future_map(
         draft = gather_draft(state, didx)
         if chk is not None:
             reads = consumed_reads(draft, didx)
-            values = jnp.concatenate([v for v, _ in reads])
-            k = checks.consumed_values_valid(values, jnp.concatenate([sl for _, sl in reads]), chk)
+            k = None
+            if reads:  # a spec may track no field (an n-gram draft's)
+                values = jnp.concatenate([v for v, _ in reads])
+                slots = jnp.concatenate([sl for _, sl in reads])
+                k = checks.consumed_values_valid(values, slots, chk)
             maxima = chk.run()
             for f in consumed:
                 state = _poison(state, didx, maxima, k, f)

@@ -50,14 +50,19 @@ def bits_dtype(dtype: Any) -> np.dtype:
 
 
 def standard_fields(
-    topk: int, hidden: int, hidden_dtype: Any, verified_id: bool
+    topk: int, hidden: int, hidden_dtype: Any, verified_id: bool, bonus_tokens: bool = True
 ) -> tuple[RelayField, ...]:
-    """An EAGLE-style draft's fields: bonus tokens and (if declared) verified ids, both
-    consume-tracked; top-k probabilities and ids; hidden states when H > 0."""
-    out = [RelayField("bonus_tokens", consumed=True)]
+    """A draft's standard fields: bonus tokens (unless a draft brings none, as an n-gram
+    one) and verified ids (if declared), both consume-tracked; top-k probabilities and ids
+    when K > 0; hidden states when H > 0."""
+    out = [RelayField("bonus_tokens", consumed=True)] if bonus_tokens else []
     if verified_id:
         out.append(RelayField("verified_id", consumed=True))
-    out += [RelayField("topk_p", (topk,), np.dtype(np.float32)), RelayField("topk_index", (topk,))]
+    if topk:
+        out += [
+            RelayField("topk_p", (topk,), np.dtype(np.float32)),
+            RelayField("topk_index", (topk,)),
+        ]
     if hidden:
         out.append(RelayField("hidden_states", (hidden,), np.dtype(hidden_dtype), bits=True))
     return tuple(out)
@@ -70,14 +75,15 @@ def _count(x: Any, low: int) -> bool:
 
 def check_spec(spec: Any) -> Any:
     """A SpecConfig normalised (numpy dtypes, a tuple of fields), or FutureMapError naming
-    what no map could serve: topk an int >= 1, hidden an int >= 0, a bf16/f16/f32 hidden
-    dtype, verified_id a bool, extra a sequence of RelayFields (`check_extra`)."""
+    what no map could serve: topk and hidden ints >= 0, a bf16/f16/f32 hidden dtype,
+    verified_id and bonus_tokens bools, extra a sequence of RelayFields (`check_extra`), and
+    at least one field declared."""
     from fm_jax._src.types import SpecConfig  # types imports this module
 
     if not isinstance(spec, SpecConfig):
         raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
-    if not _count(spec.topk, 1) or not _count(spec.hidden, 0):
-        raise FutureMapError(f"spec needs topk >= 1 and hidden >= 0 (ints), got {spec}")
+    if not _count(spec.topk, 0) or not _count(spec.hidden, 0):
+        raise FutureMapError(f"spec needs topk >= 0 and hidden >= 0 (ints), got {spec}")
     try:
         hidden_dtype = np.dtype(spec.hidden_dtype)
     except TypeError:
@@ -85,17 +91,23 @@ def check_spec(spec: Any) -> Any:
     if hidden_dtype not in HIDDEN_DTYPES:
         raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
     # A bool, or an int 0 / 1 written for one (normalised to the bool).
-    if not isinstance(spec.verified_id, bool | np.bool_) and spec.verified_id not in (0, 1):
-        raise FutureMapError(f"spec.verified_id must be a bool, got {spec.verified_id!r}")
+    for flag in ("verified_id", "bonus_tokens"):
+        value = getattr(spec, flag)
+        if not isinstance(value, bool | np.bool_) and value not in (0, 1):
+            raise FutureMapError(f"spec.{flag} must be a bool, got {value!r}")
     if isinstance(spec.extra, str | bytes | RelayField) or not isinstance(spec.extra, tuple | list):
         raise FutureMapError(f"spec.extra must be a tuple of RelayFields, got {spec.extra!r}")
-    return spec._replace(
+    out = spec._replace(
         topk=int(spec.topk),
         hidden=int(spec.hidden),
         hidden_dtype=hidden_dtype,
         verified_id=bool(spec.verified_id),
+        bonus_tokens=bool(spec.bonus_tokens),
         extra=check_extra(tuple(spec.extra)),
     )
+    if not out.fields():
+        raise FutureMapError(f"spec declares no field to relay: {spec}")
+    return out
 
 
 def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
@@ -190,8 +202,9 @@ def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
         )
     if draft.hidden_states is not None and "hidden_states" not in names:
         raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
-    if draft.verified_id is not None and "verified_id" not in names:
-        raise FutureMapError("draft.verified_id given but spec does not declare it")
+    for name in ("bonus_tokens", "verified_id", "topk_p", "topk_index"):
+        if getattr(draft, name) is not None and name not in names:
+            raise FutureMapError(f"draft.{name} given but spec does not declare it")
     for name in draft.extras or {}:
         if name not in names or name in STANDARD:
             raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")

@@ -24,16 +24,19 @@ class ForwardMode(enum.IntEnum):
 
 
 class SpecConfig(NamedTuple):
-    """The fields a spec map relays, declared at init (`fields()`): bonus tokens, top-k
-    probabilities and ids, and as declared hidden states, verified ids and the engine's own.
+    """The fields a spec map relays, declared at init (`fields()`): as declared, bonus
+    tokens, verified ids, top-k probabilities and ids, hidden states and the engine's own
+    (docs/guide.md, 'Relay fields', declares SGLang's EAGLE and n-gram payloads).
 
     Attributes:
-      topk: K, draft top-k width of `topk_p` / `topk_index`.
+      topk: K, draft top-k width of `topk_p` / `topk_index`; 0 relays no top-k fields.
       hidden: H, width of `hidden_states`; 0 when the draft model relays none.
       hidden_dtype: bfloat16, float16 or float32.
       verified_id: relay each row's verified id (SGLang's EAGLE `verified_id`), consume-
         tracked like the bonus tokens.
       extra: the engine's own fields (`RelayField`s), relayed in `DraftPayload.extras`.
+      bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
+        for a draft that brings none (SGLang's n-gram payload).
     """
 
     topk: int
@@ -41,10 +44,13 @@ class SpecConfig(NamedTuple):
     hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
     verified_id: bool = False
     extra: tuple[RelayField, ...] = ()
+    bonus_tokens: bool = True
 
     def fields(self) -> tuple[RelayField, ...]:
         """Every relayed field, in stash order (`relay_fields.standard_fields`, then extra)."""
-        std = standard_fields(self.topk, self.hidden, self.hidden_dtype, self.verified_id)
+        std = standard_fields(
+            self.topk, self.hidden, self.hidden_dtype, self.verified_id, self.bonus_tokens
+        )
         return std + tuple(self.extra)
 
 
@@ -74,11 +80,12 @@ a list), or a mapping DP rank -> host rows."""
 
 
 class DraftPayload(NamedTuple):
-    """Speculative draft state: what `stash` writes and what `resolve` gathers."""
+    """Speculative draft state: what `stash` writes and what `resolve` gathers. A field the
+    spec does not declare is None."""
 
-    bonus_tokens: Rows  # [B] int
-    topk_p: Rows  # [B, K] float32
-    topk_index: Rows  # [B, K] int
+    bonus_tokens: Rows | None = None  # [B] int
+    topk_p: Rows | None = None  # [B, K] float32
+    topk_index: Rows | None = None  # [B, K] int
     hidden_states: Rows | None = None  # [B, H], None when H == 0
     verified_id: Rows | None = None  # [B] int, when the spec declares it
     extras: Mapping[str, Rows] | None = None  # the engine's own fields by name, [B, ...]
@@ -89,9 +96,9 @@ def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
     the engine's own in `extras`."""
     extras = {k: v for k, v in values.items() if k not in STANDARD}
     return DraftPayload(
-        bonus_tokens=values.get("bonus_tokens"),  # type: ignore[arg-type]  # declared always
-        topk_p=values.get("topk_p"),  # type: ignore[arg-type]
-        topk_index=values.get("topk_index"),  # type: ignore[arg-type]
+        bonus_tokens=values.get("bonus_tokens"),
+        topk_p=values.get("topk_p"),
+        topk_index=values.get("topk_index"),
         hidden_states=values.get("hidden_states"),
         verified_id=values.get("verified_id"),
         extras=extras or None,
