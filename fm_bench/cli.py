@@ -67,7 +67,7 @@ def _on_cpu() -> bool:
     """Whether jax and torch both run on the CPU (some figures are targeted there only)."""
     import jax
 
-    from fm_bench.impls.sglang_torch import device as torch_device
+    from fm_bench.impls.torch_common import device as torch_device
 
     return jax.default_backend() == "cpu" and torch_device().type == "cpu"
 
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from fm_bench.impls.fm_torch_eager import device as torch_device
+    from fm_bench.impls.torch_common import device as torch_device
 
     part = ""
     if not sweeps:

@@ -17,13 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from fm_bench.child import ChildFailed, child_report
 from fm_parity.host_devices import with_host_devices
 
 MAPS = ("plain", "spec", "debug", "mesh")
@@ -65,19 +65,17 @@ def _child(kind: str, pool: int, small: bool, cache: str | None) -> dict[str, An
 
 
 def _spawn(kind: str, pool: int, small: bool, cache: str | None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "fm_bench.startup", "--child", kind, "--pool", str(pool)]
+    cmd = ["-m", "fm_bench.startup", "--child", kind, "--pool", str(pool)]
     cmd += ["--small"] if small else []
     cmd += ["--cache", cache] if cache else []
     env = dict(os.environ)
     env.pop("JAX_ENABLE_X64", None)
     if kind == "mesh" and "cpu" in env.get("JAX_PLATFORMS", "cpu"):
         env = with_host_devices(env, 8)
-    root = Path(__file__).resolve().parent.parent
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root, timeout=900)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("STARTUP ")]
-    if p.returncode != 0 or not lines:
-        return {"error": (p.stderr or p.stdout)[-1500:]}
-    return json.loads(lines[-1][len("STARTUP ") :])  # type: ignore[no-any-return]
+    try:
+        return child_report(cmd, env, timeout=900, marker="STARTUP")  # type: ignore[no-any-return]
+    except ChildFailed as e:
+        return {"error": (e.stderr or e.stdout)[-1500:]}
 
 
 def measure(

@@ -15,12 +15,8 @@ two maps keep working afterwards.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,6 +29,7 @@ from jax.experimental import checkify
 
 import fm_jax as fj
 import fm_torch as ft
+from fm_bench.child import call_in_child
 
 R = 6
 K, H = 2, 3
@@ -479,9 +476,9 @@ def test_fm_torch_refuses_and_keeps_every_byte(torch_maps: dict[bool, Any], name
 
 
 # --------------------------------------------------- fm_jax on a 4x2 mesh (subprocess)
-def _inner() -> None:
+def _inner() -> dict[str, Any]:
     """In a process with 8 CPU devices: every case on a 4x2 mesh map, and the trace-time
-    cases on the sharded pure ops; prints one JSON report."""
+    cases on the sharded pure ops; one JSON-able report."""
     assert len(jax.devices()) == DP * TP, jax.devices()
     mesh = jax.make_mesh((DP, TP), ("dp", "tp"))  # Explicit axes, jax.make_mesh's default
     maps = {spec: make_jax_map(spec, mesh) for spec in (False, True)}
@@ -522,7 +519,7 @@ def _inner() -> None:
         report["modes"] = []
     except fj.InvariantViolation as e:
         report["modes"] = [[v.rank, v.invariant] for v in e.violations]
-    print("REPORT " + json.dumps(report), flush=True)
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -531,18 +528,7 @@ def mesh_report() -> dict[str, Any]:
     from host_devices import cpu_devices_env
 
     env = cpu_devices_env(8)
-    code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_inner']()"
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parent.parent,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert p.returncode == 0 and lines, f"8-device subprocess failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+    return call_in_child(__file__, "_inner", env, timeout=600)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("name", [k for k, c in CASES.items() if "mesh" in c.where])

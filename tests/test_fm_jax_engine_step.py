@@ -9,9 +9,7 @@ device as one buffer.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -21,6 +19,7 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
+from fm_bench.child import child_report
 from fm_jax._src.packing import pack, unpack
 from fm_jax._src.warm_up import counting_compiles
 
@@ -360,7 +359,7 @@ _MESH_CHILD = textwrap.dedent(
         same = all(live(a) == live(ref.buffers()[k]) for k, a in fm.buffers().items())
         sharding_kept = fm.state.output_tokens.sharding == ref.state.output_tokens.sharding
         out[str(debug)] = {"same": same, "sharding": bool(sharding_kept), "tokens": toks}
-    print(json.dumps(out))
+    print("REPORT", json.dumps(out))
     """
 )
 
@@ -369,15 +368,7 @@ def test_step_on_a_mesh_matches_the_class_ops_rank_by_rank() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from host_devices import cpu_devices_env
 
-    got = subprocess.run(
-        [sys.executable, "-c", _MESH_CHILD],
-        env=cpu_devices_env(4),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert got.returncode == 0, got.stderr[-3000:]
-    report = json.loads(got.stdout.strip().splitlines()[-1])
+    report = child_report(["-c", _MESH_CHILD], cpu_devices_env(4), timeout=600)
     for debug, r in report.items():
         assert r["same"] and r["sharding"], (debug, r)
     assert report["False"]["tokens"] == report["True"]["tokens"]

@@ -7,7 +7,6 @@ process) run in subprocesses that print a JSON report.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 from jax import monitoring
 
 import fm_jax as fj
+from fm_bench.child import call_in_child
 
 R = 16
 BATCH = (2, 4, 8)
@@ -289,23 +289,7 @@ def _mesh_process() -> dict[str, Any]:
 
 def _subprocess(fn: str, args: list[Any], env: dict[str, str]) -> dict[str, Any]:
     """`fn(*args)` of this file, run in a fresh Python with `env`; its JSON report."""
-    code = (
-        "import json, runpy; "
-        f"fn = runpy.run_path({str(Path(__file__))!r})[{fn!r}]; "
-        f"out = fn(*json.loads({json.dumps(args)!r})); "
-        "print('REPORT', json.dumps(out))"
-    )
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parent.parent,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert p.returncode == 0 and lines, f"subprocess failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+    return call_in_child(__file__, fn, env, timeout=300, args=args)  # type: ignore[no-any-return]
 
 
 def test_a_second_process_warms_up_from_the_persistent_cache(tmp_path: Path) -> None:

@@ -5,16 +5,13 @@ protocol's own mistakes are caught."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 from host_devices import cpu_devices_env
 
+from fm_bench.child import child_report
 from fm_parity import catalogue, cli
 from fm_parity.compare import compare_traces
 from fm_parity.driver import run_overlap
@@ -188,7 +185,7 @@ MESH_SPEC_RANKS_OUT_OF_STEP = textwrap.dedent(
         runs = {t.name: run_overlap(lanes, t, "int32") for t in make_twins(lanes, job)}
         r = evaluate(job, lanes, runs)
         out[protocol] = [r.ok, r.first_divergence]
-    print(json.dumps(out))
+    print("REPORT", json.dumps(out))
     """
 )
 
@@ -199,16 +196,7 @@ def spec_ranks_out_of_step() -> dict[str, list]:
     rank 1 with every arrival 3 steps later (so at one step one rank runs a spec DECODE
     beside the other's EXTEND or IDLE), in a child whose JAX sees 2 devices."""
     env = cpu_devices_env(2)
-    proc = subprocess.run(
-        [sys.executable, "-c", MESH_SPEC_RANKS_OUT_OF_STEP],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=Path(__file__).parent.parent,
-    )
-    assert proc.returncode == 0, proc.stderr
-    got: dict[str, list] = json.loads(proc.stdout.splitlines()[-1])
+    got: dict[str, list] = child_report(["-c", MESH_SPEC_RANKS_OUT_OF_STEP], env, timeout=240)
     return got
 
 

@@ -7,11 +7,7 @@ tests/test_fm_jax_debug_channel.py.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,6 +19,7 @@ from jax.experimental import checkify
 
 import fm_jax as fj
 import fm_torch as ft
+from fm_bench.child import call_in_child
 
 R = 8
 DECODE, MIXED = fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
@@ -101,8 +98,8 @@ def test_both_twins_take_the_forward_modes_as_ints_and_enums_alike() -> None:
 
 
 # --------------------------------------------------------------- int64 under x64 (subprocess)
-def _x64_inner() -> None:
-    """With x64 on: int64 jax arrays into an int32 map, every entry point; prints JSON."""
+def _x64_inner() -> dict[str, Any]:
+    """With x64 on: int64 jax arrays into an int32 map, every entry point; the report."""
     assert jax.config.read("jax_enable_x64")
     spec = fj.SpecConfig(2, 0)
     rows: list[dict[str, Any]] = []
@@ -170,24 +167,13 @@ def _x64_inner() -> None:
     wide.stash(i64(3, 4), i64(2**32 + 7, 1))  # an int64 map takes int64 values whole
     out = wide.resolve(fj.Batch(MIXED, i64(3, 4), i64(-3, -4), i64(1, 1)))
     got = int(np.asarray(out.input_ids)[0])
-    print("REPORT " + json.dumps({"rows": rows, "wide": got}), flush=True)
+    return {"rows": rows, "wide": got}
 
 
 @pytest.fixture(scope="module")
 def x64_report() -> dict[str, Any]:
     env = dict(os.environ, JAX_ENABLE_X64="1")
-    code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_x64_inner']()"
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parent.parent,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert p.returncode == 0 and lines, f"x64 subprocess failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+    return call_in_child(__file__, "_x64_inner", env, timeout=300)  # type: ignore[no-any-return]
 
 
 def test_int64_device_arrays_into_an_int32_map_are_refused_under_x64(x64_report) -> None:

@@ -10,15 +10,13 @@ compares').
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+from fm_bench.child import call_in_child
 
 SHAPES = [(4, 2), (8, 1), (1, 8), (2, 2)]  # (dp, tp)
 DEBUG_SHAPES = [(2, 2)]
@@ -357,7 +355,7 @@ CHECKS = {
 }
 
 
-def _inner() -> None:
+def _inner() -> dict[str, Any]:
     import jax
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -367,7 +365,7 @@ def _inner() -> None:
             report[name] = fn()
         except Exception:
             report[name] = {"error": traceback.format_exc()}
-    print("REPORT " + json.dumps(report), flush=True)
+    return report
 
 
 # ------------------------------------------------------------------------- in pytest
@@ -377,18 +375,7 @@ def report() -> dict[str, Any]:
     from host_devices import cpu_devices_env
 
     env = cpu_devices_env(8)
-    code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_inner']()"
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parent.parent,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert p.returncode == 0 and lines, f"8-device subprocess failed:\n{p.stdout}\n{p.stderr}"
-    return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+    return call_in_child(__file__, "_inner", env, timeout=300)  # type: ignore[no-any-return]
 
 
 def _part(report: dict[str, Any], name: str) -> dict[str, Any]:

@@ -27,20 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from fm_bench.impls import Op
-from fm_bench.timing import wait_torch
+from fm_bench.impls.torch_common import HIDDEN, device, relay_ops, tensors
 from fm_bench.workload import Config, HostData
-
-_HIDDEN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def device() -> torch.device:
-    """CUDA when present, else CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _check_and_poison(values: torch.Tensor, buf: torch.Tensor, indices: torch.Tensor) -> None:
@@ -185,6 +177,25 @@ class SGLangFutureMap(SGLangRelayBuffers):
         batch.seq_lens = sentinel
 
 
+def spec_shape(cfg: Config) -> tuple[int, int, torch.dtype] | None:
+    """The draft extras' (K, H, hidden dtype) of a spec `cfg`, else None."""
+    return (cfg.topk, cfg.hidden, HIDDEN[cfg.hidden_dtype]) if cfg.spec else None
+
+
+def scheduler_tensors(
+    cfg: Config, data: HostData, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Draft]:
+    """As SGLang's scheduler holds them on `dev`: the int64 slots and lengths, and what a
+    forward stashes (the sampled tokens; spec: a `Draft` of them and the extras)."""
+    t = tensors(dev)
+    i64 = torch.int64
+    idx, tokens, lens = t(data.idx, i64), t(data.tokens, i64), t(data.lens, i64)
+    if not cfg.spec:
+        return idx, lens, tokens
+    extras = t(data.topk_p, torch.float32), t(data.topk_index, i64)
+    return idx, lens, Draft(tokens, *extras, t(data.hidden, HIDDEN[cfg.hidden_dtype]))
+
+
 def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
     """The production ops of `cfg` (a sentinel-protocol configuration) on `device()`: the
     sentinel-era class.
@@ -193,90 +204,28 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     resolve ops return the resolved batch.
     """
     dev = device()
-
-    def t(a: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(a).to(device=dev, dtype=dtype).contiguous()
-
-    i64 = torch.int64
-    hidden_dtype = _HIDDEN[cfg.hidden_dtype]
-    spec = (cfg.topk, cfg.hidden, hidden_dtype) if cfg.spec else None
-    fm = SGLangFutureMap(cfg.pool, dev, spec=spec, debug=debug)
-    # As the scheduler holds them: int64 slots, sampled tokens and lengths on the device.
-    idx, tokens, lens = t(data.idx, i64), t(data.tokens, i64), t(data.lens, i64)
-    mixed_ids, mixed_lens = t(data.mixed_ids, i64), t(data.mixed_lens, i64)
-    payload: torch.Tensor | Draft = tokens
-    if cfg.spec:
-        payload = Draft(
-            tokens,
-            t(data.topk_p, torch.float32),
-            t(data.topk_index, i64),
-            t(data.hidden, hidden_dtype),
-        )
-    fm.publish(idx, lens)
-    fm.stash(idx, payload)
-    wait_torch(dev)
+    t = tensors(dev)
+    fm = SGLangFutureMap(cfg.pool, dev, spec=spec_shape(cfg), debug=debug)
+    idx, lens, payload = scheduler_tensors(cfg, data, dev)
+    mixed_ids, mixed_lens = t(data.mixed_ids, torch.int64), t(data.mixed_lens, torch.int64)
 
     def decode_batch() -> Batch:
         draft = DraftInfo(idx) if cfg.spec else None
         return Batch(True, idx, -idx, -idx, draft)
 
-    box = {"op": decode_batch(), "step": decode_batch()}
-
-    def restash() -> None:
-        # A resolving op reads slots written since their last read (CI mode: WRWR).
-        fm.stash(idx, payload)
-        wait_torch(dev)
-
-    def fresh(batch: Callable[[], Batch]) -> Callable[[], None]:
-        def setup() -> None:
-            box["op"] = batch()  # resolve rewrites the batch in place
-            restash()
-
-        return setup
-
     def mixed_batch() -> Batch:
         return Batch(False, idx, mixed_ids.clone(), mixed_lens)
 
-    def publish() -> None:
-        fm.publish(idx, lens)
-        wait_torch(dev)
-
-    def stash() -> None:
-        fm.stash(idx, payload)
-        wait_torch(dev)
-
-    def resolve() -> Batch:
-        fm.resolve(box["op"])
-        wait_torch(dev)
-        return box["op"]
-
-    def invalidate() -> None:
-        fm.invalidate(box["op"], idx)
-        wait_torch(dev)
-
-    def step() -> tuple[torch.Tensor, torch.Tensor, DraftInfo | None]:
-        # The scheduler's order: resolve, (forward), publish, stash, invalidate.
-        b = box["step"]
-        fm.resolve(b)
+    def end_step(b: Batch) -> tuple[torch.Tensor, torch.Tensor, DraftInfo | None]:
+        # The scheduler's order: resolve, (forward), publish, stash, invalidate. Publish and
+        # stash write only the map's buffers, so the batch still holds what resolve produced.
         out = (b.input_ids, b.seq_lens, b.spec_info)
-        fm.publish(idx, lens)
-        fm.stash(idx, payload)
         fm.invalidate(b, idx)
         if cfg.spec:
             b.spec_info = DraftInfo(idx)  # the next forward's draft input
-        wait_torch(dev)
         return out
 
-    table = {
-        "publish": Op(publish),
-        "invalidate": Op(invalidate),
-        "step": Op(step, restash),
-    }
-    if cfg.spec:
-        table["stash_spec"] = Op(stash)
-        table["resolve_spec"] = Op(resolve, fresh(decode_batch))
-    else:
-        table["stash"] = Op(stash)
-        table["resolve_decode"] = Op(resolve, fresh(decode_batch))
-        table["resolve_mixed"] = Op(resolve, fresh(mixed_batch))
-    return {k: v for k, v in table.items() if k in ops}
+    batches = (decode_batch, mixed_batch)
+    return relay_ops(
+        fm, dev, idx, lens, payload, batches, end_step, fm.invalidate, spec=cfg.spec, ops=ops
+    )

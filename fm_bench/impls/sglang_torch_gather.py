@@ -22,15 +22,19 @@ followed by the fused `values >= 0` assert and -1 written back at the slots gath
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from fm_bench.impls import Op
-from fm_bench.impls.sglang_torch import _HIDDEN, Draft, DraftInfo, SGLangRelayBuffers, device
-from fm_bench.timing import wait_torch
+from fm_bench.impls.sglang_torch import (
+    DraftInfo,
+    SGLangRelayBuffers,
+    scheduler_tensors,
+    spec_shape,
+)
+from fm_bench.impls.torch_common import device, relay_ops, tensors
 from fm_bench.workload import Config, HostData
 
 
@@ -113,30 +117,13 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     seq_lens, draft info); the resolve ops return the resolved batch.
     """
     dev = device()
-
-    def t(a: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(a).to(device=dev, dtype=dtype).contiguous()
-
+    t = tensors(dev)
     i64 = torch.int64
-    hidden_dtype = _HIDDEN[cfg.hidden_dtype]
-    spec = (cfg.topk, cfg.hidden, hidden_dtype) if cfg.spec else None
-    fm = SGLangGatherFutureMap(cfg.pool, dev, spec=spec, debug=debug)
-    # As the scheduler holds them: int64 slots, tokens and lengths on the device; the
-    # prefill ids in host staging.
-    idx, tokens, lens = t(data.idx, i64), t(data.tokens, i64), t(data.lens, i64)
+    fm = SGLangGatherFutureMap(cfg.pool, dev, spec=spec_shape(cfg), debug=debug)
+    idx, lens, payload = scheduler_tensors(cfg, data, dev)
+    # A MIXED batch's running slots on the device, its prefill ids in host staging.
     mixed_lens, running = t(data.mixed_lens, i64), t(data.mixed_running, i64)
     prefill_cpu = torch.as_tensor(data.mixed_prefill).to(i64)
-    payload: torch.Tensor | Draft = tokens
-    if cfg.spec:
-        payload = Draft(
-            tokens,
-            t(data.topk_p, torch.float32),
-            t(data.topk_index, i64),
-            t(data.hidden, hidden_dtype),
-        )
-    fm.publish(idx, lens)
-    fm.stash(idx, payload)
-    wait_torch(dev)
 
     def decode_batch() -> Batch:
         # No ids: resolve gathers them (spec: the host's lengths, replaced by the gathered).
@@ -147,53 +134,16 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
             idx, mixed_lens, prefill_input_ids_cpu=prefill_cpu, mix_running_indices=running
         )
 
-    box = {"op": decode_batch(), "step": decode_batch()}
-
-    def restash() -> None:
-        # A resolving op reads slots written since their last read (CI mode: WRWR).
-        fm.stash(idx, payload)
-        wait_torch(dev)
-
-    def fresh(batch: Callable[[], Batch]) -> Callable[[], None]:
-        def setup() -> None:
-            box["op"] = batch()  # resolve rewrites the batch in place
-            restash()
-
-        return setup
-
-    def publish() -> None:
-        fm.publish(idx, lens)
-        wait_torch(dev)
-
-    def stash() -> None:
-        fm.stash(idx, payload)
-        wait_torch(dev)
-
-    def resolve() -> Batch:
-        fm.resolve(box["op"])
-        wait_torch(dev)
-        return box["op"]
-
-    def step() -> tuple[torch.Tensor | None, torch.Tensor, DraftInfo | None]:
-        # The scheduler's order: resolve, (forward), publish, stash; no invalidate.
-        b = box["step"]
-        fm.resolve(b)
+    def end_step(b: Batch) -> tuple[torch.Tensor | None, torch.Tensor, DraftInfo | None]:
+        # The scheduler's order: resolve, (forward), publish, stash; no invalidate. Publish
+        # and stash write only the map's buffers, so the batch still holds what resolve
+        # produced.
         out = (b.input_ids, b.seq_lens, b.spec_info)
-        fm.publish(idx, lens)
-        fm.stash(idx, payload)
         # The next batch: its ids empty, its lengths the host's, a fresh draft input.
         b.input_ids, b.seq_lens = None, lens
         if cfg.spec:
             b.spec_info = DraftInfo(idx)
-        wait_torch(dev)
         return out
 
-    table = {"publish": Op(publish), "step": Op(step, restash)}
-    if cfg.spec:
-        table["stash_spec"] = Op(stash)
-        table["resolve_spec"] = Op(resolve, fresh(decode_batch))
-    else:
-        table["stash"] = Op(stash)
-        table["resolve_decode"] = Op(resolve, fresh(decode_batch))
-        table["resolve_mixed"] = Op(resolve, fresh(mixed_batch))
-    return {k: v for k, v in table.items() if k in ops}
+    batches = (decode_batch, mixed_batch)
+    return relay_ops(fm, dev, idx, lens, payload, batches, end_step, None, spec=cfg.spec, ops=ops)
