@@ -5,7 +5,10 @@ engine step, count the instructions of the optimised module that produce an arra
 pool's leading dimension R other than the in-place writes themselves (copies, converts,
 bitcast-converts). Zero means the op moves batch-sized data only. Each op is compiled with
 `fm_jax.compiler_options()`, as the class compiles it; the last column counts instructions
-that XLA:CPU would still split over threads (0: the op runs on the calling thread).
+that XLA:CPU would still split over threads (0: the op runs on the calling thread), and
+`kernels` the instructions of the entry computation that run work (fusions, scatters,
+gathers, copies, custom calls, conditionals; not parameters, tuples, bitcasts or
+constants): on a GPU, about the kernels the op launches.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from fm_bench.workload import Config, host_data
 
 _WHOLE = re.compile(r"=\s*\w+\[(\d+)(?:,\d+)*\]\{[^}]*\}\s+(copy|convert|bitcast-convert|fusion)\(")
 _KIND = re.compile(r"calls=%(\w+)")
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.-]+\s*=\s*.*?\s([a-z][\w-]*)\(")
+_FREE = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all"})
 THREAD_SPLIT = "outer_dimension_partitions"
 """Marks an instruction XLA:CPU hands to its thread pool, in compiled HLO text."""
 
@@ -42,6 +47,13 @@ def whole_buffer_ops(hlo: str, pool: int) -> list[str]:
                 continue  # an in-place scatter: touches the batch's rows only
         out.append(line.strip().split(" ")[0])
     return out
+
+
+def kernels(hlo: str) -> int:
+    """Instructions of `hlo`'s entry computation that run work (see the module docstring)."""
+    entry = hlo[hlo.index("ENTRY") :].split("\n}", 1)[0]
+    ops = (m.group(1) for line in entry.splitlines()[1:] if (m := _OPCODE.match(line)))
+    return sum(op not in _FREE for op in ops)
 
 
 def check(cfg: Config, debug: bool) -> dict[str, Any]:
@@ -85,6 +97,7 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
             "whole_buffer_ops": len(whole_buffer_ops(hlo, cfg.pool)),
             "aliased": (not donate) or "input_output_alias" in hlo,
             "thread_splits": hlo.count(THREAD_SPLIT),
+            "kernels": kernels(hlo),
         }
     return out
 
@@ -93,8 +106,8 @@ def table(cfgs: list[Config]) -> str:
     """Markdown: whole-buffer rewrites per op, debug off and on, for each configuration."""
     lines = [
         "| config | op | whole-buffer rewrites (debug off) | (debug on) | donated state aliased "
-        "| split over threads (off / on) |",
-        "| --- | --- | ---: | ---: | --- | ---: |",
+        "| split over threads (off / on) | kernels (off / on) |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: |",
     ]
     for cfg in cfgs:
         off, on = check(cfg, False), check(cfg, True)
@@ -102,6 +115,7 @@ def table(cfgs: list[Config]) -> str:
             lines.append(
                 f"| {cfg.label()} | {op} | {off[op]['whole_buffer_ops']} | "
                 f"{on[op]['whole_buffer_ops']} | {'yes' if off[op]['aliased'] else 'NO'} | "
-                f"{off[op]['thread_splits']} / {on[op]['thread_splits']} |"
+                f"{off[op]['thread_splits']} / {on[op]['thread_splits']} | "
+                f"{off[op]['kernels']} / {on[op]['kernels']} |"
             )
     return "\n".join(lines)

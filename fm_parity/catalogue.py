@@ -228,6 +228,28 @@ def spec_ngram(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def spec_mixed(size: int = 1, seed: int = 0) -> Scenario:
+    """Spec decode with chunked prefill merged into running spec rows (gather protocol):
+    the host plans each MIXED batch before the last verify's accept lengths land, and
+    resolve binds its running rows' lengths from the published ones (SGLang's
+    `resolve_mixed_spec_tails`). Arrivals keep prefill chunks coming beside the decodes."""
+    reqs = tuple(
+        Request(i, 4 + (5 * i) % 9, 6 + 2 * (i % 4), arrival=2 * i) for i in range(6 * size)
+    )
+    pol = Policy(mixed=True, chunk=3, max_prefill_rows=1, max_prefill_tokens=6, max_running=4)
+    return Scenario(
+        "spec_mixed",
+        "spec decode with MIXED batches (gather protocol)",
+        reqs,
+        5,
+        pol,
+        spec=SpecShape(topk=2, hidden=4),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+        protocols=("gather",),
+    )
+
+
 def random_mix(size: int = 1, seed: int = 0) -> Scenario:
     """A seeded random mix of every feature above (non-spec)."""
     rng = random.Random(seed)
@@ -364,6 +386,7 @@ CATALOGUE: dict[str, Builder] = {
     "spec_verified": spec_verified,
     "spec_sglang_eagle": spec_sglang_eagle,
     "spec_ngram": spec_ngram,
+    "spec_mixed": spec_mixed,
     "random_mix": random_mix,
     "random_spec_mix": random_spec_mix,
     "dp_overlap": dp_overlap,
@@ -377,3 +400,8 @@ def build(name: str, *, size: int = 1, seed: int = 0) -> Scenario:
     if name not in CATALOGUE:
         raise ValueError(f"unknown scenario {name!r}; known: {', '.join(CATALOGUE)}")
     return CATALOGUE[name](size, seed)
+
+
+def runs_under(name: str, protocol: str) -> bool:
+    """Whether the named scenario runs under `protocol` (`Scenario.protocols`)."""
+    return protocol in build(name).protocols

@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from fm_parity import report
+    from fm_parity import catalogue, report
     from fm_parity.mutations import MUTATIONS
     from fm_parity.runner import run_jobs
     from fm_parity.suite import Job, check_mutation
@@ -267,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for n in names
         for proto in protocols
+        if catalogue.runs_under(n, proto)
         for dt in dtypes
         for dbg in debugs
     ]

@@ -171,6 +171,22 @@ class SpecKeepsHostLengths(Mutant):
         return out
 
 
+class MixedSpecKeepsHostLengths(Mutant):
+    """Gather protocol, spec MIXED: resolve gathers the running rows' tokens but leaves
+    their lengths as the host planned them, before the last verify's accept lengths
+    landed (no late binding)."""
+
+    judged_under = "gather"
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = self.inner.resolve(batches, sizes)
+        for r, res in out.items():
+            hb = batches[r]
+            if hb.mode == MODE[Kind.MIXED]:  # a non-spec MIXED batch's are the host's
+                out[r] = res._replace(seq_lens=_like(res.seq_lens, hb.seq_lens))
+        return out
+
+
 class SkipStashRows(Mutant):
     """Gather protocol: every second non-empty stash skips its first live row. Its slot
     keeps what it held: the token its last resolve already gathered (debug mode: the
@@ -300,6 +316,7 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "skip_decode_restore": SkipDecodeRestore,
     "mixed_gathers_wrong_rows": MixedGathersWrongRows,
     "spec_keeps_host_lengths": SpecKeepsHostLengths,
+    "mixed_spec_keeps_host_lengths": MixedSpecKeepsHostLengths,
     "skip_stash_rows": SkipStashRows,
     "skip_verified_id_stash": SkipVerifiedIdStash,
     "host_copy_syncs": HostCopySyncs,

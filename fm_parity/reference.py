@@ -54,7 +54,10 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
                 lens.append(row.end)
             else:
                 ids.append(last[row.rid])
-                lens.append(length[row.rid])
+                # A spec MIXED batch's running rows: the published length plus the token
+                # fed (the contract's late binding; a DECODE row's is the published one).
+                bound = spec is not None and plan.kind is Kind.MIXED
+                lens.append(length[row.rid] + bound)
         ids_a, lens_a = np.array(ids, npdt), np.array(lens, npdt)
         slots = np.array([row.slot for row in rows], npdt)
         every = np.arange(len(rows))
@@ -72,7 +75,7 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             )
             token = draft.bonus
         else:  # a spec prefill accepts nothing: its stream starts with the bonus token
-            _, new_lens, draft = tm.forward_spec_extend(
+            accept, new_lens, draft = tm.forward_spec_extend(
                 ids_a, lens_a, slots, every, tm.NUMPY, spec, offset, verified
             )
             token = draft.bonus
@@ -83,7 +86,7 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             if draft is not None:  # the request's own row of every draft field
                 drafts[row.rid] = _row(draft, i)
             s = streams.setdefault(row.rid, [])
-            if accept is not None:
+            if accept is not None and row.phase == "decode":
                 s.append(int(accept[i]))
             s.append(int(token[i]))
     return streams

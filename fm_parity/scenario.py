@@ -93,6 +93,7 @@ class Scenario:
       pool_size: R, request-pool rows; slot 0 is padding, live slots are 1..R-1.
       batch_buckets / token_buckets: padded batch sizes (rows / flat tokens).
       max_steps: the scheduler stops after this many steps even if requests remain.
+      protocols: the relay protocols it runs under (spec MIXED batches: gather only).
     """
 
     name: str
@@ -104,6 +105,7 @@ class Scenario:
     batch_buckets: tuple[int, ...] = (4, 8, 16, 32)
     token_buckets: tuple[int, ...] = (8, 32, 128, 512)
     max_steps: int = 10_000
+    protocols: tuple[str, ...] = ("sentinel", "gather")
 
     def __post_init__(self) -> None:
         p = self.policy
@@ -113,8 +115,11 @@ class Scenario:
             raise ValueError(f"{self.name}: max_running exceeds the largest batch bucket")
         if max(self.batch_buckets) + p.max_prefill_tokens > max(self.token_buckets):
             raise ValueError(f"{self.name}: a batch may overflow the largest token bucket")
-        if self.spec is not None and p.mixed:
-            raise ValueError(f"{self.name}: spec decoding runs no MIXED batches")
+        if self.spec is not None and p.mixed and "sentinel" in self.protocols:
+            raise ValueError(
+                f"{self.name}: spec MIXED batches are a gather-protocol feature "
+                "(protocols=('gather',))"
+            )
         if any(r.prompt_len < 1 or r.output_len < 1 for r in self.requests):
             raise ValueError(f"{self.name}: prompt_len and output_len must be >= 1")
 

@@ -264,6 +264,8 @@ def run_job(
     other jobs still run.
     """
     check_protocol(job.protocol)
+    if not catalogue.runs_under(job.scenario, job.protocol):
+        raise ValueError(f"scenario {job.scenario} does not run under the {job.protocol} protocol")
     try:
         lanes = lanes_for(job)
         twins = make_twins(lanes, job, mutation, mutate)
@@ -306,8 +308,8 @@ def check_mutation(
         key = (job.scenario, job.seed, job.steps, job.size)
         group = by_scenario.setdefault(key, [])
         mine = replace(job, protocol=protocol)
-        if mine not in group:  # one run per debug mode, whatever protocols `jobs` name
-            group.append(mine)
+        if mine not in group and catalogue.runs_under(job.scenario, protocol):
+            group.append(mine)  # one run per debug mode, whatever protocols `jobs` name
     for group in by_scenario.values():
         fired: list[str] = []
         where = None

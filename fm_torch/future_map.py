@@ -11,8 +11,9 @@ the debug consume check are the same in both:
 - "gather" (SGLang's later relay, `overlap_utils.py` at commit 0178132): no sentinels and
   no invalidate. `resolve` gathers a DECODE batch's ids at its slots, appends a MIXED
   batch's running tokens (gathered at `mix_running_indices`) to its prefill ids and, with
-  spec, gathers the lengths and draft extras at the draft's slots; host ids are taken as
-  given and must be >= 0.
+  spec, gathers the lengths and draft extras at the draft's slots and binds a MIXED batch's
+  running rows' lengths; host ids are taken as given and must be >= 0. A spec MIXED batch
+  is a gather-protocol feature: the sentinel protocol refuses it.
 
 Checks SGLang's class does not have ('Checks beyond SGLang' in the contract). Always on
 (metadata only, no device sync): rank, shape, dtype and device of every input, the forward
@@ -338,7 +339,9 @@ class FutureMap:
         - EXTEND: ids and lengths as given.
         - DECODE, non-spec: `input_ids := output_tokens[req_pool_indices]` (the batch
           brings None: ids given are refused), lengths as given.
-        - MIXED: `input_ids := cat(input_ids, output_tokens[mix_running_indices])`.
+        - MIXED: `input_ids := cat(input_ids, output_tokens[mix_running_indices])`; spec:
+          the running rows (the last live rows, in `mix_running_indices` order; refused
+          otherwise) get `new_seq_lens[mix_running_indices] + 1` (debug: > 0 published).
         - IDLE: nothing.
         - spec with a draft input: the extras and bonus tokens gathered at its slots and,
           on a DECODE batch, `seq_lens := new_seq_lens[draft.indices]` (debug: live rows
@@ -367,7 +370,13 @@ class FutureMap:
         ids = v.check_1d_int("input_ids", batch.input_ids, self.device)
         host_lens = v.check_1d_int("seq_lens", batch.seq_lens, self.device)
         v.check_rows("seq_lens", host_lens, indices.shape[0])
-        is_decode = v.check_mode(batch.forward_mode) == ForwardMode.DECODE
+        mode = v.check_mode(batch.forward_mode)
+        if self.spec and mode == ForwardMode.MIXED:
+            raise FutureMapError(
+                "a spec MIXED batch is a gather-protocol feature (its running rows' lengths "
+                "are bound at resolve); this map relays by sentinels"
+            )
+        is_decode = mode == ForwardMode.DECODE
         if is_decode and not self.spec:
             v.check_rows("input_ids of a DECODE batch", ids, indices.shape[0])
         draft_indices = None
@@ -485,10 +494,15 @@ class FutureMap:
             v.check_rows("draft.indices", draft_indices, indices.shape[0])
             if not self._spec_shaped:
                 raise FutureMapError("resolve of spec extras before any draft was stashed")
+        if mix is not None and self.spec:
+            # Spec MIXED: the running rows are the batch's last rows, in mix order.
+            v.check_at_most("mix_running_indices", mix, indices.shape[0])
         if self._values_checked:
             v.check_slots("req_pool_indices", indices, self.pool_size)
             if mix is not None:
                 v.check_slots("mix_running_indices", mix, self.pool_size)
+                if self.spec:
+                    v.check_running_rows(indices, mix)
             if draft_indices is not None:
                 v.check_slots("draft.indices", draft_indices, self.pool_size)
             if ids is not None:
@@ -509,6 +523,18 @@ class FutureMap:
             reads.append((running, mix))
             new_ids = torch.cat([ids.to(self.dtype), running])
         seq_lens: torch.Tensor | None = None
+        fresh: torch.Tensor | None = None
+        if mix is not None and self.spec and mix.numel():
+            # Spec MIXED (SGLang's late binding): the host planned this batch before the last
+            # verify's accept lengths landed; its running rows (the last len(mix) live rows,
+            # before any padding) get the published length plus the token this forward feeds.
+            # A mask, not a slice: the live row count stays on the device.
+            row = torch.arange(indices.shape[0], device=self.device)
+            n_live = (indices > 0).sum()
+            running = (row >= n_live - mix.shape[0]) & (row < n_live)
+            fresh = self.new_seq_lens[mix]
+            bound = self.new_seq_lens[indices] + 1
+            seq_lens = torch.where(running, bound, host_lens.to(self.dtype))
         payload: DraftPayload | None = None
         if draft_indices is not None:
             # A spec DECODE batch's lengths are the verified ones last published.
@@ -526,7 +552,10 @@ class FutureMap:
                 reads.append((payload.bonus_tokens, draft_indices))
 
         if self.debug:
-            if seq_lens is not None:
+            if fresh is not None:
+                assert mix is not None
+                self._check_positive_lengths(fresh, mix)
+            elif seq_lens is not None:
                 assert draft_indices is not None
                 self._check_positive_lengths(seq_lens, draft_indices)
             # Every read checked before any slot is poisoned.

@@ -131,3 +131,22 @@ def check_no_sentinels(name: str, input_ids: torch.Tensor) -> None:
             f"{name} holds negative ids {bad}: the gather protocol has no sentinels "
             "(token ids are >= 0)"
         )
+
+
+def check_at_most(name: str, t: torch.Tensor, rows: int) -> None:
+    """`t` has at most `rows` entries (metadata only)."""
+    if t.shape[0] > rows:
+        raise FutureMapError(f"{name} has {t.shape[0]} entries, more than the batch's {rows} rows")
+
+
+def check_running_rows(indices: torch.Tensor, mix: torch.Tensor) -> None:
+    """Spec MIXED: the batch's last live rows (padding rows, slot 0, come after them) are
+    its running rows, in `mix_running_indices` order (SGLang's layout), so the lengths
+    bound there are the rows' own. Reads values."""
+    live = indices[indices > 0]
+    tail = live[max(live.shape[0] - mix.shape[0], 0) :]
+    if not torch.equal(tail.to(torch.int64), mix.to(torch.int64)):
+        raise FutureMapError(
+            f"mix_running_indices {mix.tolist()} are not the slots of the batch's last live "
+            f"rows {tail.tolist()}: a spec MIXED batch lists its running rows last, in order"
+        )

@@ -26,8 +26,10 @@ def _assert_ok(r):
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["debug-off", "debug-on"])
-@pytest.mark.parametrize("name", SMALL)
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    ("protocol", "name"),
+    [(p, n) for p in PROTOCOLS for n in SMALL if catalogue.runs_under(n, p)],
+)
 def test_scenario_parity_and_oracle(protocol, name, debug):
     """A FutureMap op that moves different bytes in the twins, or a relay that changes what a
     request generates, fails here, in either protocol (int32; int64 runs in
@@ -62,6 +64,7 @@ def test_long_run_is_long_and_wide():
         ("mixed_batches", {Kind.MIXED}),
         ("idle_steps", {Kind.IDLE}),
         ("prebuilt_bootstrap", {Kind.PREBUILT}),
+        ("spec_mixed", {Kind.MIXED, Kind.DECODE}),
     ],
 )
 def test_scenarios_contain_the_batch_kinds_they_name(name, kinds):
@@ -246,3 +249,12 @@ def test_reference_loop_shares_only_the_scenario_and_the_toy_model_with_the_driv
     assert ref <= {"fm_parity", "fm_parity.scenario", "fm_parity.toy_model"}, ref
     for path in root.glob("*.py"):
         assert not any(m.startswith("fm_jax._src") for m in imports(path)), path.name
+
+
+def test_a_gather_only_scenario_is_refused_under_the_sentinel_protocol():
+    """A spec MIXED scenario runs under the gather protocol only (the sentinel protocol
+    has no spec MIXED batch): asked for under sentinel, the job says so."""
+    assert catalogue.runs_under("spec_mixed", "gather")
+    assert not catalogue.runs_under("spec_mixed", "sentinel")
+    with pytest.raises(ValueError, match="does not run under the sentinel protocol"):
+        run_job(Job("spec_mixed", "int32", False, protocol="sentinel"))

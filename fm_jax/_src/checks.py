@@ -260,9 +260,32 @@ def positive_lengths(
         _witness(seq_lens <= 0, indices),  # max 0: none (or only padding rows)
         lambda slot: _check(
             ~is_decode | (slot == 0),
-            f"[{POSITIVE_LENGTHS}] DECODE restored a length <= 0 for slot {{value}}: "
+            f"[{POSITIVE_LENGTHS}] resolve restored a length <= 0 for slot {{value}}: "
             "the slot's length was never published",
             seq_lens.dtype,
+            slot,
+        ),
+    )
+
+
+def running_rows_match(
+    running: jax.Array, idx: jax.Array, slots: jax.Array, first: jax.Array, into: OpChecks
+) -> None:
+    """Spec MIXED: the running rows (`running`, from row `first` on) are the rows of the
+    nonzero token slots, in their order: row first + j holds the j-th nonzero slot. Their
+    lengths are bound at their own slots, so a row out of place would read another's."""
+    if idx.shape[0] == 0:
+        return
+    nz = slots > 0
+    at = jnp.where(nz, first + jnp.cumsum(nz) - 1, idx.shape[0])  # the row each slot names
+    expect = jnp.zeros_like(idx).at[at].set(slots.astype(idx.dtype), mode="drop")
+    into.add(
+        _witness(running & (expect != idx), idx),
+        lambda slot: _check(
+            slot == 0,
+            f"[{BATCH_FIELDS}] a spec MIXED batch's running row at slot {{value}} is not in "
+            "token-slot order (prefill rows, then one row per nonzero token slot, in order)",
+            idx.dtype,
             slot,
         ),
     )

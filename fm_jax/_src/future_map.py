@@ -660,6 +660,7 @@ class FutureMap:
         elif type(mode) is ForwardMode:  # the per-step case: one mode known on the host
             decoding = [mode is ForwardMode.DECODE]
             self._check_token_slots([mode], slots)
+            self._check_spec_mixed([mode], idx.array, slots)
             resolve, mode = _FIXED[decoding[0]], None
         else:
             if isinstance(mode, np.ndarray) and mode.ndim == 1:
@@ -668,6 +669,7 @@ class FutureMap:
                 modes = [_host_mode(mode, "forward_mode")]
             decoding = [m == ForwardMode.DECODE for m in modes]
             self._check_token_slots(modes, slots)
+            self._check_spec_mixed(modes, idx.array, slots)
             decode = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
             if len(decode) > 1:
                 # Ranks differ in kind: one executable with the per-rank modes traced.
@@ -730,6 +732,35 @@ class FutureMap:
                 f"token_slots of a batch of kind {kinds} name slots (or are a jax array, not "
                 "read here): only a MIXED batch has running rows to gather"
             )
+
+    def _check_spec_mixed(self, modes: list[ForwardMode], idx: Any, slots: Any) -> None:
+        """Spec MIXED, modes known on the host (one per rank): a gather-protocol feature,
+        and (host arrays) each MIXED rank's running rows are its last live rows in
+        token-slot order, as resolve binds their lengths there."""
+        if self.spec is None or ForwardMode.MIXED not in modes:
+            return
+        if self.protocol != "gather":
+            raise FutureMapError(
+                "a spec MIXED batch is a gather-protocol feature (its running rows' lengths "
+                "are bound at resolve); this map relays by sentinels"
+            )
+        if isinstance(idx, jax.Array) or isinstance(slots, jax.Array) or slots is None:
+            return  # device arrays: debug checks the order ('batch fields')
+        rows = np.asarray(idx).reshape(len(modes), -1)
+        toks = np.asarray(slots).reshape(len(modes), -1)
+        for r, m in enumerate(modes):
+            if m != ForwardMode.MIXED:
+                continue
+            running = toks[r][toks[r] > 0]
+            live = rows[r][rows[r] > 0]
+            tail = live[len(live) - len(running) :]
+            if len(running) > len(live) or not np.array_equal(tail, running):
+                where = f"batch[rank {r}]." if len(modes) > 1 else "batch."
+                raise FutureMapError(
+                    f"{where}token_slots name running slots {running.tolist()}, but the "
+                    f"batch's last live rows hold {tail.tolist()}: a spec MIXED batch lists "
+                    "its running rows last, one per nonzero token slot, in that order"
+                )
 
     @_serialized
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:

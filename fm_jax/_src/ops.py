@@ -299,6 +299,11 @@ def future_map(
         s.check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
         if gather:
             return resolve_gather(state, batch, idx, mode, chk)
+        if spec is not None and isinstance(mode, int | np.integer) and mode == ForwardMode.MIXED:
+            raise FutureMapError(
+                "a spec MIXED batch is a gather-protocol feature (its running rows' lengths "
+                "are bound at resolve); this map relays by sentinels"
+            )
 
         if isinstance(mode, int | np.integer):
             # The mode is known when traced: only a DECODE executable gathers lengths.
@@ -384,10 +389,12 @@ def future_map(
         (an executable that fixes 'not DECODE' serves EXTEND, MIXED and IDLE alike); only
         a MIXED batch has a nonzero one. Lengths: as given, except a spec DECODE batch's
         (it has a draft input): `new_seq_lens[draft_indices]`, the verified lengths last
-        published.
+        published; and a spec MIXED batch's running rows (the last live rows, one per
+        nonzero token slot): `new_seq_lens[req_pool_indices] + 1`.
         Debug: every gather from `output_tokens` is consume-checked, and -1 written back at
-        exactly the live slots it read. A traced mode gathers for DECODE and MIXED both and
-        selects per row: O(B + T) either way.
+        exactly the live slots it read; a slot the token slots and the draft both read is
+        read twice (the draft's read finds the poison). A traced mode gathers for DECODE
+        and MIXED both and selects per row: O(B + T) either way.
         """
         ids = jnp.asarray(batch.input_ids, dt)
         t, b = ids.shape[0], idx.shape[0]
@@ -414,6 +421,7 @@ def future_map(
         # Each gather from output_tokens: (values, slots read, whether this batch does it).
         reads: list[tuple[jax.Array, jax.Array, Any]] = []
         out = ids
+        ts_read: jax.Array | None = None  # the token slots, where this executable reads them
         if ts_in is not None and (not known or takes_slots):
             s.check_1d_int("token_slots", ts_in, dt)
             s.check_rows("token_slots", ts_in, t)
@@ -426,6 +434,7 @@ def future_map(
             # A token slot of 0 keeps the host's id: slot 0 (padding) is never gathered, and
             # the consume check skips its reads.
             reads.append((got, ts, takes_slots))
+            ts_read = ts
             out = jnp.where(takes_slots & (ts > 0), got, out)
         elif chk is not None and not known:
             checks.token_slots_only_mixed(mode, None, dt, chk)
@@ -441,6 +450,20 @@ def future_map(
             out = jnp.where(is_decode, jnp.pad(got, (0, t - b)), out)
 
         seq_lens = jnp.asarray(batch.seq_lens, dt)
+        if spec is not None and ts_read is not None:
+            # Spec MIXED: the host planned this batch before the last verify's accept lengths
+            # landed, so its running rows' lengths are bound here: the published length plus
+            # the token this forward feeds. SGLang's layout: prefill rows, then one running
+            # row per nonzero token slot in order, then padding rows (slot 0).
+            n_live = jnp.sum(idx > 0, dtype=dt)
+            first = n_live - jnp.sum(ts_read > 0, dtype=dt)
+            row = jnp.arange(b, dtype=dt)
+            running = takes_slots & (row >= first) & (row < n_live)
+            fresh = _gather(state.new_seq_lens, idx)
+            seq_lens = jnp.where(running, fresh + 1, seq_lens)
+            if chk is not None:
+                checks.running_rows_match(running, idx, ts_read, first, chk)
+                checks.positive_lengths(jnp.asarray(True), jnp.where(running, fresh, 1), idx, chk)
         draft = None
         if batch.draft_indices is not None:
             didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
@@ -458,9 +481,16 @@ def future_map(
             # consume-tracked buffer.
             tracked = [("bonus_tokens", v, sl, a) for v, sl, a in reads]
             if draft is not None:
+                drafted = consumed_reads(draft, didx)
+                if ts_read is not None and "bonus_tokens" in consumed:
+                    # A slot the token slots read too: in order, the draft's read finds the
+                    # poison the first read left (one compare per row and token: debug only).
+                    twice = takes_slots & (didx[:, None] == ts_read[None, :]).any(axis=1)
+                    k_bonus = consumed.index("bonus_tokens")
+                    v, sl = drafted[k_bonus]
+                    drafted[k_bonus] = (jnp.where(twice, POISON, v), sl)
                 tracked += [
-                    (name, v, sl, True)
-                    for name, (v, sl) in zip(consumed, consumed_reads(draft, didx), strict=True)
+                    (name, v, sl, True) for name, (v, sl) in zip(consumed, drafted, strict=True)
                 ]
             k = None
             if tracked:

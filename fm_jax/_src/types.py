@@ -129,7 +129,9 @@ class Batch(NamedTuple):
     In the gather protocol it holds only the host's ids: a MIXED batch's prefill ids then
     a 0 at each running row's position, and a non-spec DECODE batch's are not read (None
     is taken: T = B). `token_slots` ([T], gather protocol, MIXED only) names, at each
-    position a running row's token goes to, the slot to gather it from; 0 elsewhere.
+    position a running row's token goes to, the slot to gather it from; 0 elsewhere. A spec
+    map's MIXED batch lists its running rows last (before padding rows), one per nonzero
+    token slot in order: resolve binds their lengths (published + 1).
     `forward_mode` is an int32 jax scalar (a ForwardMode value), traced, so one compiled
     step serves every batch kind (on a mesh: a scalar, or [DP], one mode per rank); a host
     ForwardMode fixes the mode when the op is traced instead (no branch in the executable;

@@ -1,0 +1,182 @@
+"""Spec MIXED batches (docs/CONTRACT.md, 'Two protocols'): a gather-protocol feature in
+both twins. The host plans the batch before the last verify's accept lengths land, so
+resolve binds its running rows' lengths (the last live rows, one per running token) to the
+published length + 1, as SGLang's `resolve_mixed_spec_tails` does; a batch whose running
+rows are out of order is refused (host arrays) or reported (debug); the sentinel protocol
+refuses a spec MIXED batch; and a slot the running rows and the draft both read is a
+consume violation in both twins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.experimental import checkify
+
+import fm_jax as fj
+import fm_torch as ft
+
+R = 8
+MIXED = fj.ForwardMode.MIXED
+SPEC = fj.SpecConfig(topk=2)
+
+
+def a(*x: int) -> np.ndarray:
+    return np.array(x, np.int32)
+
+
+def jax_draft(bonus: list[int]) -> Any:
+    n = len(bonus)
+    return fj.DraftPayload(a(*bonus), np.ones((n, 2), np.float32), np.zeros((n, 2), np.int32))
+
+
+def torch_draft(bonus: list[int]) -> Any:
+    n = len(bonus)
+    return ft.DraftPayload(
+        torch.tensor(bonus, dtype=torch.int32),
+        torch.ones(n, 2),
+        torch.zeros(n, 2, dtype=torch.int32),
+    )
+
+
+# A prefill row (slot 5, three prompt tokens), then running rows at slots 3 and 2, whose
+# published lengths (20, 10) the host has not seen: it plans them with stale lengths 1.
+ROWS, IDS, LENS = a(5, 3, 2), a(100, 101, 102, 0, 0), a(3, 1, 1)
+TOKEN_SLOTS = a(0, 0, 0, 3, 2)
+BOUND = [3, 21, 11]  # prefill as given; running rows published + 1
+
+
+def jax_map(debug: bool, protocol: str = "gather") -> Any:
+    fm = fj.FutureMap(
+        R, spec=SPEC, debug=debug, protocol=protocol, batch_buckets=(4,), token_buckets=(8,)
+    )
+    if protocol == "gather":
+        fm.publish(a(2, 3), a(10, 20))
+        fm.stash(a(2, 3), jax_draft([7, 8]))
+    return fm
+
+
+def torch_map(debug: bool, protocol: str = "gather") -> Any:
+    fm = ft.FutureMap(R, spec=True, debug=debug, protocol=protocol, dtype=torch.int32)
+    if protocol == "gather":
+        fm.publish(torch.tensor([2, 3]), torch.tensor([10, 20]))
+        fm.stash(torch.tensor([2, 3]), torch_draft([7, 8]))
+    return fm
+
+
+def torch_batch(rows: np.ndarray, ids: np.ndarray, lens: np.ndarray, mix: np.ndarray) -> Any:
+    return ft.ScheduleBatch(
+        ft.ForwardMode.MIXED,
+        torch.from_numpy(rows),
+        torch.from_numpy(ids),
+        torch.from_numpy(lens),
+        mix_running_indices=torch.from_numpy(mix),
+    )
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_both_twins_bind_the_running_rows_lengths_at_resolve(debug: bool) -> None:
+    """The running rows get the published length + 1 (prefill rows keep the host's), and
+    their ids are the bonus tokens gathered at their slots: the same bytes in both twins."""
+    jm, tm = jax_map(debug), torch_map(debug)
+    r = jm.resolve(fj.Batch(MIXED, ROWS, IDS, LENS, token_slots=TOKEN_SLOTS))
+    tb = torch_batch(ROWS, IDS[:3], LENS, a(3, 2))
+    tm.resolve(tb)
+    assert np.asarray(r.seq_lens)[:3].tolist() == BOUND == tb.seq_lens.tolist()
+    assert np.asarray(r.input_ids)[:5].tolist() == [100, 101, 102, 8, 7] == tb.input_ids.tolist()
+    assert np.asarray(r.seq_lens)[:3].tobytes() == tb.seq_lens.numpy().tobytes()
+    jm.check()
+
+
+def test_padding_rows_after_the_running_rows_keep_their_lengths() -> None:
+    """Padding rows (slot 0) come after the running rows: the running rows are the last
+    live rows, not the last rows (fm_torch given a padded batch, fm_jax padding to its
+    bucket)."""
+    tm = torch_map(False)
+    tb = torch_batch(a(5, 3, 2, 0), IDS[:3], a(3, 1, 1, 4), a(3, 2))
+    tm.resolve(tb)
+    assert tb.seq_lens.tolist() == [*BOUND, 4]
+    jm = jax_map(False)
+    r = jm.resolve(fj.Batch(MIXED, a(5, 3, 2, 0), IDS, a(3, 1, 1, 4), token_slots=TOKEN_SLOTS))
+    assert np.asarray(r.seq_lens).tolist() == [*BOUND, 4]
+
+
+def test_running_rows_out_of_token_order_are_refused_by_both_twins() -> None:
+    """Lengths bound at the wrong rows would be another request's: a batch whose last live
+    rows are not its running slots in order is refused before anything is written."""
+    jm, tm = jax_map(False), torch_map(False)
+    before = jax.tree.map(np.asarray, jm.state)
+    with pytest.raises(fj.FutureMapError, match="running rows last"):
+        jm.resolve(fj.Batch(MIXED, ROWS, IDS, LENS, token_slots=a(0, 0, 0, 2, 3)))
+    with pytest.raises(ft.FutureMapError, match="running rows last"):
+        tm.resolve(torch_batch(ROWS, IDS[:3], LENS, a(2, 3)))
+    after = jax.tree.map(np.asarray, jm.state)
+    assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
+    assert jm.step == 0
+
+
+def test_the_pure_ops_report_running_rows_out_of_order_in_debug() -> None:
+    """Where the arrays are on the device (the pure ops, traced), debug reports the order
+    ('batch fields'); a batch in order passes and binds the lengths."""
+    ops = fj.future_map(R, spec=SPEC, debug=True, protocol="gather")
+    state = ops.publish(ops.init(), jnp.array([2, 3]), jnp.array([10, 20]))
+    state = ops.stash(state, jnp.array([2, 3]), jax_draft([7, 8]))
+    resolve = jax.jit(checkify.checkify(ops.resolve))
+
+    def batch(ts: np.ndarray) -> Any:
+        return fj.Batch(jnp.int32(MIXED), jnp.asarray(ROWS), jnp.asarray(IDS), LENS, None, ts)
+
+    err, (_, r) = resolve(state, batch(TOKEN_SLOTS))
+    err.throw()
+    assert np.asarray(r.seq_lens).tolist() == BOUND
+    err, _ = resolve(state, batch(a(0, 0, 0, 2, 3)))
+    with pytest.raises(checkify.JaxRuntimeError, match="token-slot order"):
+        err.throw()
+
+
+def test_a_running_row_never_published_is_reported_by_both_twins() -> None:
+    """Debug: a running row's bound length must come from a publish (> 0)."""
+    jm, tm = jax_map(True), torch_map(True)
+    rows, ts = a(5, 4), a(0, 0, 0, 4)
+    jm.stash(a(4), jax_draft([9]))
+    tm.stash(torch.tensor([4]), torch_draft([9]))
+    jm.resolve(fj.Batch(MIXED, rows, a(1, 2, 3, 0), a(3, 1), token_slots=ts))
+    with pytest.raises(fj.InvariantViolation, match="seq_lens > 0"):
+        jm.check()
+    with pytest.raises(ft.InvariantViolation, match="seq_lens > 0"):
+        tm.resolve(torch_batch(rows, a(1, 2, 3), a(3, 1), a(4)))
+
+
+def test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice() -> None:
+    """One resolve reading a slot's bonus token for a running row and again for the draft
+    reads it twice: in order, the draft's read finds the poison the first left. Both twins
+    report it (SGLang: its second consume assert fires)."""
+    jm, tm = jax_map(True), torch_map(True)
+    jm.resolve(fj.Batch(MIXED, ROWS, IDS, LENS, a(0, 3, 2), TOKEN_SLOTS))
+    with pytest.raises(fj.InvariantViolation, match="consume"):
+        jm.check()
+    tb = torch_batch(ROWS, IDS[:3], LENS, a(3, 2))
+    tb.draft = ft.DraftInput(torch.tensor([0, 3, 2]))
+    with pytest.raises(ft.InvariantViolation, match="consume"):
+        tm.resolve(tb)
+
+
+def test_the_sentinel_protocol_refuses_a_spec_mixed_batch() -> None:
+    """The sentinel protocol has no spec MIXED batch (its running rows' sentinels would
+    never be filled): both twins refuse one whose kind is known on the host."""
+    jm, tm = jax_map(False, "sentinel"), torch_map(False, "sentinel")
+    with pytest.raises(fj.FutureMapError, match="gather-protocol feature"):
+        jm.resolve(fj.Batch(MIXED, ROWS, a(100, 101, 102, -3, -2), LENS))
+    with pytest.raises(ft.FutureMapError, match="gather-protocol feature"):
+        tm.resolve(
+            ft.ScheduleBatch(
+                ft.ForwardMode.MIXED,
+                torch.from_numpy(ROWS),
+                torch.tensor([100, 101, 102, -3, -2]),
+                torch.from_numpy(LENS),
+            )
+        )
