@@ -188,7 +188,8 @@ def test_padding_slot_may_repeat(plain: fj.FutureMap) -> None:
     ("kwargs", "match"),
     [
         ({"pool_size": 1}, "pool_size"),
-        ({"pool_size": 4, "spec": fj.SpecConfig(topk=0)}, "topk"),
+        ({"pool_size": 4, "spec": fj.SpecConfig(topk=-1)}, "topk"),
+        ({"pool_size": 4, "spec": fj.SpecConfig(topk=0, bonus_tokens=False)}, "no field"),
         ({"pool_size": 4, "spec": fj.SpecConfig(2, 3, jnp.dtype(jnp.int8))}, "hidden_dtype"),
     ],
 )

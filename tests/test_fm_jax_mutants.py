@@ -68,8 +68,8 @@ def test_two_slots_is_the_smallest_pool() -> None:
 
 
 def test_spec_widths_of_one_are_the_smallest() -> None:
-    """topk = 1 and hidden = 1 relay their extras bit for bit; topk < 1 or hidden < 0 are
-    refused."""
+    """topk = 1 and hidden = 1 relay their extras bit for bit; topk = 0 relays no top-k
+    fields (an n-gram draft's); topk < 0 or hidden < 0 are refused."""
     ops = fj.future_map(R, spec=fj.SpecConfig(topk=1, hidden=1))
     payload = spec_draft([5, 6], k=1, h=1)
     st = ops.stash(ops.init(), i32(2, 3), payload)
@@ -83,8 +83,10 @@ def test_spec_widths_of_one_are_the_smallest() -> None:
         np.asarray(out.draft.hidden_states).view(np.uint16),
         np.asarray(payload.hidden_states)[::-1].view(np.uint16),
     )
-    for bad in (fj.SpecConfig(topk=0), fj.SpecConfig(topk=0, hidden=4), fj.SpecConfig(2, -1)):
-        with pytest.raises(fj.FutureMapError, match="topk >= 1 and hidden >= 0"):
+    none = fj.future_map(R, spec=fj.SpecConfig(topk=0, hidden=4)).init()
+    assert none.topk_p is None and none.topk_index is None and none.hidden_states is not None
+    for bad in (fj.SpecConfig(topk=-1), fj.SpecConfig(topk=-1, hidden=4), fj.SpecConfig(2, -1)):
+        with pytest.raises(fj.FutureMapError, match="topk >= 0 and hidden >= 0"):
             fj.future_map(R, spec=bad)
 
 
@@ -1030,8 +1032,8 @@ def test_debug_gather_spec_batch_poisons_its_token_slots_beside_its_draft() -> N
     st = ops.publish(ops.init(), i32(1, 2, 3), i32(4, 5, 6))
     st = ops.stash(st, i32(1, 2, 3), spec_draft([11, 22, 33], k=2))
     b = fj.Batch(
-        MIXED, i32(1, 2), i32(5, 0), i32(3, 4), token_slots=i32(0, 3), draft_indices=i32(1, 2)
-    )
+        MIXED, i32(1, 3), i32(5, 0), i32(3, 4), token_slots=i32(0, 3), draft_indices=i32(1, 2)
+    )  # a spec MIXED batch: its running row (slot 3) last
     err, (after, out) = checked(lambda st, b: ops.resolve(st, b))(st, b)
     fj.raise_if_violated(err)
     assert out.input_ids.tolist() == [5, 33]

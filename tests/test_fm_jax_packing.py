@@ -85,12 +85,15 @@ def steps(fm: fj.FutureMap, seed: int) -> list[bytes]:
                 batch = fj.Batch(D, idx, -idx, -idx)
             if spec:
                 batch = batch._replace(draft_indices=idx)
-        elif kind == 2:  # MIXED: one prefill row of 3 tokens, then running rows
+        elif kind == 2 and (gather or not spec):  # MIXED: a prefill row, then running rows
+            # (a spec MIXED batch is a gather-protocol feature: the sentinel one refuses it)
             ids = np.r_[rng.integers(0, 99, 3), -idx[1:]].astype(np.int32)
             slots = np.r_[np.zeros(3, np.int32), idx[1:]].astype(np.int32)
             batch = fj.Batch(M, idx, ids, np.full(n, 5, np.int32))
             if gather:
                 batch = batch._replace(input_ids=np.where(slots > 0, 0, ids), token_slots=slots)
+        elif kind == 2:  # spec, sentinel protocol: an EXTEND of 3 tokens per row instead
+            batch = fj.Batch(E, idx, rng.integers(0, 99, 3 * n).astype(np.int32), idx)
         else:  # the same kind traced (a jax mode: this call brings a jax array)
             batch = fj.Batch(jnp.int32(E), idx, rng.integers(0, 99, n).astype(np.int32), idx)
         out += to_bytes(fm.resolve(batch))

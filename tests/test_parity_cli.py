@@ -86,8 +86,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     """`--mutations` (fm_jax mutated) reports which detectors caught each variant, each
     under its own protocol; none may be null, and parity must be among them (fm_jax
     differs from fm_torch), or for a resolve that syncs the 'sync' check. The gather
-    protocol's MIXED and spec mistakes need a MIXED and a spec scenario, a lost verified
-    id a spec scenario relaying them."""
+    protocol's MIXED and spec mistakes need a MIXED and a spec scenario (spec MIXED: a
+    gather-only one), a lost verified id a spec scenario relaying them."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
@@ -99,6 +99,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
             "spec_decode",
             "--scenario",
             "spec_verified",
+            "--scenario",
+            "spec_mixed",
             "--dtype",
             "int32",
             "--debug",

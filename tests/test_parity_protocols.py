@@ -109,9 +109,11 @@ def test_mixed_gather_layout_names_the_running_rows():
 @pytest.mark.parametrize("name", [n for n in GATHER_MUTATIONS if n not in SYNC_ONLY])
 def test_gather_mutations_are_caught_by_parity(name):
     """Pins: a gather-protocol mistake in fm_jax alone (a MIXED batch gathering at the
-    wrong rows, a spec resolve keeping the host's stale lengths, a stash skipping a row)
-    passing unseen, or being judged under the sentinel protocol."""
-    suite = [Job(n, "int32", False) for n in ("retire_reuse", "mixed_batches", "spec_decode")]
+    wrong rows, a spec resolve keeping the host's stale lengths, a spec MIXED resolve
+    keeping them, a stash skipping a row) passing unseen, or being judged under the
+    sentinel protocol."""
+    names = ("retire_reuse", "mixed_batches", "spec_decode", "spec_mixed")
+    suite = [Job(n, "int32", False) for n in names]
     m = check_mutation(name, suite)
     assert m.protocol == "gather" and m.to_json()["protocol"] == "gather"
     assert m.caught_by is not None and "parity" in m.caught_by.split("+"), m

@@ -59,8 +59,7 @@ _FIXED_MODE = {
 
 def _step_key(resolve_key: Key) -> Key:
     """The step executable's key for a resolve key: the same sizes, 'resolve' -> 'step'."""
-    name, *rest = resolve_key
-    return ("step" + name.removeprefix("resolve"), *rest)
+    return resolve_key._replace(name="step" + resolve_key.name.removeprefix("resolve"))
 
 
 class StepInput(NamedTuple):
@@ -294,7 +293,7 @@ class EngineStep:
         """The executable for step `key` and packing layout `spec`: the jitted step
         (compiling on new shapes), or under the serving guard a warmed one only."""
         if self._serving is None:
-            return self._jitted(key[0], spec, nargs)
+            return self._jitted(key.name, spec, nargs)
         exe = self._serving.get((key, spec))
         if exe is None:
             fm = self._fm
@@ -396,9 +395,9 @@ class EngineStep:
         dp = fm.layout.dp
         for p in resolves:
             key = _step_key(p.key)
-            if key[0] not in _FIXED_MODE:
+            if key.name not in _FIXED_MODE:
                 continue  # a tail op's key
-            name, b, t = key[:3]
+            name, b, t = key.name, key.rows, key.tokens
             batch = p.args[1]
             row = inputs.slots("warm-up slots", np.zeros(dp * b, fm.dtype), b)
             like = {

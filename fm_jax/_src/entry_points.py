@@ -17,7 +17,7 @@ from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.sharding import ShardedFutureMapOps
-from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
+from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved, relay_protocol
 
 
 class EntryPoints(NamedTuple):
@@ -92,7 +92,7 @@ def tail(ops: ShardedFutureMapOps) -> Any:
     ) -> tuple[FutureMapState, Any]:
         state = local.publish(state, indices, new_seq_lens)
         state = local.stash(state, indices, payload)
-        if local.protocol == "gather":
+        if not relay_protocol(local.protocol).invalidates:
             return state, None  # no sentinels to leave
         return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 

@@ -43,6 +43,7 @@ from fm_jax._src.types import (
     SpecConfig,
     draft_payload,
     host_mode,
+    relay_protocol,
 )
 from fm_jax._src.warm_up import (
     Guarded,
@@ -193,6 +194,7 @@ class FutureMap:
         self._fields = self.spec.fields() if self.spec is not None else ()
         self.debug = debug
         self.protocol: str = local.protocol
+        self._relay = relay_protocol(self.protocol)
         self.batch_buckets = bk.normalize_buckets(
             bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
         )
@@ -207,7 +209,7 @@ class FutureMap:
             self.dtype,
             self.batch_buckets,
             self.token_buckets,
-            sentinels=protocol == "sentinel",
+            sentinels=self._relay.invalidates,
         )
         self._debug = DebugChannel(self.layout) if debug else None
         self._ep = jit_entry_points(self.ops, self._debug)
@@ -289,7 +291,7 @@ class FutureMap:
         """The executable for `key` (entry point name, per-rank sizes): the jitted entry
         point (compiling on a new shape), or under the serving guard a warmed one only."""
         if self._serving is None:
-            return self._fns[key[0]]
+            return self._fns[key.name]
         exe = self._serving.get(key)
         if exe is None:
             raise FutureMapError(
@@ -305,7 +307,7 @@ class FutureMap:
         With `pack_inputs`, a call whose arrays are all on the host sends them as one
         packed buffer; a call that brings any jax array passes its arrays as they are.
         """
-        name = key[0]
+        name = key.name
         host = pack_host(args) if self.pack_inputs else None
         if host is not None:
             exe = self._packed_exe(key, host[0])
@@ -320,9 +322,9 @@ class FutureMap:
         refuses the call)."""
         if self._serving is not None:
             return self._serving_packed.get((key, spec))
-        fn = self._packed.get((key[0], spec))
+        fn = self._packed.get((key.name, spec))
         if fn is None:
-            fn = self._packed[(key[0], spec)] = self._packed_entry_point(key[0], spec)
+            fn = self._packed[(key.name, spec)] = self._packed_entry_point(key.name, spec)
         return fn
 
     def _packed_entry_point(self, name: str, spec: PackSpec) -> Any:
@@ -355,9 +357,9 @@ class FutureMap:
         if self._debug is not None:
             last = self._checked() if self._checked is not None else None
             if (idx.counts is None and idx.array is not last) or on_device(given):
-                return self._apply(op, (op, idx.size), idx.array, *args)
+                return self._apply(op, Key(op, idx.size), idx.array, *args)
             op = "unchecked_" + op
-        return self._run((op, idx.size), idx.array, *args)
+        return self._run(Key(op, idx.size), idx.array, *args)
 
     # -------------------------------------------------------------------------------- ops
     @_serialized
@@ -411,7 +413,7 @@ class FutureMap:
         the gather protocol (no sentinels) `batch` as given.
         """
         idx = self._inputs.slots("indices", indices, rows)
-        gather = self.protocol == "gather"
+        gather = not self._relay.invalidates
         if idx.empty:  # DP idle: nothing to relay
             return batch if gather else self._invalidated(batch, idx)
         lens = self._inputs.matched("new_seq_lens", new_seq_lens, idx, ints=True, relayed=True)
@@ -525,7 +527,7 @@ class FutureMap:
     def _gather_decode(self, mode: Any) -> bool:
         """A DECODE batch known on the host, in the gather protocol: it places no ids when
         it brings none (non-spec: it must bring none, they are all gathered)."""
-        if self.protocol != "gather":
+        if not self._relay.gathers_decode_ids:
             return False
         if type(mode) is ForwardMode:
             return mode is ForwardMode.DECODE
@@ -540,7 +542,7 @@ class FutureMap:
         host comes without ids (a DECODE rank's in a mapping: zeros, one per row, never
         read); any other batch without ids is refused, a traced mode's included (its
         kind is known only on the device)."""
-        if ids is not None or self.protocol != "gather":
+        if ids is not None or not self._relay.gathers_decode_ids:
             return ids
         if isinstance(mode, jax.Array):
             raise FutureMapError(
@@ -568,7 +570,7 @@ class FutureMap:
         """A MIXED batch's token slots (gather protocol) placed like its input ids."""
         if x is None:
             return None
-        if self.protocol != "gather":
+        if not self._relay.takes_token_slots:
             raise FutureMapError(
                 "batch.token_slots is for the gather protocol; this map relays by sentinels"
             )
@@ -677,7 +679,7 @@ class FutureMap:
             else:
                 # Known on the host: an executable with the mode fixed (no branch inside).
                 resolve, mode = _FIXED[decode == {True}], None
-        if self.spec is None and decoding and ids is not None and self.protocol == "sentinel":
+        if self.spec is None and decoding and ids is not None and self._relay.invalidates:
             self._inputs.one_id_per_row(ids, idx, decoding)
         draft_idx = None
         if draft is not None:
@@ -692,7 +694,7 @@ class FutureMap:
             draft_idx = placed.array
         b = Batch(mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots)
         t = idx.size if ids is None else ids.size
-        key = (resolve, idx.size, t, draft is not None, slots is not None)
+        key = Key(resolve, idx.size, t, draft is not None, slots is not None)
         return _Placed(key, b, idx, ids)
 
     def _run_resolve(self, p: _Placed) -> Resolved:
@@ -715,7 +717,7 @@ class FutureMap:
     def _check_token_slots(self, modes: list[ForwardMode], slots: Any) -> None:
         """Gather protocol, modes known on the host: a MIXED batch brings token slots, a
         DECODE batch none (it gathers at its req_pool_indices)."""
-        if self.protocol != "gather":
+        if not self._relay.takes_token_slots:
             return
         if slots is None and ForwardMode.MIXED in modes:
             raise FutureMapError(
@@ -739,7 +741,7 @@ class FutureMap:
         token-slot order, as resolve binds their lengths there."""
         if self.spec is None or ForwardMode.MIXED not in modes:
             return
-        if self.protocol != "gather":
+        if not self._relay.serves_spec_mixed:
             raise FutureMapError(
                 "a spec MIXED batch is a gather-protocol feature (its running rows' lengths "
                 "are bound at resolve); this map relays by sentinels"
@@ -770,7 +772,7 @@ class FutureMap:
         and padded per rank to the batch bucket; its other fields as given. Refused in the
         gather protocol, which leaves no sentinels.
         """
-        if self.protocol == "gather":
+        if not self._relay.invalidates:
             raise FutureMapError(
                 "invalidate: the gather protocol leaves no sentinels (resolve gathers the "
                 "decode ids at forward entry)"
@@ -783,11 +785,11 @@ class FutureMap:
         if self._debug is not None:
             last = self._checked() if self._checked is not None else None
             if idx.counts is None and idx.array is not last:
-                sentinel = self._apply("invalidate", ("sentinels", idx.size), idx.array)
+                sentinel = self._apply("invalidate", Key("sentinels", idx.size), idx.array)
             else:
-                sentinel = self._run(("unchecked_sentinels", idx.size), idx.array)
+                sentinel = self._run(Key("unchecked_sentinels", idx.size), idx.array)
         else:
-            sentinel = self._run(("sentinels", idx.size), idx.array)
+            sentinel = self._run(Key("sentinels", idx.size), idx.array)
         return batch._replace(input_ids=sentinel, seq_lens=sentinel)
 
     @_serialized
@@ -809,7 +811,7 @@ class FutureMap:
         if copied is not None:  # the slots last published: their copy, no gather
             self.check()
             return self._inputs.unpad(copied, idx)
-        out = self._apply("resolve_seq_lens_cpu", ("seq_lens_at", idx.size), idx.array)
+        out = self._apply("resolve_seq_lens_cpu", Key("seq_lens_at", idx.size), idx.array)
         if self._inputs.single_process:
             host = np.asarray(jax.device_get(out))
         else:
@@ -877,13 +879,13 @@ class FutureMap:
     def _packed_plan(self, p: Planned) -> Planned | None:
         """Planned executable `p` fed one packed buffer, as serving's host calls feed it;
         None when no argument of `p` is on the host."""
-        host = pack_host(p.args[1:] if takes_state(p.key[0]) else p.args)
+        host = pack_host(p.args[1:] if takes_state(p.key.name) else p.args)
         if host is None:
             return None
         spec, packed = host
-        fn = self._packed.get((p.key[0], spec)) or self._packed_entry_point(p.key[0], spec)
-        self._packed[(p.key[0], spec)] = fn
-        head = (self._state,) if takes_state(p.key[0]) else ()
+        fn = self._packed.get((p.key.name, spec)) or self._packed_entry_point(p.key.name, spec)
+        self._packed[(p.key.name, spec)] = fn
+        head = (self._state,) if takes_state(p.key.name) else ()
         return Planned(p.key, fn, (*head, packed), packed=spec)
 
     @_serialized

@@ -29,10 +29,10 @@ from fm_jax._src.types import (
     FutureMapState,
     Resolved,
     SpecConfig,
-    check_protocol,
     draft_payload,
     host_mode,
     int_dtype,
+    relay_protocol,
 )
 
 POISON = -1
@@ -149,7 +149,7 @@ def future_map(
     if not isinstance(debug, bool):
         raise FutureMapError(f"debug must be a bool, got {debug!r}")
     dt = int_dtype(dtype)
-    gather = check_protocol(protocol) == "gather"
+    gather = not relay_protocol(protocol).invalidates  # resolve gathers at named slots
     if spec is not None:
         spec = rf.check_spec(spec)
     # What a spec map relays, in stash order; the bonus tokens live in output_tokens.

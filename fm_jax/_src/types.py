@@ -122,6 +122,42 @@ def check_protocol(protocol: object) -> str:
     return protocol
 
 
+class RelayProtocol(NamedTuple):
+    """A relay protocol as the questions the host path asks of it (docs/CONTRACT.md, 'Two
+    protocols'); `relay_protocol(name)` builds one. Every rule that differs between the
+    protocols is answered here, from the name, once."""
+
+    name: str
+
+    @property
+    def invalidates(self) -> bool:
+        """The host leaves -slot sentinels after a forward (invalidate, finish's third
+        write) and resolve fills them; a batch always brings ids."""
+        return self.name == "sentinel"
+
+    @property
+    def gathers_decode_ids(self) -> bool:
+        """Resolve gathers a DECODE batch's ids at its slots: a non-spec DECODE batch brings
+        none, and only a DECODE batch known on the host may come without ids."""
+        return self.name == "gather"
+
+    @property
+    def takes_token_slots(self) -> bool:
+        """A MIXED batch names its running rows' slots per token (`token_slots`) instead of
+        carrying sentinels in its ids."""
+        return self.name == "gather"
+
+    @property
+    def serves_spec_mixed(self) -> bool:
+        """A spec map serves MIXED batches (resolve binds their running rows' lengths)."""
+        return self.name == "gather"
+
+
+def relay_protocol(protocol: object) -> RelayProtocol:
+    """The RelayProtocol named `protocol`; FutureMapError unless it is one of PROTOCOLS."""
+    return RelayProtocol(check_protocol(protocol))
+
+
 class Batch(NamedTuple):
     """The fields of a scheduled batch that resolve and invalidate touch.
 

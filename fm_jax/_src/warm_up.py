@@ -30,11 +30,30 @@ from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows
 from fm_jax._src.packing import PackSpec
 from fm_jax._src.relay_fields import element_dtype
-from fm_jax._src.types import Batch, FutureMapState, SpecConfig, draft_payload
+from fm_jax._src.types import Batch, FutureMapState, SpecConfig, draft_payload, relay_protocol
 
-Key = tuple[Any, ...]
-"""An executable's key: (entry point name, per-rank rows[, tokens, with a draft, with token
-slots])."""
+
+class Key(NamedTuple):
+    """Which executable serves a call: an entry point (`FutureMap.executables()` name) and
+    the static per-rank sizes and inputs it was traced for. The class, its engine step,
+    warm-up and the serving guard all key executables by it, so a call finds what warm-up
+    compiled for it by construction.
+
+    Attributes:
+      name: the entry point's name.
+      rows: rows per rank (a batch bucket).
+      tokens: tokens per rank (a resolve's or a step's token bucket); 0 for an op that
+        takes no token ids.
+      draft: a resolve with draft indices.
+      slots: a resolve with token slots.
+    """
+
+    name: str
+    rows: int
+    tokens: int = 0
+    draft: bool = False
+    slots: bool = False
+
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache
@@ -100,6 +119,7 @@ def plan(
     """
     dp, dt = inputs.dp, inputs.dtype
     batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
+    relay = relay_protocol(protocol)
 
     def rows(like: Rows, *tail: int, dtype: Any = dt) -> Any:
         zeros = np.zeros((dp * like.size, *tail), dtype)
@@ -124,18 +144,18 @@ def plan(
         }
         for prefix in prefixes:
             for name in tails:
-                out.append(Planned((prefix + name, b), fns[prefix + name], (state, *args[name])))
-        if protocol == "sentinel":
+                out.append(Planned(Key(prefix + name, b), fns[prefix + name], (state, *args[name])))
+        if relay.invalidates:
             for prefix in prefixes:
                 name = prefix + "sentinels"
-                out.append(Planned((name, b), fns[name], (idx.array,)))
+                out.append(Planned(Key(name, b), fns[name], (idx.array,)))
         else:  # a gather DECODE places no ids (spec: with its draft): one per batch bucket
             draft = None if spec is None else idx.array
             batch = Batch(None, idx.array, None, rows(idx), draft)
-            key = ("resolve_fixed_decode", b, b, draft is not None, False)
+            key = Key("resolve_fixed_decode", b, b, draft is not None)
             out.append(Planned(key, fns["resolve_fixed_decode"], (state, batch)))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
-            out.append(Planned(("seq_lens_at", b), fns["seq_lens_at"], (state, idx.array)))
+            out.append(Planned(Key("seq_lens_at", b), fns["seq_lens_at"], (state, idx.array)))
 
     traced = np.zeros((dp,) if dp > 1 else (), np.int32)
     largest = batch_buckets[-1]
@@ -149,12 +169,12 @@ def plan(
         ids = placed.array
         modes: list[tuple[str, Any]] = [("resolve_fixed_extend", None)]
         # A non-spec decode row is one token; a gather DECODE has its own plan (above).
-        if spec is not None or (t <= decode_tokens and protocol == "sentinel"):
+        if spec is not None or (t <= decode_tokens and not relay.gathers_decode_ids):
             modes.append(("resolve_fixed_decode", None))
         if traced_modes:
             modes.append(("resolve", traced))
         slot_lists: list[Rows | None] = [None]
-        if protocol == "gather":  # a MIXED batch (not DECODE, or traced) brings token slots
+        if relay.takes_token_slots:  # a MIXED batch (not DECODE, or traced) brings them
             slot_lists.append(inputs.token_slots("warm-up slots", np.zeros(dp * t, dt), placed))
         for draft in [None, idx.array] if spec is not None else [None]:
             for name, mode in modes:
@@ -163,7 +183,7 @@ def plan(
                         continue
                     arr = None if slots is None else slots.array
                     batch = Batch(mode, idx.array, ids, rows(idx), draft, arr)
-                    key = (name, b, t, draft is not None, slots is not None)
+                    key = Key(name, b, t, draft is not None, slots is not None)
                     out.append(Planned(key, fns[name], (state, batch)))
     return out
 
@@ -212,7 +232,7 @@ def report(planned: list[Planned], counter: _Counter, seconds: float) -> WarmUpR
     """The summary of a compiled plan."""
     by_op: dict[str, int] = {}
     for p in planned:
-        name = p.key[0] if p.packed is None else f"{p.key[0]} (packed)"
+        name = p.key.name if p.packed is None else f"{p.key.name} (packed)"
         by_op[name] = by_op.get(name, 0) + 1
     return WarmUpReport(
         executables=len(planned),
@@ -246,11 +266,9 @@ class Guarded:
 
 def describe(key: Key) -> str:
     """`key` in words: the op and its per-rank sizes."""
-    name, b, *rest = key
-    if not rest:
-        return f"{name} at {b} rows per rank"
-    t, draft, slots = rest
+    if not key.tokens:
+        return f"{key.name} at {key.rows} rows per rank"
     return (
-        f"{name} at {b} rows x {t} tokens per rank{' with a draft' if draft else ''}"
-        f"{' with token slots' if slots else ''}"
+        f"{key.name} at {key.rows} rows x {key.tokens} tokens per rank"
+        f"{' with a draft' if key.draft else ''}{' with token slots' if key.slots else ''}"
     )
