@@ -6,7 +6,8 @@ fm_jax map, and each runs the one overlap driver (fm_parity.driver) over the DP 
 devices it holds, saving its part of the trace. Every step the workers agree on the
 per-rank padded sizes with one all-gather (the DP batch-size sync an engine does anyway);
 that collective is where a dead peer shows: a worker whose sync fails or stalls prints
-which peers stopped heartbeating and exits non-zero at once instead of hanging.
+which peers stopped heartbeating (each worker's count of syncs, in a file in the out dir)
+and exits non-zero at once instead of hanging.
 
 `run_dist_jobs` merges each job's parts into one run and judges it like every other job
 (fm_parity.suite.evaluate): against fm_torch over every rank, run here, byte for byte, and
@@ -36,7 +37,6 @@ from typing import Any
 import numpy as np
 
 from fm_parity.host_devices import with_host_devices
-from fm_parity.jax_internals import coordination_client
 from fm_parity.mesh import merge_reports
 from fm_parity.suite import Job, ScenarioResult, evaluate, failed, lanes_for
 from fm_parity.trace import RunResult, merge
@@ -44,8 +44,6 @@ from fm_parity.twin import Sizes
 
 EXIT_PEER_FAILED = 3
 """Worker exit status when a DP sync failed or timed out (a peer died or hung)."""
-
-_HEARTBEAT_KEY = "fm_parity/heartbeat/"
 
 
 def free_port() -> int:
@@ -60,36 +58,47 @@ class DpSync:
     """Agree each step's per-rank padded sizes across processes, with heartbeats and a watchdog.
 
     A `fm_parity.driver.Sync`. Each call publishes this process's heartbeat (its count of
-    syncs, printed as 'step N') in the coordination service's key-value store, then
-    all-gathers (rows, tokens, running). If the all-gather raises (gloo sees a closed
-    connection) or takes longer than `timeout_s`, the worker reports the peers whose
-    heartbeat lags and exits with EXIT_PEER_FAILED, skipping JAX's shutdown barrier (which
-    would wait for the dead peer).
+    syncs, printed as 'step N') as a file in `heartbeat_dir`, then all-gathers (rows,
+    tokens, running). If the all-gather raises (gloo sees a closed connection) or takes
+    longer than `timeout_s`, the worker reads its peers' heartbeats, reports those that lag
+    and exits with EXIT_PEER_FAILED, skipping JAX's shutdown barrier (which would wait for
+    the dead peer). Assumes every process sees `heartbeat_dir` (one machine, as `launch`
+    runs them) and that it holds no heartbeat of another run.
     """
 
-    def __init__(self, process_id: int, num_processes: int, timeout_s: float, delay_s: float):
-        self.pid, self.n, self.timeout_s, self.delay_s = (
-            process_id,
-            num_processes,
-            timeout_s,
-            delay_s,
-        )
-        client = coordination_client()
-        if client is None:
-            raise RuntimeError("DpSync needs jax.distributed.initialize() first")
-        self.client = client
+    def __init__(
+        self,
+        process_id: int,
+        num_processes: int,
+        timeout_s: float,
+        delay_s: float,
+        heartbeat_dir: str | Path,
+    ):
+        self.pid, self.n = process_id, num_processes
+        self.timeout_s, self.delay_s = timeout_s, delay_s
+        self.heartbeat_dir = Path(heartbeat_dir)
         self.calls = 0
 
+    def _beat(self, count: int) -> None:
+        """Publish `count` as this process's heartbeat: written whole to a temp file, then
+        renamed over the last one, so a reader sees the old count or the new, never a part."""
+        path = _heartbeat_path(self.heartbeat_dir, self.pid)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(str(count))
+        os.replace(tmp, path)
+
     def _lagging(self, count: int) -> str:
+        """The peers whose heartbeat is below `count` (this process's), with their last one."""
         out = []
         for p in range(self.n):
             if p == self.pid:
                 continue
             try:
-                got = self.client.key_value_try_get(f"{_HEARTBEAT_KEY}{p}")
-            except Exception:  # the coordinator itself (process 0) may be the dead one
-                return "coordinator (process 0) unreachable"
-            if int(got) < count:
+                got = int(_heartbeat_path(self.heartbeat_dir, p).read_text())
+            except FileNotFoundError:  # the peer never reached its first sync
+                out.append(f"process {p} (no heartbeat)")
+                continue
+            if got < count:
                 out.append(f"process {p} (last heartbeat at step {got})")
         return ", ".join(out) or "none lagging (a peer failed inside the collective)"
 
@@ -108,7 +117,7 @@ class DpSync:
             time.sleep(self.delay_s)
         self.calls += 1
         n = self.calls
-        self.client.key_value_set(f"{_HEARTBEAT_KEY}{self.pid}", str(n), allow_overwrite=True)
+        self._beat(n)
         timer = threading.Timer(
             self.timeout_s, self._fail, (n, f"timed out after {self.timeout_s:.0f} s")
         )
@@ -124,6 +133,10 @@ class DpSync:
         print(f"step {n}", flush=True)
         m = got.reshape(-1, 3).max(axis=0)
         return Sizes(int(m[0]), int(m[1])), bool(m[2])
+
+
+def _heartbeat_path(out_dir: Path, process: int) -> Path:
+    return out_dir / f"process{process}.heartbeat"
 
 
 def _part_path(out_dir: Path, job: int, process: int) -> Path:
@@ -151,7 +164,7 @@ def worker(args: argparse.Namespace) -> int:
     from fm_parity.twin_jax import JaxTwin
 
     jobs = [Job(**j) for j in json.loads(Path(args.jobs).read_text())]
-    sync = DpSync(args.process_id, args.num_processes, args.timeout, args.step_delay)
+    sync = DpSync(args.process_id, args.num_processes, args.timeout, args.step_delay, args.out_dir)
     for i, job in enumerate(jobs):
         lanes = lanes_for(job)
         twin = JaxTwin(
@@ -227,7 +240,7 @@ def launch(
         process should hold whole TP groups (devices a multiple of tp).
       num_processes: processes to start; process 0 hosts the coordinator.
       devices: CPU devices per process.
-      workdir: where the job list and the processes' parts are written.
+      workdir: where the job list, the processes' heartbeats and their parts are written.
       timeout_s: wall-clock bound for the whole run (default 60 s + 30 s a job); processes
         still alive then are killed.
       sync_timeout_s: a worker's bound on one DP sync before it declares peers dead.
@@ -247,6 +260,8 @@ def launch(
                 f"x {devices} devices"
             )
     work = Path(workdir)
+    for stale in work.glob("process*.heartbeat"):  # a heartbeat here is this run's
+        stale.unlink()
     (work / "jobs.json").write_text(json.dumps([asdict(j) for j in jobs]))
     port = free_port()
     env = dict(os.environ)

@@ -1,9 +1,8 @@
 """Every JAX internal fm_parity relies on, in one place, each checked before use.
 
-fm_jax itself uses JAX's public API only. Two tools here need more: the device-to-host
-transfer detector (`fm_parity.transfers`) patches the read entry points of jax's concrete
-array class, and the multi-process heartbeat (`fm_parity.dist_run`) reads the coordination
-service's key-value client. Neither is public API, and the JAX requirement has no upper
+fm_jax itself uses JAX's public API only, and so does fm_parity except here: the
+device-to-host transfer detector (`fm_parity.transfers`) patches the read entry points of
+jax's concrete array class, which is not public API. The JAX requirement has no upper
 bound, so each accessor checks that what it needs is there and otherwise raises
 `JaxInternalsChanged` naming the internal, the JAX version and the versions it was tested
 on, instead of failing somewhere inside a run.
@@ -12,7 +11,6 @@ on, instead of failing somewhere inside a run.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,21 +42,3 @@ def array_impl() -> type:
     if missing:
         raise _changed(f"the read entry points {missing} defined on {impl.__name__}")
     return impl
-
-
-def coordination_client() -> Any:
-    """The coordination service's client of `jax.distributed.initialize()` (its key-value
-    store carries the parity workers' heartbeats); None before initialisation."""
-    try:
-        from jax._src import distributed
-    except ImportError:
-        raise _changed("jax._src.distributed") from None
-    state = getattr(distributed, "global_state", None)
-    if state is None or not hasattr(state, "client"):
-        raise _changed("jax._src.distributed.global_state.client")
-    client = state.client
-    if client is not None and not all(
-        hasattr(client, m) for m in ("key_value_try_get", "key_value_set")
-    ):
-        raise _changed("the coordination client's key_value_try_get and key_value_set")
-    return client

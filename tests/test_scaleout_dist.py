@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from fm_parity.dist_run import EXIT_PEER_FAILED, judge, launch, run_dist_jobs
+from fm_parity.dist_run import EXIT_PEER_FAILED, DpSync, judge, launch, run_dist_jobs
 from fm_parity.scenario import Kind, Scheduler
 from fm_parity.suite import Job, lanes_for
 
@@ -66,6 +66,28 @@ def test_one_flipped_byte_in_one_workers_rank_is_reported_where_it_is(tmp_path):
         f"rank {rank}, step {plan.step}, op stash, field output_tokens, slot {plan.rows[0].slot}"
     )
     assert r.first_divergence is not None and where in r.first_divergence, r.first_divergence
+
+
+def test_heartbeats_name_the_lagging_peers(tmp_path):
+    """Pins: a peer's heartbeat file misread, or a peer at this process's step, past it or
+    without a heartbeat named wrongly (the files each worker writes in the out dir)."""
+    syncs = [DpSync(p, 4, 30.0, 0.0, tmp_path) for p in range(4)]
+    syncs[1]._beat(3)
+    syncs[2]._beat(4)
+    syncs[0]._beat(4)
+    syncs[0]._beat(5)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "process0.heartbeat",
+        "process1.heartbeat",
+        "process2.heartbeat",
+    ]
+    assert syncs[0]._lagging(5) == (
+        "process 1 (last heartbeat at step 3), process 2 (last heartbeat at step 4), "
+        "process 3 (no heartbeat)"
+    )
+    assert syncs[2]._lagging(4) == "process 1 (last heartbeat at step 3), process 3 (no heartbeat)"
+    syncs[3]._beat(3)
+    assert syncs[3]._lagging(3) == "none lagging (a peer failed inside the collective)"
 
 
 def test_dead_peer_makes_the_survivor_exit_with_a_clear_error(tmp_path):
