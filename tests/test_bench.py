@@ -581,6 +581,87 @@ def test_sglang_torch_gather_model_follows_the_current_class() -> None:
     assert torch.equal(b.spec_info.hidden_states, hidden.flip(0))
 
 
+def test_sglang_torch_gather_host_lengths_follow_needs_cpu_seq_lens(monkeypatch: Any) -> None:
+    """SGLang's `resolve_seq_lens_cpu` off CUDA: a spec publish records the publish event;
+    resolve gathers the same device lengths either way; with `needs_cpu_seq_lens` (the
+    default) it adds a host copy by `.cpu()` and its sum, without it no host copy at all."""
+    import torch
+
+    from fm_bench.impls.sglang_torch import Draft, DraftInfo
+    from fm_bench.impls.sglang_torch_gather import Batch, SGLangGatherFutureMap
+
+    cpu = torch.device("cpu")
+    idx = torch.tensor([3, 5])
+    copies: list[torch.Tensor] = []
+    to_host = torch.Tensor.cpu
+
+    def counted(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        copies.append(self)
+        return to_host(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    plain = SGLangGatherFutureMap(8, cpu)
+    plain.publish(idx, torch.tensor([6, 2]))
+    assert plain.needs_cpu_seq_lens and plain.publish_ready is None  # no spec: no event
+    for needs in (True, False):
+        fm = SGLangGatherFutureMap(8, cpu, spec=(2, 4, torch.bfloat16), needs_cpu_seq_lens=needs)
+        fm.publish(idx, torch.tensor([6, 2]))
+        assert fm.publish_ready is not None
+        hidden = torch.zeros(2, 4, dtype=torch.bfloat16)
+        fm.stash(idx, Draft(torch.tensor([21, 22]), torch.ones(2, 2), torch.zeros(2, 2), hidden))
+        fi = torch.tensor([5, 3])
+        b = Batch(fi, torch.tensor([0, 0]), spec_info=DraftInfo(fi), req_pool_indices_cpu=fi)
+        copies.clear()
+        fm.resolve(b)
+        assert b.seq_lens.tolist() == [2, 6] and b.seq_lens.device == cpu
+        if needs:
+            assert len(copies) == 1 and b.seq_lens_cpu is not None
+            assert b.seq_lens_cpu.tolist() == [2, 6] and b.seq_lens_sum == 8
+        else:
+            assert not copies and b.seq_lens_cpu is None and b.seq_lens_sum is None
+
+
+def test_sglang_torch_gather_ci_mode_consumes_each_publish() -> None:
+    """CI mode: a spec resolve consumes its publish (the lengths read go back to -1; a
+    second resolve with no publish in between fails) in both host-copy modes; the bench's
+    ops republish in each setup, so they run in any order and keep the lengths on the
+    device."""
+    import numpy as np
+    import torch
+
+    from fm_bench.impls import sglang_torch_gather
+    from fm_bench.impls.sglang_torch import Draft, DraftInfo
+    from fm_bench.impls.sglang_torch_gather import Batch, SGLangGatherFutureMap
+    from fm_bench.workload import Config, host_data
+
+    idx = torch.tensor([3, 5])
+    for needs in (True, False):
+        spec = (2, 4, torch.bfloat16)
+        fm = SGLangGatherFutureMap(
+            8, torch.device("cpu"), spec=spec, debug=True, needs_cpu_seq_lens=needs
+        )
+        assert (fm.new_seq_lens == -1).all()
+        fm.publish(idx, torch.tensor([6, 2]))
+        hidden = torch.zeros(2, 4, dtype=torch.bfloat16)
+        draft = Draft(torch.tensor([21, 22]), torch.ones(2, 2), torch.zeros(2, 2), hidden)
+        fm.stash(idx, draft)
+        fm.resolve(Batch(idx, idx, spec_info=DraftInfo(idx), req_pool_indices_cpu=idx))
+        assert fm.new_seq_lens[idx].tolist() == [-1, -1]
+        fm.stash(idx, draft)
+        with pytest.raises(RuntimeError, match="fresh publish"):
+            fm.resolve(Batch(idx, idx, spec_info=DraftInfo(idx), req_pool_indices_cpu=idx))
+    cfg = Config(8, 64, spec=True, hidden=16, protocol="gather")
+    data = host_data(cfg)
+    ops = sglang_torch_gather.build(cfg, data, True, cfg.ops())
+    for name in ("resolve_spec", "step", "resolve_spec", "step", "step"):
+        ops[name].setup()
+        out = ops[name].run()
+        lens = out[1] if name == "step" else out.seq_lens
+        np.testing.assert_array_equal(to_numpy(lens), data.lens)
+        if name == "resolve_spec":
+            assert out.seq_lens_cpu is None and out.seq_lens_sum is None
+
+
 def test_engine_step_bench_runs_and_reports_three_figures_per_series() -> None:
     """fm_bench.engine_step at a tiny size: every series has host, pipe and waited figures."""
     from fm_bench.engine_step import RATIOS, markdown, run

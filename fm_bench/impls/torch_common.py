@@ -56,6 +56,7 @@ def relay_ops(
     *,
     spec: bool,
     ops: Sequence[str],
+    republish: bool = False,
 ) -> dict[str, Op]:
     """Publish and stash `lens` and `payload` at slots `idx` once, then the ops of `ops` that
     the relay has, each waited through `wait_torch(dev)`.
@@ -65,7 +66,8 @@ def relay_ops(
     `end_step` (given the step's batch: it readies the batch for the next step and returns
     what the step returns). 'invalidate' is there only when `invalidate` is given; a spec
     map has 'stash_spec' and 'resolve_spec', a plain one 'stash', 'resolve_decode' and
-    'resolve_mixed'.
+    'resolve_mixed'. `republish`: each setup publishes `lens` before it stashes, for a
+    relay whose resolve consumes a publish (SGLang's current class).
     """
     decode_batch, mixed_batch = batches
     fm.publish(idx, lens)
@@ -76,6 +78,8 @@ def relay_ops(
     def restash() -> None:
         # Every resolving op reads slots written since their last read (debug: WRWR), even
         # when other ops on this map ran in between.
+        if republish:
+            fm.publish(idx, lens)
         fm.stash(idx, payload)
         wait_torch(dev)
 
