@@ -174,13 +174,22 @@ def spec_verified(size: int = 1, seed: int = 0) -> Scenario:
         Request(i, 2 + i % 4, 5 + 2 * (i % 3), arrival=i, prebuilt=i % 3 == 1)
         for i in range(6 * size)
     )
+    spec = SpecShape(topk=2, hidden=0, verified_id=True)
+    return _small_spec("spec_verified", "spec decode relaying verified ids", reqs, spec)
+
+
+def _small_spec(
+    name: str, description: str, reqs: tuple[Request, ...], spec: SpecShape
+) -> Scenario:
+    """A small spec scenario: three live slots (a retired request's reused at once), three
+    requests running, one batch bucket."""
     return Scenario(
-        "spec_verified",
-        "spec decode relaying verified ids",
+        name,
+        description,
         reqs,
         4,
         Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
-        spec=SpecShape(topk=2, hidden=0, verified_id=True),
+        spec=spec,
         batch_buckets=(4,),
         token_buckets=(16,),
     )
@@ -195,15 +204,9 @@ def spec_sglang_eagle(size: int = 1, seed: int = 0) -> Scenario:
         Request(i, 2 + i % 5, 6 + 2 * (i % 3), arrival=i, prebuilt=i % 4 == 1)
         for i in range(6 * size)
     )
-    return Scenario(
-        "spec_sglang_eagle",
-        "spec decode relaying SGLang's EAGLE payload",
-        reqs,
-        4,
-        Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
-        spec=SpecShape(topk=2, hidden=4, payload="sglang_eagle"),
-        batch_buckets=(4,),
-        token_buckets=(16,),
+    spec = SpecShape(topk=2, hidden=4, payload="sglang_eagle")
+    return _small_spec(
+        "spec_sglang_eagle", "spec decode relaying SGLang's EAGLE payload", reqs, spec
     )
 
 
@@ -216,16 +219,8 @@ def spec_ngram(size: int = 1, seed: int = 0) -> Scenario:
         Request(i, 2 + i % 4, 5 + 3 * (i % 3), arrival=i, prebuilt=i % 3 == 2)
         for i in range(6 * size)
     )
-    return Scenario(
-        "spec_ngram",
-        "spec decode relaying SGLang's n-gram payload",
-        reqs,
-        4,
-        Policy(max_running=3, max_prefill_rows=2, max_prefill_tokens=8),
-        spec=SpecShape(topk=3, hidden=0, payload="ngram"),
-        batch_buckets=(4,),
-        token_buckets=(16,),
-    )
+    spec = SpecShape(topk=3, hidden=0, payload="ngram")
+    return _small_spec("spec_ngram", "spec decode relaying SGLang's n-gram payload", reqs, spec)
 
 
 def spec_mixed(size: int = 1, seed: int = 0) -> Scenario:
