@@ -180,3 +180,19 @@ def test_the_sentinel_protocol_refuses_a_spec_mixed_batch() -> None:
                 torch.from_numpy(LENS),
             )
         )
+
+
+def test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug() -> None:
+    """Where the kind is known only on the device, a sentinel spec map's debug reports a
+    MIXED batch ('batch fields') instead of handing the forward its unfilled sentinels."""
+    ops = fj.future_map(R, spec=SPEC, debug=True)
+    state = ops.publish(ops.init(), jnp.array([2, 3]), jnp.array([10, 20]))
+    resolve = jax.jit(checkify.checkify(ops.resolve))
+    ids = jnp.array([100, 101, 102, -3, -2], jnp.int32)
+    for mode, bad in ((fj.ForwardMode.EXTEND, False), (MIXED, True)):
+        err, _ = resolve(state, fj.Batch(jnp.int32(mode), jnp.asarray(ROWS), ids, LENS))
+        if bad:
+            with pytest.raises(checkify.JaxRuntimeError, match="sentinel protocol"):
+                err.throw()
+        else:
+            err.throw()

@@ -192,6 +192,22 @@ def known_mode(mode: jax.Array, dtype: Any, into: OpChecks) -> None:
     )
 
 
+def no_spec_mixed(mode: jax.Array, dtype: Any, into: OpChecks) -> None:
+    """Sentinel protocol, spec map, a mode known only on the device: the batch is not MIXED
+    (a spec MIXED batch is a gather-protocol feature; here its running rows' sentinels
+    would reach the forward unfilled)."""
+    into.add(
+        None,
+        lambda _: _check(
+            mode != ForwardMode.MIXED,
+            f"[{BATCH_FIELDS}] a spec MIXED batch (forward_mode {{value}}) in the sentinel "
+            "protocol: its running rows' ids and lengths were not filled",
+            dtype,
+            mode,
+        ),
+    )
+
+
 def token_slots_only_mixed(
     mode: jax.Array, slots: jax.Array | None, dtype: Any, into: OpChecks
 ) -> None:

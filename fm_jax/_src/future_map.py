@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fm_jax._src import buckets as bk
+from fm_jax._src import refusals
 from fm_jax._src import relay_fields as rf
 from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
@@ -437,10 +438,10 @@ class FutureMap:
         is_draft = [isinstance(p, DraftPayload) for p in drafts]
         if self.spec is None:
             if any(is_draft):
-                raise FutureMapError("stash got a DraftPayload but the map was built without spec")
+                raise refusals.draft_on_plain_map()
             return inputs.matched("tokens", payload, idx, ints=True, relayed=True)
         if not drafts or not all(is_draft):
-            raise FutureMapError("stash on a spec map takes a DraftPayload (per rank on a mapping)")
+            raise refusals.tokens_on_spec_map(per_rank=True)
 
         for p in drafts:
             rf.check_declared(self._fields, p)
@@ -507,10 +508,7 @@ class FutureMap:
             # No ids to place (T = B): a non-spec DECODE's are all gathered on the device, a
             # spec DECODE's are unused by the relay (None: zeros, made on the device).
             if batch.input_ids is not None:
-                raise FutureMapError(
-                    "input_ids given for a DECODE batch: in the gather protocol its ids are "
-                    "gathered at req_pool_indices (pass None)"
-                )
+                raise refusals.ids_for_gathered_decode()
             if batch.token_slots is not None:
                 self._check_token_slots([ForwardMode.DECODE], batch.token_slots)
             idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
@@ -571,9 +569,7 @@ class FutureMap:
         if x is None:
             return None
         if not self._relay.takes_token_slots:
-            raise FutureMapError(
-                "batch.token_slots is for the gather protocol; this map relays by sentinels"
-            )
+            raise refusals.token_slots_in_sentinel_protocol()
         return self._inputs.token_slots("token_slots", x, ids).array
 
     def _resolve_sizes(
@@ -625,10 +621,7 @@ class FutureMap:
         for r, b in batches.items():
             modes[int(r)] = _host_mode(b.forward_mode, f"batch[rank {r}].forward_mode")
             if b.input_ids is not None and self.spec is None and self._gather_decode(modes[r]):
-                raise FutureMapError(
-                    f"batch[rank {r}].input_ids given for a DECODE batch: in the gather "
-                    "protocol its ids are gathered at req_pool_indices (pass None)"
-                )
+                raise refusals.ids_for_gathered_decode(f"batch[rank {r}].")
         drafts = {r: d for r, d in field("draft_indices").items() if d is not None}
         if drafts and len(drafts) != len(batches):
             raise FutureMapError("draft_indices given on some ranks only")
@@ -684,7 +677,7 @@ class FutureMap:
         draft_idx = None
         if draft is not None:
             if self.spec is None:
-                raise FutureMapError("batch.draft_indices given but the map was built without spec")
+                raise refusals.draft_indices_on_plain_map()
             placed = self._inputs.slots("draft_indices", draft, idx.size)
             if None not in (placed.counts, idx.counts) and placed.counts != idx.counts:
                 raise FutureMapError(
@@ -720,14 +713,9 @@ class FutureMap:
         if not self._relay.takes_token_slots:
             return
         if slots is None and ForwardMode.MIXED in modes:
-            raise FutureMapError(
-                "a MIXED batch in the gather protocol needs token_slots (the running rows' "
-                "slots at their token positions, 0 elsewhere)"
-            )
+            raise refusals.mixed_without_token_slots()
         if slots is not None and modes == [ForwardMode.DECODE]:
-            raise FutureMapError(
-                "token_slots given for a DECODE batch: it gathers at req_pool_indices"
-            )
+            raise refusals.token_slots_for_decode()
         if slots is not None and ForwardMode.MIXED not in modes and not _all_zero(slots):
             kinds = "/".join(sorted({ForwardMode(m).name for m in modes}))
             raise FutureMapError(
@@ -742,10 +730,7 @@ class FutureMap:
         if self.spec is None or ForwardMode.MIXED not in modes:
             return
         if not self._relay.serves_spec_mixed:
-            raise FutureMapError(
-                "a spec MIXED batch is a gather-protocol feature (its running rows' lengths "
-                "are bound at resolve); this map relays by sentinels"
-            )
+            raise refusals.spec_mixed_in_sentinel_protocol()
         if isinstance(idx, jax.Array) or isinstance(slots, jax.Array) or slots is None:
             return  # device arrays: debug checks the order ('batch fields')
         rows = np.asarray(idx).reshape(len(modes), -1)

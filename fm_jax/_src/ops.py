@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax._src import checks
+from fm_jax._src import checks, refusals
 from fm_jax._src import relay_fields as rf
 from fm_jax._src import shapes as s
 from fm_jax._src.errors import FutureMapError
@@ -221,12 +221,12 @@ def future_map(
         rows = jnp.shape(indices)[0]
         if spec is None:
             if isinstance(payload, DraftPayload):
-                raise FutureMapError("stash got a DraftPayload but the map was built without spec")
+                raise refusals.draft_on_plain_map()
             s.check_1d_int("tokens", payload, dt)
             s.check_rows("tokens", payload, rows)
         else:
             if not isinstance(payload, DraftPayload):
-                raise FutureMapError("stash on a spec map takes a DraftPayload")
+                raise refusals.tokens_on_spec_map()
             check_draft(payload, rows)
         if chk is not None:
             # Consumed fields must not be stashed negative: a -1 would read as the poison.
@@ -267,11 +267,9 @@ def future_map(
         idx: jax.Array = batch.req_pool_indices  # type: ignore[assignment]  # traced here
         chk = checks.OpChecks() if debug else None
         if spec is None and batch.draft_indices is not None:
-            raise FutureMapError("batch.draft_indices given but the map was built without spec")
+            raise refusals.draft_indices_on_plain_map()
         if batch.token_slots is not None and not gather:
-            raise FutureMapError(
-                "batch.token_slots is for the gather protocol; this map relays by sentinels"
-            )
+            raise refusals.token_slots_in_sentinel_protocol()
         check_indices("req_pool_indices", idx, chk)
         mode = batch.forward_mode
         if isinstance(mode, int | np.integer):  # a host int branches when traced
@@ -300,10 +298,9 @@ def future_map(
         if gather:
             return resolve_gather(state, batch, idx, mode, chk)
         if spec is not None and isinstance(mode, int | np.integer) and mode == ForwardMode.MIXED:
-            raise FutureMapError(
-                "a spec MIXED batch is a gather-protocol feature (its running rows' lengths "
-                "are bound at resolve); this map relays by sentinels"
-            )
+            raise refusals.spec_mixed_in_sentinel_protocol()
+        if spec is not None and chk is not None and not isinstance(mode, int | np.integer):
+            checks.no_spec_mixed(mode, dt, chk)  # type: ignore[arg-type]  # traced here
 
         if isinstance(mode, int | np.integer):
             # The mode is known when traced: only a DECODE executable gathers lengths.
@@ -408,14 +405,9 @@ def future_map(
         takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
         if known:
             if mode == ForwardMode.MIXED and ts_in is None:
-                raise FutureMapError(
-                    "a MIXED batch in the gather protocol needs token_slots (the running "
-                    "rows' slots at their token positions)"
-                )
+                raise refusals.mixed_without_token_slots()
             if ts_in is not None and is_decode:
-                raise FutureMapError(
-                    "token_slots given for a DECODE batch: it gathers at req_pool_indices"
-                )
+                raise refusals.token_slots_for_decode()
         if chk is not None:
             checks.ids_not_negative(ids, chk)
         # Each gather from output_tokens: (values, slots read, whether this batch does it).

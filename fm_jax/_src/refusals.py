@@ -1,0 +1,59 @@
+"""The refusals the class (on the host, before placing) and the pure ops (when traced) both
+make, each worded once. Each returns the FutureMapError to raise; `where` prefixes the
+field with the batch it came from (e.g. "batch[rank 1]." on a mapping of DP ranks)."""
+
+from __future__ import annotations
+
+from fm_jax._src.errors import FutureMapError
+
+
+def draft_on_plain_map() -> FutureMapError:
+    """stash got a DraftPayload on a map built without spec."""
+    return FutureMapError("stash got a DraftPayload but the map was built without spec")
+
+
+def tokens_on_spec_map(per_rank: bool = False) -> FutureMapError:
+    """stash on a spec map got something other than a DraftPayload."""
+    tail = " (per rank on a mapping)" if per_rank else ""
+    return FutureMapError(f"stash on a spec map takes a DraftPayload{tail}")
+
+
+def draft_indices_on_plain_map() -> FutureMapError:
+    """A batch brings draft indices to a map built without spec."""
+    return FutureMapError("batch.draft_indices given but the map was built without spec")
+
+
+def token_slots_in_sentinel_protocol() -> FutureMapError:
+    """A batch brings token slots to a sentinel-protocol map."""
+    return FutureMapError(
+        "batch.token_slots is for the gather protocol; this map relays by sentinels"
+    )
+
+
+def token_slots_for_decode() -> FutureMapError:
+    """A DECODE batch brings token slots (gather protocol: it gathers at its slots)."""
+    return FutureMapError("token_slots given for a DECODE batch: it gathers at req_pool_indices")
+
+
+def mixed_without_token_slots() -> FutureMapError:
+    """A MIXED batch in the gather protocol comes without token slots."""
+    return FutureMapError(
+        "a MIXED batch in the gather protocol needs token_slots (the running rows' slots at "
+        "their token positions, 0 elsewhere)"
+    )
+
+
+def ids_for_gathered_decode(where: str = "") -> FutureMapError:
+    """A non-spec DECODE batch brings ids in the gather protocol (they are gathered)."""
+    return FutureMapError(
+        f"{where}input_ids given for a DECODE batch: in the gather protocol its ids are "
+        "gathered at req_pool_indices (pass None)"
+    )
+
+
+def spec_mixed_in_sentinel_protocol() -> FutureMapError:
+    """A spec MIXED batch reaches a sentinel-protocol map."""
+    return FutureMapError(
+        "a spec MIXED batch is a gather-protocol feature (its running rows' lengths are "
+        "bound at resolve); this map relays by sentinels"
+    )
