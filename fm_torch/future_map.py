@@ -526,12 +526,12 @@ class FutureMap:
         fresh: torch.Tensor | None = None
         if mix is not None and self.spec and mix.numel():
             # Spec MIXED (SGLang's late binding): the host planned this batch before the last
-            # verify's accept lengths landed; its running rows (the last len(mix) live rows,
-            # before any padding) get the published length plus the token this forward feeds.
-            # A mask, not a slice: the live row count stays on the device.
-            row = torch.arange(indices.shape[0], device=self.device)
-            n_live = (indices > 0).sum()
-            running = (row >= n_live - mix.shape[0]) & (row < n_live)
+            # verify's accept lengths landed; its running rows (the last len(mix) live rows;
+            # padding rows, slot 0, are not counted) get the published length plus the token
+            # this forward feeds. A mask, not a slice: the live row count stays on the device.
+            live = indices > 0
+            order = torch.cumsum(live, 0) - 1  # a live row's place among the live rows
+            running = live & (order >= live.sum() - mix.shape[0])
             fresh = self.new_seq_lens[mix]
             bound = self.new_seq_lens[indices] + 1
             seq_lens = torch.where(running, bound, host_lens.to(self.dtype))

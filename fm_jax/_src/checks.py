@@ -285,16 +285,18 @@ def positive_lengths(
 
 
 def running_rows_match(
-    running: jax.Array, idx: jax.Array, slots: jax.Array, first: jax.Array, into: OpChecks
+    running: jax.Array, idx: jax.Array, slots: jax.Array, j: jax.Array, into: OpChecks
 ) -> None:
-    """Spec MIXED: the running rows (`running`, from row `first` on) are the rows of the
-    nonzero token slots, in their order: row first + j holds the j-th nonzero slot. Their
-    lengths are bound at their own slots, so a row out of place would read another's."""
-    if idx.shape[0] == 0:
+    """Spec MIXED: the running rows (`running`; `j`, each row's place among them) are the
+    rows of the nonzero token slots, in their order: the j-th running row holds the j-th
+    nonzero slot. Their lengths are bound at their own slots, so a row out of place would
+    read another's."""
+    if idx.shape[0] == 0 or slots.shape[0] == 0:
         return
     nz = slots > 0
-    at = jnp.where(nz, first + jnp.cumsum(nz) - 1, idx.shape[0])  # the row each slot names
-    expect = jnp.zeros_like(idx).at[at].set(slots.astype(idx.dtype), mode="drop")
+    at = jnp.where(nz, jnp.cumsum(nz) - 1, slots.shape[0])  # the nonzero slots, in order
+    named = jnp.zeros_like(slots).at[at].set(slots, mode="drop")
+    expect = named.at[jnp.clip(j, 0, slots.shape[0] - 1)].get(mode="clip").astype(idx.dtype)
     into.add(
         _witness(running & (expect != idx), idx),
         lambda slot: _check(

@@ -623,19 +623,36 @@ class FutureMap:
             if b.input_ids is not None and self.spec is None and self._gather_decode(modes[r]):
                 raise refusals.ids_for_gathered_decode(f"batch[rank {r}].")
         drafts = {r: d for r, d in field("draft_indices").items() if d is not None}
-        if drafts and len(drafts) != len(batches):
-            raise FutureMapError("draft_indices given on some ranks only")
-        given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
-        for r, ts in given_slots.items():
-            if modes[int(r)] != ForwardMode.MIXED and not _all_zero(ts):
+        if drafts and self.spec is None:
+            raise refusals.draft_indices_on_plain_map()
+        for r in batches:
+            if drafts and r not in drafts and modes[int(r)] == ForwardMode.DECODE:
                 raise FutureMapError(
-                    f"batch[rank {r}].token_slots of a batch of kind "
-                    f"{ForwardMode(modes[int(r)]).name} name slots: only a MIXED batch has "
-                    "running rows to gather"
+                    f"batch[rank {r}].draft_indices missing: beside ranks with a draft input "
+                    "a spec DECODE rank brings its own (its lengths are gathered at them)"
+                )
+        if drafts:  # a rank without a draft input reads padding slot 0 (garbage, unused)
+            drafts = {
+                r: drafts.get(r, np.zeros(len(b.req_pool_indices), self.dtype))
+                for r, b in batches.items()
+            }
+        given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
+        relay = self._relay
+        for r in batches:
+            kind, where = ForwardMode(modes[int(r)]), f"batch[rank {r}]."
+            if relay.takes_token_slots and kind == ForwardMode.MIXED and r not in given_slots:
+                raise refusals.mixed_without_token_slots(where)
+            if r in given_slots and kind == ForwardMode.DECODE:
+                raise refusals.token_slots_for_decode(where)
+            if r in given_slots and kind != ForwardMode.MIXED and not _all_zero(given_slots[r]):
+                raise FutureMapError(
+                    f"{where}token_slots of a batch of kind {kind.name} name slots: only a "
+                    "MIXED batch has running rows to gather"
                 )
         slots = None
-        if given_slots:
+        if given_slots and ForwardMode.MIXED in modes:
             # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
+            # Without a MIXED rank every slot given is 0: there is nothing to gather.
             full = {r: given_slots.get(r, np.zeros(len(given[r]), self.dtype)) for r in batches}
             slots = self._token_slots(full, ids)
         return self._placed(modes, idx, ids, lens, drafts or None, slots)

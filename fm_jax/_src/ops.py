@@ -446,15 +446,15 @@ def future_map(
             # Spec MIXED: the host planned this batch before the last verify's accept lengths
             # landed, so its running rows' lengths are bound here: the published length plus
             # the token this forward feeds. SGLang's layout: prefill rows, then one running
-            # row per nonzero token slot in order, then padding rows (slot 0).
-            n_live = jnp.sum(idx > 0, dtype=dt)
-            first = n_live - jnp.sum(ts_read > 0, dtype=dt)
-            row = jnp.arange(b, dtype=dt)
-            running = takes_slots & (row >= first) & (row < n_live)
+            # row per nonzero token slot in order; padding rows (slot 0) are not counted.
+            live = idx > 0
+            order = jnp.cumsum(live, dtype=dt) - 1  # a live row's place among the live rows
+            first = jnp.sum(live, dtype=dt) - jnp.sum(ts_read > 0, dtype=dt)
+            running = takes_slots & live & (order >= first)
             fresh = _gather(state.new_seq_lens, idx)
             seq_lens = jnp.where(running, fresh + 1, seq_lens)
             if chk is not None:
-                checks.running_rows_match(running, idx, ts_read, first, chk)
+                checks.running_rows_match(running, idx, ts_read, order - first, chk)
                 checks.positive_lengths(jnp.asarray(True), jnp.where(running, fresh, 1), idx, chk)
         draft = None
         if batch.draft_indices is not None:

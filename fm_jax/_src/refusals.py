@@ -30,16 +30,18 @@ def token_slots_in_sentinel_protocol() -> FutureMapError:
     )
 
 
-def token_slots_for_decode() -> FutureMapError:
+def token_slots_for_decode(where: str = "") -> FutureMapError:
     """A DECODE batch brings token slots (gather protocol: it gathers at its slots)."""
-    return FutureMapError("token_slots given for a DECODE batch: it gathers at req_pool_indices")
+    return FutureMapError(
+        f"{where}token_slots given for a DECODE batch: it gathers at req_pool_indices"
+    )
 
 
-def mixed_without_token_slots() -> FutureMapError:
+def mixed_without_token_slots(where: str = "") -> FutureMapError:
     """A MIXED batch in the gather protocol comes without token slots."""
     return FutureMapError(
-        "a MIXED batch in the gather protocol needs token_slots (the running rows' slots at "
-        "their token positions, 0 elsewhere)"
+        f"{where}token_slots missing: a MIXED batch in the gather protocol needs token_slots "
+        "(the running rows' slots at their token positions, 0 elsewhere)"
     )
 
 
