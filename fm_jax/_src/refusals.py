@@ -39,9 +39,10 @@ def token_slots_for_decode(where: str = "") -> FutureMapError:
 
 def mixed_without_token_slots(where: str = "") -> FutureMapError:
     """A MIXED batch in the gather protocol comes without token slots."""
+    head = f"{where}token_slots missing: a" if where else "a"
     return FutureMapError(
-        f"{where}token_slots missing: a MIXED batch in the gather protocol needs token_slots "
-        "(the running rows' slots at their token positions, 0 elsewhere)"
+        f"{head} MIXED batch in the gather protocol needs token_slots (the running rows' "
+        "slots at their token positions, 0 elsewhere)"
     )
 
 
