@@ -57,10 +57,11 @@ file_of() {
 tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut cannot reach
     local table=tests/test_bad_input_table.py
     case $1 in
-        torch) echo "tests/test_fm_torch_*.py $table::test_fm_torch_refuses_and_keeps_every_byte" ;;
+        torch) echo "tests/test_fm_torch_*.py tests/test_spec_mixed.py
+                     $table::test_fm_torch_refuses_and_keeps_every_byte" ;;
         jax-ops) echo "tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
-                       tests/test_fm_jax_mutants.py" ;;
+                       tests/test_fm_jax_mutants.py tests/test_spec_mixed.py" ;;
         jax-checks) echo "tests/test_fm_jax_debug.py tests/test_fm_jax_debug_channel.py
                           tests/test_fm_jax_mutants.py" ;;
         jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py

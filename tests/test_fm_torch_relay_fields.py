@@ -299,3 +299,23 @@ def test_both_twins_relay_an_ngram_payload_to_the_same_bytes(protocol: str, debu
         for k, buf in tm.extras.items():
             assert np.asarray((jm.state.extras or {})[k]).tobytes() == buf.numpy().tobytes(), k
     jm.check()
+
+
+def test_a_draft_without_what_the_first_relayed_is_named_and_top_k_comes_whole() -> None:
+    """A later draft that lacks a field the first draft relayed is refused naming it (and
+    one that brings a field the first did not, naming its absence); a first draft with
+    top-k probabilities but no top-k ids is refused; a first draft relaying nothing too."""
+    fm = FutureMap(R, spec=True)
+    fm.stash(t(3), DraftPayload(t(30), torch.ones(1, 2), t(0, 1).reshape(1, 2)))
+    with pytest.raises(FutureMapError, match="expected bonus_tokens$"):
+        fm.stash(t(3), DraftPayload(None, torch.ones(1, 2), t(0, 1).reshape(1, 2)))
+    ng = FutureMap(R, spec=True)
+    ng.stash(t(3), ngram(1, 0))
+    with pytest.raises(FutureMapError, match="expected no bonus_tokens$"):
+        ng.stash(t(3), DraftPayload(bonus_tokens=t(1), extras=ngram(1, 1).extras))
+    half = FutureMap(R, spec=True)
+    with pytest.raises(FutureMapError, match="topk_index"):
+        half.stash(t(3), DraftPayload(t(30), torch.ones(1, 2), None))
+    assert half.topk_p is None and not half._spec_shaped
+    with pytest.raises(FutureMapError, match="^the first draft stashed relays no field$"):
+        FutureMap(R, spec=True).stash(t(3), DraftPayload())

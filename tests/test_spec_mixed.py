@@ -196,3 +196,25 @@ def test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug() -> N
                 err.throw()
         else:
             err.throw()
+
+
+def test_fm_torch_spec_mixed_keeps_its_dtype_names_its_field_and_counts_slot_one() -> None:
+    """fm_torch: the bound lengths are in the map's int dtype whatever the host's; a MIXED
+    batch listing more running slots than rows is refused naming mix_running_indices; slot
+    1 is a live slot like any other (a running row there is bound)."""
+    tm = torch_map(False)
+    tm.publish(torch.tensor([1]), torch.tensor([6]))
+    tm.stash(torch.tensor([1]), torch_draft([5]))
+    lens = torch.tensor([3, 1], dtype=torch.int64)
+    tb = ft.ScheduleBatch(
+        ft.ForwardMode.MIXED,
+        torch.tensor([5, 1]),
+        torch.tensor([100, 101, 102]),
+        lens,
+        mix_running_indices=torch.tensor([1]),
+    )
+    tm.resolve(tb)
+    assert tb.seq_lens.dtype == torch.int32 and tb.seq_lens.tolist() == [3, 7]
+    too_many = torch_batch(a(5, 3), IDS[:3], a(3, 1), a(3, 2, 1))
+    with pytest.raises(ft.FutureMapError, match="^mix_running_indices has 3 entries"):
+        tm.resolve(too_many)
