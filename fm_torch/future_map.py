@@ -532,7 +532,8 @@ class FutureMap:
             live = indices > 0
             order = torch.cumsum(live, 0) - 1  # a live row's place among the live rows
             running = live & (order >= live.sum() - mix.shape[0])
-            fresh = self.new_seq_lens[mix]
+            if self.debug:  # the lengths the binding reads, checked below
+                fresh = self.new_seq_lens[mix]
             bound = self.new_seq_lens[indices] + 1
             seq_lens = torch.where(running, bound, host_lens.to(self.dtype))
         payload: DraftPayload | None = None
