@@ -4,7 +4,7 @@
 #
 #   bash scripts/cuda_checklist.sh checks OUT   # versions, the cuda tests, the whole suite (~4 min)
 #   bash scripts/cuda_checklist.sh parity OUT   # fm-parity --device cuda, 12 workers sharing the GPU
-#   bash scripts/cuda_checklist.sh bench OUT    # fm-bench headline + protocols, start-up, serving demo
+#   bash scripts/cuda_checklist.sh bench OUT    # fm-bench headline + protocols, start-up, serving demo, host lengths
 #   bash scripts/cuda_checklist.sh extra OUT    # the mutation check on CUDA, fm-bench's sweeps
 #
 # Every step has its own time limit (seconds, overridable as LIMIT_<step>=N) and writes
@@ -62,6 +62,10 @@ bench)
     step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec debug \
         --json "$out/startup_cuda.json"
     step serve 90 "$py" -m fm_bench.serve.cli --out "$out" --tag cuda
+    step host_lengths 45 "$py" -m fm_bench.host_lengths --out "$out/host_lengths"
+    mv "$out/host_lengths/host_lengths_gpu.md" "$out/host_lengths_cuda.md"
+    mv "$out/host_lengths/host_lengths_gpu.json" "$out/host_lengths_cuda.json"
+    rmdir "$out/host_lengths"
     ;;
 extra)
     step mutations 280 "$py" -m fm_parity.cli --device cuda --mutations --dtype int32 \

@@ -693,10 +693,13 @@ def test_cli_engine_step_only_writes_its_rows(tmp_path: Any) -> None:
 
 
 def test_host_lengths_bench_runs_at_a_tiny_size() -> None:
-    """fm_bench.host_lengths: both modes' waits and the forward alone, as a markdown page."""
+    """fm_bench.host_lengths: both fm_jax modes' waits and SGLang's (its host copy read the
+    published lengths, or the run raises), each forward alone, as a markdown page."""
     from fm_bench.host_lengths import markdown, measure
 
-    res = measure(8, 64, 32, 2)
-    for key in ("wait_ms_copy", "wait_ms_gather", "forward_ms"):
+    res = measure(8, 64, 32, 3)
+    keys = ("wait_ms_copy", "wait_ms_gather", "wait_ms_sglang", "forward_ms", "forward_ms_torch")
+    for key in keys:
         assert res[key]["min"] <= res[key]["median"] <= res[key]["max"]
-    assert "needs_cpu_seq_lens" in markdown(res)
+    page = markdown(res)
+    assert "needs_cpu_seq_lens" in page and "SGLang's class" in page
