@@ -427,6 +427,27 @@ def test_token_slots_of_a_batch_that_is_not_mixed() -> None:
     fm.check()
 
 
+def test_a_mesh_rank_follows_the_one_batch_token_slot_rule() -> None:
+    """A batch given per DP rank is held to the one-batch rule for token slots, rank by
+    rank, with the rank named: in the sentinel protocol any token slots are refused (all 0
+    on a rank that is not MIXED were once dropped silently), in the gather protocol a
+    DECODE rank's are refused and a MIXED rank without them is."""
+    plain = fj.FutureMap(R)
+    with pytest.raises(fj.FutureMapError, match=r"batch\[rank 0\].token_slots is for the gather"):
+        plain.resolve({0: fj.Batch(E, a(2), a(7), a(3), token_slots=a(0))})
+    with pytest.raises(fj.FutureMapError, match=r"batch.token_slots is for the gather"):
+        plain.resolve(fj.Batch(E, a(2), a(7), a(3), token_slots=a(0)))
+    fm = primed()
+    before = buffers(fm)
+    with pytest.raises(fj.FutureMapError, match=r"batch\[rank 0\].token_slots given for a DECODE"):
+        fm.resolve({0: fj.Batch(D, a(3), None, a(5), token_slots=a(3))})
+    with pytest.raises(fj.FutureMapError, match=r"batch\[rank 0\].token_slots missing"):
+        fm.resolve({0: fj.Batch(M, a(2, 3), a(9, 0), a(1, 5))})
+    assert buffers(fm) == before and fm.step == 0
+    r = fm.resolve({0: fj.Batch(M, a(2, 3), a(9, 0), a(1, 5), token_slots=a(0, 3))})
+    assert host(r.input_ids)[:2] == [9, 30]
+
+
 def test_a_gather_batch_without_ids_is_refused_unless_decode() -> None:
     """Defect (reliability round two, 3): a gather EXTEND or MIXED batch with
     input_ids=None resolved to zeros. Only a DECODE batch known on the host comes without

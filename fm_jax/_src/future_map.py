@@ -637,18 +637,11 @@ class FutureMap:
                 for r, b in batches.items()
             }
         given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
-        relay = self._relay
-        for r in batches:
-            kind, where = ForwardMode(modes[int(r)]), f"batch[rank {r}]."
-            if relay.takes_token_slots and kind == ForwardMode.MIXED and r not in given_slots:
-                raise refusals.mixed_without_token_slots(where)
-            if r in given_slots and kind == ForwardMode.DECODE:
-                raise refusals.token_slots_for_decode(where)
-            if r in given_slots and kind != ForwardMode.MIXED and not _all_zero(given_slots[r]):
-                raise FutureMapError(
-                    f"{where}token_slots of a batch of kind {kind.name} name slots: only a "
-                    "MIXED batch has running rows to gather"
-                )
+        for r in batches:  # each rank by the one-batch rule, before the slots are placed
+            where = f"batch[rank {r}]."
+            if r in given_slots and not self._relay.takes_token_slots:
+                raise refusals.token_slots_in_sentinel_protocol(where)
+            self._check_token_slots([ForwardMode(modes[int(r)])], given_slots.get(r), where)
         slots = None
         if given_slots and ForwardMode.MIXED in modes:
             # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
@@ -724,20 +717,21 @@ class FutureMap:
         """Debug, after a resolve ran: its slots were checked on the device (only now)."""
         self._checked = weakref.ref(idx.array) if idx.counts is None else None
 
-    def _check_token_slots(self, modes: list[ForwardMode], slots: Any) -> None:
-        """Gather protocol, modes known on the host: a MIXED batch brings token slots, a
-        DECODE batch none (it gathers at its req_pool_indices)."""
+    def _check_token_slots(self, modes: list[ForwardMode], slots: Any, where: str = "") -> None:
+        """Gather protocol, modes known on the host (one per rank): a MIXED batch brings
+        token slots, a DECODE batch none (it gathers at its req_pool_indices), and slots
+        given without a MIXED rank are all 0. `where` names the rank of a mapping's batch."""
         if not self._relay.takes_token_slots:
             return
         if slots is None and ForwardMode.MIXED in modes:
-            raise refusals.mixed_without_token_slots()
+            raise refusals.mixed_without_token_slots(where)
         if slots is not None and modes == [ForwardMode.DECODE]:
-            raise refusals.token_slots_for_decode()
+            raise refusals.token_slots_for_decode(where)
         if slots is not None and ForwardMode.MIXED not in modes and not _all_zero(slots):
             kinds = "/".join(sorted({ForwardMode(m).name for m in modes}))
             raise FutureMapError(
-                f"token_slots of a batch of kind {kinds} name slots (or are a jax array, not "
-                "read here): only a MIXED batch has running rows to gather"
+                f"{where}token_slots of a batch of kind {kinds} name slots (or are a jax "
+                "array, not read here): only a MIXED batch has running rows to gather"
             )
 
     def _check_spec_mixed(self, modes: list[ForwardMode], idx: Any, slots: Any) -> None:

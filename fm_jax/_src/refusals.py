@@ -23,10 +23,10 @@ def draft_indices_on_plain_map() -> FutureMapError:
     return FutureMapError("batch.draft_indices given but the map was built without spec")
 
 
-def token_slots_in_sentinel_protocol() -> FutureMapError:
+def token_slots_in_sentinel_protocol(where: str = "batch.") -> FutureMapError:
     """A batch brings token slots to a sentinel-protocol map."""
     return FutureMapError(
-        "batch.token_slots is for the gather protocol; this map relays by sentinels"
+        f"{where}token_slots is for the gather protocol; this map relays by sentinels"
     )
 
 
