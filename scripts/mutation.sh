@@ -62,8 +62,18 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         jax-ops) echo "tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
                        tests/test_fm_jax_mutants.py tests/test_spec_mixed.py" ;;
-        jax-checks) echo "tests/test_fm_jax_debug.py tests/test_fm_jax_debug_channel.py
-                          tests/test_fm_jax_mutants.py" ;;
+        jax-checks) local g=tests/test_fm_jax_gather.py m=tests/test_spec_mixed.py
+                    echo "tests/test_fm_jax_debug.py tests/test_fm_jax_debug_channel.py
+                          tests/test_fm_jax_mutants.py
+                          $g::test_debug_reports_a_second_read_and_poisons_exactly_the_slots_read
+                          $g::test_debug_reports_a_spec_length_never_published
+                          $g::test_a_traced_mixed_batch_without_token_slots_is_reported
+                          $g::test_token_slots_of_a_batch_that_is_not_mixed
+                          $g::test_debug_reports_negative_device_ids
+                          $m::test_the_pure_ops_report_running_rows_out_of_order_in_debug
+                          $m::test_a_running_row_never_published_is_reported_by_both_twins
+                          $m::test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice
+                          $m::test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug" ;;
         jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                           $table::test_fm_jax_class_refuses_and_keeps_every_byte" ;;
     esac
@@ -93,6 +103,21 @@ whole_selection_of() {
             echo "${file//\//.}" ;;
     esac
 }
+existing_tests() {  # existing_tests GROUP: the group's tests whose files exist
+    local t
+    # shellcheck disable=SC2086  # the globs expand here, in the root
+    for t in $(tests_of "$1"); do if [ -e "${t%%::*}" ]; then echo "$t"; fi; done
+}
+selection() {  # selection GROUP: mutmut's config line selecting the group's tests
+    # shellcheck disable=SC2046  # one word per test
+    echo "pytest_add_cli_args_test_selection = $(toml_list $(existing_tests "$1"))"
+}
+# python -c RESELECT PYPROJECT LINE: LINE replaces the test-selection line of a snapshot's config.
+RESELECT='import re, sys
+path, line = sys.argv[1:]
+text = open(path).read()
+key = "pytest_add_cli_args_test_selection = "
+open(path, "w").write(re.sub("^" + re.escape(key) + ".*$", lambda _: line, text, count=1, flags=re.M))'
 toml_list() {  # words -> a TOML list of strings
     local out="" w
     for w in "$@"; do out+="${out:+, }\"$w\""; done
@@ -132,6 +157,8 @@ rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
         cp -a "$base" "$dir"
         cp -a tests/. "$dir/tests/"
         cp -a tests/. "$dir/mutants/tests/"
+        # Today's test selection for the group too (the snapshot's is the run's).
+        "$PY" -c "$RESELECT" "$dir/pyproject.toml" "$(selection "$g")"
         echo "== $g: mutmut on the $(echo "$names" | wc -w) survivors of $base, today's tests"
         # shellcheck disable=SC2086  # one argument per mutant name
         [ -z "$names" ] || mutmut_in "$dir" "$g" run --max-children "$JOBS" $names
@@ -158,8 +185,7 @@ main() {
     dirs=()
     for g in "${groups[@]}"; do
         file=$(file_of "$g")
-        # shellcheck disable=SC2086  # the globs expand here, in the root
-        tests=$(for t in $(tests_of "$g"); do if [ -e "${t%%::*}" ]; then echo "$t"; fi; done)
+        tests=$(existing_tests "$g")
         dir=$WORK/$g
         rm -rf "$dir"
         mkdir -p "$dir"
@@ -174,7 +200,7 @@ main() {
 source_paths = ["fm_jax", "fm_torch", "fm_parity", "fm_bench"]
 only_mutate = ["$file"]
 mutate_only_covered_lines = true
-pytest_add_cli_args_test_selection = $(toml_list $tests)
+$(selection "$g")
 also_copy = ["mutation_plugin.py"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "mutation_plugin", "--hypothesis-seed=0"]
 process_isolation = "forkserver"
