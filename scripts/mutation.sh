@@ -73,7 +73,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                           $m::test_the_pure_ops_report_running_rows_out_of_order_in_debug
                           $m::test_a_running_row_never_published_is_reported_by_both_twins
                           $m::test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice
-                          $m::test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug" ;;
+                          $m::test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug
+                          $m::test_the_running_row_check_holds_at_edge_sizes_and_slot_one" ;;
         jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                           $table::test_fm_jax_class_refuses_and_keeps_every_byte" ;;
     esac

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import fm_jax as fj
 from fm_parity.transfers import no_device_to_host
@@ -425,6 +426,9 @@ def test_token_slots_of_a_batch_that_is_not_mixed() -> None:
     r = fm.resolve(fj.Batch(D, a(5), None, a(7)))  # slot 5's one legitimate read
     assert host(r.input_ids)[:1] == [50]
     fm.check()
+    fm.resolve(fj.Batch(jnp.int32(E), a(2, 3), a(7, 8), a(3, 3), token_slots=a(0, 1)))
+    with pytest.raises(fj.InvariantViolation, match=r"token_slots name slot 1 "):
+        fm.check()  # slot 1, the first live slot, is a slot like any other
 
 
 def test_a_mesh_rank_follows_the_one_batch_token_slot_rule() -> None:
@@ -507,6 +511,12 @@ def test_debug_reports_negative_device_ids() -> None:
         fm.check()
     with pytest.raises(fj.FutureMapError, match="negative ids"):
         fm.resolve(fj.Batch(E, a(2), a(7, -3), a(3)))
+    ops = fj.future_map(R, protocol="gather", debug=True)  # one token: checked too
+    err, _ = jax.jit(checkify.checkify(ops.resolve))(
+        ops.init(), fj.Batch(E, jnp.array([2]), jnp.array([-4]), jnp.array([3]))
+    )
+    with pytest.raises(checkify.JaxRuntimeError, match="negative id -4"):
+        err.throw()
 
 
 def test_buckets_that_skip_a_token_bucket_still_serve_a_traced_decode() -> None:

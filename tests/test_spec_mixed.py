@@ -192,7 +192,9 @@ def test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug() -> N
     for mode, bad in ((fj.ForwardMode.EXTEND, False), (MIXED, True)):
         err, _ = resolve(state, fj.Batch(jnp.int32(mode), jnp.asarray(ROWS), ids, LENS))
         if bad:
-            with pytest.raises(checkify.JaxRuntimeError, match="sentinel protocol"):
+            # The message names the mode as the int it is.
+            named = rf"spec MIXED batch \(forward_mode {int(MIXED)}\) in the sentinel protocol"
+            with pytest.raises(checkify.JaxRuntimeError, match=named):
                 err.throw()
         else:
             err.throw()
@@ -218,3 +220,31 @@ def test_fm_torch_spec_mixed_keeps_its_dtype_names_its_field_and_counts_slot_one
     too_many = torch_batch(a(5, 3), IDS[:3], a(3, 1), a(3, 2, 1))
     with pytest.raises(ft.FutureMapError, match="^mix_running_indices has 3 entries"):
         tm.resolve(too_many)
+
+
+def test_the_running_row_check_holds_at_edge_sizes_and_slot_one() -> None:
+    """Debug's running-row order check (pure ops, traced): one row and one token (out of
+    order: reported), a batch of running rows only (no prefill token), and a running row at
+    slot 1, the first live slot (in order: not reported)."""
+    ops = fj.future_map(R, spec=SPEC, debug=True, protocol="gather")
+    state = ops.publish(ops.init(), jnp.array([1, 2, 3]), jnp.array([5, 10, 20]))
+    state = ops.stash(state, jnp.array([1, 2, 3]), jax_draft([6, 7, 8]))
+    resolve = jax.jit(checkify.checkify(ops.resolve))
+
+    def run(rows: np.ndarray, ids: np.ndarray, ts: np.ndarray) -> Any:
+        lens = jnp.ones(len(rows), jnp.int32)
+        b = fj.Batch(jnp.int32(MIXED), jnp.asarray(rows), jnp.asarray(ids), lens, None, ts)
+        err, (_, r) = resolve(state, b)
+        return err, np.asarray(r.seq_lens).tolist()
+
+    err, _ = run(a(3), a(0), a(2))  # one row, one token: the row is not the token's slot
+    with pytest.raises(checkify.JaxRuntimeError, match="token-slot order"):
+        err.throw()
+    for rows, ids, ts, bound in (
+        (a(3), a(0), a(3), [21]),
+        (a(3, 2), a(0, 0), a(3, 2), [21, 11]),  # running rows only, in order
+        (a(5, 1), a(100, 0), a(0, 1), [1, 6]),  # a running row at slot 1
+    ):
+        err, lens = run(rows, ids, ts)
+        err.throw()
+        assert lens == bound
