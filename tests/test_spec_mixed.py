@@ -224,8 +224,9 @@ def test_fm_torch_spec_mixed_keeps_its_dtype_names_its_field_and_counts_slot_one
 
 def test_the_running_row_check_holds_at_edge_sizes_and_slot_one() -> None:
     """Debug's running-row order check (pure ops, traced): one row and one token (out of
-    order: reported), a batch of running rows only (no prefill token), and a running row at
-    slot 1, the first live slot (in order: not reported)."""
+    order: reported), a batch of running rows only (no prefill token), a running row at
+    slot 1, the first live slot, and a batch of no token (in order: not reported; an empty
+    token-slot check once read its padding as a slot named)."""
     ops = fj.future_map(R, spec=SPEC, debug=True, protocol="gather")
     state = ops.publish(ops.init(), jnp.array([1, 2, 3]), jnp.array([5, 10, 20]))
     state = ops.stash(state, jnp.array([1, 2, 3]), jax_draft([6, 7, 8]))
@@ -244,6 +245,7 @@ def test_the_running_row_check_holds_at_edge_sizes_and_slot_one() -> None:
         (a(3), a(0), a(3), [21]),
         (a(3, 2), a(0, 0), a(3, 2), [21, 11]),  # running rows only, in order
         (a(5, 1), a(100, 0), a(0, 1), [1, 6]),  # a running row at slot 1
+        (a(5, 1), a(), a(), [1, 1]),  # no token: no running row
     ):
         err, lens = run(rows, ids, ts)
         err.throw()
