@@ -473,8 +473,8 @@ def test_a_gather_batch_without_ids_is_refused_unless_decode() -> None:
         fm.resolve({0: fj.Batch(E, a(2), None, a(3))})
     assert buffers(fm) == before and fm.step == 0
     ops = fj.future_map(R, protocol="gather")
-    for mode in (E, jnp.int32(E)):
-        with pytest.raises(fj.FutureMapError, match="input_ids is None"):
+    for mode, why in ((E, "forward_mode EXTEND"), (jnp.int32(E), "a traced forward_mode")):
+        with pytest.raises(fj.FutureMapError, match=f"^batch.input_ids is None with {why}"):
             ops.resolve(ops.init(), fj.Batch(mode, a(2), None, a(3)))
     assert host(ops.resolve(ops.init(), fj.Batch(D, a(2), None, a(3)))[1].input_ids) == [0]
 
