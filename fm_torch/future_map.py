@@ -384,6 +384,7 @@ class FutureMap:
             if not self.spec:
                 raise FutureMapError("batch.draft given but this FutureMap has spec=False")
             draft_indices = v.check_1d_int("draft.indices", batch.draft.indices, self.device)
+            v.check_rows("draft.indices", draft_indices, indices.shape[0])
             if not self._spec_shaped:
                 raise FutureMapError("resolve of spec extras before any draft was stashed")
         if self._values_checked:

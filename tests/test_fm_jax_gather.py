@@ -498,6 +498,21 @@ def test_draft_indices_shorter_than_the_batch_are_refused(protocol: str) -> None
     assert host(r.seq_lens)[:2] == [4, 6]
 
 
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_the_pure_ops_refuse_draft_indices_not_one_per_row(protocol: str) -> None:
+    """Defect (reliability round two, 4, the pure ops): a sentinel-protocol spec resolve took
+    draft_indices of another length than the batch and returned a draft of other rows than
+    its lengths; the gather protocol refused it. One draft slot per row in both, by name,
+    while tracing (nothing runs)."""
+    ops = fj.future_map(R, protocol=protocol, spec=fj.SpecConfig(topk=1))
+    ids = a(30, 50) if protocol == "gather" else a(-3, -5)
+    for didx in (a(3), a(3, 5, 5)):
+        with pytest.raises(fj.FutureMapError, match="draft_indices has .* rows, indices have 2"):
+            jax.jit(ops.resolve)(ops.init(), fj.Batch(D, a(3, 5), ids, ids, draft_indices=didx))
+    _, r = jax.jit(ops.resolve)(ops.init(), fj.Batch(D, a(3, 5), ids, ids, draft_indices=a(3, 5)))
+    assert r.draft is not None and np.shape(r.draft.bonus_tokens) == (2,)
+
+
 def test_debug_reports_negative_device_ids() -> None:
     """Defect (reliability round two): gather debug did not report negative device
     input_ids (fm_torch refuses them; host ids are refused on the host). Reported now as a

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fm_torch import DraftInput, DraftPayload, ForwardMode, FutureMap, ScheduleBatch
+from fm_torch import DraftInput, DraftPayload, ForwardMode, FutureMap, FutureMapError, ScheduleBatch
 
 R = 6
 HIDDEN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -159,6 +159,26 @@ def test_arbitrary_bit_patterns_round_trip(bits: list[int], hbits: list[int], hi
     assert got.hidden_states is not None
     assert raw(got.topk_p) == row_bytes(p, [1, 0])
     assert raw(got.hidden_states) == row_bytes(hid, [1, 0])
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_draft_indices_not_one_per_row_are_refused(protocol):
+    """Defect (reliability round two, 4, fm_torch): the sentinel protocol took draft indices
+    of another length than the batch (the gather protocol refused them), as fm_jax refuses
+    them in both. One draft slot per row, refused by name before anything is written."""
+    fm = FutureMap(R, spec=True, protocol=protocol)
+    z = torch.zeros((2, 1))
+    fm.stash(torch.tensor([2, 4]), DraftPayload(torch.tensor([1, 2]), z, z.long(), z))
+    before = {k: raw(v) for k, v in vars(fm).items() if isinstance(v, torch.Tensor)}
+    for draft in ([4], [4, 2, 2]):
+        batch = spec_decode([4, 2], draft)
+        if protocol == "gather":
+            batch.input_ids = torch.tensor([1, 2])
+            batch.seq_lens = torch.tensor([1, 1])
+        with pytest.raises(FutureMapError, match="draft.indices has .* rows, indices have 2"):
+            fm.resolve(batch)
+        assert batch.draft is not None and batch.draft.payload is None
+    assert {k: raw(v) for k, v in vars(fm).items() if isinstance(v, torch.Tensor)} == before
 
 
 # ------------------------------------------------------------------------------ lazy shaping

@@ -348,6 +348,7 @@ def future_map(
             return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices("draft_indices", didx, chk)
+        s.check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
         draft = gather_draft(state, didx)
         if chk is not None:
             reads = consumed_reads(draft, didx)
