@@ -207,6 +207,28 @@ def test_guard_refuses_an_unwarmed_shape_before_it_runs(compiles: Compiles) -> N
     assert np.asarray(fm.buffers()["new_seq_lens"])[1:3].tolist() == [7, 7]
 
 
+def test_the_guard_refuses_a_traced_gather_resolve_without_ids_before_compiling(
+    compiles: Compiles,
+) -> None:
+    """Defect (reliability round two): a gather resolve with a traced mode and no ids
+    compiled inside a guarded call. Its kind is known only on the device, so it must bring
+    its ids: refused by name on the host, before any executable is looked up or compiled,
+    with no step counted and no buffer changed."""
+    fm = fj.FutureMap(R, protocol="gather", batch_buckets=BATCH, token_buckets=TOKENS)
+    fm.warm_up(guard=True)
+    prefill(fm)
+    traced = jnp.int32(fj.ForwardMode.DECODE)  # made before counting: jnp.int32 compiles
+    before, compiled, step = buffers_bytes(fm), compiles.count, fm.step
+    live = np.array([1, 2], np.int32)
+    with pytest.raises(fj.FutureMapError, match=r"input_ids is None with a traced forward_mode"):
+        fm.resolve(fj.Batch(traced, live, None, live))
+    assert compiles.count == compiled and fm.step == step
+    assert buffers_bytes(fm) == before
+    r = fm.resolve(fj.Batch(traced, live, live, live))  # with ids: warmed, served
+    jax.block_until_ready(r.input_ids)
+    assert compiles.count == compiled
+
+
 def test_without_the_guard_an_unwarmed_shape_compiles(compiles: Compiles) -> None:
     """The guard's counterpart: without it the same odd pair compiles and runs (so the
     guard tests above can fail)."""
