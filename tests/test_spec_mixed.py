@@ -152,9 +152,10 @@ def test_a_running_row_never_published_is_reported_by_both_twins() -> None:
 
 
 def test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice() -> None:
-    """One resolve reading a slot's bonus token for a running row and again for the draft
-    reads it twice: in order, the draft's read finds the poison the first left. Both twins
-    report it (SGLang: its second consume assert fires)."""
+    """Defect (reliability round two; the gather state machine's finding F1): one resolve
+    reading a slot's bonus token for a running row and again for the draft reads it twice,
+    and fm_jax did not report it where fm_torch did. In order, the draft's read finds the
+    poison the first left; both twins report it (SGLang: its second consume assert fires)."""
     jm, tm = jax_map(True), torch_map(True)
     jm.resolve(fj.Batch(MIXED, ROWS, IDS, LENS, a(0, 3, 2), TOKEN_SLOTS))
     with pytest.raises(fj.InvariantViolation, match="consume"):

@@ -45,18 +45,19 @@ there). `test_the_machine_fails_on_a_broken_model` runs the machine against mode
 rule broken (MIXED ids not gathered, token slots on EXTEND taken, a tracked draft field not
 poisoned, NaN payloads canonicalised): each must fail.
 
-Findings, each pinned by a test named after it: F1 (a spec MIXED batch whose draft names
-a running slot: fm_jax reported no second read where fm_torch did), F2 (a mesh MIXED rank
-without token slots beside one with them: fm_jax took it, its running rows kept the host's
-ids), F3 (a mesh DECODE rank with all-zero token slots: taken on a mesh, refused on one
-device), F4 (a spec mesh with draft indices on some ranks only: refused by fm_jax; a rank
-that is not DECODE now reads padding slots, a DECODE one without its own is refused), F6 (a
-spec MIXED batch with a padding row among its live rows: both twins bound the padding
-row's length) and F7 (an IDLE rank's all-zero token slots beside DECODE ranks: refused
-while tracing) are fixed; the machine generates all but F6, which its test pins (the
-machine lays a spec MIXED batch's padding rows last). F5 stays, by encoding: fm_jax's
-token slots cannot name a padding running row (fm_torch's mix_running_indices [2, 0]),
-so fm_torch refuses what fm_jax never sees; the machine does not generate it.
+Findings, each pinned by a test named after it (F1 by tests/test_spec_mixed.py's
+test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice): F1 (a spec MIXED batch
+whose draft names a running slot: fm_jax reported no second read where fm_torch did), F2 (a
+mesh MIXED rank without token slots beside one with them: fm_jax took it, its running rows
+kept the host's ids), F3 (a mesh DECODE rank with all-zero token slots: taken on a mesh,
+refused on one device), F4 (a spec mesh with draft indices on some ranks only: refused by
+fm_jax; a rank that is not DECODE now reads padding slots, a DECODE one without its own is
+refused), F6 (a spec MIXED batch with a padding row among its live rows: both twins bound
+the padding row's length) and F7 (an IDLE rank's all-zero token slots beside DECODE ranks:
+refused while tracing) are fixed; the machine generates all but F6, which its test pins (the
+machine lays a spec MIXED batch's padding rows last). F5 stays, by encoding: fm_jax's token
+slots cannot name a padding running row (fm_torch's mix_running_indices [2, 0]), so fm_torch
+refuses what fm_jax never sees; the machine does not generate it.
 
 Reproducing a failure: hypothesis prints the failing steps and a `@reproduce_failure`
 blob; the run's seed is printed too (FM_GATHER_SEED reruns it), FM_GATHER_EXAMPLES sets
@@ -1631,6 +1632,9 @@ def test_finding_f6_a_spec_mixed_batch_with_padding_between_its_rows() -> None:
 
 
 def test_finding_f2_a_mesh_mixed_rank_without_token_slots(mesh_report: dict[str, Any]) -> None:
+    """Finding F2: on a 2-rank mesh, a MIXED rank without token slots beside a rank with
+    them was taken by fm_jax (its running rows kept the host's placeholder ids); both twins
+    refuse it now."""
     f2 = mesh_report["f2"]
     assert "error" not in f2, f2
     refused = [f2[k].startswith("FutureMapError") for k in ("jax", "torch")]
@@ -1640,6 +1644,8 @@ def test_finding_f2_a_mesh_mixed_rank_without_token_slots(mesh_report: dict[str,
 def test_finding_f3_a_mesh_decode_rank_with_all_zero_token_slots(
     mesh_report: dict[str, Any],
 ) -> None:
+    """Finding F3: a DECODE rank's all-zero token slots were taken on a mesh and refused on
+    one device; a mesh rank is held to the one-batch rule now."""
     f3 = mesh_report["f3"]
     assert "error" not in f3, f3
     assert f3["one device"].startswith("FutureMapError"), f3  # the table's rule
@@ -1649,6 +1655,8 @@ def test_finding_f3_a_mesh_decode_rank_with_all_zero_token_slots(
 def test_finding_f4_a_mesh_rank_without_a_draft_beside_one_with(
     mesh_report: dict[str, Any],
 ) -> None:
+    """Finding F4: on a spec mesh, draft indices on some ranks only were refused by fm_jax;
+    a rank that is not DECODE now reads padding slots beside a spec DECODE rank's draft."""
     f4 = mesh_report["f4"]
     assert "error" not in f4, f4
     assert f4["jax"] == "accepted", f4
@@ -1657,6 +1665,8 @@ def test_finding_f4_a_mesh_rank_without_a_draft_beside_one_with(
 def test_finding_f7_an_idle_rank_with_zero_token_slots_beside_a_decode_rank(
     mesh_report: dict[str, Any],
 ) -> None:
+    """Finding F7: an IDLE rank's all-zero token slots beside DECODE ranks failed while
+    tracing; the batch is taken now."""
     f7 = mesh_report["f7"]
     assert "error" not in f7, f7
     assert f7["jax"].startswith("accepted"), f7
