@@ -27,9 +27,9 @@ import numpy as np
 
 from fm_jax._src.buckets import bucket_for
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.relay_fields import storable
 from fm_jax._src.sharding import MeshLayout
 
-_BF16 = np.dtype(jax.numpy.bfloat16)
 _INTS = frozenset(
     np.dtype(t)
     for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
@@ -402,8 +402,8 @@ def _non_negative(name: str, a: np.ndarray, relayed: bool) -> np.ndarray:
 
 
 def _host(name: str, x: Any) -> np.ndarray:
-    """`x` as a host array of numbers (bool, int, float, complex, bfloat16); a refused
-    object names the field."""
+    """`x` as a host array of numbers (a dtype a buffer stores: `relay_fields.storable`);
+    a refused object names the field."""
     if isinstance(x, np.ndarray):
         a = x
     else:
@@ -411,6 +411,6 @@ def _host(name: str, x: Any) -> np.ndarray:
             a = np.asarray(x)
         except (TypeError, ValueError) as bad:
             raise FutureMapError(f"{name} is not an array: {bad}") from None
-    if a.dtype.kind not in "biufc" and a.dtype != _BF16:
+    if not storable(a.dtype):
         raise FutureMapError(f"{name} is not a numeric array ({a.dtype} dtype)")
     return a

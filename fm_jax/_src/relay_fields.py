@@ -44,6 +44,20 @@ class RelayField(NamedTuple):
     bits: bool = False
 
 
+def storable(dtype: np.dtype) -> bool:
+    """Whether a buffer holds values of `dtype` byte for byte: numpy's bool, ints, floats
+    up to 64 bits and complex up to 128, and JAX's whole-byte floats (bfloat16, the
+    float8s), which numpy reports as kind 'V'. Not: long double, void and structured
+    dtypes, strings, objects, dates, or sub-byte floats (JAX packs a float4's bits)."""
+    if dtype.kind in "biu":
+        return True
+    if dtype.kind in "fc":
+        return dtype.itemsize <= (8 if dtype.kind == "f" else 16)
+    if dtype.kind == "V" and dtype.fields is None and jnp.issubdtype(dtype, jnp.floating):
+        return int(jnp.finfo(dtype).bits) == 8 * dtype.itemsize
+    return False
+
+
 def bits_dtype(dtype: Any) -> np.dtype:
     """The unsigned int dtype of `dtype`'s width, which stores its raw bits."""
     return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
@@ -132,8 +146,11 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
             dt = None if f.dtype is None else np.dtype(f.dtype)
         except TypeError:
             raise FutureMapError(f"spec.extra[{f.name}]: dtype {f.dtype!r} is not one") from None
-        if dt is not None and (dt.kind not in "biufcV" or dt.itemsize == 0):
-            raise FutureMapError(f"spec.extra[{f.name}]: dtype {dt} is not a numeric one")
+        if dt is not None and not storable(dt):
+            raise FutureMapError(
+                f"spec.extra[{f.name}]: dtype {dt} is not a numeric one a buffer stores (bool, "
+                "ints, floats up to 64 bits, complex, bfloat16, the float8s)"
+            )
         if dt is not None and jax.dtypes.canonicalize_dtype(dt) != dt:
             raise FutureMapError(
                 f"spec.extra[{f.name}]: dtype {dt} needs JAX's x64 mode, which is off: no "
@@ -143,9 +160,13 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
             raise FutureMapError(
                 f"spec.extra[{f.name}]: a consumed field is a signed int (poison -1), got {dt}"
             )
-        # bfloat16 is a float whose numpy kind is 'V'; its bits are uint16.
-        if f.bits and (dt is None or not jnp.issubdtype(dt, jnp.inexact) or dt.itemsize > 8):
-            raise FutureMapError(f"spec.extra[{f.name}]: bits=True stores a float's bits")
+        # bfloat16 is a float whose numpy kind is 'V'; its bits are uint16. A complex value
+        # is two floats: XLA bitcasts no complex to an int.
+        if f.bits and (dt is None or not jnp.issubdtype(dt, jnp.floating)):
+            raise FutureMapError(
+                f"spec.extra[{f.name}]: bits=True stores a real float's bits, got "
+                f"{'the map int' if dt is None else dt}"
+            )
         out.append(f._replace(shape=shape, dtype=dt))
     return tuple(out)
 
