@@ -29,12 +29,14 @@ class RelayField(NamedTuple):
     Attributes:
       name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
       shape: the per-row shape; () for one value per row.
-      dtype: the element dtype; None for the map's int dtype.
+      dtype: the element dtype, one a buffer stores (`storable`: bool, ints, floats up to
+        64 bits, complex, bfloat16, the float8s; 64-bit ones need x64); None for the map's
+        int dtype.
       consumed: debug consume tracking (an int field): the buffer starts at -1, every value
         gathered from a live slot must be >= 0, and -1 is written back at the slots read.
-      bits: stored as raw bits (the unsigned int of the dtype's width): writes stay in place
-        and bit-exact on every backend (XLA:CPU computes a 16-bit float scatter in f32 over
-        the whole buffer, and canonicalises NaN payloads).
+      bits: a real float stored as raw bits (the unsigned int of the dtype's width): writes
+        stay in place and bit-exact on every backend (XLA:CPU computes a 16-bit float
+        scatter in f32 over the whole buffer, and canonicalises NaN payloads).
     """
 
     name: str
@@ -45,7 +47,7 @@ class RelayField(NamedTuple):
 
 
 def storable(dtype: np.dtype) -> bool:
-    """Whether a buffer holds values of `dtype` byte for byte: numpy's bool, ints, floats
+    """Whether a buffer can hold values of `dtype` as they are: numpy's bool, ints, floats
     up to 64 bits and complex up to 128, and JAX's whole-byte floats (bfloat16, the
     float8s), which numpy reports as kind 'V'. Not: long double, void and structured
     dtypes, strings, objects, dates, or sub-byte floats (JAX packs a float4's bits)."""
