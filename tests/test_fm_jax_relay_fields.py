@@ -160,7 +160,7 @@ def test_a_draft_that_does_not_match_the_declaration_is_refused(case: str) -> No
         ((fj.RelayField("x"), fj.RelayField("x")), "not a new identifier"),
         ((fj.RelayField("x", (0,)),), "shape must hold ints >= 1"),
         ((fj.RelayField("x", dtype=np.float32, consumed=True),), "a consumed field is a signed"),
-        ((fj.RelayField("x", dtype=np.int32, bits=True),), "bits=True stores a float"),
+        ((fj.RelayField("x", dtype=np.int32, bits=True),), "bits=True stores a real float"),
         (("x",), "holds RelayFields"),
     ],
 )

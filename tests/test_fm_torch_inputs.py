@@ -171,7 +171,9 @@ def test_resolve_with_slots_outside_the_pool_is_rejected(slots: list[int], match
 def test_spec_resolve_with_draft_slots_outside_the_pool_is_rejected(slots: list[int], match: str):
     """Pins: the draft indices checked only after the DECODE lengths were already restored."""
     fm = populated(spec=True)
-    batch = ScheduleBatch(ForwardMode.DECODE, t([1]), t([-1]), t([-1]), DraftInput(t(slots)))
+    rows = list(range(1, len(slots) + 1))  # one draft slot per row
+    sentinels = t([-r for r in rows])
+    batch = ScheduleBatch(ForwardMode.DECODE, t(rows), sentinels, sentinels, DraftInput(t(slots)))
     assert_rejected(fm, lambda: fm.resolve(batch), "draft.indices holds " + match, batch)
 
 
