@@ -184,6 +184,17 @@ def test_thread_split_benchmark_runs_on_tiny_sizes() -> None:
     assert all(r["fm_jax_splits"] == 0 for r in rows)
 
 
+def test_lock_cost_benchmark_runs_on_tiny_sizes() -> None:
+    """fm_bench.lock_cost: the locked and unlocked publish and their paired difference, each
+    with a host figure, and the bare lock's round trip."""
+    from fm_bench import lock_cost
+
+    r = lock_cost.measure(batch=8, pool=64, reps=3)
+    assert set(r["series"]) == {"unlocked", "locked", "locked - unlocked"}
+    assert all(s["host_us"] is not None for s in r["series"].values())
+    assert r["series"]["locked"]["median_us"] > 0 and r["bare_lock_ns"]["median"] > 0
+
+
 def test_headline_only_json_has_the_headline_group_in_the_row_schema(tmp_path: Path) -> None:
     """`--headline-only --json` writes the usual document: its results are the headline
     group's step rows, and no other file is written."""
