@@ -5,6 +5,7 @@
 #   bash scripts/mutation.sh                 # every group, fm_torch first
 #   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-checks jax-inputs)
 #   bash scripts/mutation.sh --rerun jax-ops # a finished run's survivors again, today's tests
+#   bash scripts/mutation.sh --since REV jax-ops  # only the mutants on lines changed since REV
 #
 # One group per mutated module, each with the tests that exercise it (groups below). A group
 # runs in a fresh snapshot of the working tree (tracked and untracked files, not ignored
@@ -24,6 +25,11 @@
 # --rerun: for a group whose run finished (its snapshot in MUTATION_DIR, the mutated file
 # unchanged since), mutmut runs that run's survivors again in a copy of the snapshot given
 # today's tests/ (GROUP-rerun), and the summary counts those the new tests kill.
+#
+# --since REV: each group in a fresh snapshot as above, but mutmut runs only the mutants on
+# the lines of the mutated file that changed since git revision REV (its last full run's), and
+# the summary counts those; the lines unchanged since keep REV's report. For a module whose
+# full run takes longer than a session (jax-ops: hours on 2 cores).
 #
 # Environment: MUTATION_JOBS (workers, default 2), MUTATION_TIMEOUT (seconds per group,
 # default 3600), MUTATION_DIR (snapshots, default $TMPDIR/fm-jax-mutation), MUTATION_REPORT
@@ -178,6 +184,15 @@ main() {
         rerun "$@"
         return
     fi
+    local since=""
+    if [ "${1:-}" = --since ]; then
+        since=${2:?--since takes a git revision}
+        git rev-parse --verify -q "$since^{commit}" >/dev/null || {
+            echo "--since: '$since' is not a commit" >&2
+            return 2
+        }
+        shift 2
+    fi
     [ $# -gt 0 ] || set -- "${ALL[@]}"
     groups=()
     for g in "$@"; do
@@ -209,9 +224,20 @@ forkserver_warmup = "import"
 preload_modules_file = "preload.txt"
 use_setproctitle = false
 EOF
-        echo "== $g: mutmut on $file ($JOBS workers, at most ${LIMIT}s)"
+        echo "== $g: mutmut on $file ($JOBS workers, at most ${LIMIT}s)${since:+, lines changed since $since}"
         start=$(date +%s)
-        mutmut_in "$dir" "$g" run --max-children "$JOBS"
+        if [ -n "$since" ]; then
+            # mutmut generates every mutant (and collects its test stats) before it filters
+            # by name: a name matching none stops it right there, with the mutants on disk.
+            mutmut_in "$dir" "$g" run --max-children "$JOBS" fm-jax-generate-only 2>/dev/null
+            names=$("$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
+                --since "$since" --list-changed "$dir")
+            echo "   $(echo "$names" | wc -w) mutants on lines changed since $since"
+            # shellcheck disable=SC2086  # one argument per mutant name
+            [ -z "$names" ] || mutmut_in "$dir" "$g" run --max-children "$JOBS" $names
+        else
+            mutmut_in "$dir" "$g" run --max-children "$JOBS"
+        fi
         # The lines no test of the group executes (never mutated), for the summary.
         # shellcheck disable=SC2086
         (cd "$dir" && "$PY" -m coverage run --data-file=.coverage.group --include="$file" \
@@ -225,7 +251,7 @@ EOF
 
     mkdir -p "$(dirname "$REPORT")"
     "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
-        --output "$REPORT" "${dirs[@]}"
+        ${since:+--since "$since"} --output "$REPORT" "${dirs[@]}"
     cat "$REPORT"
 }
 

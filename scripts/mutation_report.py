@@ -6,7 +6,9 @@ Usage: mutation_report.py --survivors FILE.toml --output FILE.md [--rerun DIR]..
 Each RUN_DIR is a snapshot in which `mutmut run` ran (it holds pyproject.toml and mutants/).
 A --rerun DIR is a copy of one, with today's tests, in which mutmut ran again on that run's
 survivors only (`bash scripts/mutation.sh --rerun GROUP`): the survivors it kills count as
-killed, and the report says which.
+killed, and the report says which. With --since REV the report counts only the mutants on
+lines changed since git revision REV (`bash scripts/mutation.sh --since REV GROUP`, which
+runs only those); --list-changed prints their names instead of a report.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import difflib
 import json
 import os
+import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -88,8 +92,9 @@ def _function_start(source: list[str], tree: ast.Module, func: str, cls: str | N
     return first - 1
 
 
-def _mutants_of(run_dir: Path) -> list[Mutant]:
-    """Every mutant of one run, with where and what it changed (read with mutmut's own API)."""
+def _mutants_of(run_dir: Path, every_line: bool = False) -> list[Mutant]:
+    """Every mutant of one run, with where and what it changed (read with mutmut's own API;
+    a killed mutant's only with `every_line`)."""
     with _cwd(run_dir):
         from mutmut.configuration import reset_config
         from mutmut.mutation.data import SourceFileMutationData
@@ -107,7 +112,7 @@ def _mutants_of(run_dir: Path) -> list[Mutant]:
             tree = ast.parse("\n".join(source))
             for name, code in data.exit_code_by_key.items():
                 status = status_by_exit_code[code]
-                if status == "killed":
+                if status == "killed" and not every_line:
                     out.append(Mutant(name, str(path), status, 0, "", ""))
                     continue
                 diff = get_diff_for_mutant(name, path=path)
@@ -124,6 +129,26 @@ def _mutants_of(run_dir: Path) -> list[Mutant]:
                 out.append(Mutant(name, str(path), status, line, before, after))
         reset_config()
     return out
+
+
+def changed_since(rev: str, run_dir: Path, file: str) -> set[int]:
+    """The 1-based lines of the snapshot's `file` that differ from `file` at git revision
+    `rev` of the checkout this script runs in (a new file: every line)."""
+    old = subprocess.run(["git", "show", f"{rev}:{file}"], capture_output=True, text=True)
+    before = old.stdout.splitlines() if old.returncode == 0 else []
+    after = (run_dir / file).read_text().splitlines()
+    lines: set[int] = set()
+    matcher = difflib.SequenceMatcher(None, before, after, autojunk=False)
+    for tag, _, _, j1, j2 in matcher.get_opcodes():
+        if tag in ("replace", "insert"):
+            lines.update(range(j1 + 1, j2 + 1))
+    return lines
+
+
+def _on_changed_lines(mutants: list[Mutant], rev: str, run_dir: Path) -> list[Mutant]:
+    """The mutants whose line changed since `rev`."""
+    changed = {f: changed_since(rev, run_dir, f) for f in {m.file for m in mutants}}
+    return [m for m in mutants if m.line in changed[m.file]]
 
 
 def _explain(mutants: list[Mutant], survivors_file: Path) -> list[dict[str, str]]:
@@ -179,6 +204,7 @@ def render(
     seconds: dict[str, int],
     uncovered: dict[str, list[int]],
     selections: dict[str, list[str]] | None = None,
+    since: tuple[str, dict[str, int]] | None = None,
 ) -> str:
     files = sorted({m.file for m in mutants})
     total = len(mutants)
@@ -204,6 +230,17 @@ def render(
         f"**Score: {done}/{total} mutants killed ({100 * done / max(total, 1):.1f}%)"
         f"{rerun_note}.**",
         "",
+    ]
+    if since is not None:
+        rev, generated = since
+        of = ", ".join(f"`{f}` {n}" for f, n in sorted(generated.items()))
+        lines += [
+            f"Incremental: only the mutants on lines changed since `{rev}` ran and count here "
+            f"(mutants generated, per file: {of}); the lines unchanged since keep that "
+            "revision's report.",
+            "",
+        ]
+    lines += [
         "| file | mutants | killed | killed by the rerun | survived | explained | other |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -290,7 +327,7 @@ def render(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--survivors", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--output", type=Path, help="the report (required unless --list-changed)")
     p.add_argument(
         "--rerun",
         type=Path,
@@ -298,18 +335,33 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a copy of RUN_DIR/GROUP in which mutmut reran the survivors (GROUP-rerun)",
     )
+    p.add_argument("--since", help="count only the mutants on lines changed since this git rev")
+    p.add_argument(
+        "--list-changed", action="store_true", help="with --since: print their names, no report"
+    )
     p.add_argument("runs", type=Path, nargs="+")
     args = p.parse_args(argv)
     mutants: list[Mutant] = []
     seconds: dict[str, int] = {}
+    generated: dict[str, int] = {}
     for run in args.runs:
         run = run.resolve()
         if not (run / "mutants").is_dir():
             print(f"{run}: no mutmut results", file=sys.stderr)
             return 1
-        mutants += _mutants_of(run)
+        of_run = _mutants_of(run, every_line=args.since is not None)
+        if args.since is not None:
+            for m in of_run:
+                generated[m.file] = generated.get(m.file, 0) + 1
+            of_run = _on_changed_lines(of_run, args.since, run)
+        mutants += of_run
         if (run / "seconds").is_file():
             seconds[run.name] = int((run / "seconds").read_text())
+    if args.list_changed:
+        print("\n".join(m.name for m in mutants))
+        return 0
+    if args.output is None:
+        p.error("--output is required")
     stale = _explain(mutants, args.survivors)
     survivors = {m.name: m for m in mutants if m.status not in DETECTED}
     for rerun in args.rerun:
@@ -323,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         uncovered.update(_uncovered(run))
         config = tomllib.loads((run / "pyproject.toml").read_text())["tool"]["mutmut"]
         selections[run.name] = config["pytest_add_cli_args_test_selection"]
-    args.output.write_text(render(mutants, stale, seconds, uncovered, selections))
+    since = None if args.since is None else (args.since, generated)
+    args.output.write_text(render(mutants, stale, seconds, uncovered, selections, since))
     return 0
 
 
