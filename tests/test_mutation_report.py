@@ -4,6 +4,8 @@ included, and which mutants it lists as left."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,3 +45,34 @@ def test_without_a_rerun_the_score_is_the_runs_own():
     text = report.render(ms, [], {}, {})
     assert "**Score: 1/2 mutants killed (50.0%).**" in text
     assert "killed by the rerun" not in text.split("##")[0].split("| file")[0]
+
+
+def test_since_counts_the_mutants_of_lines_changed_since_a_revision(tmp_path: Path) -> None:
+    """--since: the lines of the snapshot's file that differ from the file at a git revision
+    (replaced and inserted ones; not removed ones, which no mutant can sit on), the mutants
+    on them, and the report's note naming the revision and what was generated."""
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "m.py").write_text("a = 1\nb = 2\nc = 3\nd = 4\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    snap = tmp_path / "snap" / "pkg"
+    snap.mkdir(parents=True)
+    (snap / "m.py").write_text("a = 1\nb = 20\nc = 3\nnew = 0\n")  # b changed, d -> new
+    old = Path.cwd()
+    try:
+        os.chdir(repo)
+        assert report.changed_since("HEAD", snap.parent, "pkg/m.py") == {2, 4}
+        ms = [
+            report.Mutant(n, "pkg/m.py", "killed", line, "", "")
+            for n, line in (("x", 1), ("y", 2), ("z", 4))
+        ]
+        assert [m.name for m in report._on_changed_lines(ms, "HEAD", snap.parent)] == ["y", "z"]
+    finally:
+        os.chdir(old)
+    text = report.render(ms[1:], [], {}, {}, None, ("HEAD", {"pkg/m.py": 3}))
+    assert "**Score: 2/2 mutants killed" in text
+    assert "Incremental: only the mutants on lines changed since `HEAD`" in text
+    assert "`pkg/m.py` 3" in text
