@@ -28,6 +28,7 @@ from datetime import date
 from pathlib import Path
 
 DETECTED = ("killed", "timeout", "caught by type check")
+TIMED_OUT = "timed out, equivalent"  # a listed equivalent mutant whose tests ran out of time
 
 
 @dataclass
@@ -166,11 +167,17 @@ def _explain(mutants: list[Mutant], survivors_file: Path) -> list[dict[str, str]
             "hand; the next run counts it)."
         )
         why.setdefault(key(e), text.strip())
+    equivalent = {key(e) for e in table.get("equivalent", [])}
     matched = set()
     for m in mutants:
-        if m.status not in DETECTED and (m.file, m.before, m.after) in why:
-            m.why = why[m.file, m.before, m.after]
-            matched.add((m.file, m.before, m.after))
+        k = (m.file, m.before, m.after)
+        if m.status == "timeout" and k in equivalent:
+            # A mutant known to change nothing that ran out of time (a loaded machine) was
+            # not killed by a test: it counts as a survivor, with its explanation.
+            m.status = TIMED_OUT
+        if m.status not in DETECTED and k in why:
+            m.why = why[k]
+            matched.add(k)
     files = {m.file for m in mutants}
     return [e for e in listed if key(e) not in matched and e["file"] in files]
 
@@ -248,7 +255,7 @@ def render(
         ms = [m for m in mutants if m.file == f]
         killed = sum(m.status in DETECTED for m in ms)
         later = sum(m.killed for m in ms) - killed
-        survived = sum(not m.killed and m.status == "survived" for m in ms)
+        survived = sum(not m.killed and m.status in ("survived", TIMED_OUT) for m in ms)
         why = sum(m.why is not None and not m.killed for m in ms)
         other = len(ms) - killed - later - survived
         lines.append(f"| `{f}` | {len(ms)} | {killed} | {later} | {survived} | {why} | {other} |")

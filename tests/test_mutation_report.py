@@ -76,3 +76,21 @@ def test_since_counts_the_mutants_of_lines_changed_since_a_revision(tmp_path: Pa
     assert "**Score: 2/2 mutants killed" in text
     assert "Incremental: only the mutants on lines changed since `HEAD`" in text
     assert "`pkg/m.py` 3" in text
+
+
+def test_a_listed_equivalent_mutant_that_timed_out_counts_as_a_survivor(tmp_path: Path) -> None:
+    """mutmut counts a timeout as killed; a mutant the survivors file lists as equivalent
+    (no test can kill it) that timed out on a loaded machine was not killed by a test: it
+    is a survivor, listed with its explanation, and the score does not count it."""
+    survivors = tmp_path / "s.toml"
+    survivors.write_text(
+        '[[equivalent]]\nfile = "m.py"\nbefore = "a_t"\nafter = "b_t"\nwhy = "the same sort"\n'
+    )
+    ms = [_m("k", "killed"), _m("t", "timeout"), _m("u", "timeout")]
+    assert report._explain(ms, survivors) == []
+    text = report.render(ms, [], {}, {})
+    assert "**Score: 2/3 mutants killed (66.7%)" in text
+    assert "| `m.py` | 3 | 2 | 0 | 1 | 1 | 0 |" in text
+    left = text.split("## Mutants no test killed")[1].split("##")[0]
+    assert "(timed out, equivalent): `a_t`" in left and "the same sort" in left
+    assert "a_u" in text.split("## Mutants killed by a timeout")[1]
