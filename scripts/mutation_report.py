@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     mutants: list[Mutant] = []
     seconds: dict[str, int] = {}
     generated: dict[str, int] = {}
+    changed: dict[str, tuple[set[int], set[str]]] = {}  # --since: per file, lines and texts
     for run in args.runs:
         run = run.resolve()
         if not (run / "mutants").is_dir():
@@ -361,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             for m in of_run:
                 generated[m.file] = generated.get(m.file, 0) + 1
             of_run = _on_changed_lines(of_run, args.since, run)
+            for f in {m.file for m in of_run} | set(_uncovered(run)):
+                lines = changed_since(args.since, run, f)
+                text = (run / f).read_text().splitlines()
+                changed[f] = (lines, {text[i - 1].strip() for i in lines})
         mutants += of_run
         if (run / "seconds").is_file():
             seconds[run.name] = int((run / "seconds").read_text())
@@ -370,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None:
         p.error("--output is required")
     stale = _explain(mutants, args.survivors)
+    if args.since is not None:  # an entry for a line unchanged since is not stale
+        stale = [e for e in stale if e["before"].strip() in changed.get(e["file"], ((), ()))[1]]
     survivors = {m.name: m for m in mutants if m.status not in DETECTED}
     for rerun in args.rerun:
         for r in _mutants_of(rerun.resolve()):  # those it did not run read 'not checked'
@@ -379,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     selections: dict[str, list[str]] = {}
     for run in args.runs:
         run = run.resolve()
-        uncovered.update(_uncovered(run))
+        for f, lines in _uncovered(run).items():
+            keep = changed[f][0] if f in changed else set() if args.since else set(lines)
+            uncovered[f] = [n for n in lines if n in keep]
         config = tomllib.loads((run / "pyproject.toml").read_text())["tool"]["mutmut"]
         selections[run.name] = config["pytest_add_cli_args_test_selection"]
     since = None if args.since is None else (args.since, generated)
