@@ -27,9 +27,10 @@
 # today's tests/ (GROUP-rerun), and the summary counts those the new tests kill.
 #
 # --since REV: each group in a fresh snapshot as above, but mutmut runs only the mutants on
-# the lines of the mutated file that changed since git revision REV (its last full run's), and
-# the summary counts those; the lines unchanged since keep REV's report. For a module whose
-# full run takes longer than a session (jax-ops: hours on 2 cores).
+# the lines of the mutated file that changed since git revision REV (its last full run's),
+# and the summary counts those (REV is kept in the snapshot's `since` file, so one summary
+# can hold full and incremental groups); the lines unchanged since keep REV's report. For a
+# module whose full run takes longer than a session (jax-ops: hours on 2 cores).
 #
 # Environment: MUTATION_JOBS (workers, default 2), MUTATION_TIMEOUT (seconds per group,
 # default 3600), MUTATION_DIR (snapshots, default $TMPDIR/fm-jax-mutation), MUTATION_REPORT
@@ -227,11 +228,12 @@ EOF
         echo "== $g: mutmut on $file ($JOBS workers, at most ${LIMIT}s)${since:+, lines changed since $since}"
         start=$(date +%s)
         if [ -n "$since" ]; then
+            git rev-parse "$since" >"$dir/since"  # the summary counts this run incrementally
             # mutmut generates every mutant (and collects its test stats) before it filters
             # by name: a name matching none stops it right there, with the mutants on disk.
             mutmut_in "$dir" "$g" run --max-children "$JOBS" fm-jax-generate-only 2>/dev/null
             names=$("$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
-                --since "$since" --list-changed "$dir")
+                --list-changed "$dir")
             echo "   $(echo "$names" | wc -w) mutants on lines changed since $since"
             # shellcheck disable=SC2086  # one argument per mutant name
             [ -z "$names" ] || mutmut_in "$dir" "$g" run --max-children "$JOBS" $names
@@ -251,7 +253,7 @@ EOF
 
     mkdir -p "$(dirname "$REPORT")"
     "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
-        ${since:+--since "$since"} --output "$REPORT" "${dirs[@]}"
+        --output "$REPORT" "${dirs[@]}"
     cat "$REPORT"
 }
 

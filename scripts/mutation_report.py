@@ -6,9 +6,10 @@ Usage: mutation_report.py --survivors FILE.toml --output FILE.md [--rerun DIR]..
 Each RUN_DIR is a snapshot in which `mutmut run` ran (it holds pyproject.toml and mutants/).
 A --rerun DIR is a copy of one, with today's tests, in which mutmut ran again on that run's
 survivors only (`bash scripts/mutation.sh --rerun GROUP`): the survivors it kills count as
-killed, and the report says which. With --since REV the report counts only the mutants on
-lines changed since git revision REV (`bash scripts/mutation.sh --since REV GROUP`, which
-runs only those); --list-changed prints their names instead of a report.
+killed, and the report says which. A RUN_DIR holding a file `since` (a git revision REV,
+written by `bash scripts/mutation.sh --since REV GROUP`, which runs only those mutants)
+counts only the mutants on lines changed since REV; --list-changed prints their names
+instead of a report.
 """
 
 from __future__ import annotations
@@ -146,12 +147,6 @@ def changed_since(rev: str, run_dir: Path, file: str) -> set[int]:
     return lines
 
 
-def _on_changed_lines(mutants: list[Mutant], rev: str, run_dir: Path) -> list[Mutant]:
-    """The mutants whose line changed since `rev`."""
-    changed = {f: changed_since(rev, run_dir, f) for f in {m.file for m in mutants}}
-    return [m for m in mutants if m.line in changed[m.file]]
-
-
 def _explain(mutants: list[Mutant], survivors_file: Path) -> list[dict[str, str]]:
     """Attach each listed explanation to the survivors it matches (by file and the line
     before and after the mutation; the first entry for a key wins); return the entries that
@@ -211,7 +206,7 @@ def render(
     seconds: dict[str, int],
     uncovered: dict[str, list[int]],
     selections: dict[str, list[str]] | None = None,
-    since: tuple[str, dict[str, int]] | None = None,
+    since: dict[str, tuple[str, int]] | None = None,
 ) -> str:
     files = sorted({m.file for m in mutants})
     total = len(mutants)
@@ -238,12 +233,13 @@ def render(
         f"{rerun_note}.**",
         "",
     ]
-    if since is not None:
-        rev, generated = since
-        of = ", ".join(f"`{f}` {n}" for f, n in sorted(generated.items()))
+    if since:
+        of = "; ".join(
+            f"`{f}` since `{rev}` ({n} generated)" for f, (rev, n) in sorted(since.items())
+        )
         lines += [
-            f"Incremental: only the mutants on lines changed since `{rev}` ran and count here "
-            f"(mutants generated, per file: {of}); the lines unchanged since keep that "
+            "Incremental files: only the mutants on lines changed since their last full run's "
+            f"revision ran and count here ({of}); their lines unchanged since keep that "
             "revision's report.",
             "",
         ]
@@ -342,30 +338,31 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a copy of RUN_DIR/GROUP in which mutmut reran the survivors (GROUP-rerun)",
     )
-    p.add_argument("--since", help="count only the mutants on lines changed since this git rev")
     p.add_argument(
-        "--list-changed", action="store_true", help="with --since: print their names, no report"
+        "--list-changed",
+        action="store_true",
+        help="print the names of the mutants on changed lines of runs with a `since` file",
     )
     p.add_argument("runs", type=Path, nargs="+")
     args = p.parse_args(argv)
     mutants: list[Mutant] = []
     seconds: dict[str, int] = {}
-    generated: dict[str, int] = {}
-    changed: dict[str, tuple[set[int], set[str]]] = {}  # --since: per file, lines and texts
+    since: dict[str, tuple[str, int]] = {}  # incremental files: revision, mutants generated
+    changed: dict[str, tuple[set[int], set[str]]] = {}  # and their changed lines and texts
     for run in args.runs:
         run = run.resolve()
         if not (run / "mutants").is_dir():
             print(f"{run}: no mutmut results", file=sys.stderr)
             return 1
-        of_run = _mutants_of(run, every_line=args.since is not None)
-        if args.since is not None:
-            for m in of_run:
-                generated[m.file] = generated.get(m.file, 0) + 1
-            of_run = _on_changed_lines(of_run, args.since, run)
+        rev = (run / "since").read_text().strip() if (run / "since").is_file() else None
+        of_run = _mutants_of(run, every_line=rev is not None)
+        if rev is not None:
             for f in {m.file for m in of_run} | set(_uncovered(run)):
-                lines = changed_since(args.since, run, f)
+                lines = changed_since(rev, run, f)
                 text = (run / f).read_text().splitlines()
                 changed[f] = (lines, {text[i - 1].strip() for i in lines})
+                since[f] = (rev, sum(m.file == f for m in of_run))
+            of_run = [m for m in of_run if m.line in changed[m.file][0]]
         mutants += of_run
         if (run / "seconds").is_file():
             seconds[run.name] = int((run / "seconds").read_text())
@@ -375,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None:
         p.error("--output is required")
     stale = _explain(mutants, args.survivors)
-    if args.since is not None:  # an entry for a line unchanged since is not stale
-        stale = [e for e in stale if e["before"].strip() in changed.get(e["file"], ((), ()))[1]]
+    # An entry for a line of an incremental file unchanged since is not stale.
+    stale = [
+        e for e in stale if e["file"] not in changed or e["before"].strip() in changed[e["file"]][1]
+    ]
     survivors = {m.name: m for m in mutants if m.status not in DETECTED}
     for rerun in args.rerun:
         for r in _mutants_of(rerun.resolve()):  # those it did not run read 'not checked'
@@ -387,11 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in args.runs:
         run = run.resolve()
         for f, lines in _uncovered(run).items():
-            keep = changed[f][0] if f in changed else set() if args.since else set(lines)
+            keep = changed[f][0] if f in changed else set(lines)
             uncovered[f] = [n for n in lines if n in keep]
         config = tomllib.loads((run / "pyproject.toml").read_text())["tool"]["mutmut"]
         selections[run.name] = config["pytest_add_cli_args_test_selection"]
-    since = None if args.since is None else (args.since, generated)
     args.output.write_text(render(mutants, stale, seconds, uncovered, selections, since))
     return 0
 
