@@ -166,6 +166,25 @@ def test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice() -> None
         tm.resolve(tb)
 
 
+def test_only_the_draft_rows_that_read_a_running_slot_read_it_twice() -> None:
+    """The draft reads slot 5 (a prefill row's, stashed, no running row reads it) and slot 2
+    (a running row's, read first by the token slots): only slot 2 is read twice, and both
+    twins name slot 2 alone (a check that marked every draft row once any draft slot was a
+    running one named slot 5)."""
+    jm, tm = jax_map(True), torch_map(True)
+    jm.publish(a(5), a(30))
+    jm.stash(a(5), jax_draft([9]))
+    tm.publish(torch.tensor([5]), torch.tensor([30]))
+    tm.stash(torch.tensor([5]), torch_draft([9]))
+    jm.resolve(fj.Batch(MIXED, ROWS, IDS, LENS, a(5, 0, 2), TOKEN_SLOTS))
+    with pytest.raises(fj.InvariantViolation, match=r"\[consume \(WRWR\)\] slot 2 was read"):
+        jm.check()
+    tb = torch_batch(ROWS, IDS[:3], LENS, a(3, 2))
+    tb.draft = ft.DraftInput(torch.tensor([5, 0, 2]))
+    with pytest.raises(ft.InvariantViolation, match=r"\(slots \[2\]\)"):
+        tm.resolve(tb)
+
+
 def test_the_sentinel_protocol_refuses_a_spec_mixed_batch() -> None:
     """The sentinel protocol has no spec MIXED batch (its running rows' sentinels would
     never be filled): both twins refuse one whose kind is known on the host."""
