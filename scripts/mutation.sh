@@ -24,7 +24,8 @@
 #
 # --rerun: for a group whose run finished (its snapshot in MUTATION_DIR, the mutated file
 # unchanged since), mutmut runs that run's survivors again in a copy of the snapshot given
-# today's tests/ (GROUP-rerun), and the summary counts those the new tests kill.
+# today's tests/ and today's other package files (GROUP-rerun), and the summary counts those
+# the new tests kill.
 #
 # --since REV: each group in a fresh snapshot as above, but mutmut runs only the mutants on
 # the lines of the mutated file that changed since git revision REV (its last full run's),
@@ -165,6 +166,15 @@ rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
         cp -a "$base" "$dir"
         cp -a tests/. "$dir/tests/"
         cp -a tests/. "$dir/mutants/tests/"
+        # Today's code beside today's tests: every package file but the mutated one (the
+        # same as the run's), in the snapshot and in mutmut's copy of it.
+        git ls-files -z --cached --others --exclude-standard -- fm_jax fm_torch fm_parity fm_bench |
+            while IFS= read -r -d '' f; do
+                [ "$f" = "$file" ] && continue
+                for d in "$dir" "$dir/mutants"; do
+                    mkdir -p "$d/$(dirname "$f")" && cp "$f" "$d/$f"
+                done
+            done
         # Today's test selection for the group too (the snapshot's is the run's).
         "$PY" -c "$RESELECT" "$dir/pyproject.toml" "$(selection "$g")"
         echo "== $g: mutmut on the $(echo "$names" | wc -w) survivors of $base, today's tests"
