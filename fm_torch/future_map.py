@@ -89,10 +89,10 @@ class FutureMap:
         if dtype not in v.INT_DTYPES:
             raise FutureMapError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
         self.protocol = v.check_protocol(protocol)
+        v.check_flag("spec", spec)
+        v.check_flag("debug", debug, none=True)
         self.pool_size = pool_size
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = v.check_device(device)
         self.dtype = dtype
         self.spec = spec
         self.debug = debug_from_env() if debug is None else debug
@@ -109,7 +109,7 @@ class FutureMap:
         self.hidden_states: torch.Tensor | None = None
         self.verified_id: torch.Tensor | None = None
         self.extras: dict[str, torch.Tensor] = {}
-        self.consumed = frozenset(consumed)  # consume-tracked extras, by name
+        self.consumed = v.check_names("consumed", consumed)  # consume-tracked extras, by name
         self._spec_shaped = False
         # Recorded after each spec publish on accelerators; resolve_seq_lens_cpu waits on it.
         self.publish_ready: torch.Event | None = None

@@ -24,6 +24,42 @@ HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROTOCOLS = ("sentinel", "gather")
 
 
+def check_device(device: object) -> torch.device:
+    """A FutureMap's device: a torch.device or a string naming one this torch can reach (a
+    CUDA device without an index is the current one)."""
+    if not isinstance(device, str | torch.device):
+        raise FutureMapError(f"device must be a torch.device or a string, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as bad:
+        raise FutureMapError(f"device {device!r} is not one torch names: {bad}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FutureMapError(f"device {device!r}: this torch reaches no CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise FutureMapError(
+                f"device {device!r}: this torch reaches {torch.cuda.device_count()} CUDA devices"
+            )
+    return dev
+
+
+def check_flag(name: str, value: object, none: bool = False) -> None:
+    """A FutureMap's switch: a bool (or None where `none`, meaning 'from the environment')."""
+    if not isinstance(value, bool) and not (none and value is None):
+        raise FutureMapError(f"{name} must be a bool{' or None' if none else ''}, got {value!r}")
+
+
+def check_names(name: str, value: object) -> frozenset[str]:
+    """A collection of field names (a tuple, list or set of strings; not one string)."""
+    if not isinstance(value, tuple | list | set | frozenset) or not all(
+        isinstance(n, str) for n in value
+    ):
+        raise FutureMapError(f"{name} must be a tuple of field names, got {value!r}")
+    return frozenset(value)
+
+
 def check_protocol(protocol: object) -> str:
     """A FutureMap's relay protocol: exactly one of the strings in PROTOCOLS."""
     if not isinstance(protocol, str) or protocol not in PROTOCOLS:

@@ -105,6 +105,27 @@ def test_a_map_is_built_or_refused_clearly(
     fm.check()
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    pool=st.one_of(st.integers(-1, 40), JUNK),
+    dtype=st.one_of(DTYPES, JUNK),
+    spec=SPECS,
+    debug=st.one_of(st.booleans(), JUNK),
+    protocol=st.one_of(st.sampled_from(["sentinel", "gather"]), JUNK),
+)
+def test_the_pure_ops_are_built_or_refused_clearly(
+    pool: Any, dtype: Any, spec: Any, debug: Any, protocol: Any
+) -> None:
+    """The pure ops' constructor (`fm_jax.future_map`) with arbitrary arguments: ops whose
+    state initialises, or a FutureMapError."""
+    try:
+        ops = fj.future_map(pool, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
+    except fj.FutureMapError:
+        return
+    state = ops.init()
+    assert state.output_tokens.shape == (pool,)
+
+
 def _rows(dtype: np.dtype, shape: tuple[int, ...], nonnegative: bool) -> np.ndarray:
     """Two rows of `dtype` from a byte pattern holding NaNs with payloads and -0.0 (floats),
     all bits set (ints, unless `nonnegative`)."""

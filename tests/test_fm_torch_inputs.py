@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fm_torch import DraftInput, DraftPayload, ForwardMode, FutureMap, FutureMapError, ScheduleBatch
 
@@ -382,3 +384,48 @@ def test_payload_on_another_device_is_rejected():
     with pytest.raises(FutureMapError, match="is on cpu, the FutureMap is on cuda"):
         fm.publish(t([1]).cuda(), t([3]))
     assert snapshot(fm) == before
+
+
+_JUNK = st.sampled_from([None, "x", "", 1.5, -1, 0, True, [], (), {}, object(), b"b", [1, "a"]])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    pool=st.one_of(st.integers(-1, 12), _JUNK),
+    dtype=st.one_of(st.sampled_from([torch.int32, torch.int64, torch.float32, torch.bool]), _JUNK),
+    spec=st.one_of(st.booleans(), _JUNK),
+    debug=st.one_of(st.none(), st.booleans(), _JUNK),
+    protocol=st.one_of(st.sampled_from(["sentinel", "gather"]), _JUNK),
+    device=st.one_of(st.sampled_from(["cpu", "nope", "cuda:7", torch.device("cpu")]), _JUNK),
+    consumed=st.one_of(st.sampled_from([(), ("steps",), ["steps"], "steps"]), _JUNK),
+)
+def test_a_map_is_built_or_refused_clearly(
+    pool: object,
+    dtype: object,
+    spec: object,
+    debug: object,
+    protocol: object,
+    device: object,
+    consumed: object,
+) -> None:
+    """Defect (reliability round two, fm_torch's constructor): a device torch cannot name or
+    reach raised torch's own RuntimeError, AssertionError or TypeError, consumed=None a
+    TypeError, and a debug or spec flag of any value was taken as its truth value. Every
+    argument combination gives a working map (one publish and resolve) or a FutureMapError."""
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        device = "nope"  # a device this torch cannot reach, whatever the machine
+    try:
+        fm = FutureMap(
+            pool,  # type: ignore[arg-type]
+            dtype=dtype,  # type: ignore[arg-type]
+            spec=spec,  # type: ignore[arg-type]
+            debug=debug,  # type: ignore[arg-type]
+            protocol=protocol,  # type: ignore[arg-type]
+            device=device,  # type: ignore[arg-type]
+            consumed=consumed,  # type: ignore[arg-type]
+        )
+    except FutureMapError:
+        return
+    one = torch.tensor([1], dtype=fm.dtype, device=fm.device)
+    fm.publish(one, one)
+    fm.resolve(ScheduleBatch(ForwardMode.EXTEND, one, one, one))
