@@ -54,6 +54,11 @@ SPECS = st.one_of(
 BUCKETS = st.one_of(st.none(), st.lists(st.one_of(INTS, JUNK), max_size=3), JUNK)
 
 
+def _dtype(field: fj.RelayField, fm: fj.FutureMap) -> np.dtype:
+    """A declared field's value dtype (None: the map's int dtype)."""
+    return np.dtype(fm.dtype if field.dtype is None else field.dtype)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     pool=st.one_of(st.integers(-1, 40), JUNK),
@@ -93,7 +98,7 @@ def test_a_map_is_built_or_refused_clearly(
     fm.publish(one, one)
     fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, one, one, one))
     if fm.spec is not None:
-        rows = {f.name: np.ones((1, *f.shape), f.dtype or fm.dtype) for f in fm.spec.fields()}
+        rows = {f.name: np.ones((1, *f.shape), _dtype(f, fm)) for f in fm.spec.fields()}
         std = {k: rows.pop(k) for k in fj.DraftPayload._fields if k in rows}
         fm.stash(one, fj.DraftPayload(**std, extras=rows or None))
         r = fm.resolve(fj.Batch(fj.ForwardMode.DECODE, one, one, one, draft_indices=one))
@@ -101,7 +106,7 @@ def test_a_map_is_built_or_refused_clearly(
         for f in fm.spec.extra:
             assert r.draft.extras is not None
             got = np.asarray(r.draft.extras[f.name])[:1]
-            assert got.dtype == np.dtype(f.dtype or fm.dtype), f
+            assert got.dtype == _dtype(f, fm), f
     fm.check()
 
 
@@ -164,7 +169,7 @@ def test_a_declared_field_is_served_or_refused_when_declared(
         return
     assert fm.spec is not None
     (declared,) = fm.spec.extra
-    dt = np.dtype(declared.dtype or fm.dtype)
+    dt = _dtype(declared, fm)
     rows = _rows(dt, shape, consumed)
     slots = np.array([3, 5], np.int32)
     fm.stash(slots, fj.DraftPayload(extras={"x": jnp.asarray(rows) if on_device else rows}))
