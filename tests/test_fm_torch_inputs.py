@@ -386,6 +386,31 @@ def test_payload_on_another_device_is_rejected():
     assert snapshot(fm) == before
 
 
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"device": "nope"}, r"^device 'nope' is not one torch names"),
+        ({"device": "cuda:7"}, r"^device 'cuda:7': this torch reaches"),
+        ({"device": 3}, r"^device must be a torch.device or a string, got 3"),
+        ({"debug": []}, r"^debug must be a bool or None, got \[\]"),
+        ({"debug": 1}, r"^debug must be a bool or None, got 1"),
+        ({"spec": 1}, r"^spec must be a bool, got 1"),
+        ({"consumed": "steps"}, r"^consumed must be a tuple of field names, got 'steps'"),
+        ({"consumed": None}, r"^consumed must be a tuple of field names, got None"),
+        ({"consumed": (1,)}, r"^consumed must be a tuple of field names"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else repr(x),
+)
+def test_a_bad_constructor_argument_is_refused_by_name(kw: dict[str, object], match: str) -> None:
+    """Defect (reliability round two, fm_torch's constructor): torch's own errors for a
+    device it cannot name or reach, a TypeError for consumed=None, and any debug or spec
+    value taken for its truth. Each is a FutureMapError naming the argument."""
+    if kw.get("device") == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a CUDA device 7")
+    with pytest.raises(FutureMapError, match=match):
+        FutureMap(R, **kw)  # type: ignore[arg-type]
+
+
 _JUNK = st.sampled_from([None, "x", "", 1.5, -1, 0, True, [], (), {}, object(), b"b", [1, "a"]])
 
 
