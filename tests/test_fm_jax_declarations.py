@@ -59,15 +59,21 @@ def _dtype(field: fj.RelayField, fm: fj.FutureMap) -> np.dtype:
     return np.dtype(fm.dtype if field.dtype is None else field.dtype)
 
 
+# The arguments the class and the pure ops' constructor share.
+SHARED = {
+    "pool": st.one_of(st.integers(-1, 40), JUNK),
+    "dtype": st.one_of(DTYPES, JUNK),
+    "spec": SPECS,
+    "debug": st.one_of(st.booleans(), JUNK),
+    "protocol": st.one_of(st.sampled_from(["sentinel", "gather"]), JUNK),
+}
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    pool=st.one_of(st.integers(-1, 40), JUNK),
-    dtype=st.one_of(DTYPES, JUNK),
-    spec=SPECS,
-    debug=st.one_of(st.booleans(), JUNK),
+    **SHARED,
     batch=BUCKETS,
     tokens=BUCKETS,
-    protocol=st.one_of(st.sampled_from(["sentinel", "gather"]), JUNK),
     pack=st.one_of(st.none(), st.booleans(), JUNK),
 )
 def test_a_map_is_built_or_refused_clearly(
@@ -111,13 +117,7 @@ def test_a_map_is_built_or_refused_clearly(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    pool=st.one_of(st.integers(-1, 40), JUNK),
-    dtype=st.one_of(DTYPES, JUNK),
-    spec=SPECS,
-    debug=st.one_of(st.booleans(), JUNK),
-    protocol=st.one_of(st.sampled_from(["sentinel", "gather"]), JUNK),
-)
+@given(**SHARED)
 def test_the_pure_ops_are_built_or_refused_clearly(
     pool: Any, dtype: Any, spec: Any, debug: Any, protocol: Any
 ) -> None:
