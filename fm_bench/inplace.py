@@ -8,12 +8,19 @@ bitcast-converts). Zero means the op moves batch-sized data only. Each op is com
 that XLA:CPU would still split over threads (0: the op runs on the calling thread), and
 `kernels` the instructions of the entry computation that run work (fusions, scatters,
 gathers, copies, custom calls, conditionals; not parameters, tuples, bitcasts or
-constants): on a GPU, about the kernels the op launches.
+constants): on a GPU, about the kernels the op launches. Each op runs under the
+configuration's relay protocol (the gather protocol has no invalidate; its batch carries the
+host's ids and lengths instead of sentinels).
+
+    python -m fm_bench.inplace [--out DIR] [--tag TAG]   # both protocols, plain and spec maps
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -60,18 +67,25 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
     """{op: {"whole_buffer_ops": n, "aliased": bool}} for the ops of `cfg`."""
     dd = device_data(cfg, host_data(cfg))
     spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
-    ops = fj.future_map(cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug)
+    ops = fj.future_map(
+        cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug, protocol=cfg.protocol
+    )
     state = ops.init()
     idx = dd.idx
     draft = fj.DraftPayload(dd.tokens, dd.topk_p, dd.topk_index, dd.hidden)
     payload = draft if cfg.spec else dd.tokens
-    batch = fj.Batch(dd.decode_mode, idx, -idx, -idx, idx if cfg.spec else None)
+    draft_idx = idx if cfg.spec else None
+    if cfg.gather:  # the host's ids and lengths; resolve gathers what it relays
+        batch = fj.Batch(dd.decode_mode, idx, dd.tokens, dd.lens, draft_idx)
+    else:
+        batch = fj.Batch(dd.decode_mode, idx, -idx, -idx, draft_idx)
 
     def engine(state: fj.FutureMapState, batch: fj.Batch) -> Any:
         state, res = ops.resolve(state, batch)
         out, lens = _model(res)
         state = ops.publish(state, batch.req_pool_indices, lens)
-        return ops.stash(state, batch.req_pool_indices, out), ops.invalidate(batch, idx)
+        state = ops.stash(state, batch.req_pool_indices, out)
+        return state, (batch if cfg.gather else ops.invalidate(batch, idx))
 
     def wrap(f: Any) -> Any:
         return checkify.checkify(f, errors=checkify.user_checks) if debug else f
@@ -102,15 +116,20 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
     return out
 
 
-def table(cfgs: list[Config]) -> str:
-    """Markdown: whole-buffer rewrites per op, debug off and on, for each configuration."""
+def table(cfgs: list[Config], checked: list[tuple[dict, dict]] | None = None) -> str:
+    """Markdown: whole-buffer rewrites per op, debug off and on, for each configuration.
+
+    `checked` holds (`check(cfg, False)`, `check(cfg, True)`) per configuration when the
+    caller has them already; else each configuration is compiled here.
+    """
+    if checked is None:
+        checked = [(check(cfg, False), check(cfg, True)) for cfg in cfgs]
     lines = [
         "| config | op | whole-buffer rewrites (debug off) | (debug on) | donated state aliased "
         "| split over threads (off / on) | kernels (off / on) |",
         "| --- | --- | ---: | ---: | --- | ---: | ---: |",
     ]
-    for cfg in cfgs:
-        off, on = check(cfg, False), check(cfg, True)
+    for cfg, (off, on) in zip(cfgs, checked, strict=True):
         for op in off:
             lines.append(
                 f"| {cfg.label()} | {op} | {off[op]['whole_buffer_ops']} | "
@@ -119,3 +138,42 @@ def table(cfgs: list[Config]) -> str:
                 f"{off[op]['kernels']} / {on[op]['kernels']} |"
             )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print (and with --out write) the table for both protocols, a plain and a spec map."""
+    p = argparse.ArgumentParser(prog="python -m fm_bench.inplace", description=__doc__)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--pool", type=int, default=1 << 20, help="R of the plain map")
+    p.add_argument("--spec-pool", type=int, default=16384, help="R of the spec map")
+    p.add_argument("--hidden", type=int, default=4096, help="H of the spec map")
+    p.add_argument("--out", type=Path, default=None, help="write inplace_<tag>.{md,json}")
+    p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
+    a = p.parse_args(argv)
+    cfgs = [
+        Config(a.batch, pool, spec=spec, hidden=a.hidden, protocol=protocol)
+        for protocol in ("sentinel", "gather")
+        for pool, spec in ((a.pool, False), (a.spec_pool, True))
+    ]
+    checked = [(check(cfg, False), check(cfg, True)) for cfg in cfgs]
+    device = jax.devices()[0]
+    md = (
+        f"# Compiled HLO per op: whole-buffer rewrites and kernels\n\n"
+        f"Device: jax {jax.__version__} {device.platform}:{device.device_kind}.\n\n"
+        + table(cfgs, checked)
+        + "\n"
+    )
+    print(md)
+    if a.out is not None:
+        tag = a.tag or device.platform
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"inplace_{tag}.md").write_text(md)
+        rows = [
+            {"config": cfg.label(), "debug_off": off, "debug_on": on}
+            for cfg, (off, on) in zip(cfgs, checked, strict=True)
+        ]
+        (a.out / f"inplace_{tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,13 @@
 #   bash scripts/cuda_checklist.sh parity OUT   # fm-parity --device cuda, 12 workers sharing the GPU
 #   bash scripts/cuda_checklist.sh bench OUT    # fm-bench headline + protocols, start-up, serving demo, host lengths
 #   bash scripts/cuda_checklist.sh extra OUT    # the mutation check on CUDA, fm-bench's sweeps
+#   bash scripts/cuda_checklist.sh "headline inplace parity_spec" OUT   # named steps, in order
+#
+# A part is a list of steps; the first argument may also name steps (and parts) one by one,
+# so one device call can take the steps that matter most first. Steps: versions, cuda_tests,
+# suite, parity, parity_spec (the spec payload and spec MIXED scenarios only), headline,
+# protocols, startup, serve, host_lengths, inplace (each op's compiled kernels), engine_step,
+# mutations, sweeps.
 #
 # Every step has its own time limit (seconds, overridable as LIMIT_<step>=N) and writes
 # OUT/<step>.log (parity with its progress bar, so a step stopped at its limit shows how far it
@@ -13,7 +20,7 @@
 # does not stop the next. Result files are named with `cuda` (fm-bench names them by JAX's
 # platform, `gpu`). PYTHON picks the interpreter (default python3).
 set -uo pipefail
-part=${1:?a part: checks, parity, bench or extra}
+parts=${1:?a part (checks, parity, bench, extra) or step names}
 out=$(mkdir -p "${2:?output folder}" && cd "$2" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -42,38 +49,64 @@ EOF
 
 export -f versions  # run by `timeout` in a child bash
 
-case $part in
-checks)
-    step versions 60 bash -c versions
-    step cuda_tests 90 "$py" -m pytest -m cuda -rs -p no:cacheprovider
-    step suite 360 "$py" -m pytest -n 12 -rfs -p no:cacheprovider
-    ;;
-parity)
-    step parity 420 "$py" -m fm_parity.cli --device cuda --jobs 12 --json "$out/parity_cuda.json"
-    ;;
-bench)
-    step headline 120 "$py" -m fm_bench.cli --headline-only --out "$out/headline"
-    mv "$out/headline/results.md" "$out/headline_cuda.md"
-    mv "$out/headline/results.json" "$out/headline_cuda.json"
-    step protocols 200 "$py" -m fm_bench.cli --protocols-only --out "$out/protocols"
-    mv "$out/protocols/protocols_gpu.md" "$out/protocols_cuda.md"
-    mv "$out/protocols/protocols_gpu.json" "$out/protocols_cuda.json"
-    rmdir "$out/headline" "$out/protocols"
-    step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec debug \
-        --json "$out/startup_cuda.json"
-    step serve 90 "$py" -m fm_bench.serve.cli --out "$out" --tag cuda
-    step host_lengths 45 "$py" -m fm_bench.host_lengths --out "$out/host_lengths"
-    mv "$out/host_lengths/host_lengths_gpu.md" "$out/host_lengths_cuda.md"
-    mv "$out/host_lengths/host_lengths_gpu.json" "$out/host_lengths_cuda.json"
-    rmdir "$out/host_lengths"
-    ;;
-extra)
-    step mutations 280 "$py" -m fm_parity.cli --device cuda --mutations --dtype int32 \
-        --json "$out/mutations_cuda.json"
-    step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps"
-    ;;
-*)
-    echo "unknown part: $part (checks, parity, bench or extra)" >&2
-    exit 2
-    ;;
-esac
+# fm-bench writes <name>_<platform>.{md,json} (JAX's platform: gpu); the results are named cuda.
+moved() {  # moved DIR NAME: DIR/NAME_*.{md,json} -> OUT/NAME_cuda.*, DIR removed
+    local f
+    for f in "$1/$2"_*.md "$1/$2"_*.json; do
+        [ -f "$f" ] && mv "$f" "$out/$2_cuda.${f##*.}"
+    done
+    rm -rf "$1"
+}
+
+run_step() {
+    case $1 in
+    versions) step versions 60 bash -c versions ;;
+    cuda_tests) step cuda_tests 90 "$py" -m pytest -m cuda -rs -p no:cacheprovider ;;
+    suite) step suite 360 "$py" -m pytest -n 12 -rfs -p no:cacheprovider ;;
+    parity)
+        step parity 420 "$py" -m fm_parity.cli --device cuda --jobs 12 --json "$out/parity_cuda.json"
+        ;;
+    parity_spec)
+        step parity_spec 150 "$py" -m fm_parity.cli --device cuda --jobs 6 \
+            --scenario spec_sglang_eagle --scenario spec_ngram --scenario spec_mixed \
+            --json "$out/parity_spec_cuda.json"
+        ;;
+    headline)
+        step headline 120 "$py" -m fm_bench.cli --headline-only --out "$out/headline"
+        mv "$out/headline/results.md" "$out/headline_cuda.md"
+        mv "$out/headline/results.json" "$out/headline_cuda.json"
+        rm -rf "$out/headline"
+        ;;
+    protocols)
+        step protocols 200 "$py" -m fm_bench.cli --protocols-only --out "$out/protocols"
+        moved "$out/protocols" protocols
+        ;;
+    startup)
+        step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec debug \
+            --json "$out/startup_cuda.json"
+        ;;
+    serve) step serve 90 "$py" -m fm_bench.serve.cli --out "$out" --tag cuda ;;
+    host_lengths)
+        step host_lengths 45 "$py" -m fm_bench.host_lengths --out "$out/host_lengths"
+        moved "$out/host_lengths" host_lengths
+        ;;
+    inplace) step inplace 90 "$py" -m fm_bench.inplace --out "$out" --tag cuda ;;
+    engine_step) step engine_step 120 "$py" -m fm_bench.engine_step --out "$out" --tag cuda ;;
+    mutations)
+        step mutations 280 "$py" -m fm_parity.cli --device cuda --mutations --dtype int32 \
+            --json "$out/mutations_cuda.json"
+        ;;
+    sweeps) step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps" ;;
+    checks) for s in versions cuda_tests suite; do run_step $s; done ;;
+    bench) for s in headline protocols startup serve host_lengths inplace engine_step; do run_step $s; done ;;
+    extra) for s in mutations sweeps; do run_step $s; done ;;
+    *)
+        echo "unknown part or step: $1" >&2
+        exit 2
+        ;;
+    esac
+}
+
+for p in $parts; do
+    run_step "$p"
+done
