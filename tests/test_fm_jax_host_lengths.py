@@ -38,6 +38,11 @@ def slow(x: jax.Array) -> jax.Array:
     return x
 
 
+FORWARD_SIZE = 600 if jax.default_backend() == "cpu" else 8192
+"""`slow`'s matrix size: 12 products of 600 x 600 take a CPU 0.1-1 s, an H100 microseconds
+(8192: about 10 ms of float32 products there)."""
+
+
 @pytest.mark.parametrize("protocol", ["sentinel", "gather"])
 def test_host_lengths_are_the_buffers_values(protocol: str) -> None:
     """With and without the copy, every read returns new_seq_lens at the slots: after a
@@ -90,7 +95,7 @@ def test_reading_the_last_published_lengths_waits_for_their_step_only(needs: boo
     of the slots just published returns while that forward still runs; without the copy
     (`needs_cpu_seq_lens=False`) the read is a sync behind it."""
     fm = make(needs)
-    x = jnp.ones((600, 600), jnp.float32)
+    x = jnp.ones((FORWARD_SIZE, FORWARD_SIZE), jnp.float32)
     slow(x).block_until_ready()
     idx = a(3, 5, 7, 9)
     lens = jax.jit(lambda: jnp.arange(4, dtype=jnp.int32) + 3)()
