@@ -63,8 +63,9 @@ def kernels(hlo: str) -> int:
     return sum(op not in _FREE for op in ops)
 
 
-def check(cfg: Config, debug: bool) -> dict[str, Any]:
-    """{op: {"whole_buffer_ops": n, "aliased": bool}} for the ops of `cfg`."""
+def check(cfg: Config, debug: bool, dump: Path | None = None) -> dict[str, Any]:
+    """{op: {"whole_buffer_ops": n, "aliased": bool, ...}} for the ops of `cfg`; with `dump`,
+    each op's optimised HLO is written there too."""
     dd = device_data(cfg, host_data(cfg))
     spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
     ops = fj.future_map(
@@ -80,6 +81,8 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
     else:
         batch = fj.Batch(dd.decode_mode, idx, -idx, -idx, draft_idx)
 
+    fixed = batch._replace(forward_mode=None)  # the mode is the executable's
+
     def engine(state: fj.FutureMapState, batch: fj.Batch) -> Any:
         state, res = ops.resolve(state, batch)
         out, lens = _model(res)
@@ -87,19 +90,26 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
         state = ops.stash(state, batch.req_pool_indices, out)
         return state, (batch if cfg.gather else ops.invalidate(batch, idx))
 
+    def finish(state: fj.FutureMapState, idx: jax.Array, lens: jax.Array, out: Any) -> Any:
+        # The class's tail phase: publish, stash and (sentinel protocol) invalidate.
+        state = ops.stash(ops.publish(state, idx, lens), idx, out)
+        return state if cfg.gather else (state, ops.invalidate(fixed, idx).input_ids)
+
     def wrap(f: Any) -> Any:
         return checkify.checkify(f, errors=checkify.user_checks) if debug else f
 
-    def resolved_only(state: fj.FutureMapState, batch: fj.Batch) -> Any:
-        # As the class runs a non-debug resolve: it reads the state, returns no state (a
+    def resolve(state: fj.FutureMapState, batch: fj.Batch) -> Any:
+        # As the class runs a resolve of a batch whose kind the host knows: the mode fixed
+        # in the executable; debug returns the state (consume poison), else no state (a
         # returned, undonated state would have to be copied).
-        return ops.resolve(state, batch)[1]
+        state, res = ops.resolve(state, batch._replace(forward_mode=fj.ForwardMode.DECODE))
+        return (state, res) if debug else res
 
-    resolve = ops.resolve if debug else resolved_only
     table = {
         "publish": (ops.publish, (state, idx, dd.lens), True),
         "stash_spec" if cfg.spec else "stash": (ops.stash, (state, idx, payload), True),
-        "resolve_spec" if cfg.spec else "resolve_decode": (resolve, (state, batch), debug),
+        "resolve_spec" if cfg.spec else "resolve_decode": (resolve, (state, fixed), debug),
+        "finish": (finish, (state, idx, dd.lens, payload), True),
         "fused step": (engine, (state, batch), True),
     }
     options = fj.compiler_options(jax.devices()[0].platform)  # as the class compiles them
@@ -107,6 +117,10 @@ def check(cfg: Config, debug: bool) -> dict[str, Any]:
     for name, (fn, args, donate) in table.items():
         jitted = jax.jit(wrap(fn), donate_argnums=(0,) if donate else (), compiler_options=options)
         hlo = jitted.lower(*args).compile().as_text() or ""
+        if dump is not None:
+            tag = re.sub(r"\W+", "_", f"{cfg.label()} {name} {'debug' if debug else 'off'}")
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"{tag}.hlo.txt").write_text(hlo)
         out[name] = {
             "whole_buffer_ops": len(whole_buffer_ops(hlo, cfg.pool)),
             "aliased": (not donate) or "input_output_alias" in hlo,
@@ -149,13 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=4096, help="H of the spec map")
     p.add_argument("--out", type=Path, default=None, help="write inplace_<tag>.{md,json}")
     p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
+    p.add_argument("--hlo", type=Path, default=None, help="write each op's optimised HLO here")
     a = p.parse_args(argv)
     cfgs = [
         Config(a.batch, pool, spec=spec, hidden=a.hidden, protocol=protocol)
         for protocol in ("sentinel", "gather")
         for pool, spec in ((a.pool, False), (a.spec_pool, True))
     ]
-    checked = [(check(cfg, False), check(cfg, True)) for cfg in cfgs]
+    checked = [(check(cfg, False, a.hlo), check(cfg, True, a.hlo)) for cfg in cfgs]
     device = jax.devices()[0]
     md = (
         f"# Compiled HLO per op: whole-buffer rewrites and kernels\n\n"

@@ -144,15 +144,21 @@ def test_int64_runs_in_an_x64_child(
     assert all(set(r) >= ROW_KEYS for r in rows)
 
 
-def test_inplace_check_sees_no_rewrite_and_no_thread_split_in_fm_jax_ops() -> None:
-    """The in-place table's claims at a pool where XLA:CPU splits ops by default (1 MB)."""
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_inplace_check_sees_no_rewrite_and_no_thread_split_in_fm_jax_ops(
+    protocol: str, tmp_path: Path
+) -> None:
+    """The in-place table's claims at a pool where XLA:CPU splits ops by default (1 MB),
+    under either protocol; each op's HLO is written where asked."""
     import jax
 
     from fm_bench import inplace
     from fm_bench.workload import Config
 
-    got = inplace.check(Config(64, 1 << 18), debug=False)
-    assert set(got) == {"publish", "stash", "resolve_decode", "fused step"}
+    got = inplace.check(Config(64, 1 << 18, protocol=protocol), debug=False, dump=tmp_path)
+    assert set(got) == {"publish", "stash", "resolve_decode", "finish", "fused step"}
+    assert len(list(tmp_path.glob("*.hlo.txt"))) == len(got)
+    assert all(v["kernels"] >= 1 for v in got.values())
     assert all(v["whole_buffer_ops"] == 0 and v["aliased"] for v in got.values())
     if jax.default_backend() == "cpu":
         assert all(v["thread_splits"] == 0 for v in got.values())
