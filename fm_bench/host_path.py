@@ -9,7 +9,9 @@ per protocol and debug setting (B rows, pool R, DECODE steps):
   calls them one by one would (resolve with the mode fixed, returning no state unless
   debug; the tail (publish, stash, and in the sentinel protocol invalidate) donating the
   state): the class's executables without the class;
-- `class`: `FutureMap.resolve` + `FutureMap.finish`.
+- `class`: `FutureMap.resolve` + `FutureMap.finish`;
+- `class_host`: the same class step fed numpy arrays (the batch and the tail's slots,
+  lengths and tokens), as a host scheduler feeds it: each call transfers its arrays.
 
 `class - ops` is the class's own Python (argument checks, padding, keys, the lock, debug
 bookkeeping); `ops - floor` is what its executables cost beyond a bare dispatch (more
@@ -32,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 
 import fm_jax as fj
@@ -110,20 +113,31 @@ def _ops(cfg: Config, debug: bool) -> tuple[Callable[[], object], Callable[[], o
     return run, setup
 
 
-def _class(cfg: Config, debug: bool) -> tuple[Callable[[], object], Callable[[], object]]:
-    """(run, setup) of a class step on jax arrays; setup surfaces debug errors, untimed."""
-    dd = device_data(cfg, host_data(cfg))
+def _class(
+    cfg: Config, debug: bool, host: bool = False
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(run, setup) of a class step on jax arrays (`host`: numpy arrays, the batch built
+    anew by the host each step); setup surfaces debug errors, untimed."""
+    data = host_data(cfg)
+    if host:
+        idx, lens, toks = (a.astype(np.int32) for a in (data.idx, data.lens, data.tokens))
+    else:
+        dd = device_data(cfg, data)
+        idx, lens, toks = dd.idx, dd.lens, dd.tokens
     fm = fj.FutureMap(cfg.pool, debug=debug, protocol=cfg.protocol, needs_cpu_seq_lens=False)
-    fm.publish(dd.idx, dd.lens)
-    fm.stash(dd.idx, dd.tokens)
-    box = {"batch": _batch(cfg, dd.idx, dd.lens)}
+    fm.publish(idx, lens)
+    fm.stash(idx, toks)
+    first = _batch(cfg, idx, lens)
+    box = {"batch": first}
     calls = [0]
 
     def run() -> object:
         r = fm.resolve(box["batch"])
-        box["batch"] = fm.finish(box["batch"], dd.idx, dd.lens, dd.tokens)
+        out = fm.finish(box["batch"], idx, lens, toks)
+        if not host:  # the host builds its next batch itself
+            box["batch"] = out
         calls[0] += 1
-        return wait_jax((r, fm.state, box["batch"].seq_lens))
+        return wait_jax((r, fm.state, out.seq_lens))
 
     def setup() -> None:
         if debug and calls[0] > 64:
@@ -144,6 +158,8 @@ def measure(batch: int, pool: int, runs: int, reps: int, steps: int) -> dict[str
             series.append(Series((protocol, "ops", debug), run, setup))
             run, setup = _class(cfg, debug)
             series.append(Series((protocol, "class", debug), run, setup))
+        run, setup = _class(cfg, False, host=True)
+        series.append(Series((protocol, "class_host", False), run, setup))
     per_run: dict[tuple[str, str, bool], list[dict[str, float]]] = {s.key: [] for s in series}
     for r in range(runs):
         stats = measure_group(series, reps=reps, warmup=5, seed=r, pipe_rounds=3, pipe_steps=steps)
@@ -195,6 +211,12 @@ def markdown(res: dict[str, Any]) -> str:
         "| protocol | debug | floor | executables | class Python | class | class / floor |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    tail = ["", "Gather vs sentinel, host time of a class step (µs, medians):", ""]
+    tail += ["| fed | sentinel | gather | gather / sentinel |", "| --- | ---: | ---: | ---: |"]
+    for kind, fed in (("class", "jax arrays"), ("class_host", "numpy arrays")):
+        s_us = get[("sentinel", kind, False)]["host_us"]
+        g_us = get[("gather", kind, False)]["host_us"]
+        tail.append(f"| {fed} | {s_us:.1f} | {g_us:.1f} | {g_us / s_us:.2f} |")
     for protocol in ("sentinel", "gather"):
         floor = get[(protocol, "floor", False)]["host_us"]
         for debug in (False, True):
@@ -204,7 +226,7 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {protocol} | {'on' if debug else 'off'} | {floor:.1f} | {ops - floor:.1f} | "
                 f"{cls - ops:.1f} | {cls:.1f} | {cls / floor:.2f} |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + tail) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
