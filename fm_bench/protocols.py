@@ -47,13 +47,34 @@ def summarize(per_run: Sequence[dict[Hashable, Stats]]) -> list[dict[str, Any]]:
         medians = [stats[key].median_us for stats in per_run]
         r["median_us"] = round(statistics.median(medians), 2)
         r["run_medians_us"] = [round(m, 2) for m in medians]
+        for f in ("host_us", "pipe_us"):  # each run's pipelined figure; their median
+            got = [getattr(stats[key], f) for stats in per_run]
+            if None not in got:
+                r[f] = round(statistics.median(got), 2)
+                r["run_" + f] = [round(x, 2) for x in got]
         rows.append(r)
     return rows
 
 
+def _ratio(sentinel: Sequence[float], gather: Sequence[float], prefix: str) -> dict[str, Any]:
+    """Both protocols' medians over runs with their ranges, and the median (range) of the
+    per-run ratios gather / sentinel; keys prefixed (`host_`: the host-time figures)."""
+    # A fused marginal cost can be <= 0 (indistinguishable from nothing): no ratio then.
+    ratios = [b / a for a, b in zip(sentinel, gather, strict=True) if a > 0]
+    return {
+        f"{prefix}sentinel_us": round(statistics.median(sentinel), 2),
+        f"{prefix}gather_us": round(statistics.median(gather), 2),
+        f"{prefix}sentinel_range_us": [min(sentinel), max(sentinel)],
+        f"{prefix}gather_range_us": [min(gather), max(gather)],
+        f"{prefix}ratio": round(statistics.median(ratios), 3) if ratios else None,
+        f"{prefix}ratio_range": [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
+    }
+
+
 def compare(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Gather vs sentinel per (implementation, op, map): the ratio of each run's medians,
-    its median over runs and range; rows measured in one protocol only are left out."""
+    its median over runs and range, on waited and (`host_*`) on host time; rows measured
+    in one protocol only are left out."""
     by: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(tuple(r.get(k) for k in _PAIR_KEYS), {})[r["protocol"]] = r
@@ -62,20 +83,11 @@ def compare(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         s, g = pair.get("sentinel"), pair.get("gather")
         if s is None or g is None:
             continue
-        # A fused marginal cost can be <= 0 (indistinguishable from nothing): no ratio then.
-        ratios = [
-            b / a for a, b in zip(s["run_medians_us"], g["run_medians_us"], strict=True) if a > 0
-        ]
         c: dict[str, Any] = {k: s[k] for k in _PAIR_KEYS if k in s}
-        c.update(
-            sentinel_us=s["median_us"],
-            gather_us=g["median_us"],
-            sentinel_range_us=[min(s["run_medians_us"]), max(s["run_medians_us"])],
-            gather_range_us=[min(g["run_medians_us"]), max(g["run_medians_us"])],
-            ratio=round(statistics.median(ratios), 3) if ratios else None,
-            ratio_range=[round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
-            runs=len(s["run_medians_us"]),
-        )
+        c.update(_ratio(s["run_medians_us"], g["run_medians_us"], ""))
+        if "run_host_us" in s and "run_host_us" in g:
+            c.update(_ratio(s["run_host_us"], g["run_host_us"], "host_"))
+        c["runs"] = len(s["run_medians_us"])
         out.append(c)
     return out
 

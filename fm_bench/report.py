@@ -84,15 +84,26 @@ def protocol_table(comparisons: Iterable[dict[str, Any]], impls: Sequence[str]) 
         return (c["pool"], c["spec"], _PROTOCOL_OP_ORDER.index(c["op"]), impl)
 
     lines = [
-        "| R | op | impl | sentinel µs | gather µs | gather / sentinel |",
-        "| ---: | --- | --- | ---: | ---: | ---: |",
+        "| R | op | impl | host µs: sentinel | gather | gather / sentinel "
+        "| waited µs: sentinel | gather | gather / sentinel |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+
+    def cells(c: dict[str, Any], prefix: str) -> str:
+        if c.get(prefix + "sentinel_us") is None:
+            return "– | – | –"
+        ratio = c[prefix + "ratio"]
+        ratio_cell = "n/a" if ratio is None else _range_cell(ratio, c[prefix + "ratio_range"], 2)
+        return (
+            f"{_range_cell(c[prefix + 'sentinel_us'], c[prefix + 'sentinel_range_us'], 1)} | "
+            f"{_range_cell(c[prefix + 'gather_us'], c[prefix + 'gather_range_us'], 1)} | "
+            f"{ratio_cell}"
+        )
+
     for c in sorted(comps, key=order):
-        ratio = "n/a" if c["ratio"] is None else _range_cell(c["ratio"], c["ratio_range"], 2)
         lines.append(
-            f"| {c['pool']} | {_protocol_op(c)} | {c['impl']} | "
-            f"{_range_cell(c['sentinel_us'], c['sentinel_range_us'], 1)} | "
-            f"{_range_cell(c['gather_us'], c['gather_range_us'], 1)} | {ratio} |"
+            f"| {c['pool']} | {_protocol_op(c)} | {c['impl']} | {cells(c, 'host_')} | "
+            f"{cells(c, '')} |"
         )
     return "\n".join(lines)
 
@@ -111,7 +122,9 @@ def _protocol_section(doc: dict[str, Any]) -> list[str]:
         f"B = {batch}, int32 buffers, debug off. Each R is one group holding both protocols'",
         f"series of every implementation, measured {runs} times (each run shuffles its rounds",
         "with its own seed); a cell is the median over those runs of each run's median, with",
-        "the range over runs; the ratio is taken per run, then its median and range. A step",
+        "the range over runs; the ratio is taken per run, then its median and range. Host",
+        "µs: the calls' own time with one step in flight (what an overlap engine's",
+        "scheduler pays); waited µs: each step waited for (a synchronous loop's). A step",
         "is resolve + publish + stash, and in the sentinel protocol invalidate too.",
         "`fm_jax_host` is the class fed numpy arrays, as a host scheduler feeds it;",
         "`fm_jax` the class fed jax arrays; both pass a gather DECODE batch",

@@ -417,6 +417,11 @@ def test_protocol_groups_compare_every_impl_op_and_map(tiny_run) -> None:
     runs = get("tiny").protocols.runs
     rows = doc["protocol_results"]
     assert rows and all(set(r) >= ROW_KEYS and len(r["run_medians_us"]) == runs for r in rows)
+    # Every row has its host and pipe figures: each run's, and their median.
+    for r in rows:
+        for f in ("host_us", "pipe_us"):
+            assert len(r["run_" + f]) == runs
+            assert r[f] == pytest.approx(statistics.median(r["run_" + f]), abs=0.01)
     assert {r["protocol"] for r in rows} == {"sentinel", "gather"}
     assert not any(r["op"] == "invalidate" for r in rows)
     plain = {("stash", False), ("resolve_decode", False), ("resolve_mixed", False)}
@@ -438,8 +443,16 @@ def test_protocol_groups_compare_every_impl_op_and_map(tiny_run) -> None:
         assert c["ratio"] == pytest.approx(statistics.median(ratios), abs=1e-3)
         assert c["ratio_range"][0] <= c["ratio"] <= c["ratio_range"][1]
         assert c["runs"] == runs
+    for c in comps:  # the same comparison on host time
+        if c["host_ratio"] is None:
+            continue
+        s = by[(c["impl"], c["op"], c["spec"], "sentinel")]["run_host_us"]
+        g = by[(c["impl"], c["op"], c["spec"], "gather")]["run_host_us"]
+        ratios = [b / a for a, b in zip(s, g, strict=True) if a > 0]
+        assert c["host_ratio"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+        assert c["host_sentinel_us"] == pytest.approx(statistics.median(s), abs=0.01)
     md = (out / "results.md").read_text()
-    assert "Protocols: gather vs sentinel" in md and "| gather / sentinel |" in md
+    assert "Protocols: gather vs sentinel" in md and "| host µs: sentinel |" in md
 
 
 def test_protocols_only_writes_its_own_files(
@@ -720,3 +733,29 @@ def test_host_lengths_bench_runs_at_a_tiny_size() -> None:
         assert res[key]["min"] <= res[key]["median"] <= res[key]["max"]
     page = markdown(res)
     assert "needs_cpu_seq_lens" in page and "SGLang's class" in page
+
+
+# ------------------------------------------------------------------------------ host path
+
+
+def test_host_path_splits_each_class_step_and_writes_its_files(tmp_path: Path) -> None:
+    """`python -m fm_bench.host_path`: every series of both protocols (floor, ops and class,
+    debug off and on, the numpy-fed class) has its three figures, and the split's parts add
+    up to the class's host time."""
+    import json
+
+    from fm_bench import host_path
+
+    host_path.main(["--batch", "4", "--pool", "16", "--runs", "1", "--reps", "3", "--steps", "3",
+                    "--out", str(tmp_path), "--tag", "t"])  # fmt: skip
+    res = json.loads((tmp_path / "host_path_t.json").read_text())
+    got = {(r["protocol"], r["series"], r["debug"]) for r in res["rows"]}
+    kinds = {("floor", False), ("class_host", False)} | {
+        (k, d) for k in ("ops", "class") for d in (False, True)
+    }
+    assert got == {(p, k, d) for p in ("sentinel", "gather") for k, d in kinds}
+    assert all(r[f] > 0 for r in res["rows"] for f in host_path.FIGURES)
+    md = (tmp_path / "host_path_t.md").read_text()
+    get = {(r["protocol"], r["series"], r["debug"]): r["host_us"] for r in res["rows"]}
+    floor, ops, cls = (get[("gather", k, False)] for k in ("floor", "ops", "class"))
+    assert f"| gather | off | {floor:.1f} | {ops - floor:.1f} | {cls - ops:.1f} | {cls:.1f} |" in md
