@@ -46,8 +46,15 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
         "none": None,
     }
     spec, packed, device = pack(tree)
-    assert packed is not None and packed.dtype == np.uint8 and packed.ndim == 1
+    assert packed is not None and packed.dtype == np.uint32 and packed.ndim == 1
+    assert spec.nbytes == packed.nbytes
     assert len(device) == 1  # the jax leaf passes on its own
+    raw = packed.view(np.uint8)
+    for leaf, want in zip(spec.leaves, jax.tree.leaves(tree), strict=True):
+        if leaf is not None:  # each host leaf starts on a word, its bytes as they were
+            offset, _, _ = leaf
+            n = np.asarray(want).nbytes
+            assert raw[4 * offset : 4 * offset + n].tobytes() == _bytes(want)
     got = jax.jit(lambda p, d: unpack(spec, p, d))(packed, device)
     for name, want in tree.items():
         if want is None:
@@ -56,6 +63,26 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
         g = np.asarray(got[name])
         assert g.dtype == np.asarray(want).dtype and g.shape == np.shape(want), name
         assert _bytes(g) == _bytes(want), name
+
+
+def test_a_packed_word_leaf_costs_no_kernel_of_its_own() -> None:
+    """A 4-byte leaf read twice from the packed buffer (a sentinel resolve's ids: compared,
+    and an index) compiles to as many kernels as the same function on the leaf passed on
+    its own: its unpacking fuses into the consumers."""
+    from fm_bench.inplace import kernels
+
+    x = (np.arange(256, dtype=np.int32) - 128,)
+    spec, packed, _ = pack(x)
+    table = jnp.arange(1024, dtype=jnp.int32)
+
+    def use(v: jax.Array, t: jax.Array) -> jax.Array:
+        return jnp.where(v < 0, t[-v], v)
+
+    def count(f: object, *args: object) -> int:
+        return kernels(jax.jit(f).lower(*args).compile().as_text())
+
+    alone = count(use, x[0], table)
+    assert count(lambda p, t: use(unpack(spec, p, ())[0], t), packed, table) == alone
 
 
 def test_pack_layout_is_static_and_keys_by_shape_dtype_and_placement() -> None:

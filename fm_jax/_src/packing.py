@@ -2,11 +2,15 @@
 
 Each numpy argument of a jitted call is its own transfer: on a GPU host about 30-55 us of
 host time apiece, several times the dispatch itself. `pack` lays every host leaf of a call's
-arguments end to end in one uint8 buffer built on the host; inside the jit `unpack` slices
-each leaf back out and bitcasts it to its dtype (XLA fuses the slice into its consumer:
-no extra kernel, no copy). Device leaves (jax arrays) pass through as they are. A call's
-`PackSpec` (the tree's structure, and each leaf's offset, shape and dtype) is static: it is
-part of the executable's key, so one executable serves every call of the same layout.
+arguments end to end in one buffer of 32-bit words built on the host, each leaf starting on
+a word; inside the jit `unpack` slices each leaf back out and bitcasts it to its dtype.
+Words, not bytes: a 4-byte leaf (int32, float32, the common case) comes back by an
+elementwise bitcast of the same shape, which XLA fuses into its consumers (no kernel of its
+own); from bytes it would be a [n, 4] to [n] bitcast, a reduction that XLA gives a kernel
+of its own when the leaf has several consumers. Device leaves (jax arrays) pass through as
+they are. A call's `PackSpec` (the tree's structure, and each leaf's word offset, shape and
+dtype) is static: it is part of the executable's key, so one executable serves every call
+of the same layout.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 Leaf = tuple[int, tuple[int, ...], np.dtype] | None
-"""A packed leaf's (byte offset, shape, dtype); None for a leaf passed as it is."""
+"""A packed leaf's (word offset, shape, dtype); None for a leaf passed as it is."""
+
+WORD = 4
+"""Bytes per word of the packed buffer (uint32)."""
 
 
 class PackSpec(NamedTuple):
@@ -26,9 +33,10 @@ class PackSpec(NamedTuple):
 
     Attributes:
       treedef: the argument tree's structure.
-      leaves: per leaf, its (offset, shape, dtype) in the packed buffer, or None for a
-        device leaf, passed on its own.
-      nbytes: the packed buffer's size (0: nothing packed).
+      leaves: per leaf, its (word offset, shape, dtype) in the packed buffer, or None for
+        a device leaf, passed on its own.
+      nbytes: the packed buffer's size in bytes, a whole number of words (0: nothing
+        packed).
     """
 
     treedef: Any
@@ -36,34 +44,46 @@ class PackSpec(NamedTuple):
     nbytes: int
 
 
+def _words(nbytes: int) -> int:
+    return -(-nbytes // WORD)
+
+
 def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
     """Split `tree`'s leaves into one packed host buffer and the device leaves.
 
     Host leaves are numpy arrays and numpy scalars; every other leaf (a jax array) is a
-    device leaf. Returns (spec, the packed uint8 buffer or None when no leaf is on the
-    host, the device leaves in order).
+    device leaf. Returns (spec, the packed uint32 buffer or None when no leaf is on the
+    host, the device leaves in order). Each host leaf starts on a word; the pad bytes after
+    a leaf whose size is not a whole number of words are zero.
     """
     flat, treedef = jax.tree_util.tree_flatten(tree)
     spec: list[Leaf] = []
-    host: list[np.ndarray] = []
+    host: list[tuple[int, np.ndarray]] = []
     device: list[Any] = []
-    offset = 0
+    offset = 0  # words
     for x in flat:
         if isinstance(x, np.ndarray | np.generic):
             a = np.asarray(x)
-            if not a.flags.c_contiguous:
-                a = a.copy()  # (np.ascontiguousarray would make a scalar 1-D)
             # The dtype itself (hashable, no name lookup; bf16's .str is the opaque '|V2').
             spec.append((offset, a.shape, a.dtype))
-            host.append(a.reshape(-1).view(np.uint8))
-            offset += a.nbytes
+            host.append((offset, a))
+            offset += _words(a.nbytes)
         else:
             spec.append(None)
             device.append(x)
     packed = None
     if host:
-        packed = host[0] if len(host) == 1 else np.concatenate(host)
-    return PackSpec(treedef, tuple(spec), offset), packed, tuple(device)
+        a = host[0][1]
+        if len(host) == 1 and a.flags.c_contiguous and a.nbytes % WORD == 0 and a.nbytes:
+            packed = a.reshape(-1).view(np.uint32)  # one whole-word leaf: no copy
+        else:
+            packed = np.zeros(offset, np.uint32)
+            raw = packed.view(np.uint8)
+            for at, a in host:
+                raw[at * WORD : at * WORD + a.nbytes] = (
+                    np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                )
+    return PackSpec(treedef, tuple(spec), offset * WORD), packed, tuple(device)
 
 
 def pack_host(tree: Any) -> tuple[PackSpec, np.ndarray] | None:
@@ -77,22 +97,26 @@ def pack_host(tree: Any) -> tuple[PackSpec, np.ndarray] | None:
     return spec, packed
 
 
+def _leaf(packed: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """Inside jit: the leaf at word `offset` of `packed` (uint32), at its shape and dtype."""
+    n = int(np.prod(shape, dtype=np.int64))
+    size = dtype.itemsize
+    words = jax.lax.slice(packed, (offset,), (offset + _words(n * size),))
+    if size == WORD:  # elementwise, same shape: fuses into the consumers
+        value = jax.lax.bitcast_convert_type(words, dtype)
+    elif size > WORD:  # 8-byte leaves: each value from size // WORD words
+        value = jax.lax.bitcast_convert_type(words.reshape(n, size // WORD), dtype)
+    else:  # 1- and 2-byte leaves: each word holds WORD // size values, then the pad goes
+        as_int = np.dtype(f"uint{8 * size}")
+        parts = jax.lax.bitcast_convert_type(words, as_int).reshape(-1)[:n]
+        value = parts != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(parts, dtype)
+    return jnp.reshape(value, shape)
+
+
 def unpack(spec: PackSpec, packed: Any, device: tuple[Any, ...]) -> Any:
     """Inside jit: the tree `pack` split, host leaves sliced from `packed` at their dtype."""
     out = []
     it = iter(device)
     for leaf in spec.leaves:
-        if leaf is None:
-            out.append(next(it))
-            continue
-        offset, shape, dtype = leaf
-        n = int(np.prod(shape, dtype=np.int64))
-        raw = jax.lax.slice(packed, (offset,), (offset + n * dtype.itemsize,))
-        if dtype == np.bool_:
-            value = raw != 0
-        elif dtype.itemsize == 1:
-            value = jax.lax.bitcast_convert_type(raw, dtype)
-        else:
-            value = jax.lax.bitcast_convert_type(raw.reshape(n, dtype.itemsize), dtype)
-        out.append(jnp.reshape(value, shape))
+        out.append(next(it) if leaf is None else _leaf(packed, *leaf))
     return jax.tree_util.tree_unflatten(spec.treedef, out)
