@@ -52,7 +52,8 @@ def _noop(*arrays: Any) -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
-def _batch(cfg: Config, idx: jax.Array, lens: jax.Array) -> fj.Batch:
+def _batch(cfg: Config, idx: Any, lens: Any) -> fj.Batch:
+    """A DECODE batch at `idx` (jax or numpy arrays) as the protocol's host builds it."""
     if cfg.gather:  # no ids: a DECODE's are gathered; the host's lengths
         return fj.Batch(D, idx, None, lens)
     return fj.Batch(D, idx, -idx, -idx)
@@ -88,8 +89,10 @@ def _ops(cfg: Config, debug: bool) -> tuple[Callable[[], object], Callable[[], o
 
     resolve = jax.jit(wrap(head), donate_argnums=(0,) if debug else (), compiler_options=options)
     finish = jax.jit(wrap(tail), donate_argnums=(0,), compiler_options=options)
-    box = {"state": ops.stash(ops.publish(ops.init(), dd.idx, dd.lens), dd.idx, dd.tokens)}
-    box["batch"] = _batch(cfg, dd.idx, dd.lens)._replace(forward_mode=None)
+    box: dict[str, Any] = {
+        "state": ops.stash(ops.publish(ops.init(), dd.idx, dd.lens), dd.idx, dd.tokens),
+        "batch": _batch(cfg, dd.idx, dd.lens)._replace(forward_mode=None),
+    }
     errors: list[Any] = []
 
     def run() -> object:
@@ -119,6 +122,9 @@ def _class(
     """(run, setup) of a class step on jax arrays (`host`: numpy arrays, the batch built
     anew by the host each step); setup surfaces debug errors, untimed."""
     data = host_data(cfg)
+    idx: Any
+    lens: Any
+    toks: Any
     if host:
         idx, lens, toks = (a.astype(np.int32) for a in (data.idx, data.lens, data.tokens))
     else:
@@ -160,7 +166,7 @@ def measure(batch: int, pool: int, runs: int, reps: int, steps: int) -> dict[str
             series.append(Series((protocol, "class", debug), run, setup))
         run, setup = _class(cfg, False, host=True)
         series.append(Series((protocol, "class_host", False), run, setup))
-    per_run: dict[tuple[str, str, bool], list[dict[str, float]]] = {s.key: [] for s in series}
+    per_run: dict[Any, list[dict[str, float]]] = {s.key: [] for s in series}
     for r in range(runs):
         stats = measure_group(series, reps=reps, warmup=5, seed=r, pipe_rounds=3, pipe_steps=steps)
         for k, st in stats.items():

@@ -12,7 +12,7 @@ constants): on a GPU, about the kernels the op launches. Each op runs under the
 configuration's relay protocol (the gather protocol has no invalidate; its batch carries the
 host's ids and lengths instead of sentinels).
 
-    python -m fm_bench.inplace [--out DIR] [--tag TAG]   # both protocols, plain and spec maps
+    python -m fm_bench.inplace [--out DIR] [--tag TAG] [--hlo DIR]   # both protocols
 """
 
 from __future__ import annotations
