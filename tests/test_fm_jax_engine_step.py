@@ -65,6 +65,28 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
         assert _bytes(g) == _bytes(want), name
 
 
+_X64_CHILD = textwrap.dedent(
+    """
+    import json, numpy as np, jax
+    from fm_jax._src.packing import pack, unpack
+    tree = (np.array([1, -2, 2**40 + 3, -(2**62)], np.int64), np.array([1.5, -0.0]),
+            np.array([7], np.int16), np.int64(-5), np.array([2**63 + 1], np.uint64))
+    spec, packed, _ = pack(tree)
+    got = jax.jit(lambda p: unpack(spec, p, ()))(packed)
+    same = [np.asarray(g).dtype == np.asarray(w).dtype
+            and np.asarray(g).tobytes() == np.asarray(w).tobytes() for g, w in zip(got, tree)]
+    print("REPORT", json.dumps(same))
+    """
+)
+
+
+def test_pack_round_trips_8_byte_leaves_bit_for_bit() -> None:
+    """With JAX's x64 mode (a child process): int64, uint64 and float64 leaves (two words
+    each) between 2-byte and scalar ones come back byte for byte."""
+    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+    assert child_report(["-c", _X64_CHILD], env, timeout=300) == [True] * 5
+
+
 def test_a_packed_word_leaf_costs_no_kernel_of_its_own() -> None:
     """A 4-byte leaf read twice from the packed buffer (a sentinel resolve's ids: compared,
     and an index) compiles to as many kernels as the same function on the leaf passed on
