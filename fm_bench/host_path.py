@@ -25,7 +25,6 @@ median; medians over `runs` groups, each reshuffled, with their range.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -33,23 +32,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
 import fm_jax as fj
+from fm_bench.impls import floor
 from fm_bench.impls.jax_common import device_data
 from fm_bench.timing import Series, measure_group, wait_jax
 from fm_bench.workload import Config, host_data
 
 D = fj.ForwardMode.DECODE
 FIGURES = ("host_us", "pipe_us", "median_us")
-
-
-@functools.partial(jax.jit, keep_unused=True)
-def _noop(*arrays: Any) -> jax.Array:
-    del arrays
-    return jnp.zeros((), jnp.int32)
 
 
 def _batch(cfg: Config, idx: Any, lens: Any) -> fj.Batch:
@@ -65,7 +58,7 @@ def _floor(cfg: Config) -> Callable[[], object]:
     head = tuple(a for a in (b.req_pool_indices, b.input_ids, b.seq_lens) if a is not None)
 
     def run() -> object:
-        return wait_jax((_noop(*head), _noop(dd.idx, dd.lens, dd.tokens)))
+        return wait_jax((floor.noop(*head), floor.noop(dd.idx, dd.lens, dd.tokens)))
 
     return run
 

@@ -367,13 +367,13 @@ def test_floor_step_is_two_dispatches_on_the_arrays_the_class_takes(
     from fm_bench.impls import floor
 
     calls: list[tuple[Any, ...]] = []
-    real = floor._noop
+    real = floor.noop
 
     def counting(*arrays: Any) -> Any:
         calls.append(arrays)
         return real(*arrays)
 
-    monkeypatch.setattr(floor, "_noop", counting)
+    monkeypatch.setattr(floor, "noop", counting)
     cfg, data = _tiny()
     build = floor.build_host if host else floor.build
     build(cfg, data, False, ("step",))["step"].run()

@@ -28,7 +28,8 @@ from fm_bench.workload import Config, HostData
 # keep_unused: by default jit drops arguments its function does not read, and a dropped
 # numpy argument is never transferred: the floor would then not pay the host path's copies.
 @functools.partial(jax.jit, keep_unused=True)
-def _noop(*arrays: Any) -> jax.Array:
+def noop(*arrays: Any) -> jax.Array:
+    """A jitted call that takes `arrays` (transferring host ones) and does no work."""
     del arrays
     return jnp.zeros((), jnp.int32)
 
@@ -37,7 +38,7 @@ def _run(*calls: tuple[Any, ...]) -> Callable[[], object]:
     """One timed run: a no-op dispatch per argument tuple, then a wait for all of them."""
 
     def run() -> object:
-        return wait_jax([_noop(*a) for a in calls])
+        return wait_jax([noop(*a) for a in calls])
 
     return run
 
