@@ -12,7 +12,8 @@
 # so one device call can take the steps that matter most first. Steps: versions, cuda_tests,
 # suite, parity, parity_spec (the spec payload and spec MIXED scenarios only), headline,
 # protocols, startup, serve, host_lengths, inplace (each op's compiled kernels and HLO),
-# host_path (where the class's host time goes), engine_step, mutations, sweeps.
+# host_path (where the class's host time goes), packed_layout (spec extras in one row per
+# slot: kernels), engine_step, mutations, sweeps.
 #
 # Every step has its own time limit (seconds, overridable as LIMIT_<step>=N) and writes
 # OUT/<step>.log (parity with its progress bar, so a step stopped at its limit shows how far it
@@ -92,6 +93,7 @@ run_step() {
         ;;
     inplace) step inplace 90 "$py" -m fm_bench.inplace --out "$out" --tag cuda --hlo "$out/hlo" ;;
     host_path) step host_path 90 "$py" -m fm_bench.host_path --out "$out" --tag cuda ;;
+    packed_layout) step packed_layout 60 "$py" -m fm_bench.packed_layout --out "$out" --tag cuda ;;
     engine_step) step engine_step 120 "$py" -m fm_bench.engine_step --out "$out" --tag cuda ;;
     mutations)
         step mutations 280 "$py" -m fm_parity.cli --device cuda --mutations --dtype int32 \
@@ -99,7 +101,7 @@ run_step() {
         ;;
     sweeps) step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps" ;;
     checks) for s in versions cuda_tests suite; do run_step $s; done ;;
-    bench) for s in headline protocols startup serve host_lengths inplace host_path engine_step; do run_step $s; done ;;
+    bench) for s in headline protocols startup serve host_lengths inplace host_path packed_layout engine_step; do run_step $s; done ;;
     extra) for s in mutations sweeps; do run_step $s; done ;;
     *)
         echo "unknown part or step: $1" >&2

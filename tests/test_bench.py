@@ -759,3 +759,47 @@ def test_host_path_splits_each_class_step_and_writes_its_files(tmp_path: Path) -
     get = {(r["protocol"], r["series"], r["debug"]): r["host_us"] for r in res["rows"]}
     floor, ops, cls = (get[("gather", k, False)] for k in ("floor", "ops", "class"))
     assert f"| gather | off | {floor:.1f} | {ops - floor:.1f} | {cls - ops:.1f} | {cls:.1f} |" in md
+
+
+def test_packed_layout_probe_resolves_the_same_bytes_and_counts_kernels(tmp_path: Path) -> None:
+    """`python -m fm_bench.packed_layout`: both layouts of the spec extras resolve the same
+    bytes (the probe checks before it times), and each op has its kernels and figures; a
+    resolve of rows kept packed is one gather."""
+    import json
+
+    from fm_bench import packed_layout
+
+    packed_layout.main(["--batch", "4", "--pool", "16", "--topk", "2", "--hidden", "6",
+                        "--reps", "3", "--out", str(tmp_path), "--tag", "t"])  # fmt: skip
+    res = json.loads((tmp_path / "packed_layout_t.json").read_text())
+    ops = {r["op"]: r for r in res["rows"]}
+    assert set(ops) == {
+        "fields stash", "fields resolve", "packed stash", "packed resolve",
+        "packed_rows stash", "packed_rows resolve",
+    }  # fmt: skip
+    assert all(r["kernels"] >= 1 and r["host_us"] > 0 for r in res["rows"])
+    assert ops["packed_rows resolve"]["kernels"] == 1
+    assert res["width_words"] == 1 + 2 * 2 + 6 // 2
+
+
+def test_packed_layout_split_inverts_the_rows_bit_for_bit() -> None:
+    """The probe's row of words round-trips every field's bytes (NaN payloads, -0.0)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import fm_jax as fj
+    from fm_bench.packed_layout import Packed
+
+    p = Packed(8, 2, 4)
+    hidden = np.array([[np.nan, -0.0, 1.5, -2.0]] * 3, np.float32)
+    d = fj.DraftPayload(
+        jnp.array([1, -2, 3], jnp.int32),
+        jnp.array([[0.5, -0.0], [np.nan, 1.0], [2.0, 3.0]], jnp.float32),
+        jnp.array([[7, 8], [9, 10], [11, 12]], jnp.int32),
+        jnp.asarray(hidden, jnp.bfloat16),
+    )
+    idx = jnp.array([5, 1, 3], jnp.int32)
+    got = p.split(p.stash(p.init(), idx, d)[idx], d)
+    for g, w in zip(got[:4], d[:4], strict=True):
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
