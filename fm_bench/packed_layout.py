@@ -14,7 +14,11 @@ bf16 hidden states two to a word), and compares, side by side on one device:
   into the four fields;
 - `packed_rows`: the rows as they are: a stash of rows already built (by the engine's own
   jit, where building them would fuse with the model's last ops) and a resolve returning
-  the gathered rows unsplit (the model's first use of each field would be the split).
+  the gathered rows unsplit (the model's first use of each field would be the split);
+- `pallas` (GPU only): fm_jax's own buffers, a buffer per field, moved by one Pallas kernel
+  per op, as SGLang's Triton kernels move its spec extras: the stash writes every field of
+  a row in one program per row (the buffers donated and aliased), the resolve reads them.
+  Elsewhere Pallas runs only in its interpreter, a correctness check and no timing.
 
 For each: the kernels of the compiled HLO (`fm_bench.inplace.kernels`), host µs (one step in
 flight) and waited µs, medians over rounds. Both layouts must resolve the same bytes (checked
@@ -35,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 import fm_jax as fj
 from fm_bench.inplace import kernels
@@ -88,6 +93,63 @@ class Packed:
         )
 
 
+SPEC_FIELDS = ("output_tokens", "topk_p", "topk_index", "hidden_states")
+"""The state buffers a spec stash writes (the bonus tokens live in `output_tokens`)."""
+
+
+def _bits(d: Any) -> list[jax.Array]:
+    """A DraftPayload's four fields as the state stores them (hidden states as raw bits)."""
+    hidden = d.hidden_states
+    bits = jnp.dtype(f"uint{8 * hidden.dtype.itemsize}")
+    return [d.bonus_tokens, d.topk_p, d.topk_index, jax.lax.bitcast_convert_type(hidden, bits)]
+
+
+def _stash_rows(idx_ref: Any, *refs: Any) -> None:
+    """One program per row b: every field's row b goes to its buffer's row idx[b]."""
+    n = len(refs) // 3  # the payload, the buffers in (aliased to the outputs), the outputs
+    b = pl.program_id(0)
+    slot = idx_ref[b]
+    for src, dst in zip(refs[:n], refs[2 * n :], strict=True):
+        dst[pl.ds(slot, 1)] = src[pl.ds(b, 1)]
+
+
+def _gather_rows(idx_ref: Any, *refs: Any) -> None:
+    """One program per row b: every buffer's row idx[b] goes to its output's row b."""
+    n = len(refs) // 2
+    b = pl.program_id(0)
+    slot = idx_ref[b]
+    for src, dst in zip(refs[:n], refs[n:], strict=True):
+        dst[pl.ds(b, 1)] = src[pl.ds(slot, 1)]
+
+
+def pallas_stash(state: Any, idx: jax.Array, d: Any, *, interpret: bool) -> Any:
+    """The spec stash of `d` at `idx` in one Pallas kernel (the state's buffers aliased)."""
+    bufs = [getattr(state, f) for f in SPEC_FIELDS]
+    n = len(bufs)
+    out = pl.pallas_call(
+        _stash_rows,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bufs],
+        grid=(idx.shape[0],),
+        input_output_aliases={1 + n + i: i for i in range(n)},
+        interpret=interpret,
+    )(idx, *_bits(d), *bufs)
+    return state._replace(**dict(zip(SPEC_FIELDS, out, strict=True)))
+
+
+def pallas_resolve(state: Any, idx: jax.Array, like: Any, *, interpret: bool) -> Any:
+    """The spec draft at `idx` in one Pallas kernel, as a DraftPayload of `like`'s dtypes."""
+    bufs = [getattr(state, f) for f in SPEC_FIELDS]
+    b = idx.shape[0]
+    tok, p, i, h = pl.pallas_call(
+        _gather_rows,
+        out_shape=[jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype) for x in bufs],
+        grid=(b,),
+        interpret=interpret,
+    )(idx, *bufs)
+    hidden = jax.lax.bitcast_convert_type(h, like.hidden_states.dtype)
+    return fj.DraftPayload(tok, p, i, hidden)
+
+
 def _payload(batch: int, topk: int, hidden: int, seed: int = 0) -> fj.DraftPayload:
     rng = np.random.default_rng(seed)
     return fj.DraftPayload(
@@ -131,6 +193,12 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
         "packed_rows stash": (jit(lambda buf, i, r: buf.at[i].set(r, mode="drop"), True), True),
         "packed_rows resolve": (jit(lambda buf, i: buf[i], False), False),
     }
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if on_gpu:
+        p_stash = lambda st, i, d: pallas_stash(st, i, d, interpret=False)  # noqa: E731
+        p_read = lambda st, i: pallas_resolve(st, i, draft, interpret=False)  # noqa: E731
+        fns["pallas stash"] = (jit(p_stash, True), True)
+        fns["pallas resolve"] = (jit(p_read, False), False)
     box: dict[str, Any] = {"fields": ops.stash(ops.init(), idx, draft)}
     box["packed"] = packed.stash(packed.init(), idx, draft)
     rows = box["packed"][idx]
@@ -141,17 +209,29 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
         "packed resolve": lambda: (box["packed"], idx),
         "packed_rows stash": lambda: (box["packed"], idx, rows),
         "packed_rows resolve": lambda: (box["packed"], idx),
+        "pallas stash": lambda: (box["fields"], idx, draft),
+        "pallas resolve": lambda: (box["fields"], idx),
     }
-    # Both layouts resolve the same bytes.
+    # Every way resolves the same bytes.
     want = jax.tree.leaves(fns["fields resolve"][0](*args["fields resolve"]()))
-    got = jax.tree.leaves(fns["packed resolve"][0](*args["packed resolve"]()))
-    if len(want) != len(got):
-        raise AssertionError(f"the packed layout resolved {len(got)} fields, not {len(want)}")
-    same = [
-        np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(want, got, strict=True)
-    ]
-    if not all(same):
-        raise AssertionError(f"the packed layout resolved other bytes: {same}")
+    for other in [
+        n for n in fns if n.endswith(" resolve") and n.split()[0] in ("packed", "pallas")
+    ]:
+        got = jax.tree.leaves(fns[other][0](*args[other]()))
+        if len(want) != len(got):
+            raise AssertionError(f"{other} resolved {len(got)} fields, not {len(want)}")
+        same = [
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(want, got, strict=True)
+        ]
+        if not all(same):
+            raise AssertionError(f"{other} resolved other bytes than a buffer per field: {same}")
+    if on_gpu:  # and the Pallas stash leaves the buffers the ops' stash leaves
+        fresh = lambda: jax.tree.map(jnp.copy, box["fields"])  # noqa: E731
+        a = jax.tree.leaves(fns["fields stash"][0](fresh(), idx, draft))
+        b = jax.tree.leaves(fns["pallas stash"][0](fresh(), idx, draft))
+        if [np.asarray(x).tobytes() for x in a] != [np.asarray(x).tobytes() for x in b]:
+            raise AssertionError("the Pallas stash left other bytes than the ops' stash")
 
     count = {
         name: kernels(fn.lower(*args[name]()).compile().as_text() or "")
@@ -160,7 +240,7 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
 
     def runner(name: str) -> Callable[[], object]:
         fn, donated = fns[name]
-        layout = name.split()[0].split("_")[0]
+        layout = {"packed": "packed", "packed_rows": "packed"}.get(name.split()[0], "fields")
 
         def run() -> object:
             out = fn(*args[name]())
@@ -182,6 +262,7 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
         "topk": topk,
         "hidden": hidden,
         "width_words": packed.width,
+        "pallas": "measured" if on_gpu else "GPU only: not run here",
         "rows": [
             {
                 "op": name,
@@ -201,6 +282,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"Device: {res['device']}, jax {res['jax']}; B = {res['batch']}, R = {res['pool']}, "
         f"K = {res['topk']}, H = {res['hidden']} bf16 (W = {res['width_words']} words). "
         "See fm_bench/packed_layout.py.",
+        "",
+        f"Pallas: {res['pallas']}.",
         "",
         "| op | kernels | host µs | waited µs |",
         "| --- | ---: | ---: | ---: |",
