@@ -11,11 +11,14 @@ per protocol and debug setting (B rows, pool R, DECODE steps):
   state): the class's executables without the class;
 - `class`: `FutureMap.resolve` + `FutureMap.finish`;
 - `class_host`: the same class step fed numpy arrays (the batch and the tail's slots,
-  lengths and tokens), as a host scheduler feeds it: each call transfers its arrays.
+  lengths and tokens), as a host scheduler feeds it, with the map's defaults (on a GPU
+  `pack_inputs`: one transfer per call).
 
 `class - ops` is the class's own Python (argument checks, padding, keys, the lock, debug
 bookkeeping); `ops - floor` is what its executables cost beyond a bare dispatch (more
-arguments and outputs, a donated state, and on a GPU each kernel they launch). The figures
+arguments and outputs, a donated state, and on a GPU each kernel they launch). With debug
+on the split is rough: the class's tail skips the slot checks its resolve made, so its
+executables do less than `ops` and `class - ops` can be negative. The figures
 are `host_us` (one step in flight, as an overlap engine runs), `pipe_us` and the waited
 median; medians over `runs` groups, each reshuffled, with their range.
 
