@@ -30,7 +30,6 @@ groups, each reshuffled; medians and the range over runs.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -43,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax as fj
+from fm_bench.report import write_result
 from fm_jax._src.packing import pack, unpack
 
 VOCAB = 32000
@@ -279,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(res)
     print(text)
     if args.out is not None:
-        tag = args.tag or jax.devices()[0].platform
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"engine_step_{tag}.json").write_text(json.dumps(res, indent=2) + "\n")
-        (args.out / f"engine_step_{tag}.md").write_text(text)
+        write_result(args.out, "engine_step", text, res, args.tag)
     return 0
 
 

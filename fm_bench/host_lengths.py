@@ -22,7 +22,6 @@ medians and ranges over repetitions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from fm_bench.impls.sglang_torch import DraftInfo
 from fm_bench.impls.sglang_torch_gather import Batch as TorchBatch
 from fm_bench.impls.sglang_torch_gather import SGLangGatherFutureMap
 from fm_bench.impls.torch_common import device as torch_device
+from fm_bench.report import write_result
 
 DECODE = fj.ForwardMode.DECODE
 
@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(res)
     print(text)
     if args.out is not None:
-        tag = jax.devices()[0].platform
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"host_lengths_{tag}.json").write_text(json.dumps(res, indent=2) + "\n")
-        (args.out / f"host_lengths_{tag}.md").write_text(text)
+        write_result(args.out, "host_lengths", text, res)
     return 0
 
 

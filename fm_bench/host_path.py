@@ -28,7 +28,6 @@ median; medians over `runs` groups, each reshuffled, with their range.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ from jax.experimental import checkify
 import fm_jax as fj
 from fm_bench.impls import floor
 from fm_bench.impls.jax_common import device_data
+from fm_bench.report import write_result
 from fm_bench.timing import Series, measure_group, wait_jax
 from fm_bench.workload import Config, host_data
 
@@ -245,10 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(res)
     print(md)
     if a.out is not None:
-        tag = a.tag or jax.devices()[0].platform
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"host_path_{tag}.md").write_text(md)
-        (a.out / f"host_path_{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+        write_result(a.out, "host_path", md, res, a.tag)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ host's ids and lengths instead of sentinels).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from jax.experimental import checkify
 import fm_jax as fj
 from fm_bench.impls.fm_jax_fused import _model
 from fm_bench.impls.jax_common import device_data, int_dtype
+from fm_bench.report import write_result
 from fm_bench.workload import Config, host_data
 
 _WHOLE = re.compile(r"=\s*\w+\[(\d+)(?:,\d+)*\]\{[^}]*\}\s+(copy|convert|bitcast-convert|fusion)\(")
@@ -180,14 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(md)
     if a.out is not None:
-        tag = a.tag or device.platform
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"inplace_{tag}.md").write_text(md)
         rows = [
             {"config": cfg.label(), "debug_off": off, "debug_on": on}
             for cfg, (off, on) in zip(cfgs, checked, strict=True)
         ]
-        (a.out / f"inplace_{tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        write_result(a.out, "inplace", md, rows, a.tag)
 
 
 if __name__ == "__main__":

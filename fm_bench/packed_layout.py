@@ -31,7 +31,6 @@ layout is worth the change (ops, sharding, debug checks and parity would all fol
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from jax.experimental import pallas as pl
 
 import fm_jax as fj
 from fm_bench.inplace import kernels
+from fm_bench.report import write_result
 from fm_bench.timing import Series, measure_group, wait_jax
 
 D = fj.ForwardMode.DECODE
@@ -314,10 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(res)
     print(md)
     if a.out is not None:
-        tag = a.tag or jax.devices()[0].platform
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"packed_layout_{tag}.md").write_text(md)
-        (a.out / f"packed_layout_{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+        write_result(a.out, "packed_layout", md, res, a.tag)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ p10–p90)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 COLUMNS = (
@@ -271,3 +273,15 @@ def _headline_section(doc: dict[str, Any]) -> list[str]:
         "",
     ]
     return parts
+
+
+def write_result(out: Path, name: str, md: str, doc: Any, tag: str | None = None) -> None:
+    """Write a probe's `<name>_<tag>.md` and `.json` into `out` (made if missing); `tag`
+    defaults to JAX's platform of the default device (`cpu`, `gpu`)."""
+    if tag is None:
+        import jax
+
+        tag = jax.devices()[0].platform
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}_{tag}.md").write_text(md)
+    (out / f"{name}_{tag}.json").write_text(json.dumps(doc, indent=1) + "\n")
