@@ -129,8 +129,7 @@ def _class(
     fm = fj.FutureMap(cfg.pool, debug=debug, protocol=cfg.protocol, needs_cpu_seq_lens=False)
     fm.publish(idx, lens)
     fm.stash(idx, toks)
-    first = _batch(cfg, idx, lens)
-    box = {"batch": first}
+    box = {"batch": _batch(cfg, idx, lens)}
     calls = [0]
 
     def run() -> object:
