@@ -10,7 +10,10 @@ that XLA:CPU would still split over threads (0: the op runs on the calling threa
 gathers, copies, custom calls, conditionals; not parameters, tuples, bitcasts or
 constants): on a GPU, about the kernels the op launches. Each op runs under the
 configuration's relay protocol (the gather protocol has no invalidate; its batch carries the
-host's ids and lengths instead of sentinels).
+host's ids and lengths instead of sentinels). A spec map is checked with either spec kernel
+(`SpecConfig.kernel`): 'xla', a scatter or gather per buffer; 'pallas', one kernel for all
+its fields (a Triton custom call on a GPU; on CPU Pallas's interpreter, a loop whose count
+says nothing of a GPU's).
 
     python -m fm_bench.inplace [--out DIR] [--tag TAG] [--hlo DIR]   # both protocols
 """
@@ -67,7 +70,11 @@ def check(cfg: Config, debug: bool, dump: Path | None = None) -> dict[str, Any]:
     """{op: {"whole_buffer_ops": n, "aliased": bool, ...}} for the ops of `cfg`; with `dump`,
     each op's optimised HLO is written there too."""
     dd = device_data(cfg, host_data(cfg))
-    spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
+    spec = (
+        fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype, kernel=cfg.spec_kernel)
+        if cfg.spec
+        else None
+    )
     ops = fj.future_map(
         cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug, protocol=cfg.protocol
     )
@@ -161,14 +168,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pool", type=int, default=1 << 20, help="R of the plain map")
     p.add_argument("--spec-pool", type=int, default=16384, help="R of the spec map")
     p.add_argument("--hidden", type=int, default=4096, help="H of the spec map")
+    p.add_argument(
+        "--spec-kernel",
+        choices=("xla", "pallas", "both"),
+        default="both",
+        help="the spec map's SpecConfig.kernel (default: both, side by side)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write inplace_<tag>.{md,json}")
     p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
     p.add_argument("--hlo", type=Path, default=None, help="write each op's optimised HLO here")
     a = p.parse_args(argv)
+    kernels = ("xla", "pallas") if a.spec_kernel == "both" else (a.spec_kernel,)
     cfgs = [
-        Config(a.batch, pool, spec=spec, hidden=a.hidden, protocol=protocol)
+        Config(a.batch, pool, spec=spec, hidden=a.hidden, protocol=protocol, spec_kernel=kernel)
         for protocol in ("sentinel", "gather")
         for pool, spec in ((a.pool, False), (a.spec_pool, True))
+        for kernel in (kernels if spec else ("xla",))
     ]
     checked = [(check(cfg, False, a.hlo), check(cfg, True, a.hlo)) for cfg in cfgs]
     device = jax.devices()[0]

@@ -1,4 +1,4 @@
-"""Would one buffer per slot give the spec relay one launch per op? A probe, before a redesign.
+"""One launch per spec op: fm_jax's Pallas kernel beside a row of words per slot.
 
 fm_jax keeps each relayed field in its own buffer ([R], [R, K], [R, H]); XLA emits one
 scatter per buffer for a stash and one gather per buffer for a resolve, and merges none
@@ -15,15 +15,15 @@ bf16 hidden states two to a word), and compares, side by side on one device:
 - `packed_rows`: the rows as they are: a stash of rows already built (by the engine's own
   jit, where building them would fuse with the model's last ops) and a resolve returning
   the gathered rows unsplit (the model's first use of each field would be the split);
-- `pallas` (GPU only): fm_jax's own buffers, a buffer per field, moved by one Pallas kernel
-  per op, as SGLang's Triton kernels move its spec extras: the stash writes every field of
-  a row in one program per row (the buffers donated and aliased), the resolve reads them.
-  Elsewhere Pallas runs only in its interpreter, a correctness check and no timing.
+- `pallas` (GPU only): fm_jax's spec stash and resolve with `SpecConfig(kernel='pallas')`:
+  a buffer per field, all moved by one Pallas (Triton) kernel per op, as SGLang's Triton
+  kernels move its spec extras. Elsewhere Pallas runs in its interpreter: its bytes are
+  checked, its time is not taken.
 
 For each: the kernels of the compiled HLO (`fm_bench.inplace.kernels`), host µs (one step in
-flight) and waited µs, medians over rounds. Both layouts must resolve the same bytes (checked
-before timing). Nothing here is fm_jax's API: it is the measurement that decides whether the
-layout is worth the change (ops, sharding, debug checks and parity would all follow).
+flight) and waited µs, medians over rounds. Every way must resolve the same bytes, and the
+Pallas stash leave the same buffers (checked before timing). The packed layouts are not
+fm_jax's API: they show what one row per slot would give beside fm_jax's two kernels.
 
     python -m fm_bench.packed_layout [--batch 256] [--pool 16384] [--topk 8] [--hidden 4096]
 """
@@ -38,7 +38,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
 import fm_jax as fj
 from fm_bench.inplace import kernels
@@ -93,63 +92,6 @@ class Packed:
         )
 
 
-SPEC_FIELDS = ("output_tokens", "topk_p", "topk_index", "hidden_states")
-"""The state buffers a spec stash writes (the bonus tokens live in `output_tokens`)."""
-
-
-def _bits(d: Any) -> list[jax.Array]:
-    """A DraftPayload's four fields as the state stores them (hidden states as raw bits)."""
-    hidden = d.hidden_states
-    bits = jnp.dtype(f"uint{8 * hidden.dtype.itemsize}")
-    return [d.bonus_tokens, d.topk_p, d.topk_index, jax.lax.bitcast_convert_type(hidden, bits)]
-
-
-def _stash_rows(idx_ref: Any, *refs: Any) -> None:
-    """One program per row b: every field's row b goes to its buffer's row idx[b]."""
-    n = len(refs) // 3  # the payload, the buffers in (aliased to the outputs), the outputs
-    b = pl.program_id(0)
-    slot = idx_ref[b]
-    for src, dst in zip(refs[:n], refs[2 * n :], strict=True):
-        dst[pl.ds(slot, 1)] = src[pl.ds(b, 1)]
-
-
-def _gather_rows(idx_ref: Any, *refs: Any) -> None:
-    """One program per row b: every buffer's row idx[b] goes to its output's row b."""
-    n = len(refs) // 2
-    b = pl.program_id(0)
-    slot = idx_ref[b]
-    for src, dst in zip(refs[:n], refs[n:], strict=True):
-        dst[pl.ds(b, 1)] = src[pl.ds(slot, 1)]
-
-
-def pallas_stash(state: Any, idx: jax.Array, d: Any, *, interpret: bool) -> Any:
-    """The spec stash of `d` at `idx` in one Pallas kernel (the state's buffers aliased)."""
-    bufs = [getattr(state, f) for f in SPEC_FIELDS]
-    n = len(bufs)
-    out = pl.pallas_call(
-        _stash_rows,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bufs],
-        grid=(idx.shape[0],),
-        input_output_aliases={1 + n + i: i for i in range(n)},
-        interpret=interpret,
-    )(idx, *_bits(d), *bufs)
-    return state._replace(**dict(zip(SPEC_FIELDS, out, strict=True)))
-
-
-def pallas_resolve(state: Any, idx: jax.Array, like: Any, *, interpret: bool) -> Any:
-    """The spec draft at `idx` in one Pallas kernel, as a DraftPayload of `like`'s dtypes."""
-    bufs = [getattr(state, f) for f in SPEC_FIELDS]
-    b = idx.shape[0]
-    tok, p, i, h = pl.pallas_call(
-        _gather_rows,
-        out_shape=[jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype) for x in bufs],
-        grid=(b,),
-        interpret=interpret,
-    )(idx, *bufs)
-    hidden = jax.lax.bitcast_convert_type(h, like.hidden_states.dtype)
-    return fj.DraftPayload(tok, p, i, hidden)
-
-
 def _payload(batch: int, topk: int, hidden: int, seed: int = 0) -> fj.DraftPayload:
     rng = np.random.default_rng(seed)
     return fj.DraftPayload(
@@ -167,15 +109,21 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
     draft = _payload(batch, topk, hidden)
     options = fj.compiler_options(jax.devices()[0].platform)
 
-    spec = fj.SpecConfig(topk, hidden, jnp.bfloat16)
-    ops = fj.future_map(pool, spec=spec, protocol="gather")
     batch_in = fj.Batch(None, idx, idx, jnp.zeros(batch, jnp.int32), idx)
+    gpu = jax.devices()[0].platform == "gpu"
 
-    def f_stash(state: fj.FutureMapState, idx: jax.Array, d: fj.DraftPayload) -> Any:
-        return ops.stash(state, idx, d)
+    def field_ops(kernel: str) -> tuple[Any, Any, fj.FutureMapOps]:
+        """fm_jax's spec stash and resolve (gather protocol) with `kernel`."""
+        spec = fj.SpecConfig(topk, hidden, jnp.bfloat16, kernel=kernel)
+        ops = fj.future_map(pool, spec=spec, protocol="gather")
 
-    def f_resolve(state: fj.FutureMapState, b: fj.Batch) -> Any:
-        return ops.resolve(state, b._replace(forward_mode=D))[1].draft
+        def f_stash(state: fj.FutureMapState, idx: jax.Array, d: fj.DraftPayload) -> Any:
+            return ops.stash(state, idx, d)
+
+        def f_resolve(state: fj.FutureMapState, b: fj.Batch) -> Any:
+            return ops.resolve(state, b._replace(forward_mode=D))[1].draft
+
+        return f_stash, f_resolve, ops
 
     packed = Packed(pool, topk, hidden)
 
@@ -185,28 +133,20 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
     jit = lambda f, donate: jax.jit(  # noqa: E731
         f, donate_argnums=(0,) if donate else (), compiler_options=options
     )
+    x_stash, x_resolve, ops = field_ops("xla")
+    p_stash, p_resolve_fields, _ = field_ops("pallas")
     fns: dict[str, tuple[Any, bool]] = {
-        "fields stash": (jit(f_stash, True), True),
-        "fields resolve": (jit(f_resolve, False), False),
+        "fields stash": (jit(x_stash, True), True),
+        "fields resolve": (jit(x_resolve, False), False),
+        "pallas stash": (jit(p_stash, True), True),
+        "pallas resolve": (jit(p_resolve_fields, False), False),
         "packed stash": (jit(packed.stash, True), True),
         "packed resolve": (jit(p_resolve, False), False),
         "packed_rows stash": (jit(lambda buf, i, r: buf.at[i].set(r, mode="drop"), True), True),
         "packed_rows resolve": (jit(lambda buf, i: buf[i], False), False),
     }
     box: dict[str, Any] = {"fields": ops.stash(ops.init(), idx, draft)}
-    pallas = "GPU only: not run here"
-    if jax.devices()[0].platform == "gpu":
-        p_stash = jit(lambda st, i, d: pallas_stash(st, i, d, interpret=False), True)
-        p_read = jit(lambda st, i: pallas_resolve(st, i, draft, interpret=False), False)
-        try:  # a kernel the GPU's Pallas cannot lower is reported, the rest still measured
-            p_stash.lower(box["fields"], idx, draft).compile()
-            p_read.lower(box["fields"], idx).compile()
-        except Exception as e:  # noqa: BLE001
-            pallas = f"failed to compile: {type(e).__name__}: {str(e)[:300]}"
-        else:
-            pallas = "measured"
-            fns["pallas stash"] = (p_stash, True)
-            fns["pallas resolve"] = (p_read, False)
+    pallas = "measured" if gpu else "interpreted here (no GPU): bytes checked, not timed"
     box["packed"] = packed.stash(packed.init(), idx, draft)
     rows = box["packed"][idx]
     args = {
@@ -217,7 +157,7 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
         "packed_rows stash": lambda: (box["packed"], idx, rows),
         "packed_rows resolve": lambda: (box["packed"], idx),
         "pallas stash": lambda: (box["fields"], idx, draft),
-        "pallas resolve": lambda: (box["fields"], idx),
+        "pallas resolve": lambda: (box["fields"], batch_in),
     }
     # Every way resolves the same bytes.
     want = jax.tree.leaves(fns["fields resolve"][0](*args["fields resolve"]()))
@@ -233,12 +173,14 @@ def measure(batch: int, pool: int, topk: int, hidden: int, reps: int) -> dict[st
         ]
         if not all(same):
             raise AssertionError(f"{other} resolved other bytes than a buffer per field: {same}")
-    if "pallas stash" in fns:  # and the Pallas stash leaves the buffers the ops' stash leaves
-        fresh = lambda: jax.tree.map(jnp.copy, box["fields"])  # noqa: E731
-        a = jax.tree.leaves(fns["fields stash"][0](fresh(), idx, draft))
-        b = jax.tree.leaves(fns["pallas stash"][0](fresh(), idx, draft))
-        if [np.asarray(x).tobytes() for x in a] != [np.asarray(x).tobytes() for x in b]:
-            raise AssertionError("the Pallas stash left other bytes than the ops' stash")
+    # And the Pallas stash leaves the buffers the per-buffer stash leaves.
+    fresh = lambda: jax.tree.map(jnp.copy, box["fields"])  # noqa: E731
+    a = jax.tree.leaves(fns["fields stash"][0](fresh(), idx, draft))
+    b = jax.tree.leaves(fns["pallas stash"][0](fresh(), idx, draft))
+    if [np.asarray(x).tobytes() for x in a] != [np.asarray(x).tobytes() for x in b]:
+        raise AssertionError("the Pallas stash left other bytes than the per-buffer stash")
+    if not gpu:  # interpreted: its kernels and times say nothing of a GPU's
+        del fns["pallas stash"], fns["pallas resolve"]
 
     count = {
         name: kernels(fn.lower(*args[name]()).compile().as_text() or "")

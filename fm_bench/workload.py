@@ -52,6 +52,7 @@ class Config:
       dtype: "int32" or "int64", the buffers' int dtype.
       topk, hidden, hidden_dtype: spec shapes (K, H, "bfloat16").
       protocol: "sentinel" or "gather", the relay protocol of every map built for it.
+      spec_kernel: how fm_jax's spec maps move their fields (`SpecConfig.kernel`).
     """
 
     batch: int
@@ -62,6 +63,7 @@ class Config:
     hidden: int = 4096
     hidden_dtype: str = "bfloat16"
     protocol: str = "sentinel"
+    spec_kernel: str = "xla"
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.batch > self.pool - 1:
@@ -87,9 +89,11 @@ class Config:
         return tuple(op for op in ops if not (self.gather and op == "invalidate"))
 
     def label(self) -> str:
-        """Short human label, e.g. 'B=256 R=4096 int32 spec(K=8,H=4096) gather'."""
+        """Short human label, e.g. 'B=256 R=4096 int32 spec(K=8,H=4096) gather' (a spec
+        kernel other than xla named after the spec)."""
         s = f"B={self.batch} R={self.pool} {self.dtype}"
         s += f" spec(K={self.topk},H={self.hidden})" if self.spec else ""
+        s += f" {self.spec_kernel}" if self.spec and self.spec_kernel != "xla" else ""
         return s + (" gather" if self.gather else "")
 
 

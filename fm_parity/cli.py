@@ -82,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         "each against the same oracle (default: both)",
     )
     p.add_argument(
+        "--spec-kernel",
+        choices=("xla", "pallas", "both"),
+        default="both",
+        help="how fm_jax's spec map moves its fields (SpecConfig.kernel): xla (a scatter or "
+        "gather per buffer), pallas (one kernel for all: Triton on CUDA, Pallas's "
+        "interpreter on CPU), or both, each spec scenario under each (default: both; "
+        "non-spec scenarios run once)",
+    )
+    p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -252,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = ("int32", "int64") if args.dtype == "all" else (args.dtype,)
     debugs = {"on": (True,), "off": (False,), "both": (False, True)}[args.debug]
     protocols = PROTOCOLS if args.protocol == "both" else (args.protocol,)
+    kernels = ("xla", "pallas") if args.spec_kernel == "both" else (args.spec_kernel,)
     jobs = [
         Job(
             n,
@@ -264,10 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             tp=args.tp,
             processes=args.processes,
             protocol=proto,
+            spec_kernel=kernel,
         )
         for n in names
         for proto in protocols
         if catalogue.runs_under(n, proto)
+        for kernel in (kernels if catalogue.build(n).spec is not None else ("xla",))
         for dt in dtypes
         for dbg in debugs
     ]
@@ -284,7 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def progress(job: Job, _: object) -> None:
         debug = "on" if job.debug else "off"
-        bar.set_postfix_str(f"{job.scenario} {job.protocol} {job.dtype} debug {debug}")
+        bar.set_postfix_str(
+            f"{job.scenario} {job.protocol} {job.spec_kernel} {job.dtype} debug {debug}"
+        )
         bar.update()
 
     results = run_jobs(jobs, progress, workers=args.jobs)

@@ -168,7 +168,14 @@ def worker(args: argparse.Namespace) -> int:
     for i, job in enumerate(jobs):
         lanes = lanes_for(job)
         twin = JaxTwin(
-            lanes[0], job.dtype, job.debug, "cpu", dp=job.dp, tp=job.tp, protocol=job.protocol
+            lanes[0],
+            job.dtype,
+            job.debug,
+            "cpu",
+            dp=job.dp,
+            tp=job.tp,
+            protocol=job.protocol,
+            spec_kernel=job.spec_kernel,
         )
         driven: Twin = twin if args.corrupt is None else FlipByte(twin, *args.corrupt)
         mine = {r: lanes[r] for r in twin.ranks}

@@ -12,6 +12,7 @@ from fm_parity.suite import MutationResult, ScenarioResult
 SCENARIO_COLUMNS = (
     "scenario",
     "protocol",
+    "kernel",
     "dtype",
     "debug",
     "steps",
@@ -40,13 +41,14 @@ def _hlo_check(r: ScenarioResult) -> str:
 
 
 def scenario_table(results: Sequence[ScenarioResult]) -> str:
-    """One line per run: scenario, relay protocol, dtype, debug, steps, ops compared,
+    """One line per run: scenario, relay protocol, spec kernel, dtype, debug, steps, ops compared,
     divergences, oracle (mesh runs: also the mesh shape and the HLO check; FAIL marks a
     failed check)."""
     rows = [
         [
             r.name,
             r.protocol,
+            r.spec_kernel,
             r.dtype,
             "on" if r.debug else "off",
             str(r.steps),
@@ -74,7 +76,7 @@ def failure_details(results: Sequence[ScenarioResult]) -> str:
         mesh = "" if r.dp is None else f", DP={r.dp} x TP={r.tp}"
         mesh += f", {r.processes} processes" if r.processes > 1 else ""
         debug = "on" if r.debug else "off"
-        out.append(f"{r.name} ({r.protocol}, {r.dtype}, debug {debug}{mesh}):")
+        out.append(f"{r.name} ({r.protocol}, {r.spec_kernel}, {r.dtype}, debug {debug}{mesh}):")
         if r.first_divergence:
             out.append(f"  first divergence: {r.first_divergence}")
         out += [f"  {twin} stopped: {err}" for twin, err in r.errors.items()]

@@ -31,8 +31,9 @@ protocol) a device-to-host transfer inside resolve, publish or stash."""
 
 @dataclass(frozen=True)
 class Job:
-    """One run: a catalogue scenario in one dtype, debug mode and relay protocol (plain
-    data: crosses into a worker process as JSON).
+    """One run: a catalogue scenario in one dtype, debug mode and relay protocol, and
+    for a spec scenario fm_jax's spec kernel (`SpecConfig.kernel`; plain data: crosses
+    into a worker process as JSON).
 
     `dp` x `tp` > 1 runs fm_jax on a mesh, its DP ranks spread over `processes` processes
     (each holding dp*tp/processes devices); fm_torch holds one map per rank.
@@ -49,6 +50,7 @@ class Job:
     tp: int = 1
     processes: int = 1
     protocol: str = "sentinel"
+    spec_kernel: str = "xla"
 
     @property
     def mesh(self) -> bool:
@@ -72,6 +74,7 @@ class ScenarioResult:
     oracle_failures: list[str] = field(default_factory=list)
     detectors: list[str] = field(default_factory=list)
     protocol: str = "sentinel"
+    spec_kernel: str = "xla"
     dp: int | None = None  # mesh runs only
     tp: int | None = None
     processes: int = 1
@@ -89,6 +92,7 @@ class ScenarioResult:
         keys = ("name", "dtype", "debug", "steps", "ops_compared", "divergences", "oracle_ok")
         doc = {k: getattr(self, k) for k in keys}
         doc["protocol"] = self.protocol
+        doc["spec_kernel"] = self.spec_kernel
         if self.dp is not None:
             doc.update(dp=self.dp, tp=self.tp, **self.extra)
         if self.processes > 1:
@@ -204,6 +208,7 @@ def evaluate(
         oracle_failures=[f"{name}: {bad}" for name, (_, bad) in oracles.items() if bad],
         detectors=detectors,
         protocol=job.protocol,
+        spec_kernel=job.spec_kernel,
         dp=job.dp if job.mesh else None,
         tp=job.tp if job.mesh else None,
         processes=job.processes,
@@ -223,6 +228,7 @@ def failed(job: Job, why: str) -> ScenarioResult:
         0,
         False,
         protocol=job.protocol,
+        spec_kernel=job.spec_kernel,
         dp=job.dp if job.mesh else None,
         tp=job.tp if job.mesh else None,
         processes=job.processes,
@@ -243,7 +249,14 @@ def make_twins(
     first = lanes[0]
     twins: list[Twin] = [
         JaxTwin(
-            first, job.dtype, job.debug, job.device, dp=job.dp, tp=job.tp, protocol=job.protocol
+            first,
+            job.dtype,
+            job.debug,
+            job.device,
+            dp=job.dp,
+            tp=job.tp,
+            protocol=job.protocol,
+            spec_kernel=job.spec_kernel,
         ),
         TorchTwin(
             first, job.dtype, job.debug, job.device, ranks=tuple(lanes), protocol=job.protocol

@@ -49,6 +49,7 @@ class JaxTwin:
       dp, tp: the mesh; 1 x 1 is one device. The mesh takes the first dp*tp devices of
         the platform, every process's (`fm_parity.mesh.make_mesh`).
       protocol: the map's relay protocol, 'sentinel' or 'gather' (fm_parity.twin.PROTOCOLS).
+      spec_kernel: how a spec map moves its fields, `SpecConfig.kernel` ('xla' or 'pallas').
 
     The 'sync' check (gather protocol): every resolve, publish and stash call on the map
     runs inside fm_parity.transfers.no_device_to_host, which records a device-to-host
@@ -73,6 +74,7 @@ class JaxTwin:
         dp: int = 1,
         tp: int = 1,
         protocol: str = "sentinel",
+        spec_kernel: str = "xla",
     ) -> None:
         if dtype == "int64" and not jax.config.read("jax_enable_x64"):
             raise RuntimeError("the int64 pass needs JAX_ENABLE_X64=1 (run it in its own process)")
@@ -82,7 +84,11 @@ class JaxTwin:
         sp = scenario.spec
         self.spec = None if sp is None else payloads.layout(sp)
         self.verified = sp is not None and sp.verified_id
-        cfg = None if sp is None or self.spec is None else _spec_config(self.spec, sp.verified_id)
+        cfg = (
+            None
+            if sp is None or self.spec is None
+            else _spec_config(self.spec, sp.verified_id, spec_kernel)
+        )
         on_mesh = dp * tp > 1
         first = jax_device(device)
         mesh = make_mesh(dp, tp, jax.devices(first.platform)) if on_mesh else None
@@ -318,9 +324,10 @@ class JaxTwin:
         return {r: (self._block(out.input_ids, r), self._block(out.seq_lens, r)) for r in batches}
 
 
-def _spec_config(spec: tm.Layout, verified_id: bool) -> fm_jax.SpecConfig:
+def _spec_config(spec: tm.Layout, verified_id: bool, kernel: str) -> fm_jax.SpecConfig:
     """fm_jax's declaration of a scenario's draft fields (fm_parity.payloads): the standard
-    ones as the layout relays them, then the engine's own (float32, or the map's ints)."""
+    ones as the layout relays them, then the engine's own (float32, or the map's ints),
+    moved by `kernel`."""
     extra = tuple(
         fm_jax.RelayField(
             e.name, (e.width,) if e.width else (), np.dtype(np.float32) if e.kind == "f32" else None
@@ -334,4 +341,5 @@ def _spec_config(spec: tm.Layout, verified_id: bool) -> fm_jax.SpecConfig:
         verified_id=verified_id,
         extra=extra,
         bonus_tokens=spec.relays_standard,
+        kernel=kernel,
     )

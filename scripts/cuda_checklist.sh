@@ -10,7 +10,7 @@
 #
 # A part is a list of steps; the first argument may also name steps (and parts) one by one,
 # so one device call can take the steps that matter most first. Steps: versions, cuda_tests,
-# suite, parity, parity_spec (the spec payload and spec MIXED scenarios only), headline,
+# suite, parity, parity_spec (spec decode, the spec payloads and spec MIXED, both spec kernels), headline,
 # protocols, startup, serve, host_lengths, inplace (each op's compiled kernels and HLO),
 # host_path (where the class's host time goes), packed_layout (spec extras in one row per
 # slot: kernels), engine_step, mutations, sweeps.
@@ -69,7 +69,7 @@ run_step() {
         ;;
     parity_spec)
         step parity_spec 150 "$py" -m fm_parity.cli --device cuda --jobs 6 \
-            --scenario spec_sglang_eagle --scenario spec_ngram --scenario spec_mixed \
+            --scenario spec_decode --scenario spec_sglang_eagle --scenario spec_ngram --scenario spec_mixed \
             --json "$out/parity_spec_cuda.json"
         ;;
     headline)

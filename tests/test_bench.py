@@ -762,9 +762,10 @@ def test_host_path_splits_each_class_step_and_writes_its_files(tmp_path: Path) -
 
 
 def test_packed_layout_probe_resolves_the_same_bytes_and_counts_kernels(tmp_path: Path) -> None:
-    """`python -m fm_bench.packed_layout`: both layouts of the spec extras resolve the same
-    bytes (the probe checks before it times), and each op has its kernels and figures; a
-    resolve of rows kept packed is one gather."""
+    """`python -m fm_bench.packed_layout`: both layouts of the spec extras and fm_jax's
+    Pallas kernel (interpreted here, so not timed) resolve the same bytes, and the kernel's
+    stash leaves the same buffers (the probe checks before it times); each timed op has
+    its kernels and figures; a resolve of rows kept packed is one gather."""
     import json
 
     from fm_bench import packed_layout
@@ -803,33 +804,3 @@ def test_packed_layout_split_inverts_the_rows_bit_for_bit() -> None:
     for g, w in zip(got[:4], d[:4], strict=True):
         assert np.asarray(g).dtype == np.asarray(w).dtype
         assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
-
-
-def test_pallas_spec_kernels_move_the_bytes_the_ops_move() -> None:
-    """The probe's one-kernel Pallas stash and resolve (run here in Pallas's interpreter;
-    timed only on a GPU) leave and read the same bytes as fm_jax's spec ops, a buffer per
-    field, with NaN payloads and -0.0 in the hidden states and top-k probabilities."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import fm_jax as fj
-    from fm_bench.packed_layout import pallas_resolve, pallas_stash
-
-    pool, k, h = 16, 2, 4
-    ops = fj.future_map(pool, spec=fj.SpecConfig(k, h, jnp.bfloat16), protocol="gather")
-    hidden = np.array([[np.nan, -0.0, 1.5, -2.0]] * 3, np.float32)
-    d = fj.DraftPayload(
-        jnp.array([1, 2, 3], jnp.int32),
-        jnp.array([[0.5, -0.0], [np.nan, 1.0], [2.0, 3.0]], jnp.float32),
-        jnp.array([[7, 8], [9, 10], [11, 12]], jnp.int32),
-        jnp.asarray(hidden, jnp.bfloat16),
-    )
-    idx = jnp.array([5, 1, 14], jnp.int32)
-    want = ops.stash(ops.init(), idx, d)
-    got = pallas_stash(ops.init(), idx, d, interpret=True)
-    as_bytes = lambda t: [np.asarray(x).tobytes() for x in jax.tree.leaves(t)]  # noqa: E731
-    assert as_bytes(got) == as_bytes(want)
-    batch = fj.Batch(fj.ForwardMode.DECODE, idx, idx, jnp.zeros(3, jnp.int32), idx)
-    read = ops.resolve(want, batch)[1].draft
-    assert as_bytes(pallas_resolve(want, idx, d, interpret=True)) == as_bytes(read)

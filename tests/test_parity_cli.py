@@ -16,6 +16,7 @@ from fm_parity.mutations import MUTATIONS
 
 SCENARIO_KEYS = {
     "name",
+    "spec_kernel",
     "dtype",
     "debug",
     "steps",
@@ -45,8 +46,9 @@ def test_console_script_is_installed():
 
 def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
     """int32 runs here and int64 in the x64 worker process (token ids above 2**32, bf16 NaN
-    payloads), each under both relay protocols by default; the table prints with a
-    protocol column and the JSON has exactly the report schema; exit 0."""
+    payloads), each under both relay protocols and a spec scenario under both spec kernels
+    by default; the table prints with protocol and kernel columns and the JSON has
+    exactly the report schema; exit 0."""
     out = tmp_path / "report.json"
     code = cli.main(
         [
@@ -66,13 +68,15 @@ def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     header = stdout.splitlines()[0].split()
-    assert header[:4] == ["scenario", "protocol", "dtype", "debug"] and "oracle" in header
+    assert header[:5] == ["scenario", "protocol", "kernel", "dtype", "debug"]
+    assert "oracle" in header
     doc = json.loads(out.read_text())
     assert set(doc) == {"device", "scenarios", "mutations"} and doc["device"] == "cpu"
-    assert [(s["name"], s["protocol"], s["dtype"]) for s in doc["scenarios"]] == [
-        (name, protocol, dtype)
+    assert [(s["name"], s["protocol"], s["spec_kernel"], s["dtype"]) for s in doc["scenarios"]] == [
+        (name, protocol, kernel, dtype)
         for name in ("idle_steps", "spec_decode")
         for protocol in ("sentinel", "gather")
+        for kernel in (("xla", "pallas") if name == "spec_decode" else ("xla",))
         for dtype in ("int32", "int64")
     ]
     for s in doc["scenarios"]:

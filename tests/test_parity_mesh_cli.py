@@ -26,6 +26,7 @@ SCENARIO_KEYS = {
     "divergences",
     "oracle_ok",
     "protocol",
+    "spec_kernel",
 }
 CHECK_KEYS = {"recompiles", "compiles_total", "collectives", "resharded"}
 

@@ -57,7 +57,11 @@ def _build(
     cfg: Config, a: dict[str, Any], debug: bool, ops: Sequence[str], *, host: bool
 ) -> dict[str, Op]:
     hidden = a["hidden"]
-    spec = fj.SpecConfig(cfg.topk, cfg.hidden, hidden.dtype) if cfg.spec else None
+    spec = (
+        fj.SpecConfig(cfg.topk, cfg.hidden, hidden.dtype, kernel=cfg.spec_kernel)
+        if cfg.spec
+        else None
+    )
     # No host copy of the lengths: the peers are modelled with SGLang's `needs_cpu_seq_lens`
     # off (their lengths stay on the device), and so is this map.
     fm = fj.FutureMap(

@@ -48,7 +48,11 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     if "step" not in ops:
         return {}
     dd = device_data(cfg, data)
-    spec = fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype) if cfg.spec else None
+    spec = (
+        fj.SpecConfig(cfg.topk, cfg.hidden, dd.hidden.dtype, kernel=cfg.spec_kernel)
+        if cfg.spec
+        else None
+    )
     fmo = fj.future_map(
         cfg.pool, dtype=int_dtype(cfg), spec=spec, debug=debug, protocol=cfg.protocol
     )

@@ -96,7 +96,7 @@ def tail(ops: ShardedFutureMapOps) -> Any:
             return state, None  # no sentinels to leave
         return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 
-    return ops.layout.map(local_tail)
+    return ops.map_ranks(local_tail)
 
 
 def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> EntryPoints:
@@ -152,7 +152,7 @@ def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> En
             chk.run()
         return local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
 
-    sentinels = ops.layout.map(local_sentinels)
+    sentinels = ops.map_ranks(local_sentinels)
 
     return EntryPoints(
         publish=jit(ops.publish, "publish", sh),

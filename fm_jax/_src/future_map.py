@@ -189,6 +189,20 @@ class FutureMap:
             else mesh_layout(mesh, dp_axis, tp_axis)
         )
         local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
+        platform = self.layout.mesh.devices.flat[0].platform
+        if (
+            local.spec is not None
+            and local.spec.kernel == "pallas"
+            and platform
+            not in (
+                "cpu",
+                "gpu",
+            )
+        ):
+            raise FutureMapError(
+                f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
+                f"lowering for {platform}; use kernel='xla'"
+            )
         self.ops = lift(local, self.layout)
         self.pool_size = pool_size
         self.dtype: np.dtype = local.dtype
@@ -241,7 +255,6 @@ class FutureMap:
                 f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
             ) from None
         self._fns = self.executables()
-        platform = self.layout.mesh.devices.flat[0].platform
         if pack_inputs is not None and not isinstance(pack_inputs, bool):
             raise FutureMapError(f"pack_inputs must be a bool or None, got {pack_inputs!r}")
         self.pack_inputs: bool = self._inputs.single_process and (

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax._src import checks, refusals
+from fm_jax._src import checks, refusals, row_kernel
 from fm_jax._src import relay_fields as rf
 from fm_jax._src import shapes as s
 from fm_jax._src.errors import FutureMapError
@@ -156,6 +156,24 @@ def future_map(
     fields = spec.fields() if spec is not None else ()
     consumed = [f.name for f in fields if f.consumed]
     r = pool_size
+    one_kernel = spec is not None and spec.kernel == "pallas"
+    for f in fields if one_kernel else ():
+        row_kernel.check_fits(f.name, r, int(np.prod(f.shape, dtype=np.int64)), dt)
+
+    def scatter_rows(bufs: list[jax.Array], idx: Any, values: list[Any]) -> list[jax.Array]:
+        """`_scatter` of each value into its buffer at `idx`: one kernel for them all with
+        `spec.kernel='pallas'` (row_kernel), else one scatter per buffer."""
+        values = [jnp.asarray(v).astype(b.dtype) for b, v in zip(bufs, values, strict=True)]
+        if one_kernel:
+            return row_kernel.scatter(bufs, jnp.asarray(idx, dt), values)
+        return [_scatter(b, idx, v) for b, v in zip(bufs, values, strict=True)]
+
+    def gather_rows(bufs: list[jax.Array], idx: jax.Array) -> list[jax.Array]:
+        """`_gather` of each buffer at `idx`: one kernel for them all with
+        `spec.kernel='pallas'` (row_kernel), else one gather per buffer."""
+        if one_kernel and idx.shape[0] > 0:
+            return row_kernel.gather(bufs, jnp.asarray(idx, dt))
+        return [_gather(b, idx) for b in bufs]
 
     def init() -> FutureMapState:
         tokens = jnp.full((r,), POISON if debug else 0, dtype=dt)
@@ -249,10 +267,10 @@ def future_map(
             return state  # DP idle: nothing ran, nothing to relay
         if spec is None:
             return state._replace(output_tokens=_scatter(state.output_tokens, indices, payload))
-        for f in fields:
-            buf = rf.get(state, f.name)
-            values = rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name)))
-            state = rf.put(state, f.name, _scatter(buf, indices, values))
+        bufs = [rf.get(state, f.name) for f in fields]
+        values = [rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name))) for f in fields]
+        for f, buf in zip(fields, scatter_rows(bufs, indices, values), strict=True):
+            state = rf.put(state, f.name, buf)
         return state
 
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
@@ -349,7 +367,7 @@ def future_map(
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices("draft_indices", didx, chk)
         s.check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
-        draft = gather_draft(state, didx)
+        draft, _ = gather_draft(state, didx)
         if chk is not None:
             reads = consumed_reads(draft, didx)
             k = None
@@ -362,11 +380,16 @@ def future_map(
                 state = _poison(state, didx, maxima, k, f)
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
-    def gather_draft(state: FutureMapState, didx: jax.Array) -> DraftPayload:
-        """The draft stashed at `didx`: every declared field, as its values."""
-        return draft_payload(
-            {f.name: rf.from_buffer(f, _gather(rf.get(state, f.name), didx), dt) for f in fields}
+    def gather_draft(
+        state: FutureMapState, didx: jax.Array, *also: jax.Array
+    ) -> tuple[DraftPayload, list[jax.Array]]:
+        """The draft stashed at `didx` (every declared field, as its values), and the rows
+        at `didx` of the buffers `also`, read in the same gather."""
+        got = gather_rows([*(rf.get(state, f.name) for f in fields), *also], didx)
+        draft = draft_payload(
+            {f.name: rf.from_buffer(f, v, dt) for f, v in zip(fields, got, strict=False)}
         )
+        return draft, got[len(fields) :]
 
     def consumed_reads(draft: DraftPayload, didx: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
         """(one value per row, slots read) of each consume-tracked field a draft gather read."""
@@ -464,11 +487,10 @@ def future_map(
             s.check_rows("draft_indices", didx, b)
             # A spec DECODE batch's lengths are the verified ones last published; any other
             # kind keeps the host's (a rank prefilling beside a spec decoding one).
-            got = _gather(state.new_seq_lens, didx)
+            draft, (got,) = gather_draft(state, didx, state.new_seq_lens)
             seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
             if chk is not None:
                 checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
-            draft = gather_draft(state, didx)
         if chk is not None:
             # (field, values, slots read, whether this batch does the read), every read of a
             # consume-tracked buffer.

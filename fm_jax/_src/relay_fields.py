@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fm_jax._src import row_kernel
 from fm_jax._src.errors import FutureMapError
 
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -92,8 +93,8 @@ def _count(x: Any, low: int) -> bool:
 def check_spec(spec: Any) -> Any:
     """A SpecConfig normalised (numpy dtypes, a tuple of fields), or FutureMapError naming
     what no map could serve: topk and hidden ints >= 0, a bf16/f16/f32 hidden dtype,
-    verified_id and bonus_tokens bools, extra a sequence of RelayFields (`check_extra`), and
-    at least one field declared."""
+    verified_id and bonus_tokens bools, extra a sequence of RelayFields (`check_extra`), a
+    known kernel (one that moves every field's dtype), and at least one field declared."""
     from fm_jax._src.types import SpecConfig  # types imports this module
 
     if not isinstance(spec, SpecConfig):
@@ -120,9 +121,17 @@ def check_spec(spec: Any) -> Any:
         verified_id=bool(spec.verified_id),
         bonus_tokens=bool(spec.bonus_tokens),
         extra=check_extra(tuple(spec.extra)),
+        kernel=row_kernel.check_kernel(spec.kernel),
     )
     if not out.fields():
         raise FutureMapError(f"spec declares no field to relay: {spec}")
+    if out.kernel == "pallas":
+        for f in out.fields():
+            if f.dtype is not None and not row_kernel.movable(np.dtype(f.dtype)):
+                raise FutureMapError(
+                    f"spec.kernel='pallas' moves real numbers and ints; field {f.name} is "
+                    f"{f.dtype} (use kernel='xla')"
+                )
     return out
 
 

@@ -17,6 +17,7 @@ collectives and outputs keep the inputs' sharding (no resharding step to step).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -88,10 +89,13 @@ class MeshLayout(NamedTuple):
         """Every device of the mesh belongs to this process (host arrays can be placed whole)."""
         return len(self.mesh.local_devices) == self.mesh.devices.size
 
-    def map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def map(self, fn: Callable[..., Any], *, check_vma: bool = True) -> Callable[..., Any]:
         """`fn` run on each DP rank's block of every argument and result (`jax.shard_map`;
-        blocks along the leading axis, replicated over every other mesh axis)."""
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=self.spec, out_specs=self.spec)
+        blocks along the leading axis, replicated over every other mesh axis); `check_vma`
+        as shard_map's."""
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=self.spec, out_specs=self.spec, check_vma=check_vma
+        )
 
     def global_array(self, blocks: Mapping[int, np.ndarray], size: int, like: np.ndarray) -> Any:
         """The global [DP*size, ...] array whose rank-d block is `blocks[d]` padded with zero
@@ -184,6 +188,18 @@ class ShardedFutureMapOps(NamedTuple):
     local: FutureMapOps
     layout: MeshLayout
 
+    def map_ranks(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` run on each DP rank's block (`MeshLayout.map`), as these ops run theirs."""
+        return self.layout.map(fn, check_vma=_checks_vma(self.local))
+
+
+def _checks_vma(ops: FutureMapOps) -> bool:
+    """Whether the ops are mapped with shard_map's varying-axes check: not with the Pallas
+    spec kernel, which Pallas's interpreter (CPU) cannot trace under it (jax 0.10-0.11:
+    'dynamic_slice requires varying manual axes to match'). The ops hold no collective,
+    so the check has nothing else to find in them."""
+    return ops.spec is None or ops.spec.kernel != "pallas"
+
 
 def _check_split(layout: MeshLayout, tree: Any, what: str) -> None:
     """Every leaf's leading size splits evenly into DP equal per-rank parts."""
@@ -212,6 +228,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
     See `sharded_future_map`; this is its body for ops already built.
     """
     pool_size, mesh, spec_ = ops.pool_size, layout.mesh, layout.spec
+    each = functools.partial(layout.map, check_vma=_checks_vma(ops))
 
     def init() -> FutureMapState:
         return jax.shard_map(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
@@ -219,12 +236,12 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
     def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
         _check_state(layout, state, pool_size)
         _check_split(layout, (indices, new_seq_lens), "publish")
-        return layout.map(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
+        return each(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
         _check_state(layout, state, pool_size)
         _check_split(layout, (indices, payload), "stash")
-        return layout.map(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
+        return each(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
 
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
         _check_state(layout, state, pool_size)
@@ -237,7 +254,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
 
             batch = batch._replace(forward_mode=None)
             _check_split(layout, batch, "resolve")
-            return layout.map(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
+            return each(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
         check_int_array("forward_mode", mode)  # a traced mode here: a scalar or one per rank
         shape = jnp.shape(mode)  # type: ignore[arg-type]
         if shape == ():
@@ -254,7 +271,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
 
         batch = batch._replace(forward_mode=mode)
         _check_split(layout, batch, "resolve")
-        return layout.map(local_resolve)(state, batch)  # type: ignore[no-any-return]
+        return each(local_resolve)(state, batch)  # type: ignore[no-any-return]
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
         _check_split(layout, indices, "invalidate")
@@ -264,7 +281,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
     def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
         _check_state(layout, state, pool_size)
         _check_split(layout, indices, "seq_lens_at")
-        return layout.map(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
+        return each(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
 
     return ShardedFutureMapOps(init, publish, stash, resolve, invalidate, seq_lens_at, ops, layout)
 

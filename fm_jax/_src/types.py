@@ -37,6 +37,11 @@ class SpecConfig(NamedTuple):
       extra: the engine's own fields (`RelayField`s), relayed in `DraftPayload.extras`.
       bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
         for a draft that brings none (SGLang's n-gram payload).
+      kernel: how stash and resolve move the fields: 'xla' (default), one scatter or
+        gather per buffer; 'pallas', one kernel for every field (and, in the gather
+        protocol, the lengths read at the draft slots), as SGLang's Triton kernels move
+        its spec extras: Triton on a GPU, Pallas's interpreter on CPU (for tests), no TPU.
+        Every field's dtype a real number or an int (no bool, no complex).
     """
 
     topk: int
@@ -45,6 +50,7 @@ class SpecConfig(NamedTuple):
     verified_id: bool = False
     extra: tuple[RelayField, ...] = ()
     bonus_tokens: bool = True
+    kernel: str = "xla"
 
     def fields(self) -> tuple[RelayField, ...]:
         """Every relayed field, in stash order (`relay_fields.standard_fields`, then extra)."""

@@ -1,0 +1,211 @@
+"""The one-kernel spec field moves (`SpecConfig(kernel='pallas')`, fm_jax/_src/row_kernel.py).
+
+On CPU the kernel runs in Pallas's interpreter: its bytes are checked against numpy's
+scatter / gather and against the per-buffer XLA ops. Its CUDA lowering (Triton) is built
+here too, without a GPU (`lowering_platforms=('cuda',)`): one Triton kernel per op, no
+scatter or gather of a field left beside it. The CUDA run itself is in the GPU checklist.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import fm_jax as fj
+from fm_jax._src import row_kernel
+
+R = 24
+# (dtype, row shape): every width class (one value, a power of two, none, wider than a
+# chunk and no power of two), and the raw bits of floats: NaN payloads and -0.0 must move.
+BUFFERS = [
+    (np.int32, ()),
+    (np.float32, (8,)),
+    (np.uint16, (3,)),
+    (np.int8, (5, 2)),
+    (ml_dtypes.bfloat16, (row_kernel.CHUNK + 6,)),
+    (np.float16, (1,)),
+]
+# In range, out of range both ways, unique in-range slots (rows sharing a slot write in an
+# unspecified order, as XLA's scatter does on a GPU).
+IDX = np.array([5, -1, 23, 0, R, 9, -R - 3, 17], np.int32)
+
+
+def _random(dtype: type, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    bits = rng.integers(0, 256, (*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
+    out = bits.view(dtype).reshape(shape)
+    if np.dtype(dtype).kind == "f" or dtype is ml_dtypes.bfloat16:
+        flat = out.reshape(-1)
+        flat[:2] = [np.array(-0.0, dtype), np.array(np.nan, dtype)]
+    return out
+
+
+def _buffers(seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    bufs = [_random(dt, (R, *shape), rng) for dt, shape in BUFFERS]
+    vals = [_random(dt, (IDX.size, *shape), rng) for dt, shape in BUFFERS]
+    return bufs, vals
+
+
+def _bytes(xs: list) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in xs]
+
+
+def test_gather_reads_each_buffer_at_the_clipped_slots() -> None:
+    bufs, _ = _buffers(0)
+    got = jax.jit(row_kernel.gather)([jnp.asarray(b) for b in bufs], jnp.asarray(IDX))
+    want = [b[np.clip(IDX, 0, R - 1)] for b in bufs]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert _bytes(got) == _bytes(want)
+
+
+def test_scatter_writes_each_buffer_at_the_slots_in_range_only() -> None:
+    bufs, vals = _buffers(1)
+    got = jax.jit(row_kernel.scatter, donate_argnums=(0,))(
+        [jnp.asarray(b) for b in bufs], jnp.asarray(IDX), [jnp.asarray(v) for v in vals]
+    )
+    want = [b.copy() for b in bufs]
+    for i, slot in enumerate(IDX):
+        if 0 <= slot < R:
+            for w, v in zip(want, vals, strict=True):
+                w[slot] = v[i]
+    assert _bytes(got) == _bytes(want)
+
+
+def _spec_map(kernel: str, protocol: str, debug: bool) -> fj.FutureMapOps:
+    extra = (fj.RelayField("accept_len", consumed=True), fj.RelayField("probs", (3,), np.float32))
+    spec = fj.SpecConfig(4, 10, jnp.bfloat16, verified_id=True, extra=extra, kernel=kernel)
+    return fj.future_map(R, spec=spec, debug=debug, protocol=protocol)
+
+
+def _draft(rng: np.random.Generator, b: int) -> fj.DraftPayload:
+    ints = lambda *s: jnp.asarray(rng.integers(1, 1000, s).astype(np.int32))  # noqa: E731
+    return fj.DraftPayload(
+        bonus_tokens=ints(b),
+        topk_p=jnp.asarray(_random(np.float32, (b, 4), rng)),
+        topk_index=ints(b, 4),
+        hidden_states=jnp.asarray(_random(ml_dtypes.bfloat16, (b, 10), rng)),
+        verified_id=ints(b),
+        extras={"accept_len": ints(b), "probs": jnp.asarray(_random(np.float32, (b, 3), rng))},
+    )
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+@pytest.mark.parametrize("debug", [False, True])
+def test_spec_ops_move_the_same_bytes_with_either_kernel(protocol: str, debug: bool) -> None:
+    """A spec map's stash, publish and resolve leave the same state and resolve the same
+    batch with kernel='pallas' as with 'xla' (every field kind, consumed ones included)."""
+    rng = np.random.default_rng(2)
+    slots = jnp.asarray(np.array([3, 7, 0, 11], np.int32))
+    draft = _draft(rng, 4)
+    lens = jnp.asarray(np.array([5, 6, 0, 8], np.int32))
+    mode = fj.ForwardMode.DECODE
+    out = {}
+
+    def run(fn: object, *args: object) -> object:
+        if not debug:
+            return jax.jit(fn)(*args)
+        err, got = jax.jit(checkify.checkify(fn, errors=checkify.user_checks))(*args)
+        err.throw()
+        return got
+
+    for kernel in ("xla", "pallas"):
+        ops = _spec_map(kernel, protocol, debug)
+        state = run(ops.publish, ops.init(), slots, lens)
+        state = run(ops.stash, state, slots, draft)
+        ids = jnp.zeros(4, jnp.int32) if protocol == "gather" else -slots
+        batch = fj.Batch(mode, slots, ids, ids, slots)
+        state, res = run(ops.resolve, state, batch)
+        out[kernel] = _bytes(jax.tree.leaves((state, res)))
+    assert out["pallas"] == out["xla"]
+
+
+_OP = re.compile(r"= \"?stablehlo\.(\w+)")
+"""An op of a StableHLO module, by name."""
+
+
+def _cuda_hlo(fn: object, *args: object) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_cuda_lowering_moves_every_field_in_one_triton_kernel(protocol: str) -> None:
+    """Lowered for CUDA (no GPU needed), a spec stash is one Triton kernel and no scatter;
+    a spec DECODE resolve gathers the draft (and, in the gather protocol, the lengths at
+    the draft slots) in one Triton kernel: no gather beside it but the sentinel protocol's
+    lengths at the batch's own slots."""
+    ops = _spec_map("pallas", protocol, debug=False)
+    state = ops.init()
+    slots = jnp.arange(1, 9, dtype=jnp.int32)
+    stash = _cuda_hlo(ops.stash, state, slots, _draft(np.random.default_rng(3), 8))
+    assert stash.count("xla.gpu.triton") == 1
+    assert not _OP.findall(stash).count("scatter")
+
+    ids = jnp.zeros(8, jnp.int32) if protocol == "gather" else -slots
+    batch = fj.Batch(fj.ForwardMode.DECODE, slots, ids, ids, slots)
+    resolve = _cuda_hlo(lambda s, b: ops.resolve(s, b)[1], state, batch)
+    assert resolve.count("xla.gpu.triton") == 1
+    assert _OP.findall(resolve).count("gather") == (0 if protocol == "gather" else 1)
+
+
+def test_the_kernel_refuses_what_it_cannot_move() -> None:
+    with pytest.raises(fj.FutureMapError, match="spec.kernel must be one of"):
+        fj.future_map(R, spec=fj.SpecConfig(4, kernel="triton"))
+    for dtype in (np.bool_, np.complex64):
+        spec = fj.SpecConfig(0, extra=(fj.RelayField("x", (), dtype),), kernel="pallas")
+        with pytest.raises(fj.FutureMapError, match="moves real numbers and ints; field x"):
+            fj.future_map(R, spec=spec)
+    # slot * width must stay inside the map's int32 offsets
+    spec = fj.SpecConfig(0, 1 << 16, kernel="pallas")
+    with pytest.raises(fj.FutureMapError, match="hidden_states holds 65536 x 65536"):
+        fj.future_map(1 << 16, spec=spec)
+
+
+def _gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _gpu(), reason="needs a JAX GPU device (the Triton kernel runs there)")
+def test_on_a_gpu_each_spec_op_is_one_kernel_in_place_with_the_same_bytes() -> None:
+    """Compiled for the GPU (B = 256, R = 16384, K = 8, H = 4096 bf16, gather protocol): the
+    stash and the resolve's draft and lengths each run one kernel (no copy beside it), the
+    stash aliases the donated state, and both leave the per-buffer ops' bytes."""
+    from fm_bench.inplace import kernels
+
+    pool, b = 16384, 256
+    rng = np.random.default_rng(4)
+    slots = jnp.asarray(rng.permutation(np.arange(1, pool, dtype=np.int32))[:b])
+    draft = fj.DraftPayload(
+        bonus_tokens=jnp.asarray(rng.integers(1, 32000, b).astype(np.int32)),
+        topk_p=jnp.asarray(_random(np.float32, (b, 8), rng)),
+        topk_index=jnp.asarray(rng.integers(0, 32000, (b, 8)).astype(np.int32)),
+        hidden_states=jnp.asarray(_random(ml_dtypes.bfloat16, (b, 4096), rng)),
+    )
+    batch = fj.Batch(fj.ForwardMode.DECODE, slots, jnp.zeros(b, jnp.int32), slots, slots)
+    out, hlo = {}, {}
+    for kernel in ("xla", "pallas"):
+        spec = fj.SpecConfig(8, 4096, jnp.bfloat16, kernel=kernel)
+        ops = fj.future_map(pool, spec=spec, protocol="gather")
+        stash = jax.jit(ops.stash, donate_argnums=(0,))
+        resolve = jax.jit(lambda s, bt, ops=ops: ops.resolve(s, bt)[1][1:])  # lengths, draft
+        hlo[kernel] = (
+            stash.lower(ops.init(), slots, draft).compile().as_text() or "",
+            resolve.lower(ops.init(), batch).compile().as_text() or "",
+        )
+        state = stash(ops.init(), slots, draft)
+        out[kernel] = _bytes(jax.tree.leaves((state, resolve(state, batch))))
+    assert out["pallas"] == out["xla"]
+    stash_hlo, resolve_hlo = hlo["pallas"]
+    # One kernel and nothing else: no copy or convert of a buffer beside it.
+    assert kernels(stash_hlo) == 1, stash_hlo
+    assert "input_output_alias" in stash_hlo
+    assert kernels(resolve_hlo) == 1, resolve_hlo
