@@ -207,8 +207,10 @@ def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_giv
             assert np.asarray(nxt.seq_lens).tolist() == [-3, -1, 0, 0]
 
 
-def test_spec_step_relays_the_draft_like_finish() -> None:
-    spec = fj.SpecConfig(topk=2, hidden=4, hidden_dtype=jnp.bfloat16)
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_spec_step_relays_the_draft_like_finish(kernel: str) -> None:
+    """With either spec kernel, the step leaves the buffers the class's ops leave."""
+    spec = fj.SpecConfig(topk=2, hidden=4, hidden_dtype=jnp.bfloat16, kernel=kernel)
     slots = np.array([1, 2], np.int32)
 
     def draft(seed: int) -> fj.DraftPayload:

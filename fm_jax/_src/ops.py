@@ -7,6 +7,10 @@ through (and donated by the engine's jit, so every write is in place).
 
 Writes scatter with mode='drop' and no negative-index wrapping: an out-of-range slot
 writes nothing rather than another slot. Debug mode adds checkify checks (see checks.py).
+
+A spec map's fields each live in their own buffer. XLA moves each with its own scatter or
+gather (a kernel launch each on a GPU); `SpecConfig(kernel='pallas')` moves all of a stash's
+fields in one kernel, and all of a draft gather's (row_kernel.py), with the same bytes.
 """
 
 from __future__ import annotations
