@@ -3,7 +3,7 @@
 # debug checks and the host input checks. Not part of CI: it takes tens of minutes.
 #
 #   bash scripts/mutation.sh                 # every group, fm_torch first
-#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-checks jax-inputs)
+#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-checks jax-inputs jax-kernel)
 #   bash scripts/mutation.sh --rerun jax-ops # a finished run's survivors again, today's tests
 #   bash scripts/mutation.sh --since REV jax-ops  # only the mutants on lines changed since REV
 #
@@ -44,7 +44,7 @@ JOBS=${MUTATION_JOBS:-2}
 LIMIT=${MUTATION_TIMEOUT:-3600}
 WORK=${MUTATION_DIR:-${TMPDIR:-/tmp}/fm-jax-mutation}
 REPORT=${MUTATION_REPORT:-docs/mutation.md}
-ALL=(torch jax-ops jax-checks jax-inputs)
+ALL=(torch jax-ops jax-checks jax-inputs jax-kernel)
 
 if ! "$PY" -c "import mutmut, coverage" 2>/dev/null; then
     echo "mutmut is missing: .venv/bin/pip install -e '.[mutation]'" >&2
@@ -59,6 +59,7 @@ file_of() {
         jax-ops) echo fm_jax/_src/ops.py ;;
         jax-checks) echo fm_jax/_src/checks.py ;;
         jax-inputs) echo fm_jax/_src/host_inputs.py ;;
+        jax-kernel) echo fm_jax/_src/row_kernel.py ;;
         *) echo "unknown group '$1' (${ALL[*]}, jax)" >&2; return 1 ;;
     esac
 }
@@ -85,6 +86,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                           $m::test_the_running_row_check_holds_at_edge_sizes_and_slot_one" ;;
         jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                           $table::test_fm_jax_class_refuses_and_keeps_every_byte" ;;
+        jax-kernel) echo "tests/test_fm_jax_row_kernel.py" ;;
     esac
 }
 preload_of() {
@@ -207,7 +209,7 @@ main() {
     [ $# -gt 0 ] || set -- "${ALL[@]}"
     groups=()
     for g in "$@"; do
-        if [ "$g" = jax ]; then groups+=(jax-ops jax-checks jax-inputs); else groups+=("$g"); fi
+        if [ "$g" = jax ]; then groups+=(jax-ops jax-checks jax-inputs jax-kernel); else groups+=("$g"); fi
     done
     dirs=()
     for g in "${groups[@]}"; do

@@ -9,6 +9,7 @@ scatter or gather of a field left beside it. The CUDA run itself is in the GPU c
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ IDX = np.array([5, -1, 23, 0, R, 9, -R - 3, 17], np.int32)
 def _random(dtype: type, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     bits = rng.integers(0, 256, (*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
     out = bits.view(dtype).reshape(shape)
-    if np.dtype(dtype).kind == "f" or dtype is ml_dtypes.bfloat16:
+    if (np.dtype(dtype).kind == "f" or dtype is ml_dtypes.bfloat16) and out.size >= 2:
         flat = out.reshape(-1)
         flat[:2] = [np.array(-0.0, dtype), np.array(np.nan, dtype)]
     return out
@@ -78,7 +79,12 @@ def test_scatter_writes_each_buffer_at_the_slots_in_range_only() -> None:
 
 
 def _spec_map(kernel: str, protocol: str, debug: bool) -> fj.FutureMapOps:
-    extra = (fj.RelayField("accept_len", consumed=True), fj.RelayField("probs", (3,), np.float32))
+    extra = (
+        fj.RelayField("accept_len", consumed=True),
+        fj.RelayField("probs", (3,), np.float32),
+        fj.RelayField("mask", (6,), np.int8),  # one-byte fields: moved as uint8
+        fj.RelayField("scales", (2,), ml_dtypes.float8_e4m3fn),
+    )
     spec = fj.SpecConfig(4, 10, jnp.bfloat16, verified_id=True, extra=extra, kernel=kernel)
     return fj.future_map(R, spec=spec, debug=debug, protocol=protocol)
 
@@ -91,7 +97,12 @@ def _draft(rng: np.random.Generator, b: int) -> fj.DraftPayload:
         topk_index=ints(b, 4),
         hidden_states=jnp.asarray(_random(ml_dtypes.bfloat16, (b, 10), rng)),
         verified_id=ints(b),
-        extras={"accept_len": ints(b), "probs": jnp.asarray(_random(np.float32, (b, 3), rng))},
+        extras={
+            "accept_len": ints(b),
+            "probs": jnp.asarray(_random(np.float32, (b, 3), rng)),
+            "mask": jnp.asarray(_random(np.int8, (b, 6), rng)),
+            "scales": jnp.asarray(_random(ml_dtypes.float8_e4m3fn, (b, 2), rng)),
+        },
     )
 
 
@@ -153,6 +164,54 @@ def test_cuda_lowering_moves_every_field_in_one_triton_kernel(protocol: str) -> 
     assert _OP.findall(resolve).count("gather") == (0 if protocol == "gather" else 1)
 
 
+def test_inlined_in_an_engines_own_shard_map_the_kernel_keeps_its_varying_axes() -> None:
+    """An engine that inlines the pure ops in its own `jax.shard_map` (the varying-axes
+    check on, the default) lowers the kernel for CUDA: each output varies over the mesh as
+    the buffer it comes from."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    ops = _spec_map("pallas", "gather", debug=False)
+    rows = jax.sharding.PartitionSpec("dp")
+    slots = jnp.arange(1, 9, dtype=jnp.int32)
+    draft = _draft(np.random.default_rng(5), 8)
+
+    def step(state: fj.FutureMapState, slots: jax.Array, draft: fj.DraftPayload) -> Any:
+        state = ops.stash(state, slots, draft)
+        batch = fj.Batch(fj.ForwardMode.DECODE, slots, jnp.zeros_like(slots), slots, slots)
+        return state, ops.resolve(state, batch)[1].draft
+
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=rows, out_specs=rows)
+    hlo = _cuda_hlo(mapped, ops.init(), slots, draft)
+    assert hlo.count("xla.gpu.triton") == 2
+
+
+def test_a_batch_too_long_for_int32_offsets_is_refused_when_traced() -> None:
+    """Rows * width of the batch (a stash's values, a gather's outputs) must fit int32
+    offsets too, as must a buffer's; shapes only (nothing is allocated)."""
+    ops = fj.future_map(4, spec=fj.SpecConfig(0, 1 << 15, kernel="pallas"), protocol="gather")
+    state = jax.eval_shape(ops.init)
+    b = 1 << 16
+    idx = jax.ShapeDtypeStruct((b,), jnp.int32)
+    draft = fj.DraftPayload(
+        bonus_tokens=idx, hidden_states=jax.ShapeDtypeStruct((b, 1 << 15), jnp.bfloat16)
+    )
+    with pytest.raises(fj.FutureMapError, match="a batch holds 65536 x 32768 elements"):
+        jax.eval_shape(ops.stash, state, idx, draft)
+    batch = fj.Batch(fj.ForwardMode.DECODE, idx, idx, idx, idx)
+    with pytest.raises(fj.FutureMapError, match="a batch holds 65536 x 32768 elements"):
+        jax.eval_shape(ops.resolve, state, batch)
+    # A state not from this map's init (more rows than its pool) is held to the same bound.
+    big = jax.eval_shape(fj.future_map(b, spec=fj.SpecConfig(0, 1 << 15)).init)
+    small = jax.ShapeDtypeStruct((8,), jnp.int32)
+    with pytest.raises(fj.FutureMapError, match="a buffer holds 65536 x 32768 elements"):
+        jax.eval_shape(
+            ops.resolve,
+            big,
+            batch._replace(
+                req_pool_indices=small, draft_indices=small, input_ids=small, seq_lens=small
+            ),
+        )
+
+
 def test_the_kernel_refuses_what_it_cannot_move() -> None:
     with pytest.raises(fj.FutureMapError, match="spec.kernel must be one of"):
         fj.future_map(R, spec=fj.SpecConfig(4, kernel="triton"))
@@ -209,3 +268,20 @@ def test_on_a_gpu_each_spec_op_is_one_kernel_in_place_with_the_same_bytes() -> N
     assert kernels(stash_hlo) == 1, stash_hlo
     assert "input_output_alias" in stash_hlo
     assert kernels(resolve_hlo) == 1, resolve_hlo
+
+
+def test_an_empty_batch_launches_no_kernel() -> None:
+    """A DP-idle rank's empty stash and draft gather (B = 0) run no kernel: the stash
+    leaves the state as it was, the resolve returns empty rows."""
+    ops = _spec_map("pallas", "gather", debug=False)
+    state = ops.stash(
+        ops.init(), jnp.arange(1, 5, dtype=jnp.int32), _draft(np.random.default_rng(6), 4)
+    )
+    none = jnp.zeros(0, jnp.int32)
+    batch = fj.Batch(fj.ForwardMode.DECODE, none, none, none, none)
+    assert _bytes(
+        jax.tree.leaves(ops.stash(state, none, _draft(np.random.default_rng(7), 0)))
+    ) == _bytes(jax.tree.leaves(state))
+    res = jax.jit(ops.resolve)(state, batch)[1]
+    assert all(x.shape[0] == 0 for x in jax.tree.leaves(res))
+    assert _cuda_hlo(lambda s, b: ops.resolve(s, b)[1], state, batch).count("xla.gpu.triton") == 0

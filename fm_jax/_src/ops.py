@@ -15,6 +15,7 @@ fields in one kernel, and all of a draft gather's (row_kernel.py), with the same
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -162,7 +163,7 @@ def future_map(
     r = pool_size
     one_kernel = spec is not None and spec.kernel == "pallas"
     for f in fields if one_kernel else ():
-        row_kernel.check_fits(f.name, r, int(np.prod(f.shape, dtype=np.int64)), dt)
+        row_kernel.check_fits(f.name, r, math.prod(f.shape), dt)
 
     def scatter_rows(bufs: list[jax.Array], idx: Any, values: list[Any]) -> list[jax.Array]:
         """`_scatter` of each value into its buffer at `idx`: one kernel for them all with

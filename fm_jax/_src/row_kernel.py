@@ -27,6 +27,7 @@ Offsets are computed in the index dtype: an int32 index needs rows * width < 2**
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +55,10 @@ def check_kernel(kernel: Any) -> str:
 
 
 def movable(dtype: np.dtype) -> bool:
-    """Whether the kernel moves values of `dtype` (as raw bits): real numbers and ints of
-    1, 2, 4 or 8 bytes. Not bool or complex, which XLA bitcasts to no unsigned int."""
-    return dtype.kind != "b" and dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8)
+    """Whether the kernel moves values of a storable `dtype` (`relay_fields.storable`, so 1,
+    2, 4 or 8 bytes wide) as raw bits: real numbers and ints. Not bool or complex, which
+    XLA bitcasts to no unsigned int."""
+    return dtype.kind not in ("b", "c")
 
 
 def check_fits(name: str, rows: int, width: int, index_dtype: np.dtype) -> None:
@@ -132,7 +134,15 @@ def _like(x: jax.Array, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
 
 
 def _widths(bufs: Sequence[jax.Array]) -> tuple[int, ...]:
-    return tuple(int(np.prod(x.shape[1:], dtype=np.int64)) for x in bufs)
+    return tuple(math.prod(x.shape[1:]) for x in bufs)
+
+
+def _check_sizes(rows: int, b: int, widths: tuple[int, ...], index_dtype: np.dtype) -> None:
+    """`check_fits` for the buffers' rows and the batch's (a stash's values, a gather's
+    outputs)."""
+    for w in widths:
+        check_fits("a buffer", rows, w, index_dtype)
+        check_fits("a batch", b, w, index_dtype)
 
 
 def _on_each_platform(call: Any, *args: Any) -> Any:
@@ -158,8 +168,7 @@ def scatter(
     addressable in `idx`'s dtype (`check_fits`: checked here, when traced)."""
     rows, b = bufs[0].shape[0], idx.shape[0]
     widths = _widths(bufs)
-    for w in widths:
-        check_fits("a buffer", max(rows, b), w, idx.dtype)
+    _check_sizes(rows, b, widths, idx.dtype)
     k = len(bufs)
 
     def call(idx: jax.Array, vals: list[jax.Array], flat: list[jax.Array], *, interpret: bool):
@@ -182,8 +191,7 @@ def gather(bufs: Sequence[jax.Array], idx: jax.Array) -> list[jax.Array]:
     checked here, when traced)."""
     rows, b = bufs[0].shape[0], idx.shape[0]
     widths = _widths(bufs)
-    for w in widths:
-        check_fits("a buffer", max(rows, b), w, idx.dtype)
+    _check_sizes(rows, b, widths, idx.dtype)
 
     def call(idx: jax.Array, flat: list[jax.Array], *, interpret: bool):
         return pl.pallas_call(
