@@ -164,6 +164,28 @@ def test_cuda_lowering_moves_every_field_in_one_triton_kernel(protocol: str) -> 
     assert _OP.findall(resolve).count("gather") == (0 if protocol == "gather" else 1)
 
 
+def test_the_standard_fields_reach_the_kernel_without_a_bitcast() -> None:
+    """Tokens, top-k and hidden states (stored as bits) go to the kernel as they are: no
+    bitcast-convert of a buffer, which XLA may copy whole (it does on CPU)."""
+    spec = fj.SpecConfig(8, 64, jnp.bfloat16, verified_id=True, kernel="pallas")
+    ops = fj.future_map(R, spec=spec, protocol="gather")
+    slots = jnp.arange(1, 9, dtype=jnp.int32)
+    rng = np.random.default_rng(8)
+    draft = fj.DraftPayload(
+        bonus_tokens=slots,
+        topk_p=jnp.asarray(_random(np.float32, (8, 8), rng)),
+        topk_index=slots[:, None] + jnp.zeros((8, 8), jnp.int32),
+        hidden_states=jnp.asarray(_random(ml_dtypes.bfloat16, (8, 64), rng)),
+        verified_id=slots,
+    )
+    stash = _cuda_hlo(ops.stash, ops.init(), slots, draft)
+    batch = fj.Batch(fj.ForwardMode.DECODE, slots, slots, slots, slots)
+    resolve = _cuda_hlo(lambda s, b: ops.resolve(s, b)[1], ops.init(), batch)
+    # The hidden states' values (bf16) become their bits before the kernel, and back after.
+    assert _OP.findall(stash).count("bitcast_convert") == 1
+    assert _OP.findall(resolve).count("bitcast_convert") == 1
+
+
 def test_inlined_in_an_engines_own_shard_map_the_kernel_keeps_its_varying_axes() -> None:
     """An engine that inlines the pure ops in its own `jax.shard_map` (the varying-axes
     check on, the default) lowers the kernel for CUDA: each output varies over the mesh as

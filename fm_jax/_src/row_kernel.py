@@ -6,7 +6,8 @@ buffers of different row widths: a spec stash of bonus tokens, top-k and hidden 
 is 4 kernels on CUDA, its resolve 4-5 (`python -m fm_bench.inplace`). Each kernel is a
 launch the host pays for (20-55 us on a VM) and the device waits behind. Here one Pallas
 kernel moves every buffer's row: program (b, j) copies chunk j of row b of each buffer,
-in the buffers' raw bits (unsigned ints of their width), so one kernel serves any dtype.
+a load and a store of its elements (8 and 16-bit floats as the unsigned ints of their
+width), so every byte moves untouched, NaN payloads and -0.0 included.
 
 Semantics, as ops.py's per-buffer scatter and gather:
 - `scatter`: `bufs[i][idx] := values[i]`; a slot out of [0, R) writes nothing; the
@@ -56,8 +57,8 @@ def check_kernel(kernel: Any) -> str:
 
 def movable(dtype: np.dtype) -> bool:
     """Whether the kernel moves values of a storable `dtype` (`relay_fields.storable`, so 1,
-    2, 4 or 8 bytes wide) as raw bits: real numbers and ints. Not bool or complex, which
-    XLA bitcasts to no unsigned int."""
+    2, 4 or 8 bytes wide): real numbers and ints. Not bool or complex, which Triton loads
+    as no such type and XLA bitcasts to no unsigned int."""
     return dtype.kind not in ("b", "c")
 
 
@@ -116,15 +117,28 @@ def _gather_kernel(widths: tuple[int, ...], rows: int, idx_ref: Any, *refs: Any)
         _copy_chunk(s, slot, o, b, w, j)
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """`x` flattened, as the unsigned ints of its width (free: a bitcast)."""
+def _moved_as(dtype: np.dtype) -> np.dtype:
+    """The dtype the kernel moves `dtype`'s values in: ints and 32/64-bit floats as they
+    are (a load and a store move their bits untouched); 8 and 16-bit floats as the unsigned
+    ints of their width (XLA:CPU's interpreter path would compute them in f32)."""
+    if dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize >= 4):
+        return dtype
+    return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    """`x` flattened, in the dtype the kernel moves it in (a reshape and at most a same-width
+    bitcast: on a GPU no copy; on CPU XLA copies for the bitcast)."""
     flat = x.reshape(-1)
-    return jax.lax.bitcast_convert_type(flat, np.dtype(f"uint{8 * x.dtype.itemsize}"))
+    moved = _moved_as(np.dtype(x.dtype))
+    return flat if moved == flat.dtype else jax.lax.bitcast_convert_type(flat, moved)
 
 
-def _unbits(flat: jax.Array, like: jax.ShapeDtypeStruct | jax.Array, rows: int) -> jax.Array:
-    """The inverse of `_bits` for `rows` rows shaped like `like`'s."""
-    return jax.lax.bitcast_convert_type(flat, like.dtype).reshape(rows, *like.shape[1:])
+def _unflat(flat: jax.Array, like: jax.Array, rows: int) -> jax.Array:
+    """The inverse of `_flat` for `rows` rows shaped like `like`'s."""
+    if flat.dtype != like.dtype:
+        flat = jax.lax.bitcast_convert_type(flat, like.dtype)
+    return flat.reshape(rows, *like.shape[1:])
 
 
 def _like(x: jax.Array, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
@@ -181,8 +195,8 @@ def scatter(
             compiler_params=_params(interpret),
         )(idx, *vals, *flat)
 
-    out = _on_each_platform(call, idx, [_bits(v) for v in values], [_bits(x) for x in bufs])
-    return [_unbits(o, x, rows) for o, x in zip(out, bufs, strict=True)]
+    out = _on_each_platform(call, idx, [_flat(v) for v in values], [_flat(x) for x in bufs])
+    return [_unflat(o, x, rows) for o, x in zip(out, bufs, strict=True)]
 
 
 def gather(bufs: Sequence[jax.Array], idx: jax.Array) -> list[jax.Array]:
@@ -202,5 +216,5 @@ def gather(bufs: Sequence[jax.Array], idx: jax.Array) -> list[jax.Array]:
             compiler_params=_params(interpret),
         )(idx, *flat)
 
-    out = _on_each_platform(call, idx, [_bits(x) for x in bufs])
-    return [_unbits(o, x, b) for o, x in zip(out, bufs, strict=True)]
+    out = _on_each_platform(call, idx, [_flat(x) for x in bufs])
+    return [_unflat(o, x, b) for o, x in zip(out, bufs, strict=True)]
