@@ -3,9 +3,10 @@
 Every figure comes from a fresh process (a process that already compiled would hit JAX's
 in-memory caches): per run and map, one process without the persistent cache, one that
 fills an empty cache directory, and one that starts from that directory. Maps: the
-default-bucket `FutureMap(4097)`, a spec map (K = 8, H = 4096 bf16), a debug map, and a
-DP = 4 x TP = 2 mesh map on 8 virtual CPU devices (`--xla_force_host_platform_device_count`;
-on a GPU machine the mesh case needs 8 devices and is skipped with fewer).
+default-bucket `FutureMap(4097)`, a spec map (K = 8, H = 4096 bf16; `--maps spec_pallas`:
+the same with the Pallas spec kernel), a debug map, and a DP = 4 x TP = 2 mesh map on 8
+virtual CPU devices (`--xla_force_host_platform_device_count`; on a GPU machine the mesh
+case needs 8 devices and is skipped with fewer).
 
     python -m fm_bench.startup              # the table, 3 runs
     python -m fm_bench.startup --runs 1 --pool 65 --small   # a quick check
@@ -27,6 +28,10 @@ from fm_bench.child import ChildFailed, child_report
 from fm_parity.host_devices import with_host_devices
 
 MAPS = ("plain", "spec", "debug", "mesh")
+"""The maps a run takes by default."""
+KINDS = (*MAPS, "spec_pallas")
+"""Every map --maps may name: also the spec map moving its fields with one Pallas kernel
+(`SpecConfig(kernel='pallas')`; on CPU interpreted, so its figure is a GPU's only there)."""
 MODES = ("no cache", "filling the cache", "from the cache")
 SMALL_BUCKETS = (1, 4, 16)  # --small: a check of the machinery, not a figure
 
@@ -44,8 +49,9 @@ def _child(kind: str, pool: int, small: bool, cache: str | None) -> dict[str, An
     kw: dict[str, Any] = {}
     if small:
         kw.update(batch_buckets=SMALL_BUCKETS, token_buckets=SMALL_BUCKETS)
-    if kind == "spec":
-        kw["spec"] = fj.SpecConfig(topk=8, hidden=4096, hidden_dtype=jnp.bfloat16)
+    if kind in ("spec", "spec_pallas"):
+        kernel = "pallas" if kind == "spec_pallas" else "xla"
+        kw["spec"] = fj.SpecConfig(topk=8, hidden=4096, hidden_dtype=jnp.bfloat16, kernel=kernel)
     elif kind == "debug":
         kw["debug"] = True
     elif kind == "mesh":
@@ -134,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--pool", type=int, default=4097)
     ap.add_argument("--small", action="store_true", help="tiny buckets: a machinery check")
-    ap.add_argument("--maps", nargs="+", choices=MAPS, default=list(MAPS))
+    ap.add_argument("--maps", nargs="+", choices=KINDS, default=list(MAPS))
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    ap.add_argument("--child", choices=MAPS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:

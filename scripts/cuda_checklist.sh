@@ -83,7 +83,7 @@ run_step() {
         moved "$out/protocols" protocols
         ;;
     startup)
-        step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec debug \
+        step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec spec_pallas debug \
             --json "$out/startup_cuda.json"
         ;;
     serve) step serve 90 "$py" -m fm_bench.serve.cli --out "$out" --tag cuda ;;

@@ -68,7 +68,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
     case $1 in
         torch) echo "tests/test_fm_torch_*.py tests/test_spec_mixed.py
                      $table::test_fm_torch_refuses_and_keeps_every_byte" ;;
-        jax-ops) echo "tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
+        jax-ops) echo "tests/test_fm_jax_row_kernel.py
+                       tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
                        tests/test_fm_jax_mutants.py tests/test_spec_mixed.py" ;;
         jax-checks) local g=tests/test_fm_jax_gather.py m=tests/test_spec_mixed.py

@@ -195,7 +195,7 @@ class ShardedFutureMapOps(NamedTuple):
 
 def _checks_vma(ops: FutureMapOps) -> bool:
     """Whether the ops are mapped with shard_map's varying-axes check: not with the Pallas
-    spec kernel, which Pallas's interpreter (CPU) cannot trace under it (jax 0.10-0.11:
+    spec kernel, which Pallas's interpreter (CPU) cannot trace under it (jax 0.10.2:
     'dynamic_slice requires varying manual axes to match'). The ops hold no collective,
     so the check has nothing else to find in them."""
     return ops.spec is None or ops.spec.kernel != "pallas"
