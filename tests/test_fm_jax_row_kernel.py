@@ -307,3 +307,25 @@ def test_an_empty_batch_launches_no_kernel() -> None:
     res = jax.jit(ops.resolve)(state, batch)[1]
     assert all(x.shape[0] == 0 for x in jax.tree.leaves(res))
     assert _cuda_hlo(lambda s, b: ops.resolve(s, b)[1], state, batch).count("xla.gpu.triton") == 0
+
+
+def test_small_int_slots_and_a_single_row_take_the_kernel() -> None:
+    """Slots in a narrower int than the map's (int8 into 300 rows) reach the kernel in the
+    map's dtype, and read and write as with the per-buffer ops; one row is one kernel too."""
+    rng = np.random.default_rng(9)
+    slots = jnp.asarray(np.array([5, 100, -3, 127], np.int8))
+    draft = _draft(rng, 4)
+    batch = fj.Batch(fj.ForwardMode.DECODE, slots, jnp.zeros(4, jnp.int32), slots, slots)
+    out = {}
+    for kernel in ("xla", "pallas"):
+        extra = (fj.RelayField("probs", (3,), np.float32),)
+        spec = fj.SpecConfig(4, 10, jnp.bfloat16, verified_id=True, kernel=kernel)
+        ops = fj.future_map(300, spec=spec._replace(extra=extra), protocol="gather")
+        d = draft._replace(extras={"probs": draft.extras["probs"]})
+        state = jax.jit(ops.stash)(ops.init(), slots, d)
+        out[kernel] = _bytes(jax.tree.leaves((state, jax.jit(ops.resolve)(state, batch)[1])))
+    assert out["pallas"] == out["xla"]
+    one = jnp.ones(1, jnp.int32)
+    single = fj.Batch(fj.ForwardMode.DECODE, one, one, one, one)
+    resolve = _cuda_hlo(lambda s, b: ops.resolve(s, b)[1], ops.init(), single)
+    assert resolve.count("xla.gpu.triton") == 1
