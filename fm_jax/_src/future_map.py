@@ -190,15 +190,8 @@ class FutureMap:
         )
         local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
         platform = self.layout.mesh.devices.flat[0].platform
-        if (
-            local.spec is not None
-            and local.spec.kernel == "pallas"
-            and platform
-            not in (
-                "cpu",
-                "gpu",
-            )
-        ):
+        one_kernel = local.spec is not None and local.spec.kernel == "pallas"
+        if one_kernel and platform not in ("cpu", "gpu"):
             raise FutureMapError(
                 f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
                 f"lowering for {platform}; use kernel='xla'"
