@@ -12,6 +12,7 @@ from fm_jax._src.engine_step import EngineStep, StepInput, StepOutput, StepResul
 from fm_jax._src.errors import FutureMapError, InvariantViolation
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
+from fm_jax._src.registry import WarmUpReport
 from fm_jax._src.relay_fields import RelayField
 from fm_jax._src.sharding import (
     MeshLayout,
@@ -28,7 +29,6 @@ from fm_jax._src.types import (
     Resolved,
     SpecConfig,
 )
-from fm_jax._src.warm_up import WarmUpReport
 
 __all__ = [
     "POISON",

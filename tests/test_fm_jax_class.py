@@ -296,17 +296,17 @@ def test_debug_checks_each_slot_array_once_per_step() -> None:
     idx = jax.device_put(np.array([3, 3], np.int32), dev)
     fm.publish(np.array([3]), np.array([4]))
     fm.stash(np.array([3]), np.array([7]))
-    assert fm._debug.pending == 0  # host slots were checked on the host
+    assert fm._runtime.debug.pending == 0  # host slots were checked on the host
     fm.resolve(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx))
     host = np.array([5, 5])  # host values: checked on the host (device ones on the device)
     fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, host, host)
-    assert [op for _, op, _ in fm._debug._pending] == ["resolve"]
+    assert [op for _, op, _ in fm._runtime.debug._pending] == ["resolve"]
     with pytest.raises(fj.InvariantViolation) as info:
         fm.check()
     assert info.value.op == "resolve" and info.value.invariant == "duplicate live slot"
     other = jax.device_put(np.array([3, 3], np.int32), dev)  # equal values, another array
     fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), other, idx, idx)
-    assert [op for _, op, _ in fm._debug._pending] == ["finish"]
+    assert [op for _, op, _ in fm._runtime.debug._pending] == ["finish"]
     with pytest.raises(fj.InvariantViolation, match="finish"):
         fm.check()
 

@@ -58,7 +58,7 @@ def test_each_trace_keeps_its_own_layout() -> None:
 def test_debug_class_op_returns_one_int_array_and_check_raises() -> None:
     fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
     fm.resolve(fj.Batch(fj.ForwardMode.DECODE, np.array([3]), np.array([-3]), np.array([-3])))
-    (_, op, packed) = fm._debug._pending[-1]
+    (_, op, packed) = fm._runtime.debug._pending[-1]
     assert op == "resolve" and isinstance(packed, jax.Array) and packed.size < 16  # one small array
     with pytest.raises(fj.InvariantViolation) as got:
         fm.check()  # slot 3 was read before any write: consume and seq_lens > 0 fail
@@ -125,7 +125,7 @@ def test_a_full_pending_list_keeps_the_failures_and_raises_nowhere_else(
     ok = jax.device_put(np.array([1, 2], np.int32))
     for _ in range(5):  # past the limit: no raise here
         fm.publish(ok, np.array([4, 4]))
-    assert fm._debug.pending < 3  # flushed: the clean errors dropped, the failed one kept
+    assert fm._runtime.debug.pending < 3  # flushed: the clean errors dropped, the failed one kept
     with pytest.raises(fj.InvariantViolation) as got:
         fm.check()
     assert (got.value.op, got.value.invariant) == ("publish", "duplicate live slot")
@@ -215,7 +215,7 @@ def test_a_failed_fetch_at_the_pending_bound_raises_nowhere_else(
     with monkeypatch.context() as m:
         m.setattr(DebugChannel, "_failures", fail)
         fm.publish(dv(1, 2), np.array([4, 4]))  # reaches the bound: the fetch fails, quietly
-    assert fm._debug.pending == 2
+    assert fm._runtime.debug.pending == 2
     with pytest.raises(fj.InvariantViolation) as got:
         fm.check()
     assert (got.value.op, got.value.invariant) == ("publish", "duplicate live slot")

@@ -21,7 +21,7 @@ import pytest
 import fm_jax as fj
 from fm_bench.child import child_report
 from fm_jax._src.packing import pack, unpack
-from fm_jax._src.warm_up import counting_compiles
+from fm_jax._src.registry import counting_compiles
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 
@@ -356,13 +356,10 @@ def test_a_host_fed_step_is_one_executable_taking_one_host_buffer() -> None:
     fm, step = _small_step()
     slots = np.array([1, 2], np.int32)
     batch = fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32))
-    from fm_jax._src.engine_step import _step_key
-
-    placed = fm._place(batch, None, None)
-    host = step._place_inputs({"pos": slots}, placed.idx, placed.ids)
-    spec, packed, device = pack((placed.batch, host))
+    placed = fm._placement.resolve(batch, step=step.inputs, inputs={"pos": slots})
+    packed, device = placed.args
     assert device == ()  # every host array of the call is in the one buffer
-    fn = step._jitted(_step_key(placed.key)[0], spec, 2)
+    fn = step._registry.jitted(placed.key, placed.pack, 2)
     args = (fm.state, packed, device, jnp.int32(0), jnp.zeros(8, jnp.int32))
     n_params = len(jax.tree.leaves(fm.state)) + 1 + 2
     assert len(fn.trace(*args).lower().in_avals[0]) == n_params

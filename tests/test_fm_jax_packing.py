@@ -168,11 +168,14 @@ def test_the_guard_serves_packed_and_unpacked_calls_without_compiling(
     protocol: str, debug: bool
 ) -> None:
     """After warm_up(guard=True) a packed map runs the whole loop (host calls packed, jax
-    arrays unpacked) without a compile; the report names the packed executables."""
+    arrays unpacked) without a compile; the report names the packed executables: every
+    host-fed one's twin (a traced resolve on one device takes its mode as a jax array, so
+    it is never fed the host alone)."""
     fm = make(True, protocol, debug)
     report = fm.warm_up(guard=True)
     packed = {k for k in report.by_op if k.endswith(" (packed)")}
-    assert packed == {f"{k} (packed)" for k in report.by_op if not k.endswith(" (packed)")}
+    unpacked = {k for k in report.by_op if not k.endswith(" (packed)")}
+    assert packed == {f"{k} (packed)" for k in unpacked - {"resolve"}}
     compiles: list[str] = []
 
     def listen(event: str, *_: Any, **__: Any) -> None:

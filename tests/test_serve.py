@@ -83,7 +83,7 @@ def _lose_relay(engine: Engine) -> None:
     init = jax.jit(fm.ops.init)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
-        fm._state = init()
+        fm._runtime.state = init()
         return step(*args, **kwargs)
 
     engine._overlap_step = broken  # type: ignore[assignment]

@@ -1,86 +1,34 @@
-"""The FutureMap class's jitted executables over its layout's ops, state donated.
+"""The class's jitted executables over its layout's ops, state donated: one per key family.
 
-Every argument but the forward mode is placed with the layout's sharding by the jit itself:
-a host (numpy) argument is transferred in JAX's C++ dispatch path, with no Python
-`device_put`, and a jax array already there is taken as it is. One call of an entry point
-is one dispatch.
+`entry_point(key, pack)` builds the jitted function that serves every key of one family
+(an op, its mode, checked or not), fed either placed arrays or one packed host buffer laid
+out by `pack`; jit's own cache then holds one executable per shape. Every argument but a
+traced mode is placed with the layout's sharding by the jit itself: a host (numpy)
+argument is transferred in JAX's C++ dispatch path, with no Python `device_put`, and a jax
+array already there is taken as it is. One call is one dispatch.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from fm_jax._src import checks
-from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.keys import Key, takes_state, writes_state
 from fm_jax._src.packing import PackSpec, unpack
+from fm_jax._src.protocol import Protocol
 from fm_jax._src.sharding import ShardedFutureMapOps
-from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved, relay_protocol
+from fm_jax._src.types import Batch, ForwardMode, FutureMapState
+
+_FIXED = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
 
 
-class EntryPoints(NamedTuple):
-    """The jitted ops. With a debug channel each returns (packed error, out).
-
-    `resolve` takes the mode from the batch (traced: a scalar or one per DP rank);
-    `resolve_by_mode[decode]` is the same op with the mode fixed when traced (DECODE or
-    not), for callers that know it on the host: no branch in the executable, and the
-    batch's `forward_mode` is None. `finish` is the tail phase of a step in one donated
-    call: publish, stash, and (sentinel protocol) the sentinels `-indices` that invalidate
-    leaves.
-    """
-
-    publish: Any
-    stash: Any
-    resolve: Any
-    resolve_by_mode: tuple[Any, Any]
-    finish: Any
-    sentinels: Any
-    seq_lens_at: Any
-
-
-def writes_state(name: str, debug: bool) -> bool:
-    """Whether entry point `name` (or its `unchecked_` twin) writes the state, so takes it
-    donated: the tail ops always, resolve only in debug (the consume poison)."""
-    name = name.removeprefix("unchecked_")
-    return name in ("publish", "stash", "finish") or (debug and name.startswith("resolve"))
-
-
-def takes_state(name: str) -> bool:
-    """Whether entry point `name` (or its `unchecked_` twin) takes the state first."""
-    return name.removeprefix("unchecked_") != "sentinels"
-
-
-def packed_entry_point(
-    jitted: Any, name: str, spec: PackSpec, *, debug: bool, options: Any, sharding: Any
-) -> Any:
-    """Entry point `jitted` (named `name`) fed its host arguments as one packed buffer laid
-    out by `spec`: `(state, packed)`, or `(packed,)` for an op without state.
-
-    Traces the function `jitted` wraps (`__wrapped__`, as functools.wraps leaves it: a
-    jit's compiler options cannot nest) with the same donation and options. The buffer
-    goes to every device of `sharding` (replicated: each rank slices its own rows); the
-    ops' shard_maps place the unpacked arguments.
-    """
-    fn = jitted.__wrapped__
-    if not takes_state(name):
-        return jax.jit(
-            lambda packed: fn(*unpack(spec, packed, ())),
-            in_shardings=sharding,
-            compiler_options=options,
-        )
-    return jax.jit(
-        lambda state, packed: fn(state, *unpack(spec, packed, ())),
-        in_shardings=(None, sharding),
-        donate_argnums=(0,) if writes_state(name, debug) else (),
-        compiler_options=options,
-    )
-
-
-def tail(ops: ShardedFutureMapOps) -> Any:
+def tail(ops: ShardedFutureMapOps, protocol: Protocol) -> Any:
     """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
-    payload) -> (state, sentinels `-indices`, or None in the gather protocol).
+    payload) -> (state, what the protocol leaves: the sentinels `-indices`, or None).
 
     Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
     consecutive shard_maps (jax 0.10: "select cases must have the same shapes").
@@ -92,74 +40,87 @@ def tail(ops: ShardedFutureMapOps) -> Any:
     ) -> tuple[FutureMapState, Any]:
         state = local.publish(state, indices, new_seq_lens)
         state = local.stash(state, indices, payload)
-        if not relay_protocol(local.protocol).invalidates:
-            return state, None  # no sentinels to leave
-        return state, local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+        return state, protocol.sentinels(indices.astype(local.dtype))
 
     return ops.map_ranks(local_tail)
 
 
-def jit_entry_points(ops: ShardedFutureMapOps, debug: DebugChannel | None) -> EntryPoints:
-    """Jit `ops` for the class: state (argument 0) donated where the op writes it.
+def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool) -> Any:
+    """The function a key's family jits, over global arrays."""
+    local = ops.local
+    if key.op == "resolve":
+        fixed = _FIXED.get(key.mode)
 
-    Compiled with `compiler_options` for the layout's platform (on CPU: on the calling
-    thread, so the cost stays O(batch) at any pool size).
+        def resolve(state: FutureMapState, batch: Batch) -> Any:
+            if fixed is not None:
+                batch = batch._replace(forward_mode=fixed)
+            out = ops.resolve(state, batch)
+            # Without debug, resolve only reads: it returns only the Resolved outputs
+            # (returning a state that is not donated would make XLA copy it).
+            return out if debug else out[1]
 
-    Without debug, resolve only reads the buffers: it is jitted without donation and returns
-    only the Resolved outputs (returning a non-donated state would make XLA copy it).
-    With debug, every op is checked through `debug` and resolve donates the state, since it
-    writes the consume poison back.
+        return resolve
+    if key.op == "sentinels":
+
+        def local_sentinels(indices: jax.Array) -> Any:
+            # Debug: each rank's slots checked like every op's (range, no live slot twice).
+            if debug:
+                chk = checks.OpChecks()
+                checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
+                chk.run()
+            return local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+
+        return ops.map_ranks(local_sentinels)
+    if key.op == "finish":
+        return tail(ops, protocol)
+    return {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}[key.op]
+
+
+def entry_points(
+    ops: ShardedFutureMapOps,
+    unchecked: ShardedFutureMapOps,
+    protocol: Protocol,
+    debug: DebugChannel | None,
+    options: dict[str, str],
+) -> Callable[[Key, PackSpec | None, int], Any]:
+    """The builder of the class's jitted entry points (state, argument 0, donated where
+    the op writes it: `keys.writes_state`), compiled with `options` (the layout
+    platform's `compiler_options`: on CPU on the calling thread, so the cost stays
+    O(batch) at any pool size).
+
+    A key that is not `checked` (a debug map's tail op on slots already checked) runs the
+    ops built without debug and returns no error; every other executable of a debug map
+    returns (packed error, outputs) through `debug`.
     """
     layout = ops.layout
-    options = compiler_options(layout.mesh.devices.flat[0].platform)
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
-    batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]  # in_shardings
+    batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]
 
-    def jit(fn: Any, name: str, in_shardings: Any, *, checked: bool = True) -> Any:
-        if debug is not None and checked:
+    def build(key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
+        checked = debug is not None and key.checked
+        fn = _op_body(ops if checked else unchecked, key, protocol, checked)
+        if checked:
+            assert debug is not None
             fn = debug.checked(fn)
-        return jax.jit(
-            fn,
-            in_shardings=in_shardings,
-            donate_argnums=(0,) if writes_state(name, debug is not None) else (),
-            compiler_options=options,
-        )
+        donate = (0,) if writes_state(key.op, checked) else ()
+        if pack is not None:
+            packed = _fed_packed(fn, pack, takes_state(key.op))
+            shardings: Any = (None, layout.replicated) if takes_state(key.op) else layout.replicated
+            return jax.jit(
+                packed, in_shardings=shardings, donate_argnums=donate, compiler_options=options
+            )
+        shardings = (sh, batch_sh) if key.op == "resolve" else sh
+        return jax.jit(fn, in_shardings=shardings, donate_argnums=donate, compiler_options=options)
 
-    def jit_resolve(fixed_mode: ForwardMode | None) -> Any:
-        """resolve, with the batch's mode replaced by `fixed_mode` when one is given."""
+    return build
 
-        def full(state: FutureMapState, batch: Batch) -> Any:
-            if fixed_mode is not None:
-                batch = batch._replace(forward_mode=fixed_mode)
-            return ops.resolve(state, batch)
 
-        def read_only(state: FutureMapState, batch: Batch) -> Resolved:
-            return full(state, batch)[1]  # type: ignore[no-any-return]
-
-        fn = full if debug is not None else read_only
-        return jit(fn, "resolve", (sh, batch_sh))
-
-    finish = tail(ops)
-
-    local = ops.local
-
-    def local_sentinels(indices: jax.Array) -> Any:
-        # Debug: each rank's slots checked like every op's (range, no live slot twice).
-        if debug is not None:
-            chk = checks.OpChecks()
-            checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
-            chk.run()
-        return local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
-
-    sentinels = ops.map_ranks(local_sentinels)
-
-    return EntryPoints(
-        publish=jit(ops.publish, "publish", sh),
-        stash=jit(ops.stash, "stash", sh),
-        resolve=jit_resolve(None),
-        resolve_by_mode=(jit_resolve(ForwardMode.EXTEND), jit_resolve(ForwardMode.DECODE)),
-        finish=jit(finish, "finish", sh),
-        sentinels=jit(sentinels, "sentinels", sh),
-        seq_lens_at=jit(ops.seq_lens_at, "seq_lens_at", sh),
-    )
+def _fed_packed(fn: Callable[..., Any], pack: PackSpec, with_state: bool) -> Callable[..., Any]:
+    """`fn` fed its host arguments as one packed buffer laid out by `pack`: `(state,
+    packed)`, or `(packed,)` for an op without state. The buffer goes to every device
+    (replicated: each rank slices its own rows); the ops' shard_maps place the unpacked
+    arguments."""
+    if not with_state:
+        return lambda packed: fn(*unpack(pack, packed, ()))
+    return lambda state, packed: fn(state, *unpack(pack, packed, ()))

@@ -27,6 +27,7 @@ import numpy as np
 
 from fm_jax._src.buckets import bucket_for
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.protocol import Protocol
 from fm_jax._src.relay_fields import storable
 from fm_jax._src.sharding import MeshLayout
 
@@ -67,11 +68,10 @@ class HostInputs:
         dtype: np.dtype,
         batch_buckets: tuple[int, ...],
         token_buckets: tuple[int, ...],
-        *,
-        sentinels: bool = True,
+        protocol: Protocol,
     ) -> None:
         self.layout = layout
-        self.sentinels = sentinels
+        self.protocol = protocol
         self.dp = layout.dp
         self.local_ranks = frozenset(layout.local_ranks())
         self.single_process = layout.single_process
@@ -118,21 +118,49 @@ class HostInputs:
                 f"{name} holds live slots {live.tolist()} more than once in one batch"
             )
 
-    def _check_sentinels(self, name: str, a: np.ndarray) -> None:
-        """A sentinel -s names a slot s in [0, R); without sentinels (the gather protocol)
-        every id is >= 0."""
-        if not self.sentinels:
-            if a.size and a.min() < 0:
-                raise FutureMapError(
-                    f"{name} holds negative ids {a[a < 0][:8].tolist()}: the gather protocol "
-                    "has no sentinels (a decode row's id is gathered at its slot)"
-                )
-            return
-        if a.size and a.min() <= -self.pool_size:
-            raise FutureMapError(
-                f"{name} holds sentinels {a[a <= -self.pool_size].tolist()} naming slots "
-                f"outside [0, {self.pool_size})"
-            )
+    def check(self, kind: str, name: str, a: np.ndarray) -> np.ndarray:
+        """One rank's host rows checked by value as a `kind` of input, in the dtype the
+        map stores them; the one place host values are judged (the general path and the
+        recorded plans both come here).
+
+        Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
+        rule for ids), 'ints' (ints that fit), 'relayed' (ints >= 0: tokens and lengths a
+        forward relays), 'values' (a dtype the map stores as given), 'relayed_values'
+        (that, >= 0).
+        """
+        if kind == "values" or kind == "relayed_values":
+            return _non_negative(name, self._stored(name, a), kind == "relayed_values")
+        a = self._ints(name, a)
+        if kind == "slots":
+            self._check_slots(name, a)
+        elif kind == "ids":
+            self.protocol.check_ids(name, a, self.pool_size)
+        elif kind == "relayed":
+            _non_negative(name, a, True)
+        return a
+
+    def checks_values(self, kind: str, dtype: np.dtype) -> bool:
+        """Whether `check` of a host array of `dtype` as a `kind` reads its values or
+        casts it (False: the dtype alone, already judged, says it passes as it is)."""
+        if kind == "values":
+            return False
+        return kind != "ints" or dtype != self.dtype
+
+    def host_rows(self, name: str, a: np.ndarray, size: int, kind: str) -> np.ndarray:
+        """Global host rows (each DP rank's rows end to end, as many per rank) checked as
+        `kind` (`check`) and padded per rank to `size` rows: what a recorded plan does."""
+        if self.dp == 1:
+            a = self.check(kind, name, a)
+            if a.shape[0] == size:
+                return a
+            out = np.zeros((size, *a.shape[1:]), a.dtype)
+            out[: a.shape[0]] = a
+            return out
+        parts = {
+            d: self.check(kind, f"{name}[rank {d}]", p) for d, p in self._split(name, a).items()
+        }
+        first = parts[0]
+        return self._pad(parts, size, first[:0])
 
     # ----------------------------------------------------------------- forms
     def _rank_parts(self, name: str, x: Mapping[Any, Any]) -> dict[int, np.ndarray]:
@@ -219,20 +247,6 @@ class HostInputs:
         slots: bool,
     ) -> Rows:
         """A 1-D int input (slots or token ids) placed for the executable."""
-        if self.dp == 1 and type(x) is np.ndarray and x.ndim == 1 and self.single_process:
-            # The per-step case of one device, kept short: every host op pays it.
-            a = self._ints(name, x)
-            n = a.shape[0]
-            if slots:
-                self._check_slots(name, a)
-            else:
-                self._check_sentinels(name, a)
-            rows = self._size(n, buckets, size, "rows" if slots else "tokens")
-            if n != rows:
-                padded = np.zeros(rows, self.dtype)
-                padded[:n] = a
-                a = padded
-            return Rows(a, rows, (n,), False)
         if isinstance(x, jax.Array) and x.size:
             return self._jax(name, x, buckets, size)
         by_rank = isinstance(x, Mapping)
@@ -241,11 +255,7 @@ class HostInputs:
             where = f"{name}[rank {rank}]" if self.dp > 1 else name
             if a.ndim != 1:
                 raise FutureMapError(f"{where} must be 1-D, got shape {a.shape}")
-            a = parts[rank] = self._ints(where, a)
-            if slots:
-                self._check_slots(where, a)
-            else:
-                self._check_sentinels(where, a)
+            parts[rank] = self.check("slots" if slots else "ids", where, a)
         counts = tuple(parts[d].shape[0] if d in parts else 0 for d in range(self.dp))
         rows = self._size(max(counts), buckets, size, "rows" if slots else "tokens")
         return Rows(self._pad(parts, rows, self._zeros), rows, counts, by_rank)
@@ -309,7 +319,7 @@ class HostInputs:
                 raise FutureMapError(
                     f"{name} has {a.shape[:1]} rows, indices have ({self.dp * like.size},)"
                 )
-            return _non_negative(name, self._dtype(name, a, ints), relayed)
+            return self.check(row_kind(ints, relayed), name, a)
         if isinstance(x, Mapping) != like.by_rank:
             form = "a mapping DP rank -> rows" if like.by_rank else "global rows"
             raise FutureMapError(f"{name} must be given like the indices: {form}")
@@ -324,7 +334,7 @@ class HostInputs:
             a = parts[d]
             if a.ndim < 1 or a.shape[0] != n:
                 raise FutureMapError(f"{where} has {a.shape[:1]} rows, indices have ({n},)")
-            a = parts[d] = _non_negative(where, self._dtype(where, a, ints), relayed)
+            a = parts[d] = self.check(row_kind(ints, relayed), where, a)
             if tail is not None and (a.shape[1:], a.dtype) != tail:
                 raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
             tail = (a.shape[1:], a.dtype)
@@ -352,12 +362,28 @@ class HostInputs:
                     "row carries one id"
                 )
 
-    def _dtype(self, name: str, a: np.ndarray, ints: bool) -> np.ndarray:
-        if ints:
-            return self._ints(name, a)
+    def _stored(self, name: str, a: np.ndarray) -> np.ndarray:
+        """`a`, refused unless the map stores its dtype as given."""
         if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
             # The transfer would cast (e.g. float64 -> float32 without x64): refuse instead.
             raise FutureMapError(f"{name} has dtype {a.dtype}, not a dtype the map stores")
+        return a
+
+    def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An engine's declared host input at its dtype and trailing shape (cast only
+        where no value can change)."""
+        a = _host(name, x)
+        if a.ndim < 1 or a.shape[1:] != shape:
+            raise FutureMapError(
+                f"{name} has shape {list(a.shape)}, declared rows of shape {list(shape)}"
+            )
+        if a.dtype != dtype:
+            if not np.can_cast(a.dtype, dtype, "safe"):
+                raise FutureMapError(
+                    f"{name} has dtype {a.dtype}, which does not cast to the declared "
+                    f"{dtype} without changing values"
+                )
+            a = a.astype(dtype)
         return a
 
     def unpad(self, host: np.ndarray, like: Rows) -> Any:
@@ -375,6 +401,14 @@ class HostInputs:
         if self.dp == 1:
             return blocks[0]
         return np.concatenate([blocks[d] for d in range(self.dp)])
+
+
+def row_kind(ints: bool, relayed: bool) -> str:
+    """The `HostInputs.check` kind of per-row values: ints or values as stored, relayed
+    ones (tokens, lengths) also >= 0."""
+    if ints:
+        return "relayed" if relayed else "ints"
+    return "relayed_values" if relayed else "values"
 
 
 def on_device(x: Any) -> bool:

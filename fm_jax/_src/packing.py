@@ -15,7 +15,7 @@ of the same layout.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,10 @@ WORD = 4
 """Bytes per word of the packed buffer (uint32)."""
 
 
-class PackSpec(NamedTuple):
+class PackSpec:
     """Where each leaf of a call's argument tree lives: static, hashable.
+
+    Part of an executable's key, looked up on every call: its hash is computed once.
 
     Attributes:
       treedef: the argument tree's structure.
@@ -39,9 +41,30 @@ class PackSpec(NamedTuple):
         packed).
     """
 
-    treedef: Any
-    leaves: tuple[Leaf, ...]
-    nbytes: int
+    __slots__ = ("_hash", "leaves", "nbytes", "treedef")
+
+    def __init__(self, treedef: Any, leaves: tuple[Leaf, ...], nbytes: int) -> None:
+        self.treedef = treedef
+        self.leaves = leaves
+        self.nbytes = nbytes
+        self._hash = hash((treedef, leaves, nbytes))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, PackSpec) or self._hash != other._hash:
+            return False
+        return (self.treedef, self.leaves, self.nbytes) == (
+            other.treedef,
+            other.leaves,
+            other.nbytes,
+        )
+
+    def __repr__(self) -> str:
+        return f"PackSpec({self.nbytes} bytes, {len(self.leaves)} leaves)"
 
 
 def _words(nbytes: int) -> int:

@@ -60,3 +60,29 @@ def spec_mixed_in_sentinel_protocol() -> FutureMapError:
         "a spec MIXED batch is a gather-protocol feature (its running rows' lengths are "
         "bound at resolve); this map relays by sentinels"
     )
+
+
+def no_ids_with_traced_mode(where: str = "") -> FutureMapError:
+    """A gather-protocol batch without ids whose mode is traced (its kind is known only on
+    the device, so it cannot be the DECODE batch that may come without ids)."""
+    return FutureMapError(
+        f"{where}input_ids is None with a traced forward_mode: a batch whose kind is "
+        "known only on the device brings its ids (any id >= 0 at DECODE rows: they are "
+        "gathered)"
+    )
+
+
+def no_ids_for_kind(kinds: str, where: str = "") -> FutureMapError:
+    """A gather-protocol batch of kind(s) `kinds` (not DECODE) without ids."""
+    return FutureMapError(
+        f"{where}input_ids is None with forward_mode {kinds}: only a DECODE batch comes "
+        "without ids in the gather protocol"
+    )
+
+
+def invalidate_in_gather_protocol() -> FutureMapError:
+    """`invalidate` on a gather-protocol map, which leaves no sentinels."""
+    return FutureMapError(
+        "invalidate: the gather protocol leaves no sentinels (resolve gathers the decode ids "
+        "at forward entry)"
+    )

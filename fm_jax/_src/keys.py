@@ -1,0 +1,68 @@
+"""Which executable serves a call: a typed key, made by placement, read by the registry.
+
+The class, its engine steps, warm-up and the serving guard all key executables by `Key`,
+so a call finds what warm-up compiled for it by construction (warm-up places empty batches
+through the same placement as serving).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+OPS = ("publish", "stash", "finish", "sentinels", "seq_lens_at", "resolve", "step")
+"""The executables' operations: the class's entry points, and an engine's whole step."""
+
+MODES = ("extend", "decode", "traced")
+"""How a resolve (or a step) knows its batch's kind: fixed when traced, not DECODE or
+DECODE (no branch in the executable), or traced (the mode is an argument)."""
+
+
+class Key(NamedTuple):
+    """One executable: an operation and the static sizes and inputs it was traced for.
+
+    Attributes:
+      op: one of OPS.
+      rows: rows per DP rank (a batch bucket).
+      tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
+      draft: a resolve with draft indices.
+      slots: a resolve with token slots.
+      mode: a resolve's or a step's mode (one of MODES); '' for the other ops.
+      checked: a debug map's tail op with its slot checks (False: slots already checked,
+        on the host or by the last resolve).
+    """
+
+    op: str
+    rows: int
+    tokens: int = 0
+    draft: bool = False
+    slots: bool = False
+    mode: str = ""
+    checked: bool = True
+
+    @property
+    def name(self) -> str:
+        """The executable's name as `FutureMap.executables()` and warm-up reports give it:
+        'resolve_fixed_extend', 'unchecked_publish', 'step_fixed_decode', 'resolve'."""
+        fixed = self.mode in ("extend", "decode")
+        base = f"{self.op}_fixed_{self.mode}" if fixed else self.op
+        return base if self.checked else f"unchecked_{base}"
+
+    def describe(self) -> str:
+        """The key in words: the op and its per-rank sizes."""
+        if not self.tokens:
+            return f"{self.name} at {self.rows} rows per rank"
+        return (
+            f"{self.name} at {self.rows} rows x {self.tokens} tokens per rank"
+            f"{' with a draft' if self.draft else ''}{' with token slots' if self.slots else ''}"
+        )
+
+
+def writes_state(op: str, debug: bool) -> bool:
+    """Whether `op` writes the map's state, so takes it donated: the tail ops always,
+    resolve only in debug (the consume poison), a step always."""
+    return op in ("publish", "stash", "finish", "step") or (debug and op == "resolve")
+
+
+def takes_state(op: str) -> bool:
+    """Whether `op`'s executable takes the state first (all but the sentinels)."""
+    return op != "sentinels"

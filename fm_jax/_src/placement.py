@@ -1,0 +1,578 @@
+"""Placement: what a caller passes, turned into one executable's key and arguments.
+
+The one place where a batch (or a mapping DP rank -> Batch), the tail's slots, lengths and
+payload, and an engine step's declared inputs become what an executable takes. Sizes,
+modes and buckets are worked out here, once per call; the protocol's host rules are asked
+here; the arguments come out either as placed arrays or as one packed host buffer
+(`packing`). Nothing runs and nothing is written: a refusal leaves the map as it was.
+
+A call whose layout was seen before (the same op, field kinds, shapes and dtypes) takes
+its recorded `Plan` (plans.py): only the value checks, the padding copy and one lookup.
+The first call of a layout takes the general path below and records the plan, which is
+kept only if it reproduced the general path's arguments byte for byte on that call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from fm_jax._src import buckets as bk
+from fm_jax._src import packing, refusals
+from fm_jax._src import relay_fields as rf
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_inputs import HostInputs, Rows, on_device, row_kind
+from fm_jax._src.keys import Key
+from fm_jax._src.plans import Placed, Plan, Role, signature
+from fm_jax._src.protocol import Protocol
+from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload, host_mode
+
+
+class StepInput(NamedTuple):
+    """One of the engine's own per-step host arrays (positions, offsets, sampling params).
+
+    Attributes:
+      name: its key in the step's `inputs` mapping, and in `forward`'s.
+      per: "row" ([B, *shape], padded like `req_pool_indices`) or "token" ([T, *shape],
+        padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
+      shape: the trailing shape of one row or token.
+      dtype: its dtype; host arrays of another dtype are cast only where no value can
+        change (numpy's 'safe' casting), else refused.
+    """
+
+    name: str
+    per: str
+    shape: tuple[int, ...] = ()
+    dtype: Any = np.int32
+
+
+_MODE_OF = {False: "extend", True: "decode"}
+
+
+class Placement:
+    """Placement for one map: its layout, pool, int dtype, buckets, protocol and spec.
+
+    Args:
+      inputs: the map's host-input forms and value checks.
+      protocol: the map's relay protocol.
+      spec: the map's spec fields, or None.
+      pack_inputs: a class call whose arrays are all on the host is sent as one packed
+        buffer (an engine step is always packed).
+    """
+
+    def __init__(
+        self,
+        inputs: HostInputs,
+        protocol: Protocol,
+        spec: SpecConfig | None,
+        *,
+        pack_inputs: bool,
+        debug: bool,
+    ) -> None:
+        self.inputs = inputs
+        self.debug = debug
+        # Debug: the jax array of slots the last resolve checked on the device (set by the
+        # map): a tail op or the sentinels at those very slots need no check of their own.
+        self.last_checked: Callable[[], Any] = lambda: None
+        self.protocol = protocol
+        self.spec = spec
+        self.fields = spec.fields() if spec is not None else ()
+        self.pack_inputs = pack_inputs
+        self.dp = inputs.dp
+        self._plans: dict[Any, Plan | None] = {}
+
+    # ------------------------------------------------------------------ entry points
+    def resolve(
+        self,
+        batch: Batch | Mapping[int, Batch],
+        rows: int | None = None,
+        tokens: int | None = None,
+        *,
+        step: Sequence[StepInput] | None = None,
+        inputs: Mapping[str, Any] | None = None,
+        pack: bool | None = None,
+    ) -> Placed:
+        """A resolve, or (with `step`, the engine's declared inputs) an engine step.
+
+        `pack` overrides the map's `pack_inputs` for a class resolve (warm-up places each
+        call both ways); a call with an override takes the general path."""
+        if pack is not None:
+            return self._place_resolve(batch, rows, tokens, step, inputs, pack)
+        values = _resolve_values(batch, step, inputs)
+        sig = signature("step" if step is not None else "resolve", values, rows, tokens)
+        plan = self._plans.get(sig) if sig is not None else None
+        if plan is not None:
+            return plan.run(values)
+        placed = self._place_resolve(batch, rows, tokens, step, inputs)
+        if sig is not None and sig not in self._plans:
+            self._plans[sig] = self._resolve_plan(placed, values, step)
+        return placed
+
+    def tail(
+        self,
+        op: str,
+        indices: Any,
+        lens: Any,
+        payload: Any,
+        rows: int | None = None,
+        *,
+        pack: bool | None = None,
+    ) -> Placed:
+        """publish (`payload` None), stash (`lens` None) or finish: slots, lengths, payload
+        (`pack` as for `resolve`)."""
+        if pack is not None:
+            return self._place_tail(op, indices, lens, payload, rows, pack)
+        values = (indices, lens, *_payload_values(self.fields, payload))
+        sig = signature(op, values, rows, None, kinds=_payload_kind(payload))
+        plan = self._plans.get(sig) if sig is not None else None
+        if plan is not None:
+            return plan.run(values)
+        placed = self._place_tail(op, indices, lens, payload, rows)
+        if sig is not None and sig not in self._plans and not placed.idx.empty:
+            self._plans[sig] = self._tail_plan(placed, values)
+        return placed
+
+    def slots_op(
+        self, op: str, indices: Any, rows: int | None = None, *, pack: bool | None = None
+    ) -> Placed:
+        """The sentinels or `seq_lens_at` of slots `indices` (`pack` as for `resolve`)."""
+        idx = self.inputs.slots("indices", indices, rows)
+        checked = self._checked(idx, False) if op == "sentinels" else True
+        return self._packed(Key(op, idx.size, checked=checked), (idx.array,), idx, pack=pack)
+
+    def _checked(self, idx: Rows, values_on_device: bool) -> bool:
+        """Whether a debug map's tail op checks its slots on the device: always for values
+        given as jax arrays (checked there), never for host slots (checked here), and for
+        jax-array slots unless they are the very array the last resolve checked. A map
+        without debug has one executable per op: True."""
+        if not self.debug or values_on_device:
+            return True
+        return idx.counts is None and idx.array is not self.last_checked()
+
+    # ------------------------------------------------------------------ packing
+    def _packed(
+        self,
+        key: Key,
+        args: tuple[Any, ...],
+        idx: Rows,
+        lens: Any = None,
+        pack: bool | None = None,
+    ) -> Placed:
+        """`args` sent as one packed buffer where the map packs (or `pack` says so) and
+        every leaf is on the host."""
+        host = packing.pack_host(args) if (self.pack_inputs if pack is None else pack) else None
+        if host is None:
+            return Placed(key, args, None, idx, lens)
+        return Placed(key, (host[1],), host[0], idx, lens)
+
+    # ------------------------------------------------------------------ the tail
+    def _place_tail(
+        self,
+        op: str,
+        indices: Any,
+        lens: Any,
+        payload: Any,
+        rows: int | None,
+        pack: bool | None = None,
+    ) -> Placed:
+        inputs = self.inputs
+        idx = inputs.slots("indices", indices, rows)
+        if idx.empty:
+            return Placed(Key(op, idx.size), (), None, idx)  # DP idle: nothing to relay
+        args: list[Any] = [idx.array]
+        placed_lens = None
+        if op != "stash":
+            placed_lens = inputs.matched("new_seq_lens", lens, idx, ints=True, relayed=True)
+            args.append(placed_lens)
+        if op != "publish":
+            args.append(self._payload(payload, idx))
+        given = (lens, payload) if op == "finish" else lens if op == "publish" else payload
+        key = Key(op, idx.size, checked=self._checked(idx, on_device(given)))
+        return self._packed(key, tuple(args), idx, placed_lens, pack)
+
+    def _payload(self, payload: Any, idx: Rows) -> Any:
+        """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
+        inputs = self.inputs
+        drafts = list(payload.values()) if isinstance(payload, Mapping) else [payload]
+        is_draft = [isinstance(p, DraftPayload) for p in drafts]
+        if self.spec is None:
+            if any(is_draft):
+                raise refusals.draft_on_plain_map()
+            return inputs.matched("tokens", payload, idx, ints=True, relayed=True)
+        if not drafts or not all(is_draft):
+            raise refusals.tokens_on_spec_map(per_rank=True)
+        for p in drafts:
+            rf.check_declared(self.fields, p)
+
+        def field(f: rf.RelayField) -> Any:
+            """The field's rows placed like `idx` (None where no rank gives it)."""
+            name, ints = f"draft.{f.name}", f.dtype is None
+            if isinstance(payload, Mapping):
+                got = {r: rf.get(p, f.name) for r, p in payload.items()}
+                if any(v is None for v in got.values()):
+                    if all(v is None for v in got.values()):
+                        return None
+                    raise FutureMapError(f"{name} given on some ranks only")
+                return inputs.matched(name, got, idx, ints=ints, relayed=f.consumed)
+            value = rf.get(payload, f.name)
+            if value is None:
+                return None
+            return inputs.matched(name, value, idx, ints=ints, relayed=f.consumed)
+
+        return draft_payload({f.name: field(f) for f in self.fields})
+
+    # ------------------------------------------------------------------ resolve
+    def _place_resolve(
+        self,
+        batch: Batch | Mapping[int, Batch],
+        rows: int | None,
+        tokens: int | None,
+        step: Sequence[StepInput] | None = None,
+        inputs: Mapping[str, Any] | None = None,
+        pack: bool | None = None,
+    ) -> Placed:
+        """The general path: a batch checked by value and padded to buckets, its key."""
+        if isinstance(batch, Mapping):
+            mode, idx, ids, lens, draft, slots = self._by_rank(batch, rows, tokens)
+        elif not isinstance(batch, Batch):
+            raise FutureMapError(
+                f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
+            )
+        else:
+            mode, idx, ids, lens, draft, slots = self._one_batch(batch, rows, tokens)
+        key, mode = self._mode_key(mode, idx, ids, slots)
+        draft_idx = self._draft(draft, idx)
+        placed_batch = Batch(
+            mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots
+        )
+        t = idx.size if ids is None else ids.size
+        key = key._replace(rows=idx.size, tokens=t, draft=draft is not None)
+        key = key._replace(slots=slots is not None)
+        if step is None:
+            return self._packed(key, (placed_batch,), idx, pack=pack)
+        host = self._step_inputs(step, inputs, idx, ids)
+        spec, packed, device = packing.pack((placed_batch, host))
+        return Placed(key._replace(op="step"), (packed, device), spec, idx)
+
+    def _one_batch(self, batch: Batch, rows: int | None, tokens: int | None) -> tuple[Any, ...]:
+        inputs, protocol = self.inputs, self.protocol
+        if protocol.places_no_ids(batch.forward_mode) and (
+            batch.input_ids is None or self.spec is None
+        ):
+            # No ids to place (T = B): a non-spec DECODE's are all gathered on the device, a
+            # spec DECODE's are unused by the relay (None: zeros, made on the device).
+            if batch.input_ids is not None:
+                raise refusals.ids_for_gathered_decode()
+            if batch.token_slots is not None:
+                protocol.check_kinds([ForwardMode.DECODE], batch.token_slots)
+            idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
+            lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
+            return batch.forward_mode, idx, None, lens, batch.draft_indices, None
+        given = protocol.ids_of(
+            batch.input_ids, batch.req_pool_indices, batch.forward_mode, inputs.dtype
+        )
+        rows, tokens = self._sizes(batch.req_pool_indices, given, rows, tokens)
+        idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
+        ids = inputs.token_ids("input_ids", given, tokens)
+        lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
+        slots = self._token_slots(batch.token_slots, ids)
+        return batch.forward_mode, idx, ids, lens, batch.draft_indices, slots
+
+    def _by_rank(
+        self, batches: Mapping[int, Batch], rows: int | None, tokens: int | None
+    ) -> tuple[Any, ...]:
+        inputs, protocol, dt = self.inputs, self.protocol, self.inputs.dtype
+        for r, b in batches.items():
+            if not isinstance(b, Batch):
+                raise FutureMapError(f"batch[rank {r}] must be a Batch, got {type(b).__name__}")
+        field = lambda f: {r: getattr(b, f) for r, b in batches.items()}  # noqa: E731
+        given = {
+            r: protocol.ids_of(
+                b.input_ids, b.req_pool_indices, b.forward_mode, dt, f"batch[rank {r}]."
+            )
+            for r, b in batches.items()
+        }
+        rows, tokens = self._sizes(field("req_pool_indices"), given, rows, tokens)
+        idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
+        ids = inputs.token_ids("input_ids", given, tokens)
+        lens = inputs.matched("seq_lens", field("seq_lens"), idx, ints=True)
+        modes = np.full(self.dp, int(ForwardMode.IDLE), np.int32)
+        for r, b in batches.items():
+            modes[int(r)] = host_mode(b.forward_mode, f"batch[rank {r}].forward_mode")
+            if b.input_ids is not None and self.spec is None and protocol.places_no_ids(modes[r]):
+                raise refusals.ids_for_gathered_decode(f"batch[rank {r}].")
+        drafts = {r: d for r, d in field("draft_indices").items() if d is not None}
+        if drafts and self.spec is None:
+            raise refusals.draft_indices_on_plain_map()
+        for r in batches:
+            if drafts and r not in drafts and modes[int(r)] == ForwardMode.DECODE:
+                raise FutureMapError(
+                    f"batch[rank {r}].draft_indices missing: beside ranks with a draft input "
+                    "a spec DECODE rank brings its own (its lengths are gathered at them)"
+                )
+        if drafts:  # a rank without a draft input reads padding slot 0 (garbage, unused)
+            drafts = {
+                r: drafts.get(r, np.zeros(len(b.req_pool_indices), dt)) for r, b in batches.items()
+            }
+        given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
+        for r in batches:  # each rank by the one-batch rule, before the slots are placed
+            where = f"batch[rank {r}]."
+            protocol.check_kinds([ForwardMode(modes[int(r)])], given_slots.get(r), where)
+        slots = None
+        if given_slots and ForwardMode.MIXED in modes:
+            # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
+            # Without a MIXED rank every slot given is 0: there is nothing to gather.
+            full = {r: given_slots.get(r, np.zeros(len(given[r]), dt)) for r in batches}
+            slots = self._token_slots(full, ids)
+        return modes, idx, ids, lens, drafts or None, slots
+
+    def _mode_key(self, mode: Any, idx: Rows, ids: Rows | None, slots: Any) -> tuple[Key, Any]:
+        """The resolve's key (its mode) and the mode the executable takes (None: fixed);
+        the protocol's rules for modes known on the host."""
+        protocol = self.protocol
+        if isinstance(mode, jax.Array):
+            if mode.dtype != np.int32 or mode.shape not in ((), (self.dp,)):
+                raise FutureMapError(
+                    f"a traced forward_mode must be int32 of shape () or ({self.dp},), "
+                    f"got {mode.dtype}{list(mode.shape)}"
+                )
+            return Key("resolve", 0, mode="traced"), mode  # rows not checked against it
+        if type(mode) is ForwardMode:  # the per-step case: one mode known on the host
+            modes = [mode]
+        elif isinstance(mode, np.ndarray) and mode.ndim == 1:
+            modes = [host_mode(m, "forward_mode") for m in mode.tolist()]
+        else:
+            modes = [host_mode(mode, "forward_mode")]
+        protocol.check_kinds(modes, slots)
+        protocol.check_spec_mixed(self.spec, modes, idx.array, slots)
+        decoding = [m == ForwardMode.DECODE for m in modes]
+        if ids is not None and protocol.checks_ids_per_row(self.spec):
+            self.inputs.one_id_per_row(ids, idx, decoding)
+        kinds = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
+        if len(kinds) > 1:  # ranks differ in kind: one executable with the modes traced
+            return Key("resolve", 0, mode="traced"), np.asarray(modes, np.int32)
+        # Known on the host: an executable with the mode fixed (no branch inside).
+        return Key("resolve", 0, mode=_MODE_OF[kinds == {True}]), None
+
+    def _draft(self, draft: Any, idx: Rows) -> Any:
+        """A spec batch's draft slots, one per row, placed like its slots."""
+        if draft is None:
+            return None
+        if self.spec is None:
+            raise refusals.draft_indices_on_plain_map()
+        placed = self.inputs.slots("draft_indices", draft, idx.size)
+        if None not in (placed.counts, idx.counts) and placed.counts != idx.counts:
+            raise FutureMapError(
+                f"draft_indices has {placed.counts} rows per rank, req_pool_indices "
+                f"{idx.counts}: one draft slot per row"
+            )
+        return placed.array
+
+    def _token_slots(self, x: Any, ids: Rows) -> Any:
+        """A MIXED batch's token slots (gather protocol) placed like its input ids."""
+        if x is None:
+            return None
+        if not self.protocol.takes_token_slots:
+            raise refusals.token_slots_in_sentinel_protocol()
+        return self.inputs.token_slots("token_slots", x, ids).array
+
+    def _sizes(
+        self, slots: Any, ids: Any, rows: int | None, tokens: int | None
+    ) -> tuple[int | None, int | None]:
+        """A resolve's per-rank padded sizes: for host inputs the (rows, tokens) pair its
+        token bucket fixes (`buckets.resolve_sizes`: one executable per token bucket);
+        jax arrays keep the sizes they have."""
+        if isinstance(slots, jax.Array) or isinstance(ids, jax.Array):
+            return rows, tokens
+        inputs = self.inputs
+        for size, buckets, what in (
+            (rows, inputs.batch_buckets, "rows"),
+            (tokens, inputs.token_buckets, "tokens"),
+        ):
+            if size is not None and size not in buckets:
+                raise FutureMapError(f"{what}={size} is not one of the buckets {buckets}")
+        n = rows if rows is not None else _rows_per_rank(slots, self.dp)
+        t = tokens if tokens is not None else _rows_per_rank(ids, self.dp)
+        if n is None or t is None:
+            return rows, tokens  # not an array: placing it names the field
+        return bk.resolve_sizes(n, t, inputs.batch_buckets, inputs.token_buckets)
+
+    # ------------------------------------------------------------------ plans
+    def _resolve_plan(
+        self, placed: Placed, values: tuple[Any, ...], step: Sequence[StepInput] | None
+    ) -> Plan | None:
+        """The plan of a resolve's (or a step's) layout, if it rebuilds `placed`."""
+        mode, key, protocol, spec = values[0], placed.key, self.protocol, self.spec
+        if not (type(mode) is ForwardMode or isinstance(mode, jax.Array)):
+            return None  # a plain int or per-rank modes: their values pick the executable
+        if not self.inputs.single_process:
+            return None
+        rows, tokens = key.rows, key.tokens
+        roles = [
+            Role(None, "forward_mode", 0, keep=isinstance(mode, jax.Array)),
+            Role("slots", "req_pool_indices", rows),
+            Role("ids", "input_ids", tokens),
+            Role("ints", "seq_lens", rows),
+            Role("slots", "draft_indices", rows),
+            Role("slots", "token_slots", tokens),
+        ]
+        for d, x in zip(step or (), values[6:], strict=True):
+            if type(x) is np.ndarray and x.dtype != d.dtype:
+                return None  # a cast input: the general path casts it
+            roles.append(Role("values", f"inputs[{d.name!r}]", rows if d.per == "row" else tokens))
+        names = [d.name for d in step or ()]
+
+        def assemble(p: list[Any]) -> tuple[Any, ...]:
+            batch = Batch(*p[:6])
+            return (batch,) if step is None else (batch, dict(zip(names, p[6:], strict=True)))
+
+        batch_check = None
+        if type(mode) is ForwardMode and type(values[5]) is np.ndarray:
+
+            def batch_check(v: Sequence[Any]) -> None:
+                protocol.check_kinds([mode], v[5])
+                protocol.check_spec_mixed(spec, [mode], v[1], v[5])
+
+        plan = Plan(
+            key,
+            placed.pack,
+            roles,
+            assemble,
+            self.inputs,
+            values,
+            counts=placed.idx.counts,
+            batch_check=batch_check,
+        )
+        return Plan.record(placed, values, plan)
+
+    def _tail_plan(self, placed: Placed, values: tuple[Any, ...]) -> Plan | None:
+        """The plan of a tail op's layout (publish, stash, finish), if it rebuilds `placed`."""
+        if not self.inputs.single_process:
+            return None
+        op, rows = placed.key.op, placed.key.rows
+        roles = [
+            Role("slots", "indices", rows),
+            Role("relayed", "new_seq_lens", rows, keep=op != "stash"),
+        ]
+        if self.spec is None or op == "publish":
+            roles.append(Role("relayed", "tokens", rows, keep=op != "publish"))
+        else:
+            roles += [
+                Role(row_kind(f.dtype is None, f.consumed), f"draft.{f.name}", rows)
+                for f in self.fields
+            ]
+        names = [f.name for f in self.fields]
+
+        def payload(p: list[Any]) -> Any:
+            return (
+                p[2] if self.spec is None else draft_payload(dict(zip(names, p[2:], strict=True)))
+            )
+
+        def assemble(p: list[Any]) -> tuple[Any, ...]:
+            if op == "publish":
+                return (p[0], p[1])
+            return (p[0], payload(p)) if op == "stash" else (p[0], p[1], payload(p))
+
+        on_dev = any(isinstance(v, jax.Array) for v in values[1:])
+        plan = Plan(
+            placed.key,
+            placed.pack,
+            roles,
+            assemble,
+            self.inputs,
+            values,
+            counts=placed.idx.counts,
+            lens_at=None if op == "stash" else 1,
+            key_for=lambda key, idx: key._replace(checked=self._checked(idx, on_dev)),
+        )
+        return Plan.record(placed, values, plan)
+
+    # ------------------------------------------------------------------ step inputs
+    def _step_inputs(
+        self,
+        declared: Sequence[StepInput],
+        given: Mapping[str, Any] | None,
+        idx: Rows,
+        ids: Rows | None,
+    ) -> dict[str, Any]:
+        """The engine's declared inputs padded like the batch's rows (`idx`) or tokens."""
+        given = {} if given is None else given
+        if not isinstance(given, Mapping):
+            raise FutureMapError(
+                f"inputs must be a mapping name -> array, got {type(given).__name__}"
+            )
+        names = {d.name for d in declared}
+        if set(given) != names:
+            missing, extra = sorted(names - set(given)), sorted(set(given) - names)
+            raise FutureMapError(
+                f"inputs must be exactly the declared StepInputs: missing {missing}, "
+                f"undeclared {extra}"
+            )
+        out = {}
+        for d in declared:
+            like = idx if d.per == "row" or ids is None else ids
+            x, name = given[d.name], f"inputs[{d.name!r}]"
+            if isinstance(x, jax.Array):
+                if x.dtype != d.dtype or x.shape[1:] != d.shape:
+                    raise FutureMapError(
+                        f"{name} is {x.dtype}{list(x.shape)}, declared {d.dtype} rows of "
+                        f"shape {list(d.shape)}"
+                    )
+            elif not isinstance(x, Mapping):
+                x = self.inputs.declared(name, x, d.shape, d.dtype)
+            else:
+                x = {
+                    r: self.inputs.declared(f"{name}[rank {r}]", v, d.shape, d.dtype)
+                    for r, v in x.items()
+                }
+            out[d.name] = self.inputs.matched(name, x, like, ints=False)
+        return out
+
+
+def _resolve_values(
+    batch: Any, step: Sequence[StepInput] | None, inputs: Mapping[str, Any] | None
+) -> tuple[Any, ...]:
+    """A resolve call's values in plan order: the batch's fields, then the declared inputs
+    (an empty tuple for a call no plan can take: a mapping of ranks, inputs not a dict)."""
+    if type(batch) is not Batch:
+        return ()
+    head = tuple(batch)
+    if step is None:
+        return head
+    if type(inputs) is not dict or len(inputs) != len(step):
+        return ()
+    try:
+        return head + tuple(inputs[d.name] for d in step)
+    except KeyError:
+        return ()
+
+
+def _payload_values(fields: tuple[rf.RelayField, ...], payload: Any) -> tuple[Any, ...]:
+    """A tail call's payload leaves in plan order (a DraftPayload: its declared fields)."""
+    if type(payload) is DraftPayload:
+        if payload.extras is not None and type(payload.extras) is not dict:
+            return (payload,)  # refused by the general path, named there
+        return tuple(rf.get(payload, f.name) for f in fields)
+    return (payload,)
+
+
+def _payload_kind(payload: Any) -> Any:
+    """What a payload is, for a plan's signature: tokens, or a DraftPayload's field set."""
+    if type(payload) is DraftPayload:
+        extras = () if payload.extras is None else tuple(sorted(payload.extras))
+        return ("draft", extras)
+    return "rows"
+
+
+def _rows_per_rank(x: Any, dp: int) -> int | None:
+    """Rows per DP rank of a host input before it is placed (a mapping: its largest
+    rank's); None when `x` has no length (placing it then names what is wrong)."""
+    try:
+        if isinstance(x, Mapping):
+            return max((len(v) for v in x.values()), default=0)
+        return len(x) // dp
+    except TypeError:
+        return None
