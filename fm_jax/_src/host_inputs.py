@@ -19,7 +19,8 @@ read: in debug mode the op checks it on the device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -111,8 +112,11 @@ class HostInputs:
         if s[0] < 0 or s[-1] >= self.pool_size:
             bad = a[(a < 0) | (a >= self.pool_size)]
             raise FutureMapError(f"{name} holds slots {bad.tolist()} outside [0, {self.pool_size})")
-        rep = s[1:][s[1:] == s[:-1]]
-        if rep.size and rep[-1] != 0:  # sorted: a live repeat is the largest
+        same = s[1:] == s[:-1]
+        if not np.count_nonzero(same):
+            return  # the common case: no slot twice, not even the padding slot
+        rep = s[1:][same]
+        if rep[-1] != 0:  # sorted: a live repeat is the largest
             live = np.unique(rep[rep != 0])
             raise FutureMapError(
                 f"{name} holds live slots {live.tolist()} more than once in one batch"
@@ -134,17 +138,27 @@ class HostInputs:
         if kind == "slots":
             self._check_slots(name, a)
         elif kind == "ids":
-            self.protocol.check_ids(name, a, self.pool_size)
+            self._check_ids(name, a)
         elif kind == "relayed":
             _non_negative(name, a, True)
         return a
 
-    def checks_values(self, kind: str, dtype: np.dtype) -> bool:
-        """Whether `check` of a host array of `dtype` as a `kind` reads its values or
-        casts it (False: the dtype alone, already judged, says it passes as it is)."""
-        if kind == "values":
-            return False
-        return kind != "ints" or dtype != self.dtype
+    def checker(self, kind: str, name: str, dtype: np.dtype) -> Callable[[np.ndarray], Any] | None:
+        """`check(kind, name, a)` for host arrays `a` of `dtype`, with the dispatch on kind
+        and dtype done once: None where the dtype alone (already judged) says every such
+        array passes as it is; else a function doing the same checks and cast."""
+        if kind == "values" or (kind == "ints" and dtype == self.dtype):
+            return None
+        if dtype != self.dtype and kind != "relayed_values":
+            return functools.partial(self.check, kind, name)  # a cast, value-checked
+        if kind == "slots":
+            return functools.partial(_checked, self._check_slots, name)
+        if kind == "ids":
+            return functools.partial(_checked, self._check_ids, name)
+        return functools.partial(_non_negative, name, relayed=True)
+
+    def _check_ids(self, name: str, a: np.ndarray) -> None:
+        self.protocol.check_ids(name, a, self.pool_size)
 
     def host_rows(self, name: str, a: np.ndarray, size: int, kind: str) -> np.ndarray:
         """Global host rows (each DP rank's rows end to end, as many per rank) checked as
@@ -401,6 +415,12 @@ class HostInputs:
         if self.dp == 1:
             return blocks[0]
         return np.concatenate([blocks[d] for d in range(self.dp)])
+
+
+def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray) -> np.ndarray:
+    """`a`, after `check(name, a)` found nothing wrong."""
+    check(name, a)
+    return a
 
 
 def row_kind(ints: bool, relayed: bool) -> str:

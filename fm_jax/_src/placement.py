@@ -486,7 +486,7 @@ class Placement:
             values,
             counts=placed.idx.counts,
             lens_at=None if op == "stash" else 1,
-            key_for=lambda key, idx: key._replace(checked=self._checked(idx, on_dev)),
+            checked=lambda idx: self._checked(idx, on_dev),
         )
         return Plan.record(placed, values, plan)
 

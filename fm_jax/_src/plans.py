@@ -54,14 +54,22 @@ class Placed(NamedTuple):
     lens: Any = None
 
 
+_JAX_TYPES: set[type] = set()
+"""The concrete jax.Array types seen (an isinstance check of the ABC costs ~1 us)."""
+
+
 def _kind(x: Any) -> Any:
     """One value's part of a layout; raises TypeError for a value no plan takes."""
-    if type(x) is np.ndarray:
+    t = type(x)
+    if t is np.ndarray:
         return (x.shape, x.dtype)
-    if x is None or type(x) is ForwardMode:
+    if x is None or t is ForwardMode:
         return x
-    if isinstance(x, jax.Array) and x.size:
-        return ("jax", x.shape, x.dtype)
+    if t in _JAX_TYPES or isinstance(x, jax.Array):
+        _JAX_TYPES.add(t)
+        shape = x.shape
+        if 0 not in shape:  # an empty jax array is placed as a host one
+            return ("jax", shape, x.dtype)
     raise TypeError
 
 
@@ -120,7 +128,9 @@ class Plan:
         "pack",
         "_device",
         "_host",
+        "_keys",
         "_placers",
+        "_same",
         "_words",
     )
 
@@ -136,7 +146,7 @@ class Plan:
         counts: tuple[int, ...] | None,
         lens_at: int | None = None,
         batch_check: Callable[[Sequence[Any]], None] | None = None,
-        key_for: Callable[[Key, Rows], Key] | None = None,
+        checked: Callable[[Rows], bool] | None = None,
     ) -> None:
         self.key = key
         self.pack = pack
@@ -145,13 +155,15 @@ class Plan:
         self.idx_at = 1 if key.op in ("resolve", "step") else 0
         self.lens_at = lens_at
         self.batch_check = batch_check
-        self.key_for = key_for
+        # A debug tail op's key depends on whether its slots are the last resolve's.
+        self.key_for = checked
+        self._keys = (key._replace(checked=False), key._replace(checked=True))
         self._placers = [_placer(r, x, inputs) for r, x in zip(roles, values, strict=True)]
         # The packed buffer's leaves, in the order `pack` lays them: positions in the list
         # of placed values (host leaves go in the buffer, device leaves beside it).
         self._host: list[tuple[int, bool]] = []  # (position, 1-D)
         self._device: list[int] = []
-        self._words = False
+        self._words = self._same = False
         if pack is not None:
             markers = [
                 None if x is None or p is _DROP else i
@@ -165,6 +177,7 @@ class Plan:
                     self._host.append((i, len(leaf[1]) == 1))
             # Every host leaf a whole number of words: the buffer is their words end to end.
             self._words = all(leaf[2].itemsize == WORD for leaf in pack.leaves if leaf is not None)
+            self._same = self._words and len({leaf[2] for leaf in pack.leaves if leaf}) == 1
 
     @classmethod
     def record(cls, placed: Placed, values: Sequence[Any], plan: Plan) -> Plan | None:
@@ -187,7 +200,7 @@ class Plan:
         if self.batch_check is not None:
             self.batch_check(values)
         rows = Rows(placed[self.idx_at], self.key.rows, self.counts, False)
-        key = self.key if self.key_for is None else self.key_for(self.key, rows)
+        key = self.key if self.key_for is None else self._keys[self.key_for(rows)]
         lens = None if self.lens_at is None else placed[self.lens_at]
         if self.pack is None:
             return Placed(key, self.assemble(placed), None, rows, lens)
@@ -197,7 +210,12 @@ class Plan:
         """The host leaves in one uint32 buffer laid out by the recorded packing (each
         leaf on a word, zero pad bytes); an engine step's device leaves beside it."""
         assert self.pack is not None
-        if self._words:
+        if not self._host:
+            packed = None  # every leaf on the device: nothing to pack
+        elif self._same:  # one 4-byte dtype: their words end to end, viewed once
+            packed = np.concatenate([placed[i] for i, _ in self._host], axis=None)
+            packed = packed.view(np.uint32)
+        elif self._words:
             u32 = np.uint32
             parts = [
                 placed[i].view(u32) if one else np.ravel(placed[i]).view(u32)
@@ -225,7 +243,7 @@ def _placer(role: Role, x: Any, inputs: HostInputs) -> Any:
     kind, name, size = role.kind, role.name, role.size
     if inputs.dp > 1:
         return lambda a: inputs.host_rows(name, a, size, kind)
-    check = inputs.checks_values(kind, x.dtype)
+    check = inputs.checker(kind, name, x.dtype)
     n, tail = x.shape[0], x.shape[1:]
 
     def pad(a: np.ndarray) -> np.ndarray:
@@ -233,11 +251,9 @@ def _placer(role: Role, x: Any, inputs: HostInputs) -> Any:
         out[:n] = a
         return out
 
-    if check and n != size:
-        return lambda a: pad(inputs.check(kind, name, a))
-    if check:
-        return lambda a: inputs.check(kind, name, a)
-    return pad if n != size else None
+    if check is not None and n != size:
+        return lambda a: pad(check(a))
+    return check if n == size else pad
 
 
 def _nbytes(leaf: tuple[int, tuple[int, ...], np.dtype]) -> int:

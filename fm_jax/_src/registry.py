@@ -134,6 +134,8 @@ class Registry:
         """Compile `calls` (nothing runs, nothing is donated); with `guard`, serve only
         them afterwards. Returns what was compiled."""
         t0 = time.perf_counter()
+        # One executable per key and packing layout (calls that place alike compile once).
+        calls = list({(c[0], c[1]): c for c in reversed(calls)}.values())[::-1]
         lowered = [self.jitted(k, pack, n).trace(*args).lower() for k, pack, args, n in calls]
         workers = threads or min(8, os.cpu_count() or 1)
         with counting_compiles() as counter, ThreadPoolExecutor(max_workers=workers) as pool:
