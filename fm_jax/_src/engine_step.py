@@ -30,9 +30,10 @@ import numpy as np
 
 from fm_jax._src.entry_points import tail
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import Key
 from fm_jax._src.packing import PackSpec, unpack
-from fm_jax._src.placement import Placement, StepInput
+from fm_jax._src.placement import Placement
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.registry import Call, Registry, WarmUpReport
 from fm_jax._src.runtime import MapRuntime

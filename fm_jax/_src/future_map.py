@@ -22,26 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fm_jax._src import buckets as bk
 from fm_jax._src import refusals
-from fm_jax._src.compile_options import compiler_options
-from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.assembly import assemble
 from fm_jax._src.engine_step import EngineStep, Forward
-from fm_jax._src.entry_points import entry_points
-from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_inputs import HostInputs
-from fm_jax._src.host_lengths import HostLengths
+from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import Key, takes_state
-from fm_jax._src.ops import future_map
-from fm_jax._src.packing import pack_host
-from fm_jax._src.placement import Placement, StepInput
 from fm_jax._src.plans import Placed
-from fm_jax._src.protocol import parse_protocol
-from fm_jax._src.registry import Call, Registry, WarmUpReport
-from fm_jax._src.runtime import MapRuntime
-from fm_jax._src.sharding import MeshLayout, lift, mesh_layout, per_rank, single_device_layout
+from fm_jax._src.registry import WarmUpReport
+from fm_jax._src.sharding import MeshLayout, per_rank
 from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, RowsInput, SpecConfig
-from fm_jax._src.warm_up import empty_batches, empty_tails
+from fm_jax._src.warm_up import class_calls
 
 _log = logging.getLogger("fm_jax")
 _M = TypeVar("_M", bound=Callable[..., Any])
@@ -124,89 +114,38 @@ class FutureMap:
         pack_inputs: bool | None = None,
         needs_cpu_seq_lens: bool = True,
     ) -> None:
-        if mesh is not None and device is not None:
-            raise FutureMapError("pass a mesh or a device, not both")
-        if device is not None and not isinstance(device, jax.Device):
-            raise FutureMapError(f"device must be a jax.Device, got {device!r}")
-        if mesh is not None and not isinstance(mesh, Mesh):
-            raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-        self.layout: MeshLayout = (
-            single_device_layout(device or jax.devices()[0])
-            if mesh is None
-            else mesh_layout(mesh, dp_axis, tp_axis)
-        )
-        local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
-        platform = self.layout.mesh.devices.flat[0].platform
-        if (
-            local.spec is not None
-            and local.spec.kernel == "pallas"
-            and platform not in ("cpu", "gpu")
-        ):
-            raise FutureMapError(
-                f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
-                f"lowering for {platform}; use kernel='xla'"
-            )
-        self.ops = lift(local, self.layout)
-        self.pool_size = pool_size
-        self.dtype: np.dtype = local.dtype
-        self.spec: SpecConfig | None = local.spec
-        self.debug = debug
-        self._protocol = parse_protocol(local.protocol)
-        self.protocol: str = self._protocol.name
-        self.batch_buckets = bk.normalize_buckets(
-            bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
-        )
-        self.token_buckets = bk.normalize_buckets(
-            bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
-        )
-        self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
-        inputs = HostInputs(
-            self.layout,
+        parts = assemble(
             pool_size,
-            self.dtype,
-            self.batch_buckets,
-            self.token_buckets,
-            self._protocol,
+            mesh=mesh,
+            dp_axis=dp_axis,
+            tp_axis=tp_axis,
+            dtype=dtype,
+            spec=spec,
+            debug=debug,
+            batch_buckets=batch_buckets,
+            token_buckets=token_buckets,
+            device=device,
+            protocol=protocol,
+            pack_inputs=pack_inputs,
+            needs_cpu_seq_lens=needs_cpu_seq_lens,
         )
-        debug_channel = DebugChannel(self.layout) if debug else None
-        try:
-            state: FutureMapState = jax.jit(self.ops.init, out_shardings=self.layout.sharding)()
-        except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            raise FutureMapError(
-                f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
-            ) from None
-        if pack_inputs is not None and not isinstance(pack_inputs, bool):
-            raise FutureMapError(f"pack_inputs must be a bool or None, got {pack_inputs!r}")
-        self.pack_inputs: bool = inputs.single_process and (
-            platform != "cpu" if pack_inputs is None else pack_inputs
-        )
-        self._options = compiler_options(platform)
-        if not isinstance(needs_cpu_seq_lens, bool):
-            raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
-        # The last publish's lengths on their way to the host (one process only).
-        lengths = HostLengths() if needs_cpu_seq_lens and inputs.single_process else None
-        self._runtime = MapRuntime(state, debug_channel, lengths)
-        self._placement = Placement(
-            inputs, self._protocol, self.spec, pack_inputs=self.pack_inputs, debug=debug
-        )
-        self._placement.last_checked = self._runtime.last_checked
-        # Debug: the tail ops' only checks are slot checks; slots already checked take
-        # executables without them (a checked one costs ~35 us more per call on XLA:CPU).
-        unchecked = (
-            lift(future_map(pool_size, dtype=dtype, spec=spec, protocol=protocol), self.layout)
-            if debug
-            else self.ops
-        )
-        build = entry_points(self.ops, unchecked, self._protocol, debug_channel, self._options)
-        self._registry = Registry(build, self._not_warmed)
-
-    def _not_warmed(self, key: Key) -> str:
-        return (
-            f"serving guard: {key.describe()} was not compiled by warm_up() (batch buckets "
-            f"{self.batch_buckets}, token buckets {self.token_buckets}); a call would "
-            "compile it: add its bucket, or pass inputs padded to a warmed one"
+        self.layout: MeshLayout = parts.layout
+        self.ops = parts.ops
+        self.pool_size = pool_size
+        self.dtype: np.dtype = parts.placement.inputs.dtype
+        self.spec: SpecConfig | None = parts.placement.spec
+        self.debug = debug
+        self._protocol = parts.placement.protocol
+        self.protocol: str = self._protocol.name
+        self.batch_buckets = parts.placement.inputs.batch_buckets
+        self.token_buckets = parts.placement.inputs.token_buckets
+        self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
+        self.pack_inputs: bool = parts.placement.pack_inputs
+        self._options = parts.options
+        self._placement, self._runtime, self._registry = (
+            parts.placement,
+            parts.runtime,
+            parts.registry,
         )
 
     # ------------------------------------------------------------------------------ state
@@ -414,18 +353,13 @@ class FutureMap:
         One dispatch per step: resolve at the head, `forward` on the resolved ids and
         lengths, publish, stash and (sentinel protocol) the sentinels at the tail; the map's
         state and the arguments named by `donate_argnums` donated. The class's rules hold
-        unchanged: the batch's host arrays are checked by value and padded to the buckets
-        (by the map's own placement), every host array of a call (the batch's and the
-        declared `inputs`) goes to the device in one packed transfer, `EngineStep.warm_up`
-        (with `guard=True`) covers the step's executables, and debug errors go to `check()`.
+        unchanged (this map's placement, registry and runtime serve it): see `EngineStep`.
 
         Args:
           forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced inside the
             step: `resolved` the filled ids, lengths (and draft); `batch` the placed batch
-            (its `req_pool_indices` are the rows' slots; `forward_mode` a fixed ForwardMode
-            when known on the host, else traced); `inputs` the declared inputs by name;
-            `args` the step's own arguments. It returns the new lengths and the payload
-            to relay (tokens, or a DraftPayload on a spec map) and its `out`.
+            (its `forward_mode` a fixed mode when known on the host, else traced); `inputs`
+            the declared inputs by name; `args` the step's own arguments.
           inputs: the engine's own per-row or per-token host arrays (`StepInput`).
           donate_argnums: indices into the step's `args` to donate (the KV cache).
           compiler_options: XLA options of the step; default `fm_jax.compiler_options()`
@@ -474,25 +408,9 @@ class FutureMap:
         Returns:
           What was compiled, what came from JAX's persistent cache, and the time.
         """
-        placement, state = self._placement, self._runtime.state
-        inputs, protocol, spec = placement.inputs, self._protocol, self.spec
-        placed: list[Placed] = []
-        for t in empty_tails(inputs, protocol, spec):
-            if t.op in ("sentinels", "seq_lens_at"):
-                p = placement.slots_op(t.op, t.indices, t.rows, pack=False)
-            else:
-                p = placement.tail(t.op, t.indices, t.lens, t.payload, t.rows, pack=False)
-            both = self.debug and t.op != "seq_lens_at"
-            placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
-        for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
-            placed.append(placement.resolve(e.batch, e.rows, e.tokens, pack=False))
-        calls: list[Call] = []
-        for p in placed:
-            head = (state,) if takes_state(p.key.op) else ()
-            calls.append((p.key, None, (*head, *p.args), 0))
-            host = pack_host(p.args) if self.pack_inputs else None
-            if host is not None:
-                calls.append((p.key, host[0], (*head, host[1]), 0))
+        calls = class_calls(
+            self._placement, self._runtime.state, debug=self.debug, traced_modes=traced_modes
+        )
         summary = self._registry.warm_up(calls, guard=guard, threads=threads)
         _log.info("%s", summary)
         return summary

@@ -19,8 +19,7 @@ read: in debug mode the op checks it on the device.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -28,14 +27,10 @@ import numpy as np
 
 from fm_jax._src.buckets import bucket_for
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_checks import INTS, HostChecks, row_kind
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.relay_fields import storable
 from fm_jax._src.sharding import MeshLayout
-
-_INTS = frozenset(
-    np.dtype(t)
-    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
-)
 
 
 class Rows(NamedTuple):
@@ -80,98 +75,24 @@ class HostInputs:
         self.dtype = dtype
         self.batch_buckets = batch_buckets
         self.token_buckets = token_buckets
-        info = np.iinfo(dtype)
-        self._lo, self._hi = int(info.min), int(info.max)
-        # Int dtypes whose every value fits the map's dtype: cast without a value check.
-        self._safe = frozenset(d for d in _INTS if np.can_cast(d, dtype, "safe"))
+        self.checks = HostChecks(pool_size, dtype, protocol)
+        self._safe = self.checks.safe
         self._zeros = np.zeros(0, dtype)
 
     # ----------------------------------------------------------------- value checks
-    def _ints(self, name: str, a: np.ndarray) -> np.ndarray:
-        """`a` (host, integer) in the map's dtype; refuses values that do not fit."""
-        dt = a.dtype
-        if dt is self.dtype or dt == self.dtype:
-            return a
-        if dt in self._safe:
-            return a.astype(self.dtype)
-        if dt.kind not in "iu":
-            raise FutureMapError(f"{name} must have an integer dtype, got {dt}")
-        if a.size and (int(a.min()) < self._lo or int(a.max()) > self._hi):
-            raise FutureMapError(f"{name} holds values that do not fit the {self.dtype} buffer")
-        return a.astype(self.dtype)
-
-    def _check_slots(self, name: str, a: np.ndarray) -> None:
-        """Every slot in [0, R), no live slot (>= 1) twice. One sort serves both."""
-        if a.shape[0] < 2:
-            if a.shape[0] and not 0 <= a[0] < self.pool_size:
-                raise FutureMapError(
-                    f"{name} holds slots {a.tolist()} outside [0, {self.pool_size})"
-                )
-            return
-        s = np.sort(a)
-        if s[0] < 0 or s[-1] >= self.pool_size:
-            bad = a[(a < 0) | (a >= self.pool_size)]
-            raise FutureMapError(f"{name} holds slots {bad.tolist()} outside [0, {self.pool_size})")
-        same = s[1:] == s[:-1]
-        if not np.count_nonzero(same):
-            return  # the common case: no slot twice, not even the padding slot
-        rep = s[1:][same]
-        if rep[-1] != 0:  # sorted: a live repeat is the largest
-            live = np.unique(rep[rep != 0])
-            raise FutureMapError(
-                f"{name} holds live slots {live.tolist()} more than once in one batch"
-            )
-
-    def check(self, kind: str, name: str, a: np.ndarray) -> np.ndarray:
-        """One rank's host rows checked by value as a `kind` of input, in the dtype the
-        map stores them; the one place host values are judged (the general path and the
-        recorded plans both come here).
-
-        Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
-        rule for ids), 'ints' (ints that fit), 'relayed' (ints >= 0: tokens and lengths a
-        forward relays), 'values' (a dtype the map stores as given), 'relayed_values'
-        (that, >= 0).
-        """
-        if kind == "values" or kind == "relayed_values":
-            return _non_negative(name, self._stored(name, a), kind == "relayed_values")
-        a = self._ints(name, a)
-        if kind == "slots":
-            self._check_slots(name, a)
-        elif kind == "ids":
-            self._check_ids(name, a)
-        elif kind == "relayed":
-            _non_negative(name, a, True)
-        return a
-
-    def checker(self, kind: str, name: str, dtype: np.dtype) -> Callable[[np.ndarray], Any] | None:
-        """`check(kind, name, a)` for host arrays `a` of `dtype`, with the dispatch on kind
-        and dtype done once: None where the dtype alone (already judged) says every such
-        array passes as it is; else a function doing the same checks and cast."""
-        if kind == "values" or (kind == "ints" and dtype == self.dtype):
-            return None
-        if dtype != self.dtype and kind != "relayed_values":
-            return functools.partial(self.check, kind, name)  # a cast, value-checked
-        if kind == "slots":
-            return functools.partial(_checked, self._check_slots, name)
-        if kind == "ids":
-            return functools.partial(_checked, self._check_ids, name)
-        return functools.partial(_non_negative, name, relayed=True)
-
-    def _check_ids(self, name: str, a: np.ndarray) -> None:
-        self.protocol.check_ids(name, a, self.pool_size)
-
     def host_rows(self, name: str, a: np.ndarray, size: int, kind: str) -> np.ndarray:
         """Global host rows (each DP rank's rows end to end, as many per rank) checked as
         `kind` (`check`) and padded per rank to `size` rows: what a recorded plan does."""
         if self.dp == 1:
-            a = self.check(kind, name, a)
+            a = self.checks.check(kind, name, a)
             if a.shape[0] == size:
                 return a
             out = np.zeros((size, *a.shape[1:]), a.dtype)
             out[: a.shape[0]] = a
             return out
         parts = {
-            d: self.check(kind, f"{name}[rank {d}]", p) for d, p in self._split(name, a).items()
+            d: self.checks.check(kind, f"{name}[rank {d}]", p)
+            for d, p in self._split(name, a).items()
         }
         first = parts[0]
         return self._pad(parts, size, first[:0])
@@ -194,7 +115,7 @@ class HostInputs:
     def _jax(self, name: str, x: jax.Array, buckets: tuple[int, ...], size: int | None) -> Rows:
         """A jax array of global rows, taken as it is: its shape and dtype are checked."""
         shape = x.shape
-        if len(shape) != 1 or x.dtype not in _INTS:
+        if len(shape) != 1 or x.dtype not in INTS:
             raise FutureMapError(f"{name} must be a 1-D integer array, got {shape} {x.dtype}")
         if x.dtype not in self._safe:
             raise FutureMapError(
@@ -269,7 +190,7 @@ class HostInputs:
             where = f"{name}[rank {rank}]" if self.dp > 1 else name
             if a.ndim != 1:
                 raise FutureMapError(f"{where} must be 1-D, got shape {a.shape}")
-            parts[rank] = self.check("slots" if slots else "ids", where, a)
+            parts[rank] = self.checks.check("slots" if slots else "ids", where, a)
         counts = tuple(parts[d].shape[0] if d in parts else 0 for d in range(self.dp))
         rows = self._size(max(counts), buckets, size, "rows" if slots else "tokens")
         return Rows(self._pad(parts, rows, self._zeros), rows, counts, by_rank)
@@ -333,7 +254,7 @@ class HostInputs:
                 raise FutureMapError(
                     f"{name} has {a.shape[:1]} rows, indices have ({self.dp * like.size},)"
                 )
-            return self.check(row_kind(ints, relayed), name, a)
+            return self.checks.check(row_kind(ints, relayed), name, a)
         if isinstance(x, Mapping) != like.by_rank:
             form = "a mapping DP rank -> rows" if like.by_rank else "global rows"
             raise FutureMapError(f"{name} must be given like the indices: {form}")
@@ -348,7 +269,7 @@ class HostInputs:
             a = parts[d]
             if a.ndim < 1 or a.shape[0] != n:
                 raise FutureMapError(f"{where} has {a.shape[:1]} rows, indices have ({n},)")
-            a = parts[d] = self.check(row_kind(ints, relayed), where, a)
+            a = parts[d] = self.checks.check(row_kind(ints, relayed), where, a)
             if tail is not None and (a.shape[1:], a.dtype) != tail:
                 raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
             tail = (a.shape[1:], a.dtype)
@@ -375,13 +296,6 @@ class HostInputs:
                     f"input_ids of a DECODE batch has {t} ids for {b} rows{where}: a decode "
                     "row carries one id"
                 )
-
-    def _stored(self, name: str, a: np.ndarray) -> np.ndarray:
-        """`a`, refused unless the map stores its dtype as given."""
-        if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
-            # The transfer would cast (e.g. float64 -> float32 without x64): refuse instead.
-            raise FutureMapError(f"{name} has dtype {a.dtype}, not a dtype the map stores")
-        return a
 
     def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An engine's declared host input at its dtype and trailing shape (cast only
@@ -417,20 +331,6 @@ class HostInputs:
         return np.concatenate([blocks[d] for d in range(self.dp)])
 
 
-def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray) -> np.ndarray:
-    """`a`, after `check(name, a)` found nothing wrong."""
-    check(name, a)
-    return a
-
-
-def row_kind(ints: bool, relayed: bool) -> str:
-    """The `HostInputs.check` kind of per-row values: ints or values as stored, relayed
-    ones (tokens, lengths) also >= 0."""
-    if ints:
-        return "relayed" if relayed else "ints"
-    return "relayed_values" if relayed else "values"
-
-
 def on_device(x: Any) -> bool:
     """Whether `x` (an input as the caller gave it: rows, a DraftPayload, a mapping or a
     tuple of them) holds a jax array: not read on the host, so a debug map checks it on the
@@ -442,17 +342,6 @@ def on_device(x: Any) -> bool:
     if isinstance(x, Mapping):
         x = list(x.values())
     return isinstance(x, tuple | list) and any(on_device(v) for v in x)
-
-
-def _non_negative(name: str, a: np.ndarray, relayed: bool) -> np.ndarray:
-    """`a`, refused if `relayed` and it holds a negative value (token ids and lengths are
-    >= 0; a stashed -1 would read as the consume poison)."""
-    if relayed and a.size and a.min() < 0:
-        raise FutureMapError(
-            f"{name} holds negative values {np.unique(a[a < 0])[:8].tolist()}: token ids and "
-            "lengths are >= 0"
-        )
-    return a
 
 
 def _host(name: str, x: Any) -> np.ndarray:

@@ -15,41 +15,20 @@ kept only if it reproduced the general path's arguments byte for byte on that ca
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
-from fm_jax._src import buckets as bk
 from fm_jax._src import packing, refusals
 from fm_jax._src import relay_fields as rf
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_batch import BatchPlacement, StepInput
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax._src.keys import Key
 from fm_jax._src.plans import Placed, Plan, Role, signature
 from fm_jax._src.protocol import Protocol
-from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload, host_mode
-
-
-class StepInput(NamedTuple):
-    """One of the engine's own per-step host arrays (positions, offsets, sampling params).
-
-    Attributes:
-      name: its key in the step's `inputs` mapping, and in `forward`'s.
-      per: "row" ([B, *shape], padded like `req_pool_indices`) or "token" ([T, *shape],
-        padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
-      shape: the trailing shape of one row or token.
-      dtype: its dtype; host arrays of another dtype are cast only where no value can
-        change (numpy's 'safe' casting), else refused.
-    """
-
-    name: str
-    per: str
-    shape: tuple[int, ...] = ()
-    dtype: Any = np.int32
-
-
-_MODE_OF = {False: "extend", True: "decode"}
+from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload
 
 
 class Placement:
@@ -82,6 +61,7 @@ class Placement:
         self.fields = spec.fields() if spec is not None else ()
         self.pack_inputs = pack_inputs
         self.dp = inputs.dp
+        self._batches = BatchPlacement(inputs, protocol, spec)
         self._plans: dict[Any, Plan | None] = {}
 
     # ------------------------------------------------------------------ entry points
@@ -234,171 +214,12 @@ class Placement:
         inputs: Mapping[str, Any] | None = None,
         pack: bool | None = None,
     ) -> Placed:
-        """The general path: a batch checked by value and padded to buckets, its key."""
-        if isinstance(batch, Mapping):
-            mode, idx, ids, lens, draft, slots = self._by_rank(batch, rows, tokens)
-        elif not isinstance(batch, Batch):
-            raise FutureMapError(
-                f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}"
-            )
-        else:
-            mode, idx, ids, lens, draft, slots = self._one_batch(batch, rows, tokens)
-        key, mode = self._mode_key(mode, idx, ids, slots)
-        draft_idx = self._draft(draft, idx)
-        placed_batch = Batch(
-            mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots
-        )
-        t = idx.size if ids is None else ids.size
-        key = key._replace(rows=idx.size, tokens=t, draft=draft is not None)
-        key = key._replace(slots=slots is not None)
-        if step is None:
-            return self._packed(key, (placed_batch,), idx, pack=pack)
-        host = self._step_inputs(step, inputs, idx, ids)
-        spec, packed, device = packing.pack((placed_batch, host))
-        return Placed(key._replace(op="step"), (packed, device), spec, idx)
+        """The general path (`host_batch`) of a resolve or an engine step."""
 
-    def _one_batch(self, batch: Batch, rows: int | None, tokens: int | None) -> tuple[Any, ...]:
-        inputs, protocol = self.inputs, self.protocol
-        if protocol.places_no_ids(batch.forward_mode) and (
-            batch.input_ids is None or self.spec is None
-        ):
-            # No ids to place (T = B): a non-spec DECODE's are all gathered on the device, a
-            # spec DECODE's are unused by the relay (None: zeros, made on the device).
-            if batch.input_ids is not None:
-                raise refusals.ids_for_gathered_decode()
-            if batch.token_slots is not None:
-                protocol.check_kinds([ForwardMode.DECODE], batch.token_slots)
-            idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
-            lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
-            return batch.forward_mode, idx, None, lens, batch.draft_indices, None
-        given = protocol.ids_of(
-            batch.input_ids, batch.req_pool_indices, batch.forward_mode, inputs.dtype
-        )
-        rows, tokens = self._sizes(batch.req_pool_indices, given, rows, tokens)
-        idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
-        ids = inputs.token_ids("input_ids", given, tokens)
-        lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
-        slots = self._token_slots(batch.token_slots, ids)
-        return batch.forward_mode, idx, ids, lens, batch.draft_indices, slots
+        def packed(key: Key, args: tuple[Any, ...], idx: Rows) -> Placed:
+            return self._packed(key, args, idx, pack=pack)
 
-    def _by_rank(
-        self, batches: Mapping[int, Batch], rows: int | None, tokens: int | None
-    ) -> tuple[Any, ...]:
-        inputs, protocol, dt = self.inputs, self.protocol, self.inputs.dtype
-        for r, b in batches.items():
-            if not isinstance(b, Batch):
-                raise FutureMapError(f"batch[rank {r}] must be a Batch, got {type(b).__name__}")
-        field = lambda f: {r: getattr(b, f) for r, b in batches.items()}  # noqa: E731
-        given = {
-            r: protocol.ids_of(
-                b.input_ids, b.req_pool_indices, b.forward_mode, dt, f"batch[rank {r}]."
-            )
-            for r, b in batches.items()
-        }
-        rows, tokens = self._sizes(field("req_pool_indices"), given, rows, tokens)
-        idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
-        ids = inputs.token_ids("input_ids", given, tokens)
-        lens = inputs.matched("seq_lens", field("seq_lens"), idx, ints=True)
-        modes = np.full(self.dp, int(ForwardMode.IDLE), np.int32)
-        for r, b in batches.items():
-            modes[int(r)] = host_mode(b.forward_mode, f"batch[rank {r}].forward_mode")
-            if b.input_ids is not None and self.spec is None and protocol.places_no_ids(modes[r]):
-                raise refusals.ids_for_gathered_decode(f"batch[rank {r}].")
-        drafts = {r: d for r, d in field("draft_indices").items() if d is not None}
-        if drafts and self.spec is None:
-            raise refusals.draft_indices_on_plain_map()
-        for r in batches:
-            if drafts and r not in drafts and modes[int(r)] == ForwardMode.DECODE:
-                raise FutureMapError(
-                    f"batch[rank {r}].draft_indices missing: beside ranks with a draft input "
-                    "a spec DECODE rank brings its own (its lengths are gathered at them)"
-                )
-        if drafts:  # a rank without a draft input reads padding slot 0 (garbage, unused)
-            drafts = {
-                r: drafts.get(r, np.zeros(len(b.req_pool_indices), dt)) for r, b in batches.items()
-            }
-        given_slots = {r: s for r, s in field("token_slots").items() if s is not None}
-        for r in batches:  # each rank by the one-batch rule, before the slots are placed
-            where = f"batch[rank {r}]."
-            protocol.check_kinds([ForwardMode(modes[int(r)])], given_slots.get(r), where)
-        slots = None
-        if given_slots and ForwardMode.MIXED in modes:
-            # Ranks without token slots (not MIXED) gather nothing: all 0, 'keep the id'.
-            # Without a MIXED rank every slot given is 0: there is nothing to gather.
-            full = {r: given_slots.get(r, np.zeros(len(given[r]), dt)) for r in batches}
-            slots = self._token_slots(full, ids)
-        return modes, idx, ids, lens, drafts or None, slots
-
-    def _mode_key(self, mode: Any, idx: Rows, ids: Rows | None, slots: Any) -> tuple[Key, Any]:
-        """The resolve's key (its mode) and the mode the executable takes (None: fixed);
-        the protocol's rules for modes known on the host."""
-        protocol = self.protocol
-        if isinstance(mode, jax.Array):
-            if mode.dtype != np.int32 or mode.shape not in ((), (self.dp,)):
-                raise FutureMapError(
-                    f"a traced forward_mode must be int32 of shape () or ({self.dp},), "
-                    f"got {mode.dtype}{list(mode.shape)}"
-                )
-            return Key("resolve", 0, mode="traced"), mode  # rows not checked against it
-        if type(mode) is ForwardMode:  # the per-step case: one mode known on the host
-            modes = [mode]
-        elif isinstance(mode, np.ndarray) and mode.ndim == 1:
-            modes = [host_mode(m, "forward_mode") for m in mode.tolist()]
-        else:
-            modes = [host_mode(mode, "forward_mode")]
-        protocol.check_kinds(modes, slots)
-        protocol.check_spec_mixed(self.spec, modes, idx.array, slots)
-        decoding = [m == ForwardMode.DECODE for m in modes]
-        if ids is not None and protocol.checks_ids_per_row(self.spec):
-            self.inputs.one_id_per_row(ids, idx, decoding)
-        kinds = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
-        if len(kinds) > 1:  # ranks differ in kind: one executable with the modes traced
-            return Key("resolve", 0, mode="traced"), np.asarray(modes, np.int32)
-        # Known on the host: an executable with the mode fixed (no branch inside).
-        return Key("resolve", 0, mode=_MODE_OF[kinds == {True}]), None
-
-    def _draft(self, draft: Any, idx: Rows) -> Any:
-        """A spec batch's draft slots, one per row, placed like its slots."""
-        if draft is None:
-            return None
-        if self.spec is None:
-            raise refusals.draft_indices_on_plain_map()
-        placed = self.inputs.slots("draft_indices", draft, idx.size)
-        if None not in (placed.counts, idx.counts) and placed.counts != idx.counts:
-            raise FutureMapError(
-                f"draft_indices has {placed.counts} rows per rank, req_pool_indices "
-                f"{idx.counts}: one draft slot per row"
-            )
-        return placed.array
-
-    def _token_slots(self, x: Any, ids: Rows) -> Any:
-        """A MIXED batch's token slots (gather protocol) placed like its input ids."""
-        if x is None:
-            return None
-        if not self.protocol.takes_token_slots:
-            raise refusals.token_slots_in_sentinel_protocol()
-        return self.inputs.token_slots("token_slots", x, ids).array
-
-    def _sizes(
-        self, slots: Any, ids: Any, rows: int | None, tokens: int | None
-    ) -> tuple[int | None, int | None]:
-        """A resolve's per-rank padded sizes: for host inputs the (rows, tokens) pair its
-        token bucket fixes (`buckets.resolve_sizes`: one executable per token bucket);
-        jax arrays keep the sizes they have."""
-        if isinstance(slots, jax.Array) or isinstance(ids, jax.Array):
-            return rows, tokens
-        inputs = self.inputs
-        for size, buckets, what in (
-            (rows, inputs.batch_buckets, "rows"),
-            (tokens, inputs.token_buckets, "tokens"),
-        ):
-            if size is not None and size not in buckets:
-                raise FutureMapError(f"{what}={size} is not one of the buckets {buckets}")
-        n = rows if rows is not None else _rows_per_rank(slots, self.dp)
-        t = tokens if tokens is not None else _rows_per_rank(ids, self.dp)
-        if n is None or t is None:
-            return rows, tokens  # not an array: placing it names the field
-        return bk.resolve_sizes(n, t, inputs.batch_buckets, inputs.token_buckets)
+        return self._batches.place(batch, rows, tokens, step, inputs, packed)
 
     # ------------------------------------------------------------------ plans
     def _resolve_plan(
@@ -491,45 +312,6 @@ class Placement:
         return Plan.record(placed, values, plan)
 
     # ------------------------------------------------------------------ step inputs
-    def _step_inputs(
-        self,
-        declared: Sequence[StepInput],
-        given: Mapping[str, Any] | None,
-        idx: Rows,
-        ids: Rows | None,
-    ) -> dict[str, Any]:
-        """The engine's declared inputs padded like the batch's rows (`idx`) or tokens."""
-        given = {} if given is None else given
-        if not isinstance(given, Mapping):
-            raise FutureMapError(
-                f"inputs must be a mapping name -> array, got {type(given).__name__}"
-            )
-        names = {d.name for d in declared}
-        if set(given) != names:
-            missing, extra = sorted(names - set(given)), sorted(set(given) - names)
-            raise FutureMapError(
-                f"inputs must be exactly the declared StepInputs: missing {missing}, "
-                f"undeclared {extra}"
-            )
-        out = {}
-        for d in declared:
-            like = idx if d.per == "row" or ids is None else ids
-            x, name = given[d.name], f"inputs[{d.name!r}]"
-            if isinstance(x, jax.Array):
-                if x.dtype != d.dtype or x.shape[1:] != d.shape:
-                    raise FutureMapError(
-                        f"{name} is {x.dtype}{list(x.shape)}, declared {d.dtype} rows of "
-                        f"shape {list(d.shape)}"
-                    )
-            elif not isinstance(x, Mapping):
-                x = self.inputs.declared(name, x, d.shape, d.dtype)
-            else:
-                x = {
-                    r: self.inputs.declared(f"{name}[rank {r}]", v, d.shape, d.dtype)
-                    for r, v in x.items()
-                }
-            out[d.name] = self.inputs.matched(name, x, like, ints=False)
-        return out
 
 
 def _resolve_values(
@@ -565,14 +347,3 @@ def _payload_kind(payload: Any) -> Any:
         extras = () if payload.extras is None else tuple(sorted(payload.extras))
         return ("draft", extras)
     return "rows"
-
-
-def _rows_per_rank(x: Any, dp: int) -> int | None:
-    """Rows per DP rank of a host input before it is placed (a mapping: its largest
-    rank's); None when `x` has no length (placing it then names what is wrong)."""
-    try:
-        if isinstance(x, Mapping):
-            return max((len(v) for v in x.values()), default=0)
-        return len(x) // dp
-    except TypeError:
-        return None

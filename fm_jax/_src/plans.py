@@ -243,7 +243,7 @@ def _placer(role: Role, x: Any, inputs: HostInputs) -> Any:
     kind, name, size = role.kind, role.name, role.size
     if inputs.dp > 1:
         return lambda a: inputs.host_rows(name, a, size, kind)
-    check = inputs.checker(kind, name, x.dtype)
+    check = inputs.checks.checker(kind, name, x.dtype)
     n, tail = x.shape[0], x.shape[1:]
 
     def pad(a: np.ndarray) -> np.ndarray:

@@ -20,6 +20,8 @@ import numpy as np
 
 from fm_jax._src.buckets import resolve_sizes
 from fm_jax._src.host_inputs import HostInputs
+from fm_jax._src.keys import takes_state
+from fm_jax._src.packing import pack_host
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.relay_fields import element_dtype
 from fm_jax._src.types import Batch, ForwardMode, SpecConfig, draft_payload
@@ -115,6 +117,31 @@ def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -
     no ids has T = B)."""
     per = {"row": rows, "token": rows if batch.input_ids is None else tokens}
     return {d.name: np.zeros((dp * per[d.per], *d.shape), d.dtype) for d in declared}
+
+
+def class_calls(placement: Any, state: Any, *, debug: bool, traced_modes: bool) -> list[Any]:
+    """The class's warm-up: every empty tail and batch placed through `placement` as
+    serving places its calls (a debug map's tail ops both checked and not; each call also
+    packed where the map packs). Returns registry calls (key, packing, arguments, 0)."""
+    inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
+    placed = []
+    for t in empty_tails(inputs, protocol, spec):
+        if t.op in ("sentinels", "seq_lens_at"):
+            p = placement.slots_op(t.op, t.indices, t.rows, pack=False)
+        else:
+            p = placement.tail(t.op, t.indices, t.lens, t.payload, t.rows, pack=False)
+        both = debug and t.op != "seq_lens_at"
+        placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
+    for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
+        placed.append(placement.resolve(e.batch, e.rows, e.tokens, pack=False))
+    calls = []
+    for p in placed:
+        head = (state,) if takes_state(p.key.op) else ()
+        calls.append((p.key, None, (*head, *p.args), 0))
+        host = pack_host(p.args) if placement.pack_inputs else None
+        if host is not None:
+            calls.append((p.key, host[0], (*head, host[1]), 0))
+    return calls
 
 
 def _empty_draft(n: int, spec: SpecConfig, dt: np.dtype) -> Any:
