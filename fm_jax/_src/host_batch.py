@@ -87,8 +87,8 @@ class BatchPlacement:
         if step is None:
             return packed(key, (placed_batch,), idx)
         host = self._step_inputs(step, inputs, idx, ids)
-        spec, packed, device = packing.pack((placed_batch, host))
-        return Placed(key._replace(op="step"), (packed, device), spec, idx)
+        spec, buf, device = packing.pack((placed_batch, host))
+        return Placed(key._replace(op="step"), (buf, device), spec, idx)
 
     def _one_batch(self, batch: Batch, rows: int | None, tokens: int | None) -> tuple[Any, ...]:
         inputs, protocol = self.inputs, self.protocol

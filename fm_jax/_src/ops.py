@@ -27,6 +27,7 @@ from fm_jax._src import checks, refusals, row_kernel
 from fm_jax._src import relay_fields as rf
 from fm_jax._src import shapes as s
 from fm_jax._src.errors import FutureMapError
+from fm_jax._src.protocol import parse_protocol
 from fm_jax._src.types import (
     Batch,
     DraftPayload,
@@ -37,7 +38,6 @@ from fm_jax._src.types import (
     draft_payload,
     host_mode,
     int_dtype,
-    relay_protocol,
 )
 
 POISON = -1
@@ -154,7 +154,7 @@ def future_map(
     if not isinstance(debug, bool):
         raise FutureMapError(f"debug must be a bool, got {debug!r}")
     dt = int_dtype(dtype)
-    gather = not relay_protocol(protocol).invalidates  # resolve gathers at named slots
+    gather = not parse_protocol(protocol).invalidates  # resolve gathers at named slots
     if spec is not None:
         spec = rf.check_spec(spec)
     # What a spec map relays, in stash order; the bonus tokens live in output_tokens.

@@ -265,7 +265,7 @@ def _same(a: Any, b: Any) -> bool:
     bytes (a jax array: the same object)."""
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
-    if ta != tb or len(la) != len(lb):
+    if ta != tb or len(la) != len(lb):  # type: ignore[operator]
         return False
     for x, y in zip(la, lb, strict=True):
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):

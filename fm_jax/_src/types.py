@@ -111,57 +111,10 @@ def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
     )
 
 
-Mode = ForwardMode | int | jax.Array | None
-"""A batch's kind: known on the host (a ForwardMode), or traced (an int32 jax array). None
-stands for a mode fixed inside an executable."""
-
-
-PROTOCOLS = ("sentinel", "gather")
-"""The relay protocols (docs/CONTRACT.md, 'Two protocols'): placeholders the host leaves in
-the batch ('sentinel'), or ids and lengths gathered at forward entry ('gather')."""
-
-
-def check_protocol(protocol: object) -> str:
-    """`protocol` if it is one of PROTOCOLS; else FutureMapError naming it."""
-    if not isinstance(protocol, str) or protocol not in PROTOCOLS:
-        raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    return protocol
-
-
-class RelayProtocol(NamedTuple):
-    """A relay protocol as the questions the host path asks of it (docs/CONTRACT.md, 'Two
-    protocols'); `relay_protocol(name)` builds one. Every rule that differs between the
-    protocols is answered here, from the name, once."""
-
-    name: str
-
-    @property
-    def invalidates(self) -> bool:
-        """The host leaves -slot sentinels after a forward (invalidate, finish's third
-        write) and resolve fills them; a batch always brings ids."""
-        return self.name == "sentinel"
-
-    @property
-    def gathers_decode_ids(self) -> bool:
-        """Resolve gathers a DECODE batch's ids at its slots: a non-spec DECODE batch brings
-        none, and only a DECODE batch known on the host may come without ids."""
-        return self.name == "gather"
-
-    @property
-    def takes_token_slots(self) -> bool:
-        """A MIXED batch names its running rows' slots per token (`token_slots`) instead of
-        carrying sentinels in its ids."""
-        return self.name == "gather"
-
-    @property
-    def serves_spec_mixed(self) -> bool:
-        """A spec map serves MIXED batches (resolve binds their running rows' lengths)."""
-        return self.name == "gather"
-
-
-def relay_protocol(protocol: object) -> RelayProtocol:
-    """The RelayProtocol named `protocol`; FutureMapError unless it is one of PROTOCOLS."""
-    return RelayProtocol(check_protocol(protocol))
+Mode = ForwardMode | int | jax.Array | np.ndarray | None
+"""A batch's kind: known on the host (a ForwardMode; on a mesh also one per DP rank, an
+int32 numpy array), or traced (an int32 jax array). None stands for a mode fixed inside
+an executable."""
 
 
 class Batch(NamedTuple):

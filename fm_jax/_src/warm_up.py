@@ -23,6 +23,7 @@ from fm_jax._src.host_inputs import HostInputs
 from fm_jax._src.keys import takes_state
 from fm_jax._src.packing import pack_host
 from fm_jax._src.protocol import Protocol
+from fm_jax._src.registry import Call
 from fm_jax._src.relay_fields import element_dtype
 from fm_jax._src.types import Batch, ForwardMode, SpecConfig, draft_payload
 
@@ -134,7 +135,7 @@ def class_calls(placement: Any, state: Any, *, debug: bool, traced_modes: bool) 
         placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
         placed.append(placement.resolve(e.batch, e.rows, e.tokens, pack=False))
-    calls = []
+    calls: list[Call] = []
     for p in placed:
         head = (state,) if takes_state(p.key.op) else ()
         calls.append((p.key, None, (*head, *p.args), 0))
