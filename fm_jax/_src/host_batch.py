@@ -83,7 +83,7 @@ class BatchPlacement:
         )
         t = idx.size if ids is None else ids.size
         key = key._replace(rows=idx.size, tokens=t, draft=draft is not None)
-        key = key._replace(slots=slots is not None)
+        key = key._replace(slots=slots is not None, ids=ids is not None)
         if step is None:
             return packed(key, (placed_batch,), idx)
         host = self._step_inputs(step, inputs, idx, ids)

@@ -29,6 +29,8 @@ class Key(NamedTuple):
       mode: a resolve's or a step's mode (one of MODES); '' for the other ops.
       checked: a debug map's tail op with its slot checks (False: slots already checked,
         on the host or by the last resolve).
+      ids: a resolve that places input ids (False: a gather-protocol DECODE whose ids are
+        gathered, T = B); a spec DECODE at the same sizes may come either way.
     """
 
     op: str
@@ -38,6 +40,7 @@ class Key(NamedTuple):
     slots: bool = False
     mode: str = ""
     checked: bool = True
+    ids: bool = True
 
     @property
     def name(self) -> str:
