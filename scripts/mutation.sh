@@ -3,7 +3,7 @@
 # debug checks and the host input checks. Not part of CI: it takes tens of minutes.
 #
 #   bash scripts/mutation.sh                 # every group, fm_torch first
-#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-checks jax-inputs jax-kernel)
+#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel)
 #   bash scripts/mutation.sh --rerun jax-ops # a finished run's survivors again, today's tests
 #   bash scripts/mutation.sh --since REV jax-ops  # only the mutants on lines changed since REV
 #
@@ -44,7 +44,7 @@ JOBS=${MUTATION_JOBS:-2}
 LIMIT=${MUTATION_TIMEOUT:-3600}
 WORK=${MUTATION_DIR:-${TMPDIR:-/tmp}/fm-jax-mutation}
 REPORT=${MUTATION_REPORT:-docs/mutation.md}
-ALL=(torch jax-ops jax-checks jax-inputs jax-kernel)
+ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel)
 
 if ! "$PY" -c "import mutmut, coverage" 2>/dev/null; then
     echo "mutmut is missing: .venv/bin/pip install -e '.[mutation]'" >&2
@@ -57,6 +57,8 @@ file_of() {
     case $1 in
         torch) echo fm_torch/future_map.py ;;
         jax-ops) echo fm_jax/_src/ops.py ;;
+        jax-rows) echo fm_jax/_src/rows.py ;;
+        jax-resolve) echo fm_jax/_src/resolve_ops.py ;;
         jax-checks) echo fm_jax/_src/checks.py ;;
         jax-inputs) echo fm_jax/_src/host_inputs.py ;;
         jax-kernel) echo fm_jax/_src/row_kernel.py ;;
@@ -68,7 +70,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
     case $1 in
         torch) echo "tests/test_fm_torch_*.py tests/test_spec_mixed.py
                      $table::test_fm_torch_refuses_and_keeps_every_byte" ;;
-        jax-ops) echo "tests/test_fm_jax_row_kernel.py
+        jax-ops|jax-rows|jax-resolve) echo "tests/test_fm_jax_row_kernel.py
                        tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
                        tests/test_fm_jax_mutants.py tests/test_spec_mixed.py" ;;
@@ -210,7 +212,7 @@ main() {
     [ $# -gt 0 ] || set -- "${ALL[@]}"
     groups=()
     for g in "$@"; do
-        if [ "$g" = jax ]; then groups+=(jax-ops jax-checks jax-inputs jax-kernel); else groups+=("$g"); fi
+        if [ "$g" = jax ]; then groups+=(jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel); else groups+=("$g"); fi
     done
     dirs=()
     for g in "${groups[@]}"; do

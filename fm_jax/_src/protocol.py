@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax._src import refusals
+from fm_jax._src import refusals, resolve_ops
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.types import ForwardMode, SpecConfig, host_mode
 
@@ -80,7 +80,12 @@ class Protocol:
         """A non-spec DECODE batch's ids are one per row, checked on the host."""
         return False
 
-    # ------------------------------------------------------------------ the tail
+    # ------------------------------------------------------------------ the device
+    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
+        """Inside jit, after resolve's common head (`ops.resolve`): fill the batch's inputs
+        from the buffers as this protocol does (`resolve_ops`); (state, Resolved)."""
+        raise NotImplementedError
+
     def sentinels(self, indices: jax.Array) -> jax.Array | None:
         """Inside a step's tail: what the next batch's ids and lengths become (None: the
         batch is left as it is)."""
@@ -106,6 +111,9 @@ class Protocol:
 class _Sentinel(Protocol):
     name = "sentinel"
     invalidates = True
+
+    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
+        return resolve_ops.resolve_sentinel(cfg, state, batch, idx, mode, chk)
 
     def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
         """A sentinel -s names a slot s in [0, R)."""
@@ -144,6 +152,9 @@ class _Gather(Protocol):
     gathers_decode_ids = True
     takes_token_slots = True
     serves_spec_mixed = True
+
+    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
+        return resolve_ops.resolve_gather(cfg, state, batch, idx, mode, chk)
 
     def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
         """No sentinels: every id is >= 0 (a decode row's id is gathered at its slot)."""
