@@ -44,6 +44,7 @@ from fm_jax._src.types import (
     FutureMapState,
     Resolved,
     SpecConfig,
+    check_spec,
     host_mode,
     int_dtype,
 )
@@ -110,7 +111,7 @@ def future_map(
     dt = int_dtype(dtype)
     proto = parse_protocol(protocol)
     if spec is not None:
-        spec = rf.check_spec(spec)
+        spec = check_spec(spec)
     # What a spec map relays, in stash order; the bonus tokens live in output_tokens.
     fields = spec.fields() if spec is not None else ()
     consumed = tuple(f.name for f in fields if f.consumed)

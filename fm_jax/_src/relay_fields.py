@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax._src import row_kernel
 from fm_jax._src.errors import FutureMapError
 
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -85,54 +84,9 @@ def standard_fields(
     return tuple(out)
 
 
-def _count(x: Any, low: int) -> bool:
+def count_at_least(x: Any, low: int) -> bool:
     """`x` is an int (not a bool) >= low."""
     return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) and bool(x >= low)
-
-
-def check_spec(spec: Any) -> Any:
-    """A SpecConfig normalised (numpy dtypes, a tuple of fields), or FutureMapError naming
-    what no map could serve: topk and hidden ints >= 0, a bf16/f16/f32 hidden dtype,
-    verified_id and bonus_tokens bools, extra a sequence of RelayFields (`check_extra`), a
-    known kernel (one that moves every field's dtype), and at least one field declared."""
-    from fm_jax._src.types import SpecConfig  # types imports this module
-
-    if not isinstance(spec, SpecConfig):
-        raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
-    if not _count(spec.topk, 0) or not _count(spec.hidden, 0):
-        raise FutureMapError(f"spec needs topk >= 0 and hidden >= 0 (ints), got {spec}")
-    try:
-        hidden_dtype = np.dtype(spec.hidden_dtype)
-    except TypeError:
-        hidden_dtype = None
-    if hidden_dtype not in HIDDEN_DTYPES:
-        raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
-    # A bool, or an int 0 / 1 written for one (normalised to the bool).
-    for flag in ("verified_id", "bonus_tokens"):
-        value = getattr(spec, flag)
-        if not isinstance(value, bool | np.bool_) and value not in (0, 1):
-            raise FutureMapError(f"spec.{flag} must be a bool, got {value!r}")
-    if isinstance(spec.extra, str | bytes | RelayField) or not isinstance(spec.extra, tuple | list):
-        raise FutureMapError(f"spec.extra must be a tuple of RelayFields, got {spec.extra!r}")
-    out = spec._replace(
-        topk=int(spec.topk),
-        hidden=int(spec.hidden),
-        hidden_dtype=hidden_dtype,
-        verified_id=bool(spec.verified_id),
-        bonus_tokens=bool(spec.bonus_tokens),
-        extra=check_extra(tuple(spec.extra)),
-        kernel=row_kernel.check_kernel(spec.kernel),
-    )
-    if not out.fields():
-        raise FutureMapError(f"spec declares no field to relay: {spec}")
-    if out.kernel == "pallas":
-        for f in out.fields():
-            if f.dtype is not None and not row_kernel.movable(np.dtype(f.dtype)):
-                raise FutureMapError(
-                    f"spec.kernel='pallas' moves real numbers and ints; field {f.name} is "
-                    f"{f.dtype} (use kernel='xla')"
-                )
-    return out
 
 
 def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
@@ -146,7 +100,7 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
         if not isinstance(f.name, str) or not f.name.isidentifier() or f.name in seen:
             raise FutureMapError(f"spec.extra: field name {f.name!r} is not a new identifier")
         seen.add(f.name)
-        if not isinstance(f.shape, tuple | list) or not all(_count(d, 1) for d in f.shape):
+        if not isinstance(f.shape, tuple | list) or not all(count_at_least(d, 1) for d in f.shape):
             raise FutureMapError(
                 f"spec.extra[{f.name}]: shape must hold ints >= 1 (a tuple), got {f.shape!r}"
             )
