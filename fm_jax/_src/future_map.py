@@ -27,8 +27,10 @@ from fm_jax._src.assembly import assemble
 from fm_jax._src.engine_step import EngineStep, Forward
 from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import Key, takes_state
+from fm_jax._src.placement import Placement
 from fm_jax._src.plans import Placed
-from fm_jax._src.registry import WarmUpReport
+from fm_jax._src.registry import Registry, WarmUpReport
+from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import MeshLayout, per_rank
 from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, RowsInput, SpecConfig
 from fm_jax._src.warm_up import class_calls
@@ -142,11 +144,9 @@ class FutureMap:
         self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
         self.pack_inputs: bool = parts.placement.pack_inputs
         self._options = parts.options
-        self._placement, self._runtime, self._registry = (
-            parts.placement,
-            parts.runtime,
-            parts.registry,
-        )
+        self._placement: Placement = parts.placement
+        self._runtime: MapRuntime = parts.runtime
+        self._registry: Registry = parts.registry
 
     # ------------------------------------------------------------------------------ state
     @property

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fm_jax._src import buckets as bk
 from fm_jax._src import packing, refusals
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs, Rows
@@ -107,7 +106,7 @@ class BatchPlacement:
         given = protocol.ids_of(
             batch.input_ids, batch.req_pool_indices, batch.forward_mode, inputs.dtype
         )
-        rows, tokens = self._sizes(batch.req_pool_indices, given, rows, tokens)
+        rows, tokens = self.inputs.resolve_sizes(batch.req_pool_indices, given, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
         ids = inputs.token_ids("input_ids", given, tokens)
         lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
@@ -128,7 +127,7 @@ class BatchPlacement:
             )
             for r, b in batches.items()
         }
-        rows, tokens = self._sizes(field("req_pool_indices"), given, rows, tokens)
+        rows, tokens = self.inputs.resolve_sizes(field("req_pool_indices"), given, rows, tokens)
         idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
         ids = inputs.token_ids("input_ids", given, tokens)
         lens = inputs.matched("seq_lens", field("seq_lens"), idx, ints=True)
@@ -179,8 +178,7 @@ class BatchPlacement:
             modes = [host_mode(m, "forward_mode") for m in mode.tolist()]
         else:
             modes = [host_mode(mode, "forward_mode")]
-        protocol.check_kinds(modes, slots)
-        protocol.check_spec_mixed(self.spec, modes, idx.array, slots)
+        protocol.check_modes(self.spec, modes, idx.array, slots)
         decoding = [m == ForwardMode.DECODE for m in modes]
         if ids is not None and protocol.checks_ids_per_row(self.spec):
             self.inputs.one_id_per_row(ids, idx, decoding)
@@ -211,27 +209,6 @@ class BatchPlacement:
         if not self.protocol.takes_token_slots:
             raise refusals.token_slots_in_sentinel_protocol()
         return self.inputs.token_slots("token_slots", x, ids).array
-
-    def _sizes(
-        self, slots: Any, ids: Any, rows: int | None, tokens: int | None
-    ) -> tuple[int | None, int | None]:
-        """A resolve's per-rank padded sizes: for host inputs the (rows, tokens) pair its
-        token bucket fixes (`buckets.resolve_sizes`: one executable per token bucket);
-        jax arrays keep the sizes they have."""
-        if isinstance(slots, jax.Array) or isinstance(ids, jax.Array):
-            return rows, tokens
-        inputs = self.inputs
-        for size, buckets, what in (
-            (rows, inputs.batch_buckets, "rows"),
-            (tokens, inputs.token_buckets, "tokens"),
-        ):
-            if size is not None and size not in buckets:
-                raise FutureMapError(f"{what}={size} is not one of the buckets {buckets}")
-        n = rows if rows is not None else _rows_per_rank(slots, self.dp)
-        t = tokens if tokens is not None else _rows_per_rank(ids, self.dp)
-        if n is None or t is None:
-            return rows, tokens  # not an array: placing it names the field
-        return bk.resolve_sizes(n, t, inputs.batch_buckets, inputs.token_buckets)
 
     def _step_inputs(
         self,
@@ -272,14 +249,3 @@ class BatchPlacement:
                 }
             out[d.name] = self.inputs.matched(name, x, like, ints=False)
         return out
-
-
-def _rows_per_rank(x: Any, dp: int) -> int | None:
-    """Rows per DP rank of a host input before it is placed (a mapping: its largest
-    rank's); None when `x` has no length (placing it then names what is wrong)."""
-    try:
-        if isinstance(x, Mapping):
-            return max((len(v) for v in x.values()), default=0)
-        return len(x) // dp
-    except TypeError:
-        return None

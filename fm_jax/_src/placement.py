@@ -254,8 +254,7 @@ class Placement:
         if type(mode) is ForwardMode and type(values[5]) is np.ndarray:
 
             def batch_check(v: Sequence[Any]) -> None:
-                protocol.check_kinds([mode], v[5])
-                protocol.check_spec_mixed(spec, [mode], v[1], v[5])
+                protocol.check_modes(spec, [mode], v[1], v[5])
 
         plan = Plan(
             key,

@@ -71,6 +71,13 @@ class Protocol:
     def check_kinds(self, modes: Modes, token_slots: Any, where: str = "") -> None:
         """Modes known on the host (one per rank) against the batch's token slots."""
 
+    def check_modes(self, spec: SpecConfig | None, modes: Modes, idx: Any, slots: Any) -> None:
+        """Every rule on a batch whose modes are known on the host (one per rank): its token
+        slots against its kinds (`check_kinds`), and a spec map's MIXED batch
+        (`check_spec_mixed`)."""
+        self.check_kinds(modes, slots)
+        self.check_spec_mixed(spec, modes, idx, slots)
+
     def check_spec_mixed(self, spec: SpecConfig | None, modes: Modes, idx: Any, slots: Any) -> None:
         """A spec map's MIXED batch, modes known on the host."""
         if spec is not None and ForwardMode.MIXED in modes:
