@@ -29,6 +29,10 @@ def jax_map(debug: bool = True) -> fj.FutureMap:
     return fj.FutureMap(R, debug=debug, batch_buckets=(2, 4), token_buckets=(2, 4))
 
 
+def a(*xs: int) -> np.ndarray:
+    return np.array(xs, np.int32)
+
+
 def dev(*xs: int) -> jax.Array:
     return jax.device_put(np.array(xs, np.int32), jax.devices()[0])
 
@@ -315,3 +319,45 @@ def test_a_valid_batch_poisons_exactly_its_own_slots() -> None:
     want = np.array([50, 11, -1, -1, -1, 15, 16, -1], np.int32)
     assert np.asarray(fm.buffers()["output_tokens"]).tobytes() == want.tobytes()
     assert tm.output_tokens.numpy().tobytes() == want.tobytes()
+
+
+# ------------------------------------------------------------- host lengths, step count
+@pytest.mark.parametrize("path", ["host lengths", "device lengths", "gathered", "engine step"])
+def test_resolve_seq_lens_cpu_returns_an_array_of_the_callers_own(path: str) -> None:
+    """Pins `resolve_seq_lens_cpu` handing out a writable view of the map's own host copy
+    of the last published lengths (a caller's `+= 1` changed what the next read returned)
+    on one path and a read-only array on others: every path returns a fresh writable array
+    that the map keeps no reference to."""
+    fm = fj.FutureMap(
+        R, batch_buckets=(2, 4), token_buckets=(2, 4), needs_cpu_seq_lens=path != "gathered"
+    )
+    slots = np.array([3, 5], np.int32)
+    if path == "engine step":
+        step = fm.engine_step(lambda r, b, i: fj.StepOutput(r.seq_lens + 1, r.input_ids))
+        step(fj.Batch(fj.ForwardMode.EXTEND, slots, np.array([1, 2], np.int32), a(4, 6)))
+    elif path == "device lengths":
+        fm.publish(slots, dev(5, 7))
+    else:
+        fm.publish(slots, a(5, 7))
+    got = fm.resolve_seq_lens_cpu(slots)
+    assert got.tolist() == [5, 7] and got.flags.writeable
+    got += 1
+    assert fm.resolve_seq_lens_cpu(slots).tolist() == [5, 7]
+
+
+def test_a_forward_failing_while_traced_leaves_the_step_count_as_it_was() -> None:
+    """Pins a failure inside an engine step that is not a FutureMapError (the engine's
+    forward raising while traced) leaving `fm.step` advanced, so that later debug
+    violations named the wrong step."""
+    fm = fj.FutureMap(R, debug=True, batch_buckets=(2, 4), token_buckets=(2, 4))
+
+    def broken(r: Any, b: Any, i: Any) -> Any:
+        raise RuntimeError("the engine's model failed")
+
+    step = fm.engine_step(broken)
+    batch = fj.Batch(fj.ForwardMode.EXTEND, np.array([3], np.int32), a(1), a(1))
+    with pytest.raises(RuntimeError, match="model failed"):
+        step(batch)
+    assert fm.step == 0
+    fm.resolve(fj.Batch(DECODE, np.array([3]), np.array([-3]), np.array([-3])))
+    assert violation(fm).step == 1  # slot 3 never stashed: the first step's read

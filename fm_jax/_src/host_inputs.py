@@ -335,12 +335,14 @@ class HostInputs:
         return a
 
     def unpad(self, host: np.ndarray, like: Rows) -> Any:
-        """Host rows laid out like `like`, padding removed, in the form `like` was given."""
+        """Host rows laid out like `like`, padding removed, in the form `like` was given:
+        arrays of the caller's own (fresh and writable whatever `host` is, so an update in
+        place changes nothing the map keeps and works on every path)."""
         if like.counts is None:
-            return host
+            return np.array(host)
         size = like.size
         blocks = {
-            d: host[d * size : d * size + n]
+            d: np.array(host[d * size : d * size + n])
             for d, n in enumerate(like.counts)
             if d in self.local_ranks
         }

@@ -67,9 +67,9 @@ def _kind(x: Any) -> Any:
         return x
     if t in _JAX_TYPES or isinstance(x, jax.Array):
         _JAX_TYPES.add(t)
-        shape = x.shape
-        if 0 not in shape:  # an empty jax array is placed as a host one
-            return ("jax", shape, x.dtype)
+        aval = x.aval  # one attribute read: its shape and dtype properties read it each
+        if 0 not in aval.shape:  # an empty jax array is placed as a host one
+            return ("jax", aval.shape, aval.dtype)
     raise TypeError
 
 

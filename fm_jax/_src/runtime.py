@@ -17,7 +17,6 @@ from typing import Any
 import jax
 
 from fm_jax._src.debug_channel import DebugChannel
-from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import Rows
 from fm_jax._src.host_lengths import HostLengths
 from fm_jax._src.types import FutureMapState
@@ -77,9 +76,9 @@ class MapRuntime:
             self.step += 1
         try:
             out = exe(self.state, *args) if with_state else exe(*args)
-        except FutureMapError:
+        except BaseException:
             if new_step:
-                self.step -= 1  # refused before it ran: no step was taken
+                self.step -= 1  # refused, or failed: no step was taken
             raise
         if not ops or self.debug is None:
             return out
