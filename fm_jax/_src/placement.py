@@ -8,7 +8,7 @@ here; the arguments come out either as placed arrays or as one packed host buffe
 
 A call whose layout was seen before (the same op, field kinds, shapes and dtypes) takes
 its recorded `Plan` (plans.py): only the value checks, the padding copy and one lookup.
-The first call of a layout takes the general path below and records the plan, which is
+A layout's first two calls take the general path; the second records the plan, which is
 kept only if it reproduced the general path's arguments byte for byte on that call.
 """
 
@@ -29,6 +29,15 @@ from fm_jax._src.keys import Key
 from fm_jax._src.plans import Placed, Plan, Role, signature
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload
+
+MAX_LAYOUTS = 4096
+"""Layouts a map remembers (seen once, or planned). A serving loop repeats a few hundred
+(a decode batch's rows, a prefill's token count); past this many, new layouts take the
+general path every time (each still placed correctly, only not planned)."""
+
+_UNSEEN, _SEEN_ONCE = object(), object()
+"""A layout never seen, and one seen once: planned the second time it comes, so a layout
+that comes once (a prefill's odd token count) never pays for recording a plan."""
 
 
 class Placement:
@@ -62,7 +71,7 @@ class Placement:
         self.pack_inputs = pack_inputs
         self.dp = inputs.dp
         self._batches = BatchPlacement(inputs, protocol, spec)
-        self._plans: dict[Any, Plan | None] = {}
+        self._plans: dict[Any, Any] = {}  # layout -> Plan, _SEEN_ONCE, or None (not planned)
 
     # ------------------------------------------------------------------ entry points
     def resolve(
@@ -83,12 +92,14 @@ class Placement:
             return self._place_resolve(batch, rows, tokens, step, inputs, pack)
         values = _resolve_values(batch, step, inputs)
         sig = signature("step" if step is not None else "resolve", values, rows, tokens)
-        plan = self._plans.get(sig) if sig is not None else None
-        if plan is not None:
+        plan = self._plans.get(sig, _UNSEEN) if sig is not None else None
+        if type(plan) is Plan:
             return plan.run(values)
         placed = self._place_resolve(batch, rows, tokens, step, inputs)
-        if sig is not None and sig not in self._plans:
+        if plan is _SEEN_ONCE:
             self._plans[sig] = self._resolve_plan(placed, values, step)
+        elif plan is _UNSEEN and len(self._plans) < MAX_LAYOUTS:
+            self._plans[sig] = _SEEN_ONCE
         return placed
 
     def tail(
@@ -107,12 +118,14 @@ class Placement:
             return self._place_tail(op, indices, lens, payload, rows, pack)
         values = (indices, lens, *_payload_values(self.fields, payload))
         sig = signature(op, values, rows, None, kinds=_payload_kind(payload))
-        plan = self._plans.get(sig) if sig is not None else None
-        if plan is not None:
+        plan = self._plans.get(sig, _UNSEEN) if sig is not None else None
+        if type(plan) is Plan:
             return plan.run(values)
         placed = self._place_tail(op, indices, lens, payload, rows)
-        if sig is not None and sig not in self._plans and not placed.idx.empty:
+        if plan is _SEEN_ONCE and not placed.idx.empty:
             self._plans[sig] = self._tail_plan(placed, values)
+        elif plan is _UNSEEN and len(self._plans) < MAX_LAYOUTS:
+            self._plans[sig] = _SEEN_ONCE
         return placed
 
     def slots_op(
