@@ -12,9 +12,9 @@
 # ones): the checkout is never touched and edits made meanwhile do not leak in. mutmut
 # mutates only the lines the group's tests execute (accelerator-only code never runs on a
 # CPU machine). An fm_jax mutant runs the group's whole test selection, stopping at its
-# first failure (scripts/mutation_plugin.py: fm_jax's ops are closures that mutmut's
-# per-function test selection cannot see). Each mutant runs in a process forked from a
-# server that has imported jax or torch but started nothing (a JAX backend does not
+# first failure (scripts/mutation_plugin.py: fm_jax's ops run traced inside jit, out of
+# sight of mutmut's per-function test selection). Each mutant runs in a process forked
+# from a server that has imported jax or torch but started nothing (a JAX backend does not
 # survive a fork). mutmut first checks
 # that a forced failure in every mutated function fails the tests (its "forced fail" run),
 # so a snapshot that imports the unmutated code stops the run. The summary goes to

@@ -1,12 +1,13 @@
 """pytest plugin for scripts/mutation.sh: every test of a group covers every mutated function.
 
 mutmut runs a mutant only with the tests that called the mutated function through its
-trampoline while it collected stats. fm_jax's ops are closures built by one call to
-`future_map`, often at import or in a fixture that another test set up first, so most tests
-that run a mutated op never call the trampoline themselves and would be left out (a false
-survivor). While mutmut collects stats (MUTANT_UNDER_TEST=stats), this plugin records a hit
-of every trampolined function of the module named by FM_MUTATION_MODULE for every test:
-each mutant then runs the group's whole test selection, stopping at its first failure.
+trampoline while it collected stats. fm_jax's ops are bound by one call to `future_map`,
+often at import or in a fixture that another test set up first, and run traced inside jit:
+an executable another test traced runs without calling them, so most tests that run a
+mutated op never call the trampoline themselves and would be left out (a false survivor).
+While mutmut collects stats (MUTANT_UNDER_TEST=stats), this plugin records a hit of every
+trampolined function of the module named by FM_MUTATION_MODULE for every test: each mutant
+then runs the group's whole test selection, stopping at its first failure.
 """
 
 from __future__ import annotations
