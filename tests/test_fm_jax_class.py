@@ -5,6 +5,7 @@ Maps are warmed once per module (compiles dominate the cost) and shared between 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import jax
@@ -128,6 +129,10 @@ def test_no_recompile_guard_detects_a_new_shape(compiles) -> None:
 
 
 def live_bytes() -> int:
+    """Bytes of the device arrays still reachable: unreachable ones (another test's cyclic
+    garbage, freed whenever the collector happens to run) are collected first, so that
+    only a leak can make the figure change."""
+    gc.collect()
     return sum(a.nbytes for a in jax.live_arrays())
 
 
