@@ -31,6 +31,13 @@ def _bytes(x: object) -> bytes:
 
 
 # ------------------------------------------------------------------------------ packing
+def _complex_with_payload() -> np.ndarray:
+    """complex64 rows whose parts hold a NaN payload, -0.0 and infinities."""
+    z = np.array([[1 + 2j, -0.0 + 3j], [complex(np.inf, -np.inf), 0j]], np.complex64)
+    z.view(np.uint32).reshape(-1)[1] = 0x7FC00123  # the first imaginary part: a NaN payload
+    return z
+
+
 def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
     nan = np.array([np.nan, -0.0, 0.0, 1.5], np.float32)
     nan.view(np.uint32)[0] = 0x7FC00123  # a NaN with a payload
@@ -42,6 +49,7 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
         "flags": np.array([True, False, True]),
         "scalar": np.int32(3),
         "matrix": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "complex": _complex_with_payload(),
         "device": jnp.arange(3, dtype=jnp.int32),
         "none": None,
     }

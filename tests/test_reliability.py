@@ -361,3 +361,32 @@ def test_a_forward_failing_while_traced_leaves_the_step_count_as_it_was() -> Non
     assert fm.step == 0
     fm.resolve(fj.Batch(DECODE, np.array([3]), np.array([-3]), np.array([-3])))
     assert violation(fm).step == 1  # slot 3 never stashed: the first step's read
+
+
+# --------------------------------------------------------------------- complex host leaves
+def test_complex_host_rows_are_packed_like_every_other_dtype() -> None:
+    """Pins a complex host leaf in a packed call raising JAX's raw TypeError (no bitcast
+    makes a complex number): a declared complex64 field stashed and resolved through a
+    packed map keeps the unpacked map's bytes, its warm-up compiles, and an engine step
+    takes a complex StepInput."""
+    field = fj.RelayField("phase", (2,), np.complex64)
+    spec = fj.SpecConfig(topk=0, extra=(field,))
+    z = np.array([[1 + 2j, -0.0 + 3j], [complex(np.inf, -1), 0j]], np.complex64)
+    z.view(np.uint32).reshape(-1)[1] = 0x7FC00123  # a NaN payload in an imaginary part
+    got = {}
+    for packs in (False, True):
+        fm = fj.FutureMap(R, spec=spec, pack_inputs=packs, batch_buckets=(2,), token_buckets=(2,))
+        fm.warm_up(guard=True)
+        fm.stash(a(1, 2), fj.DraftPayload(bonus_tokens=a(5, 6), extras={"phase": z}))
+        r = fm.resolve(fj.Batch(DECODE, a(1, 2), a(0, 0), a(1, 1), draft_indices=a(1, 2)))
+        assert r.draft is not None and r.draft.extras is not None
+        got[packs] = np.asarray(r.draft.extras["phase"])[:2].tobytes()
+    assert got[True] == got[False] == z.tobytes()
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+    declared = [fj.StepInput("w", "row", (), np.complex64)]
+    step = fm.engine_step(
+        lambda r, b, i: fj.StepOutput(r.seq_lens + 1, r.input_ids, i["w"]), inputs=declared
+    )
+    w = z[:, 1].copy()
+    out = step(fj.Batch(fj.ForwardMode.EXTEND, a(1, 2), a(3, 4), a(1, 1)), inputs={"w": w}).out
+    assert np.asarray(out)[:2].tobytes() == w.tobytes()

@@ -122,6 +122,12 @@ def pack_host(tree: Any) -> tuple[PackSpec, np.ndarray] | None:
 
 def _leaf(packed: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """Inside jit: the leaf at word `offset` of `packed` (uint32), at its shape and dtype."""
+    if dtype.kind == "c":
+        # No bitcast makes a complex number: its parts (real, imaginary, interleaved as
+        # numpy lays them) come out as floats and are put together, bit for bit.
+        part = np.dtype(f"float{4 * dtype.itemsize}")
+        parts = _leaf(packed, offset, (*shape, 2), part)
+        return jax.lax.complex(parts[..., 0], parts[..., 1])
     n = int(np.prod(shape, dtype=np.int64))
     size = dtype.itemsize
     words = jax.lax.slice(packed, (offset,), (offset + _words(n * size),))
