@@ -31,7 +31,7 @@ import numpy as np
 from fm_jax._src.entry_points import tail
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import StepInput
-from fm_jax._src.keys import Key
+from fm_jax._src.keys import FIXED_MODES, Key
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.placement import Placement
 from fm_jax._src.protocol import Protocol
@@ -42,8 +42,6 @@ from fm_jax._src.types import Batch, ForwardMode
 from fm_jax._src.warm_up import empty_batches, empty_inputs
 
 __all__ = ["EngineStep", "Forward", "StepInput", "StepOutput", "StepResult"]
-
-_FIXED = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
 
 
 class StepOutput(NamedTuple):
@@ -209,7 +207,7 @@ class EngineStep:
             )
         assert pack is not None  # a step is always packed
         return jax.jit(
-            self._body(_FIXED.get(key.mode), pack),
+            self._body(FIXED_MODES.get(key.mode), pack),
             donate_argnums=(0, *(3 + i for i in self._donate)),
             compiler_options=self._options,
         )

@@ -17,13 +17,11 @@ import jax
 
 from fm_jax._src import checks
 from fm_jax._src.debug_channel import DebugChannel
-from fm_jax._src.keys import Key, takes_state, writes_state
+from fm_jax._src.keys import FIXED_MODES, Key, takes_state, writes_state
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.sharding import ShardedFutureMapOps
-from fm_jax._src.types import Batch, ForwardMode, FutureMapState
-
-_FIXED = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
+from fm_jax._src.types import Batch, FutureMapState
 
 
 def tail(ops: ShardedFutureMapOps, protocol: Protocol) -> Any:
@@ -49,7 +47,7 @@ def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool
     """The function a key's family jits, over global arrays."""
     local = ops.local
     if key.op == "resolve":
-        fixed = _FIXED.get(key.mode)
+        fixed = FIXED_MODES.get(key.mode)
 
         def resolve(state: FutureMapState, batch: Batch) -> Any:
             if fixed is not None:

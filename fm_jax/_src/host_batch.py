@@ -22,8 +22,6 @@ from fm_jax._src.plans import Placed
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.types import Batch, ForwardMode, SpecConfig, host_mode
 
-_MODE_OF = {False: "extend", True: "decode"}
-
 
 class StepInput(NamedTuple):
     """One of the engine's own per-step host arrays (positions, offsets, sampling params).
@@ -41,9 +39,6 @@ class StepInput(NamedTuple):
     per: str
     shape: tuple[int, ...] = ()
     dtype: Any = np.int32
-
-
-_MODE_OF = {False: "extend", True: "decode"}
 
 
 class BatchPlacement:
@@ -81,8 +76,13 @@ class BatchPlacement:
             mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots
         )
         t = idx.size if ids is None else ids.size
-        key = key._replace(rows=idx.size, tokens=t, draft=draft is not None)
-        key = key._replace(slots=slots is not None, ids=ids is not None)
+        key = key._replace(
+            rows=idx.size,
+            tokens=t,
+            draft=draft is not None,
+            slots=slots is not None,
+            ids=ids is not None,
+        )
         if step is None:
             return packed(key, (placed_batch,), idx)
         host = self._step_inputs(step, inputs, idx, ids)
@@ -186,7 +186,7 @@ class BatchPlacement:
         if len(kinds) > 1:  # ranks differ in kind: one executable with the modes traced
             return Key("resolve", 0, mode="traced"), np.asarray(modes, np.int32)
         # Known on the host: an executable with the mode fixed (no branch inside).
-        return Key("resolve", 0, mode=_MODE_OF[kinds == {True}]), None
+        return Key("resolve", 0, mode="decode" if kinds == {True} else "extend"), None
 
     def _draft(self, draft: Any, idx: Rows) -> Any:
         """A spec batch's draft slots, one per row, placed like its slots."""

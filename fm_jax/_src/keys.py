@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fm_jax._src.types import ForwardMode
+
 OPS = ("publish", "stash", "finish", "sentinels", "seq_lens_at", "resolve", "step")
 """The executables' operations: the class's entry points, and an engine's whole step."""
 
 MODES = ("extend", "decode", "traced")
 """How a resolve (or a step) knows its batch's kind: fixed when traced, not DECODE or
 DECODE (no branch in the executable), or traced (the mode is an argument)."""
+
+FIXED_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
+"""The ForwardMode a fixed-mode executable is traced with, by its key's mode."""
 
 
 class Key(NamedTuple):

@@ -323,8 +323,6 @@ class Placement:
         )
         return Plan.record(placed, values, plan)
 
-    # ------------------------------------------------------------------ step inputs
-
 
 def _resolve_values(
     batch: Any, step: Sequence[StepInput] | None, inputs: Mapping[str, Any] | None

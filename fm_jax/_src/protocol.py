@@ -103,10 +103,6 @@ class Protocol:
         return batch
 
     # ------------------------------------------------------------------ warm-up
-    def decode_variant_per_batch_bucket(self) -> bool:
-        """A DECODE resolve that places no ids: one executable per batch bucket."""
-        return self.gathers_decode_ids
-
     def resolve_variants(
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
     ) -> list[tuple[str, bool]]:

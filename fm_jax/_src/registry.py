@@ -135,7 +135,10 @@ class Registry:
         them afterwards. Returns what was compiled."""
         t0 = time.perf_counter()
         # One executable per key and packing layout (calls that place alike compile once).
-        calls = list({(c[0], c[1]): c for c in reversed(calls)}.values())[::-1]
+        unique: dict[tuple[Key, PackSpec | None], Call] = {}
+        for call in calls:
+            unique.setdefault((call[0], call[1]), call)
+        calls = list(unique.values())
         lowered = [self.jitted(k, pack, n).trace(*args).lower() for k, pack, args, n in calls]
         workers = threads or min(8, os.cpu_count() or 1)
         with counting_compiles() as counter, ThreadPoolExecutor(max_workers=workers) as pool:

@@ -20,14 +20,12 @@ import numpy as np
 
 from fm_jax._src.buckets import resolve_sizes
 from fm_jax._src.host_inputs import HostInputs
-from fm_jax._src.keys import takes_state
+from fm_jax._src.keys import FIXED_MODES, takes_state
 from fm_jax._src.packing import pack_host
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.registry import Call
 from fm_jax._src.relay_fields import element_dtype
 from fm_jax._src.types import Batch, ForwardMode, SpecConfig, draft_payload
-
-_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
 
 
 class EmptyBatch(NamedTuple):
@@ -74,7 +72,7 @@ def empty_batches(
     dp, dt = inputs.dp, inputs.dtype
     batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
     drafts = [False, True] if spec is not None else [False]
-    if protocol.decode_variant_per_batch_bucket():
+    if protocol.gathers_decode_ids:
         for b in batch_buckets:
             zeros = np.zeros(dp * b, dt)
             draft = zeros if spec is not None else None
@@ -91,7 +89,7 @@ def empty_batches(
             for mode, with_slots in protocol.resolve_variants(spec, t, decode_tokens, traced_modes):
                 # A non-spec decode row carries one id: b ids, padded to the t bucket.
                 ids = rows if mode == "decode" and spec is None else toks
-                kind: Any = traced if mode == "traced" else _MODES[mode]
+                kind: Any = traced if mode == "traced" else FIXED_MODES[mode]
                 if with_slots and mode != "traced":
                     kind = ForwardMode.MIXED
                 batch = Batch(
