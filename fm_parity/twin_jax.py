@@ -186,22 +186,24 @@ class JaxTwin:
         out: dict[int, dict[str, Any]] = {}
         for rank, spec in extras.items():
             bufs = {"output_tokens": st.output_tokens, "new_seq_lens": st.new_seq_lens}
+            # fm_jax keeps a real-float field as its raw bits (uint16 for bf16): each is viewed
+            # as its declared dtype, bit for bit, to compare with fm_torch's.
+            views: dict[str, Any] = {}
             if spec and self.fm.spec is not None:
                 for f in self.fm.spec.fields():
-                    if f.name == "hidden_states":
-                        # fm_jax keeps hidden states as raw bits (uint16 for bf16): view them
-                        # as the declared dtype, bit for bit, to compare with fm_torch's.
-                        bufs[f.name] = jax.lax.bitcast_convert_type(
-                            self._block(st.hidden_states, rank), self.fm.spec.hidden_dtype
-                        )
-                    elif f.name in payloads.STANDARD and f.name != "bonus_tokens":
-                        bufs[f.name] = getattr(st, f.name)  # output_tokens holds bonus tokens
-                    elif f.name not in payloads.STANDARD:
-                        bufs[f.name] = (st.extras or {})[f.name]
-            out[rank] = {
-                k: self.snap(v if k == "hidden_states" else self._block(v, rank))[1:]
-                for k, v in bufs.items()
-            }
+                    if f.name == "bonus_tokens":
+                        continue  # output_tokens holds bonus tokens
+                    bufs[f.name] = (
+                        getattr(st, f.name)
+                        if f.name in payloads.STANDARD
+                        else (st.extras or {})[f.name]
+                    )
+                    if f.dtype is not None and bufs[f.name].dtype != f.dtype:
+                        views[f.name] = f.dtype
+            blocks = {k: self._block(v, rank) for k, v in bufs.items()}
+            for k, dtype in views.items():
+                blocks[k] = jax.lax.bitcast_convert_type(blocks[k], dtype)
+            out[rank] = {k: self.snap(v)[1:] for k, v in blocks.items()}
         return out
 
     def check(self) -> None:

@@ -192,6 +192,8 @@ class FutureMap:
                     v.check_fits("draft.verified_id", payload.verified_id, self.dtype)
                     v.check_non_negative("draft.verified_id", payload.verified_id)
                 for name, x in (payload.extras or {}).items():
+                    if name in self.extras:
+                        v.check_fits(f"draft.{name}", x.reshape(-1), self.extras[name].dtype)
                     if name in self.consumed:
                         v.check_non_negative(f"draft.{name}", x.reshape(-1))
         # Every check has passed: only now is anything written.
@@ -279,11 +281,14 @@ class FutureMap:
                 raise FutureMapError(f"{where} must be a tensor [B, ...]")
             if name in self.extras:
                 buf = self.extras[name]
-                v.check_tensor(where, x, self.device, (rows, *buf.shape[1:]), (buf.dtype,))
-            else:
+                allowed = v.field_dtypes(buf.dtype)
+                v.check_tensor(where, x, self.device, (rows, *buf.shape[1:]), allowed)
+            else:  # the first draft: its rows fix the field's dtype
                 v.check_tensor(where, x, self.device, (rows, *x.shape[1:]), (x.dtype,))
-            if name in self.consumed and x.dtype not in v.INT_DTYPES:
-                raise FutureMapError(f"{where} is consume-tracked: an int tensor, got {x.dtype}")
+                if name in self.consumed and x.dtype not in v.INT_DTYPES:
+                    raise FutureMapError(
+                        f"{where} is consume-tracked: an int tensor, got {x.dtype}"
+                    )
         if not self._spec_shaped and not self.consumed <= set(extras):
             raise FutureMapError(
                 f"consume-tracked fields {sorted(self.consumed - set(extras))} missing from the "
@@ -324,7 +329,7 @@ class FutureMap:
         if self.verified_id is not None and draft.verified_id is not None:
             self.verified_id[indices] = draft.verified_id.to(self.dtype)
         for name, x in (draft.extras or {}).items():
-            self.extras[name][indices] = x
+            self.extras[name][indices] = x.to(self.extras[name].dtype)
 
     # ------------------------------------------------------------------------------ reads
     def resolve(self, batch: ScheduleBatch) -> None:

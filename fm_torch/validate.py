@@ -20,6 +20,12 @@ from fm_torch.batch import ForwardMode
 from fm_torch.errors import FutureMapError
 
 INT_DTYPES = (torch.int32, torch.int64)
+INTEGERS = tuple(
+    getattr(torch, n)
+    for n in ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
+    if hasattr(torch, n)
+)
+"""Every integer dtype this torch has: what an int relay field's rows may come in."""
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROTOCOLS = ("sentinel", "gather")
 
@@ -131,6 +137,13 @@ def check_slots(name: str, indices: torch.Tensor, pool_size: int) -> None:
         raise FutureMapError(
             f"{name} holds live slots {uniq[counts > 1].tolist()} more than once in one batch"
         )
+
+
+def field_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes a relay field held in `dtype` takes rows in: any integer dtype for an int
+    field (cast to it; `check_fits` judges the values), else `dtype` alone (docs/CONTRACT.md,
+    'Relay fields')."""
+    return INTEGERS if dtype in INTEGERS else (dtype,)
 
 
 def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:

@@ -268,7 +268,7 @@ def test_bad_input_is_refused_before_anything_runs_or_is_donated() -> None:
     cache = jnp.zeros(8, jnp.int32)
     before = {k: _bytes(v) for k, v in fm.buffers().items()}
     bad = [
-        (batch, {"pos": slots.astype(np.float32)}, "does not cast"),
+        (batch, {"pos": slots.astype(np.float32)}, "pos.. must have an integer dtype, got float32"),
         (batch, {}, "missing \\['pos'\\]"),
         (batch, {"pos": slots, "temp": slots}, "undeclared \\['temp'\\]"),
         (batch, {"pos": np.zeros((2, 3), np.int32)}, "declared rows of shape"),

@@ -144,7 +144,7 @@ SPEC_CASES = {
     ),
     "hidden_dtype": (
         lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=np.zeros((1, 3), np.float32))),
-        "hidden_states must have dtype",
+        "hidden_states has dtype float32, declared bfloat16",
     ),
     "hidden_width": (
         lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=np.zeros((1, 4), jnp.bfloat16))),

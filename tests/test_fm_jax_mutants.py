@@ -91,8 +91,8 @@ def test_spec_widths_of_one_are_the_smallest() -> None:
 
 
 def test_an_int32_map_keeps_its_dtypes_under_x64() -> None:
-    """The map's int dtype is the one it was built with, and topk_p is float32, also while
-    JAX's x64 mode (whose default ints and floats are 64-bit) is on."""
+    """The map's int dtype is the one it was built with, and topk_p holds float32's bits
+    (uint32), also while JAX's x64 mode (whose default ints and floats are 64-bit) is on."""
     with jax.enable_x64(True):
         for debug in (False, True):
             ops = fj.future_map(R, spec=fj.SpecConfig(topk=2), debug=debug)
@@ -100,7 +100,7 @@ def test_an_int32_map_keeps_its_dtypes_under_x64() -> None:
             assert st.output_tokens.dtype == jnp.int32, debug
             assert st.new_seq_lens.dtype == jnp.int32, debug
             assert st.topk_index is not None and st.topk_index.dtype == jnp.int32
-            assert st.topk_p is not None and st.topk_p.dtype == jnp.float32
+            assert st.topk_p is not None and st.topk_p.dtype == jnp.uint32
             assert st.output_tokens.tolist() == [fj.POISON if debug else 0] * R
     assert not jax.config.read("jax_enable_x64")
 
@@ -872,7 +872,7 @@ def test_a_draft_of_jax_rows_is_relayed(spec_host_map: fj.FutureMap) -> None:
         ),
         (
             {"topk_p": np.ones((2, 2), np.float64)},
-            "draft.topk_p has dtype float64, not a dtype the map stores",
+            "draft.topk_p has dtype float64, declared float32",
         ),
         (
             {"topk_index": np.full((2, 2), 2**31, np.int64)},

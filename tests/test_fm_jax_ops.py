@@ -101,12 +101,12 @@ class InitTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*HIDDEN_CASES)
     def test_init_spec_shapes(self, hidden_dtype):
-        """Spec init must allocate [R, K] topk buffers and [R, H] hidden states stored as the
-        raw bits of the declared dtype (uint16 for bf16/f16, uint32 for f32)."""
+        """Spec init must allocate [R, K] topk buffers and [R, H] hidden states, the real
+        floats stored as the raw bits of their dtype (uint16 for bf16/f16, uint32 for f32)."""
         ops = spec_ops(hidden_dtype)
         st = self.variant(ops.init)()
         chex.assert_shape([st.topk_p, st.topk_index], (R, K))
-        chex.assert_type([st.topk_p, st.topk_index], [jnp.float32, jnp.int32])
+        chex.assert_type([st.topk_p, st.topk_index], [jnp.uint32, jnp.int32])
         if hidden_dtype is None:
             self.assertIsNone(st.hidden_states)
         else:

@@ -51,7 +51,7 @@ def test_declared_fields_are_stashed_and_gathered(protocol: str) -> None:
     fm = fj.FutureMap(R, spec=SPEC, protocol=protocol, debug=True)
     assert fm.state.verified_id is not None and fm.state.extras is not None
     assert sorted(fm.state.extras) == ["score", "steps"]
-    assert fm.state.extras["score"].dtype == np.uint16  # declared bits=True
+    assert fm.state.extras["score"].dtype == np.uint16  # a real float: its bits
     fm.publish(a(3, 5), a(4, 6))
     fm.stash(a(3, 5), draft([30, 50], [31, 51], [1, 2], SCORES))
     ids = a(0, 0) if protocol == "gather" else a(-3, -5)
@@ -172,19 +172,20 @@ def test_a_bad_declaration_is_refused_when_the_map_is_built(extra: Any, message:
 
 def test_the_standard_configuration_is_one_declaration() -> None:
     """The EAGLE-style spec path is the declaration SpecConfig(topk, hidden) makes: bonus
-    tokens and top-k, hidden states as their bits; its buffers are the ones the map had
-    before fields were declared (no verified ids, no extras)."""
+    tokens and top-k, hidden states; its buffers are the ones the map had before fields were
+    declared (no verified ids, no extras), the real floats' as their bits."""
     spec = fj.SpecConfig(topk=3, hidden=4)
-    names = [(f.name, f.shape, f.consumed, f.bits) for f in spec.fields()]
+    names = [(f.name, f.shape, f.consumed) for f in spec.fields()]
     assert names == [
-        ("bonus_tokens", (), True, False),
-        ("topk_p", (3,), False, False),
-        ("topk_index", (3,), False, False),
-        ("hidden_states", (4,), False, True),
+        ("bonus_tokens", (), True),
+        ("topk_p", (3,), False),
+        ("topk_index", (3,), False),
+        ("hidden_states", (4,), False),
     ]
     st = fj.future_map(R, spec=spec).init()
     assert st.verified_id is None and st.extras is None
     assert st.hidden_states is not None and st.hidden_states.dtype == np.uint16
+    assert st.topk_p is not None and st.topk_p.dtype == np.uint32
 
 
 def test_declared_fields_serve_from_warmed_executables() -> None:
@@ -416,3 +417,35 @@ def test_the_pure_ops_relay_an_ngram_payload_under_checkify(protocol: str) -> No
     assert r.draft is not None and r.draft.extras is not None
     assert np.asarray(r.draft.extras["accept_tokens"]).tolist() == [[7, 8, 9]]
     assert np.asarray(r.draft.extras["accept_lens"]).tolist() == [3]
+
+
+def test_pure_ops_take_an_int_fields_rows_in_any_int_dtype_that_holds_them() -> None:
+    """The pure ops (traced: no value read) take an int field's rows in any int dtype whose
+    every value its buffer holds (int16 rows for a declared int32 field, cast), and refuse
+    one it may not (int32 rows for an int16 field), float rows for an int field, and rows
+    of another dtype for a float field, naming the field and both dtypes
+    (docs/CONTRACT.md, 'Relay fields')."""
+    fields = (
+        fj.RelayField("n", (2,), np.int32),
+        fj.RelayField("k", (), np.int16),
+        fj.RelayField("p", (2,), np.float32),
+    )
+    ops = fj.future_map(R, spec=fj.SpecConfig(topk=0, bonus_tokens=False, extra=fields))
+    slots = jnp.asarray(a(3, 5))
+    good = {
+        "n": jnp.asarray([[1, -2], [3, 4]], jnp.int16),
+        "k": jnp.asarray([5, 6], jnp.int8),
+        "p": jnp.ones((2, 2), jnp.float32),
+    }
+    st = ops.stash(ops.init(), slots, fj.DraftPayload(extras=good))
+    assert st.extras is not None and st.extras["n"].dtype == jnp.int32
+    assert np.asarray(st.extras["n"])[[3, 5]].tolist() == [[1, -2], [3, 4]]
+    assert np.asarray(st.extras["k"])[[3, 5]].tolist() == [5, 6]
+    for change, match in (
+        ({"k": jnp.asarray([5, 6], jnp.int32)}, "draft.k has dtype int32, which the int16"),
+        ({"n": jnp.ones((2, 2), jnp.float32)}, "draft.n must have an integer dtype"),
+        ({"n": jnp.ones((2, 3), jnp.int32)}, r"draft.n must have shape \(2, 2\)"),
+        ({"p": jnp.ones((2, 2), jnp.bfloat16)}, "draft.p has dtype bfloat16, declared float32"),
+    ):
+        with pytest.raises(fj.FutureMapError, match=match):
+            ops.stash(ops.init(), slots, fj.DraftPayload(extras={**good, **change}))

@@ -319,3 +319,28 @@ def test_a_draft_without_what_the_first_relayed_is_named_and_top_k_comes_whole()
     assert half.topk_p is None and not half._spec_shaped
     with pytest.raises(FutureMapError, match="^the first draft stashed relays no field$"):
         FutureMap(R, spec=True).stash(t(3), DraftPayload())
+
+
+def test_an_int_field_takes_rows_of_any_int_dtype_whose_values_fit() -> None:
+    """An int field the first draft fixed at int32 takes later rows of another int dtype
+    (int64, as torch.tensor of a list makes them; int16), cast where every value fits; a
+    value beyond int32 and float rows are refused naming the field, nothing written
+    (docs/CONTRACT.md, 'Relay fields': fm_jax judges them alike)."""
+    fm = FutureMap(R, dtype=torch.int32, spec=True, consumed=("steps",))
+    first = {"steps": torch.tensor([1, 2], dtype=torch.int32), "score": SCORES}
+    fm.stash(t(3, 5), DraftPayload(extras=first))
+    for rows in (torch.tensor([7, 8]), torch.tensor([7, 8], dtype=torch.int16)):
+        fm.stash(t(3, 5), DraftPayload(extras={"steps": rows, "score": SCORES}))
+        assert fm.extras["steps"].dtype == torch.int32
+        assert fm.extras["steps"][[3, 5]].tolist() == [7, 8]
+    before = snapshot(fm)
+    for rows, match in (
+        (torch.tensor([1, 2**31]), "draft.steps holds values that do not fit"),
+        (torch.tensor([1.0, 2.0]), "draft.steps must have dtype in"),
+    ):
+        with pytest.raises(FutureMapError, match=match):
+            fm.stash(t(3, 5), DraftPayload(extras={"steps": rows, "score": SCORES}))
+        assert snapshot(fm) == before
+    with pytest.raises(FutureMapError, match="draft.score must have dtype in"):
+        fm.stash(t(3, 5), DraftPayload(extras={"steps": t(1, 2), "score": SCORES.float()}))
+    assert snapshot(fm) == before

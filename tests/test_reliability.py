@@ -390,3 +390,225 @@ def test_complex_host_rows_are_packed_like_every_other_dtype() -> None:
     w = z[:, 1].copy()
     out = step(fj.Batch(fj.ForwardMode.EXTEND, a(1, 2), a(3, 4), a(1, 1)), inputs={"w": w}).out
     assert np.asarray(out)[:2].tobytes() == w.tobytes()
+
+
+# ------------------------------------------------------------------ relay field dtypes
+def _float_dtypes() -> list[np.dtype]:
+    """Every real float a relay field may declare here: float16/32, bfloat16 and each whole-
+    byte float8 of ml_dtypes that JAX stores."""
+    import ml_dtypes
+
+    names = ["float16", "float32", "bfloat16"]
+    names += sorted(n for n in dir(ml_dtypes) if n.startswith("float8_"))
+    out = []
+    for n in names:
+        dt = np.dtype(getattr(ml_dtypes, n, None) or getattr(np, n))
+        if jax.dtypes.canonicalize_dtype(dt) == dt:
+            out.append(dt)
+    return out
+
+
+def _special_bits(dt: np.dtype) -> np.ndarray:
+    """Bit patterns of `dt` a relay must keep: NaNs with payloads of both signs, -0.0 and the
+    infinities (where `dt` has them), a few ordinary values; an 8-bit float: all 256."""
+    u = np.dtype(f"uint{8 * dt.itemsize}")
+    if dt.itemsize == 1:
+        return np.arange(256, dtype=np.uint16).astype(u)
+    if dt.itemsize == 2:
+        every = np.arange(2**16, dtype=np.uint32).astype(u)
+        nan = every[np.isnan(every.view(dt).astype(np.float32))]
+        sign = np.array(1 << 15, u)
+        nans = np.concatenate([nan[nan < sign][:4], nan[nan < sign][-2:], nan[nan > sign][-4:]])
+    else:
+        nans = np.array([0x7FC00001, 0x7F800001, 0x7FFFFFFF, 0xFFC00001, 0xFF812345], u)
+    plain = np.array([-0.0, np.inf, -np.inf, 1.5, -2.0], np.float32).astype(dt).view(u)
+    return np.concatenate([nans, plain])
+
+
+def _torch_moves(tdt: torch.dtype) -> bool:
+    """Whether this torch writes rows of `tdt` by index on CPU (it has no index_put for
+    float8_e8m0fnu, so fm_torch relays no such field)."""
+    try:
+        torch.zeros(2, dtype=tdt)[torch.tensor([1])] = torch.zeros(1, dtype=tdt)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+@pytest.mark.parametrize("dt", _float_dtypes(), ids=str)
+def test_every_float_field_relays_the_bytes_it_was_given(dt: np.dtype, kernel: str) -> None:
+    """Pins a bfloat16 or float8 relay field (declared without bits=True) losing its bytes
+    under the default kernel='xla': XLA:CPU's scatter went through f32, canonicalising NaN
+    payloads (and, for e5m2, flipping a NaN's sign: 0xfd became 0x7f), while the Pallas
+    kernel and fm_torch kept every byte. Every real float is now stored as its bits: the
+    class (host rows) and the pure ops (device rows) resolve exactly the bytes stashed,
+    NaN payloads of both signs, -0.0 and infinities included, under either kernel, and
+    fm_torch's buffer holds the same bytes."""
+    bits = _special_bits(dt)
+    width = -(-bits.size // 2)
+    rows = np.resize(bits, 2 * width).reshape(2, width)
+    values = rows.view(dt)
+    field = fj.RelayField("x", (width,), dt)
+    spec = fj.SpecConfig(topk=0, bonus_tokens=False, extra=(field,), kernel=kernel)
+    slots = a(3, 5)
+    draft = fj.DraftPayload(extras={"x": values})
+    batch = fj.Batch(DECODE, slots, a(0, 0), a(0, 0), draft_indices=slots)
+
+    fm = fj.FutureMap(R, spec=spec, protocol="gather", batch_buckets=(2,), token_buckets=(2,))
+    fm.publish(slots, a(4, 4))
+    fm.stash(slots, draft)
+    got = fm.resolve(batch).draft
+    assert got is not None and got.extras is not None
+    assert np.asarray(got.extras["x"])[:2].tobytes() == rows.tobytes()
+
+    ops = fj.future_map(R, spec=spec, protocol="gather")
+    dslots = jnp.asarray(slots)
+    st = ops.stash(ops.init(), dslots, fj.DraftPayload(extras={"x": jnp.asarray(values)}))
+    _, res = ops.resolve(st, batch._replace(req_pool_indices=dslots, draft_indices=dslots))
+    assert res.draft is not None and res.draft.extras is not None
+    assert np.asarray(res.draft.extras["x"]).tobytes() == rows.tobytes()
+
+    tdt = getattr(torch, dt.name, None)
+    if tdt is not None and _torch_moves(tdt):
+        tm = ft.FutureMap(R, dtype=torch.int32, spec=True, protocol="gather")
+        tvals = torch.from_numpy(rows.copy()).view(tdt)
+        tm.stash(torch.tensor([3, 5]), ft.DraftPayload(extras={"x": tvals}))
+        kept = tm.extras["x"][torch.tensor([3, 5])].view(torch.from_numpy(rows[:0]).dtype)
+        assert kept.numpy().tobytes() == rows.tobytes()
+
+
+def _int_fields_spec() -> fj.SpecConfig:
+    """One field in the map's int dtype and one declared int32 (the map's too)."""
+    fields = (fj.RelayField("steps"), fj.RelayField("accept", (2,), np.int32))
+    return fj.SpecConfig(topk=0, bonus_tokens=False, extra=fields)
+
+
+@pytest.mark.parametrize(
+    ("steps", "accept", "ok"),
+    [
+        (np.array([2, 3]), np.array([[1, 2], [3, 4]]), True),  # numpy's default int64
+        ([2, 3], [[1, 2], [3, 4]], True),  # Python lists (int64 as arrays)
+        ([0, 0], [[0, 0], [0, 0]], True),
+        (np.array([2, 3]), np.array([[1, 2**40], [3, 4]]), False),  # int64 beyond int32
+        (np.array([2**31, 3]), np.array([[1, 2], [3, 4]]), False),
+    ],
+)
+def test_both_twins_judge_int64_rows_for_an_int32_field_alike(
+    steps: Any, accept: Any, ok: bool
+) -> None:
+    """Pins the twins judging int64 rows for an int32 field differently: fm_jax cast and
+    stored them for a field in the map's int dtype (and refused them, as 'not a dtype the
+    map stores', for one declared int32), fm_torch refused them once its first draft had
+    fixed the field at int32. The rule (docs/CONTRACT.md, 'Relay fields'): an int field
+    takes rows of any int dtype, cast when every value fits; a value that does not fit is
+    refused naming the field, before anything is written."""
+    first = {"steps": np.array([7, 7], np.int32), "accept": np.full((2, 2), 7, np.int32)}
+    slots = a(3, 5)
+    fm = fj.FutureMap(R, spec=_int_fields_spec(), protocol="gather", batch_buckets=(2,))
+    tm = ft.FutureMap(R, dtype=torch.int32, spec=True, protocol="gather")
+    fm.stash(slots, fj.DraftPayload(extras=first))
+    tm.stash(t(3, 5), ft.DraftPayload(extras={k: torch.from_numpy(v) for k, v in first.items()}))
+    given = {"steps": steps, "accept": accept}
+    for _ in range(2):  # the general path, then the layout's recorded plan
+        before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+        tbefore = {k: v.numpy().tobytes() for k, v in tm.extras.items()}
+        outcomes = []
+        for stash in (
+            lambda: fm.stash(slots, fj.DraftPayload(extras=given)),
+            lambda: tm.stash(
+                t(3, 5),
+                ft.DraftPayload(extras={k: torch.tensor(np.asarray(v)) for k, v in given.items()}),
+            ),
+        ):
+            try:
+                stash()
+                outcomes.append(None)
+            except (fj.FutureMapError, ft.FutureMapError) as e:
+                outcomes.append(str(e))
+        if ok:
+            assert outcomes == [None, None]
+            for k, v in given.items():
+                want = np.asarray(v, np.int32).tobytes()
+                assert np.asarray(fm.state.extras[k])[[3, 5]].tobytes() == want, k  # type: ignore[index]
+                assert tm.extras[k][[3, 5]].numpy().tobytes() == want, k
+        else:
+            assert all(o is not None and "do not fit" in o for o in outcomes), outcomes
+            bad = "draft.steps" if np.max(np.asarray(steps)) > 2**31 - 1 else "draft.accept"
+            assert all(o is not None and o.startswith(bad) for o in outcomes), outcomes
+            assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
+            assert {k: v.numpy().tobytes() for k, v in tm.extras.items()} == tbefore
+
+
+# --------------------------------------------------------------------- messages that misled
+def _pos_step(per: str) -> Any:
+    fm = fj.FutureMap(R, batch_buckets=(2, 4), token_buckets=(4, 8))
+
+    def forward(res: fj.Resolved, batch: fj.Batch, inputs: dict, w: jax.Array) -> Any:
+        return fj.StepOutput(res.seq_lens + 1, res.seq_lens + inputs["pos"].sum(), w)
+
+    return fm, fm.engine_step(forward, inputs=[fj.StepInput("pos", per)])
+
+
+EXTEND_3 = fj.Batch(fj.ForwardMode.EXTEND, a(1, 2), a(3, 4, 5), a(1, 2))
+"""A prefill of 2 rows and 3 tokens."""
+
+
+@pytest.mark.parametrize("per", ["row", "token"])
+def test_a_scalar_step_input_is_named_a_scalar(per: str) -> None:
+    """Pins a 0-d StepInput refused as 'has shape [], declared rows of shape []', which
+    names no difference: the message says it is a scalar where rows are wanted."""
+    fm, step = _pos_step(per)
+    with pytest.raises(fj.FutureMapError, match=r"inputs\['pos'\] is a scalar"):
+        step(EXTEND_3, jnp.int32(0), inputs={"pos": np.int32(0)})
+    assert fm.step == 0
+
+
+def test_a_per_token_step_input_counts_tokens_not_indices() -> None:
+    """Pins a per-token StepInput of the wrong length refused as '...has (2,) rows,
+    indices have (3,)', where 3 counts the batch's tokens, not its indices: the message
+    names the tokens (input_ids)."""
+    _, step = _pos_step("token")
+    with pytest.raises(fj.FutureMapError) as err:
+        step(EXTEND_3, jnp.int32(0), inputs={"pos": a(0, 0)})
+    assert "input_ids have (3,) tokens" in str(err.value) and "indices" not in str(err.value)
+    _, step = _pos_step("row")
+    with pytest.raises(fj.FutureMapError, match=r"has \(3,\) rows, indices have \(2,\)"):
+        step(EXTEND_3, jnp.int32(0), inputs={"pos": a(0, 0, 0)})
+
+
+@pytest.mark.parametrize("per", ["row", "token"])
+def test_a_python_list_step_input_is_cast_where_its_values_fit(per: str) -> None:
+    """Pins a list [0, 0] for an int32 StepInput refused as 'does not cast to the declared
+    int32 without changing values' (numpy makes it int64, and the check asked whether every
+    int64 would fit): int rows are cast where their values fit, as every int field's, and
+    refused naming the values where one does not."""
+    n = 2 if per == "row" else 3
+    outs = []
+    for pos in ([1] * n, np.ones(n, np.int64), np.ones(n, np.int32)):
+        fm, step = _pos_step(per)
+        outs.append(np.asarray(step(EXTEND_3, jnp.int32(0), inputs={"pos": pos}).out).tobytes())
+    assert outs[0] == outs[1] == outs[2]
+    fm, step = _pos_step(per)
+    with pytest.raises(fj.FutureMapError, match=r"inputs\['pos'\] holds values that do not fit"):
+        step(EXTEND_3, jnp.int32(0), inputs={"pos": [2**40] * n})
+    assert fm.step == 0
+
+
+def test_a_float_field_given_another_dtype_names_both_dtypes() -> None:
+    """Pins rows of another dtype for a declared float field refused as 'not a dtype the
+    map stores' (float64 without x64, or int64), or with the pure op's generic wording
+    (float16): the class and the pure ops name the dtype given and the one declared, before
+    anything is written."""
+    spec = fj.SpecConfig(topk=0, bonus_tokens=False, extra=(fj.RelayField("p", (2,), np.float32),))
+    fm = fj.FutureMap(R, spec=spec, batch_buckets=(2,))
+    before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+    for given in (np.ones((2, 2)), np.ones((2, 2), np.float16), [[1, 2], [3, 4]]):
+        dtype = np.asarray(given).dtype
+        want = rf"^draft.p has dtype {dtype}, declared float32"
+        with pytest.raises(fj.FutureMapError, match=want):
+            fm.stash(a(3, 5), fj.DraftPayload(extras={"p": given}))
+    assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
+    ops = fj.future_map(R, spec=spec)  # the pure ops, traced: the same refusal
+    with pytest.raises(fj.FutureMapError, match=r"^draft.p has dtype float16, declared float32"):
+        ops.stash(ops.init(), dev(3, 5), fj.DraftPayload(extras={"p": jnp.ones((2, 2), "f2")}))

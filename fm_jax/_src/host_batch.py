@@ -32,7 +32,8 @@ class StepInput(NamedTuple):
         padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
       shape: the trailing shape of one row or token.
       dtype: its dtype; host arrays of another dtype are cast only where no value can
-        change (numpy's 'safe' casting), else refused.
+        change (numpy's 'safe' casting, or ints into an int dtype their values fit: a
+        Python list of ints included), else refused.
     """
 
     name: str
@@ -101,7 +102,7 @@ class BatchPlacement:
             if batch.token_slots is not None:
                 protocol.check_kinds([ForwardMode.DECODE], batch.token_slots)
             idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
-            lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
+            lens = inputs.matched("seq_lens", batch.seq_lens, idx)
             return batch.forward_mode, idx, None, lens, batch.draft_indices, None
         given = protocol.ids_of(
             batch.input_ids, batch.req_pool_indices, batch.forward_mode, inputs.dtype
@@ -109,7 +110,7 @@ class BatchPlacement:
         rows, tokens = self.inputs.resolve_sizes(batch.req_pool_indices, given, rows, tokens)
         idx = inputs.slots("req_pool_indices", batch.req_pool_indices, rows)
         ids = inputs.token_ids("input_ids", given, tokens)
-        lens = inputs.matched("seq_lens", batch.seq_lens, idx, ints=True)
+        lens = inputs.matched("seq_lens", batch.seq_lens, idx)
         slots = self._token_slots(batch.token_slots, ids)
         return batch.forward_mode, idx, ids, lens, batch.draft_indices, slots
 
@@ -130,7 +131,7 @@ class BatchPlacement:
         rows, tokens = self.inputs.resolve_sizes(field("req_pool_indices"), given, rows, tokens)
         idx = inputs.slots("req_pool_indices", field("req_pool_indices"), rows)
         ids = inputs.token_ids("input_ids", given, tokens)
-        lens = inputs.matched("seq_lens", field("seq_lens"), idx, ints=True)
+        lens = inputs.matched("seq_lens", field("seq_lens"), idx)
         modes = np.full(self.dp, int(ForwardMode.IDLE), np.int32)
         for r, b in batches.items():
             modes[int(r)] = host_mode(b.forward_mode, f"batch[rank {r}].forward_mode")
@@ -247,5 +248,5 @@ class BatchPlacement:
                     r: self.inputs.declared(f"{name}[rank {r}]", v, d.shape, d.dtype)
                     for r, v in x.items()
                 }
-            out[d.name] = self.inputs.matched(name, x, like, ints=False)
+            out[d.name] = self.inputs.matched(name, x, like, d.dtype, per=d.per)
         return out

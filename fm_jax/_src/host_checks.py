@@ -1,6 +1,9 @@
 """Host values judged: the one place a host array's values are checked before anything is
 written (slot range and duplicates, ints that fit, the protocol's rule for ids, relayed
-tokens and lengths >= 0, dtypes the map stores as given).
+tokens and lengths >= 0, a field's rows in its declared dtype).
+
+A field's dtype rule (docs/CONTRACT.md, 'Relay fields'): an int field takes rows of any
+int dtype, cast when every value fits; any other field takes only its own dtype.
 
 `HostChecks.check(kind, name, a)` is what the general placement path calls on each rank's
 rows; `checker(kind, name, dtype)` is the same check with the dispatch on kind and dtype
@@ -13,9 +16,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
+from fm_jax._src import refusals
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.protocol import Protocol
 
@@ -38,18 +41,23 @@ class HostChecks:
         # Int dtypes whose every value fits the map's dtype: cast without a value check.
         self.safe = frozenset(d for d in INTS if np.can_cast(d, dtype, "safe"))
 
-    def ints(self, name: str, a: np.ndarray) -> np.ndarray:
-        """`a` (host, integer) in the map's dtype; refuses values that do not fit."""
+    def ints(self, name: str, a: np.ndarray, into: np.dtype | None = None) -> np.ndarray:
+        """`a` (host, integer) in the int dtype `into` (default the map's); refuses values
+        that do not fit."""
+        to = self.dtype if into is None else into
         dt = a.dtype
-        if dt is self.dtype or dt == self.dtype:
+        if dt is to or dt == to:
             return a
-        if dt in self.safe:
-            return a.astype(self.dtype)
         if dt.kind not in "iu":
             raise FutureMapError(f"{name} must have an integer dtype, got {dt}")
-        if a.size and (int(a.min()) < self._lo or int(a.max()) > self._hi):
-            raise FutureMapError(f"{name} holds values that do not fit the {self.dtype} buffer")
-        return a.astype(self.dtype)
+        if into is None:
+            safe, lo, hi = dt in self.safe, self._lo, self._hi
+        else:
+            info = np.iinfo(to)
+            safe, lo, hi = np.can_cast(dt, to, "safe"), int(info.min), int(info.max)
+        if not safe and a.size and (int(a.min()) < lo or int(a.max()) > hi):
+            raise FutureMapError(f"{name} holds values that do not fit the {to} buffer")
+        return a.astype(to)
 
     def slots(self, name: str, a: np.ndarray) -> None:
         """Every slot in [0, R), no live slot (>= 1) twice. One sort serves both."""
@@ -73,19 +81,22 @@ class HostChecks:
                 f"{name} holds live slots {live.tolist()} more than once in one batch"
             )
 
-    def check(self, kind: str, name: str, a: np.ndarray) -> np.ndarray:
+    def check(
+        self, kind: str, name: str, a: np.ndarray, into: np.dtype | None = None
+    ) -> np.ndarray:
         """One rank's host rows checked by value as a `kind` of input, in the dtype the
         map stores them; the one place host values are judged (the general path and the
         recorded plans both come here).
 
         Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
-        rule for ids), 'ints' (ints that fit), 'relayed' (ints >= 0: tokens and lengths a
-        forward relays), 'values' (a dtype the map stores as given), 'relayed_values'
-        (that, >= 0).
+        rule for ids), 'ints' (ints that fit `into`, default the map's int dtype),
+        'relayed' (that, >= 0: tokens and lengths a forward relays), 'values' (rows of a
+        field declared `into`, not an int: that dtype only), 'relayed_values' (that, >= 0).
         """
         if kind == "values" or kind == "relayed_values":
-            return _non_negative(name, self.stored(name, a), kind == "relayed_values")
-        a = self.ints(name, a)
+            assert into is not None
+            return _non_negative(name, self.declared(name, a, into), kind == "relayed_values")
+        a = self.ints(name, a, into)
         if kind == "slots":
             self.slots(name, a)
         elif kind == "ids":
@@ -94,14 +105,17 @@ class HostChecks:
             _non_negative(name, a, True)
         return a
 
-    def checker(self, kind: str, name: str, dtype: np.dtype) -> Callable[[np.ndarray], Any] | None:
-        """`check(kind, name, a)` for host arrays `a` of `dtype`, with the dispatch on kind
-        and dtype done once: None where the dtype alone (already judged) says every such
-        array passes as it is; else a function doing the same checks and cast."""
-        if kind == "values" or (kind == "ints" and dtype == self.dtype):
+    def checker(
+        self, kind: str, name: str, dtype: np.dtype, into: np.dtype | None = None
+    ) -> Callable[[np.ndarray], Any] | None:
+        """`check(kind, name, a, into)` for host arrays `a` of `dtype`, with the dispatch on
+        kind and dtype done once: None where the dtype alone (already judged) says every
+        such array passes as it is; else a function doing the same checks and cast."""
+        to = self.dtype if into is None else into
+        if dtype != to:
+            return functools.partial(self.check, kind, name, into=into)  # a cast, or refused
+        if kind in ("values", "ints"):
             return None
-        if dtype != self.dtype and kind != "relayed_values":
-            return functools.partial(self.check, kind, name)  # a cast, value-checked
         if kind == "slots":
             return functools.partial(_checked, self.slots, name)
         if kind == "ids":
@@ -111,11 +125,12 @@ class HostChecks:
     def _check_ids(self, name: str, a: np.ndarray) -> None:
         self.protocol.check_ids(name, a, self.pool_size)
 
-    def stored(self, name: str, a: np.ndarray) -> np.ndarray:
-        """`a`, refused unless the map stores its dtype as given."""
-        if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
-            # The transfer would cast (e.g. float64 -> float32 without x64): refuse instead.
-            raise FutureMapError(f"{name} has dtype {a.dtype}, not a dtype the map stores")
+    @staticmethod
+    def declared(name: str, a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """`a`, refused unless it has `dtype`, the declared dtype of a field that is not an
+        int (its rows are never cast: a cast could change their values or bits)."""
+        if a.dtype != dtype:
+            raise refusals.not_the_declared_dtype(name, a.dtype, dtype)
         return a
 
 
@@ -125,10 +140,11 @@ def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray)
     return a
 
 
-def row_kind(ints: bool, relayed: bool) -> str:
-    """The `HostInputs.check` kind of per-row values: ints or values as stored, relayed
+def row_kind(dtype: np.dtype | None, relayed: bool) -> str:
+    """The `HostChecks.check` kind of a field's rows, the field declared `dtype` (None: the
+    map's int dtype): ints (cast where they fit) or values in their own dtype, relayed
     ones (tokens, lengths) also >= 0."""
-    if ints:
+    if dtype is None or np.dtype(dtype).kind in "iu":
         return "relayed" if relayed else "ints"
     return "relayed_values" if relayed else "values"
 

@@ -80,18 +80,21 @@ class HostInputs:
         self._zeros = np.zeros(0, dtype)
 
     # ----------------------------------------------------------------- value checks
-    def host_rows(self, name: str, a: np.ndarray, size: int, kind: str) -> np.ndarray:
+    def host_rows(
+        self, name: str, a: np.ndarray, size: int, kind: str, into: np.dtype | None = None
+    ) -> np.ndarray:
         """Global host rows (each DP rank's rows end to end, as many per rank) checked as
-        `kind` (`check`) and padded per rank to `size` rows: what a recorded plan does."""
+        `kind` (`HostChecks.check`, rows of dtype `into`) and padded per rank to `size`
+        rows: what a recorded plan does."""
         if self.dp == 1:
-            a = self.checks.check(kind, name, a)
+            a = self.checks.check(kind, name, a, into)
             if a.shape[0] == size:
                 return a
             out = np.zeros((size, *a.shape[1:]), a.dtype)
             out[: a.shape[0]] = a
             return out
         parts = {
-            d: self.checks.check(kind, f"{name}[rank {d}]", p)
+            d: self.checks.check(kind, f"{name}[rank {d}]", p, into)
             for d, p in self._split(name, a).items()
         }
         first = parts[0]
@@ -245,36 +248,60 @@ class HostInputs:
                 )
         return self._flat(name, x, self.token_buckets, ids.size, slots=True)
 
-    def matched(self, name: str, x: Any, like: Rows, *, ints: bool, relayed: bool = False) -> Any:
+    def matched(
+        self,
+        name: str,
+        x: Any,
+        like: Rows,
+        dtype: np.dtype | None = None,
+        *,
+        relayed: bool = False,
+        per: str = "row",
+    ) -> Any:
         """A per-row input ([rows, ...]) laid out like `like`: the same rows per rank.
 
         Args:
           name: the field, named in errors.
           x: the rows, in the same form as `like` (a mapping if `like` was one).
-          like: the slots these rows belong to.
-          ints: cast to the map's int dtype (values checked); else the dtype must be one
-            the map stores as given (no silent cast).
+          like: the slots these rows belong to, or (`per='token'`) the token ids.
+          dtype: the field's declared dtype; None: the map's int dtype. Int rows are cast
+            to an int dtype where their values fit; a field of another dtype takes only its
+            own (`HostChecks.check`).
           relayed: tokens or lengths a forward relays: host values must be >= 0.
+          per: 'row' or 'token': what one row of `x` stands for, named in errors.
         """
+        ints = dtype is None or np.dtype(dtype).kind in "iu"
+        into = None if dtype is None else np.dtype(dtype)
+        kind = row_kind(into, relayed)
+
+        def count(where: str, got: Any, n: int) -> FutureMapError:
+            if per == "token":
+                return FutureMapError(
+                    f"{where} has {got} rows, input_ids have ({n},) tokens: it takes one row "
+                    "per token"
+                )
+            return FutureMapError(f"{where} has {got} rows, indices have ({n},)")
+
         if isinstance(x, jax.Array) and x.size:
             want = self.dp * like.size
             if not x.shape or x.shape[0] != want:
-                raise FutureMapError(f"{name} has {x.shape[:1]} rows, indices have ({want},)")
-            if ints and x.dtype.kind not in "iu":
+                raise count(name, x.shape[:1], want)
+            if not ints:
+                return x  # its dtype is judged when traced (the pure ops' check)
+            if x.dtype.kind not in "iu":
                 raise FutureMapError(f"{name} must have an integer dtype, got {x.dtype}")
-            if ints and x.dtype not in self._safe:
+            if not (x.dtype in self._safe if into is None else np.can_cast(x.dtype, into, "safe")):
                 raise FutureMapError(
-                    f"{name} has dtype {x.dtype}, which the map's {self.dtype} buffers cannot "
-                    "hold without a value check: cast it on the device or pass a host array"
+                    f"{name} has dtype {x.dtype}, which the map's {into or self.dtype} buffers "
+                    "cannot hold without a value check: cast it on the device or pass a host "
+                    "array"
                 )
             return x
         if like.counts is None:  # rows of jax-array slots: already padded, not read
             a = _host(name, x)
             if a.ndim < 1 or a.shape[0] != self.dp * like.size:
-                raise FutureMapError(
-                    f"{name} has {a.shape[:1]} rows, indices have ({self.dp * like.size},)"
-                )
-            return self.checks.check(row_kind(ints, relayed), name, a)
+                raise count(name, a.shape[:1], self.dp * like.size)
+            return self.checks.check(kind, name, a, into)
         if isinstance(x, Mapping) != like.by_rank:
             form = "a mapping DP rank -> rows" if like.by_rank else "global rows"
             raise FutureMapError(f"{name} must be given like the indices: {form}")
@@ -284,12 +311,13 @@ class HostInputs:
             where = f"{name}[rank {d}]" if self.dp > 1 else name
             if d not in parts:
                 if n:
-                    raise FutureMapError(f"{name} has no rows for DP rank {d}, indices have {n}")
+                    have = f"input_ids have {n} tokens" if per == "token" else f"indices have {n}"
+                    raise FutureMapError(f"{name} has no rows for DP rank {d}, {have}")
                 continue
             a = parts[d]
             if a.ndim < 1 or a.shape[0] != n:
-                raise FutureMapError(f"{where} has {a.shape[:1]} rows, indices have ({n},)")
-            a = parts[d] = self.checks.check(row_kind(ints, relayed), where, a)
+                raise count(where, a.shape[:1], n)
+            a = parts[d] = self.checks.check(kind, where, a, into)
             if tail is not None and (a.shape[1:], a.dtype) != tail:
                 raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
             tail = (a.shape[1:], a.dtype)
@@ -297,7 +325,7 @@ class HostInputs:
         if first is None:  # no rank given (all idle): int rows are all padding
             if not ints:
                 raise FutureMapError(f"{name} is given for no rank")
-            first = self._zeros
+            first = self._zeros if into is None else np.zeros(0, into)
         return self._pad(parts, like.size, first[:0])
 
     def one_id_per_row(self, ids: Rows, idx: Rows, decode: list[bool]) -> None:
@@ -318,19 +346,21 @@ class HostInputs:
                 )
 
     def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An engine's declared host input at its dtype and trailing shape (cast only
-        where no value can change)."""
+        """An engine's declared host input with its trailing shape checked, cast to its
+        dtype where no value can change (numpy's 'safe' casting); `matched` then judges its
+        dtype (ints of another int dtype cast where their values fit)."""
         a = _host(name, x)
-        if a.ndim < 1 or a.shape[1:] != shape:
+        if a.ndim < 1:
             raise FutureMapError(
-                f"{name} has shape {list(a.shape)}, declared rows of shape {list(shape)}"
+                f"{name} is a scalar (shape []): it takes an array of rows, each of shape "
+                f"{list(shape)}"
             )
-        if a.dtype != dtype:
-            if not np.can_cast(a.dtype, dtype, "safe"):
-                raise FutureMapError(
-                    f"{name} has dtype {a.dtype}, which does not cast to the declared "
-                    f"{dtype} without changing values"
-                )
+        if a.shape[1:] != shape:
+            raise FutureMapError(
+                f"{name} has rows of shape {list(a.shape[1:])}, declared rows of shape "
+                f"{list(shape)}"
+            )
+        if a.dtype != dtype and np.can_cast(a.dtype, dtype, "safe"):
             a = a.astype(dtype)
         return a
 

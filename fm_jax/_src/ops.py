@@ -173,19 +173,24 @@ def publish(
 
 
 def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
-    """Every declared field present, [rows, *shape] of its dtype; none undeclared."""
+    """Every declared field present, [rows, *shape]; none undeclared. An int field's rows
+    may be of any int dtype whose every value fits its buffer (they are cast); any other
+    field's are of its own dtype."""
     for f in cfg.fields:
         name, v = f"draft.{f.name}", rf.get(draft, f.name)
-        if f.dtype is None and not f.shape:  # one int per row
-            if v is None:
-                raise FutureMapError(f"{name} is missing")
-            s.check_1d_int(name, v, cfg.dtype)
+        dt = rf.element_dtype(f, cfg.dtype)
+        if v is None:
+            raise FutureMapError(f"{name} is missing")
+        ints = dt.kind in "iu"
+        if ints and not f.shape:  # one int per row
+            s.check_1d_int(name, v, dt)
             s.check_rows(name, v, rows)
-        elif f.dtype is None:
-            s.check_array(name, v, (rows, *f.shape), (np.dtype(np.int32), np.dtype(np.int64)))
-            s.check_fits(name, v, cfg.dtype)
+            continue
+        s.check_array(name, v, (rows, *f.shape))
+        if ints:
+            s.check_ints(name, v, dt)
         else:
-            s.check_array(name, v, (rows, *f.shape), (f.dtype,))
+            s.check_declared_dtype(name, v, dt)
     rf.check_declared(cfg.fields, draft)
 
 

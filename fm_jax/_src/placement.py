@@ -178,7 +178,7 @@ class Placement:
         args: list[Any] = [idx.array]
         placed_lens = None
         if op != "stash":
-            placed_lens = inputs.matched("new_seq_lens", lens, idx, ints=True, relayed=True)
+            placed_lens = inputs.matched("new_seq_lens", lens, idx, relayed=True)
             args.append(placed_lens)
         if op != "publish":
             args.append(self._payload(payload, idx))
@@ -194,7 +194,7 @@ class Placement:
         if self.spec is None:
             if any(is_draft):
                 raise refusals.draft_on_plain_map()
-            return inputs.matched("tokens", payload, idx, ints=True, relayed=True)
+            return inputs.matched("tokens", payload, idx, relayed=True)
         if not drafts or not all(is_draft):
             raise refusals.tokens_on_spec_map(per_rank=True)
         for p in drafts:
@@ -202,18 +202,18 @@ class Placement:
 
         def field(f: rf.RelayField) -> Any:
             """The field's rows placed like `idx` (None where no rank gives it)."""
-            name, ints = f"draft.{f.name}", f.dtype is None
+            name = f"draft.{f.name}"
             if isinstance(payload, Mapping):
                 got = {r: rf.get(p, f.name) for r, p in payload.items()}
                 if any(v is None for v in got.values()):
                     if all(v is None for v in got.values()):
                         return None
                     raise FutureMapError(f"{name} given on some ranks only")
-                return inputs.matched(name, got, idx, ints=ints, relayed=f.consumed)
+                return inputs.matched(name, got, idx, f.dtype, relayed=f.consumed)
             value = rf.get(payload, f.name)
             if value is None:
                 return None
-            return inputs.matched(name, value, idx, ints=ints, relayed=f.consumed)
+            return inputs.matched(name, value, idx, f.dtype, relayed=f.consumed)
 
         return draft_payload({f.name: field(f) for f in self.fields})
 
@@ -256,7 +256,8 @@ class Placement:
         for d, x in zip(step or (), values[6:], strict=True):
             if type(x) is np.ndarray and x.dtype != d.dtype:
                 return None  # a cast input: the general path casts it
-            roles.append(Role("values", f"inputs[{d.name!r}]", rows if d.per == "row" else tokens))
+            size = rows if d.per == "row" else tokens
+            roles.append(Role(row_kind(d.dtype, False), f"inputs[{d.name!r}]", size, into=d.dtype))
         names = [d.name for d in step or ()]
 
         def assemble(p: list[Any]) -> tuple[Any, ...]:
@@ -294,7 +295,7 @@ class Placement:
             roles.append(Role("relayed", "tokens", rows, keep=op != "publish"))
         else:
             roles += [
-                Role(row_kind(f.dtype is None, f.consumed), f"draft.{f.name}", rows)
+                Role(row_kind(f.dtype, f.consumed), f"draft.{f.name}", rows, into=f.dtype)
                 for f in self.fields
             ]
         names = [f.name for f in self.fields]

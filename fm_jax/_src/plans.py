@@ -96,12 +96,14 @@ class Role(NamedTuple):
       size: rows per rank after padding.
       keep: whether the value becomes a leaf of the arguments (False: a mode fixed in the
         executable, placed as None).
+      into: the dtype of a field's rows (`HostChecks.check`); None: the map's int dtype.
     """
 
     kind: str | None
     name: str
     size: int
     keep: bool = True
+    into: np.dtype | None = None
 
 
 _DROP = object()
@@ -240,10 +242,10 @@ def _placer(role: Role, x: Any, inputs: HostInputs) -> Any:
         return _DROP
     if role.kind is None or type(x) is not np.ndarray:
         return None  # a jax array (not read here), or None
-    kind, name, size = role.kind, role.name, role.size
+    kind, name, size, into = role.kind, role.name, role.size, role.into
     if inputs.dp > 1:
-        return lambda a: inputs.host_rows(name, a, size, kind)
-    check = inputs.checks.checker(kind, name, x.dtype)
+        return lambda a: inputs.host_rows(name, a, size, kind, into)
+    check = inputs.checks.checker(kind, name, x.dtype, into)
     n, tail = x.shape[0], x.shape[1:]
 
     def pad(a: np.ndarray) -> np.ndarray:

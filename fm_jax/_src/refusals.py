@@ -86,3 +86,11 @@ def invalidate_in_gather_protocol() -> FutureMapError:
         "invalidate: the gather protocol leaves no sentinels (resolve gathers the decode ids "
         "at forward entry)"
     )
+
+
+def not_the_declared_dtype(name: str, given: object, declared: object) -> FutureMapError:
+    """A field that is not an int got rows of another dtype than its declared one (such
+    rows are never cast: a cast could change their values or bits)."""
+    return FutureMapError(
+        f"{name} has dtype {given}, declared {declared}: give its rows in that dtype"
+    )

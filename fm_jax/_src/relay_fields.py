@@ -34,9 +34,9 @@ class RelayField(NamedTuple):
         int dtype.
       consumed: debug consume tracking (an int field): the buffer starts at -1, every value
         gathered from a live slot must be >= 0, and -1 is written back at the slots read.
-      bits: a real float stored as raw bits (the unsigned int of the dtype's width): writes
-        stay in place and bit-exact on every backend (XLA:CPU computes a 16-bit float
-        scatter in f32 over the whole buffer, and canonicalises NaN payloads).
+      bits: deprecated, changes nothing: every real-float field (bfloat16 and the float8s
+        included) is stored as its raw bits (`stored_as_bits`). Kept so declarations that
+        set it still build; True on a field that is not a real float is refused.
     """
 
     name: str
@@ -65,6 +65,15 @@ def bits_dtype(dtype: Any) -> np.dtype:
     return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
 
 
+def stored_as_bits(field: RelayField) -> bool:
+    """Whether the field's buffer holds its values' raw bits: every real float does. Rows
+    then move as unsigned ints of the same width, so every byte stashed (NaN payloads and
+    signs, -0.0, infinities) is the byte resolved, under either kernel and on every backend:
+    XLA computes a bfloat16 or float8 scatter in f32 on CPU, which rewrites NaNs (and
+    e5m2's NaN sign) and passes over the whole buffer. A bitcast of the rows costs nothing."""
+    return field.dtype is not None and bool(jnp.issubdtype(field.dtype, jnp.floating))
+
+
 def standard_fields(
     topk: int, hidden: int, hidden_dtype: Any, verified_id: bool, bonus_tokens: bool = True
 ) -> tuple[RelayField, ...]:
@@ -80,7 +89,7 @@ def standard_fields(
             RelayField("topk_index", (topk,)),
         ]
     if hidden:
-        out.append(RelayField("hidden_states", (hidden,), np.dtype(hidden_dtype), bits=True))
+        out.append(RelayField("hidden_states", (hidden,), np.dtype(hidden_dtype)))
     return tuple(out)
 
 
@@ -125,8 +134,8 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
             raise FutureMapError(
                 f"spec.extra[{f.name}]: a consumed field is a signed int (poison -1), got {dt}"
             )
-        # bfloat16 is a float whose numpy kind is 'V'; its bits are uint16. A complex value
-        # is two floats: XLA bitcasts no complex to an int.
+        # bits (deprecated, no effect) was only ever meaningful on a real float: bfloat16 is
+        # one whose numpy kind is 'V'; a complex value is two floats.
         if f.bits and (dt is None or not jnp.issubdtype(dt, jnp.floating)):
             raise FutureMapError(
                 f"spec.extra[{f.name}]: bits=True stores a real float's bits, got "
@@ -142,19 +151,19 @@ def element_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
 
 
 def buffer_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
-    """The dtype of the field's buffer: its values' dtype, or their bits."""
+    """The dtype of the field's buffer: its values' dtype, or their bits (`stored_as_bits`)."""
     dt = element_dtype(field, int_dtype)
-    return bits_dtype(dt) if field.bits else dt
+    return bits_dtype(dt) if stored_as_bits(field) else dt
 
 
 def to_buffer(field: RelayField, x: jax.Array) -> jax.Array:
-    """Values as the buffer stores them (bits when declared)."""
-    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype)) if field.bits else x
+    """Values (of the field's dtype) as the buffer stores them."""
+    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype)) if stored_as_bits(field) else x
 
 
 def from_buffer(field: RelayField, x: jax.Array, int_dtype: np.dtype) -> jax.Array:
     """Gathered buffer rows as the field's values."""
-    if not field.bits:
+    if not stored_as_bits(field):
         return x
     return jax.lax.bitcast_convert_type(x, element_dtype(field, int_dtype))
 

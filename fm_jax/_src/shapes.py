@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fm_jax._src import refusals
 from fm_jax._src.errors import FutureMapError
 
 
@@ -20,6 +21,11 @@ def check_1d_int(name: str, x: Any, into: np.dtype | None = None) -> None:
     shape = jnp.shape(x)
     if len(shape) != 1:
         raise FutureMapError(f"{name} must be 1-D, got shape {shape}")
+    check_ints(name, x, into)
+
+
+def check_ints(name: str, x: Any, into: np.dtype | None = None) -> None:
+    """Raise FutureMapError unless `x` has an integer dtype (whose values all fit `into`)."""
     if not np.issubdtype(_dtype(x), np.integer):
         raise FutureMapError(f"{name} must have an integer dtype, got {_dtype(x)}")
     check_fits(name, x, into)
@@ -42,15 +48,12 @@ def check_rows(name: str, x: Any, rows: int) -> None:
         raise FutureMapError(f"{name} has {jnp.shape(x)[0]} rows, indices have {rows}")
 
 
-def check_array(name: str, x: Any, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...]) -> None:
-    """Raise unless `x` has exactly `shape` and one of `dtypes`."""
+def check_array(name: str, x: Any, shape: tuple[int, ...]) -> None:
+    """Raise unless `x` is given and has exactly `shape`."""
     if x is None:
         raise FutureMapError(f"{name} is missing")
     if tuple(jnp.shape(x)) != shape:
         raise FutureMapError(f"{name} must have shape {shape}, got {tuple(jnp.shape(x))}")
-    if _dtype(x) not in dtypes:
-        allowed = ", ".join(str(d) for d in dtypes)
-        raise FutureMapError(f"{name} must have dtype in ({allowed}), got {_dtype(x)}")
 
 
 def check_int_array(name: str, x: Any) -> None:
@@ -64,3 +67,9 @@ def check_scalar_int(name: str, x: Any) -> None:
     shape = np.shape(x)  # no jnp.shape: it will refuse None and strings
     if shape != () or not np.issubdtype(_dtype(x), np.integer):
         raise FutureMapError(f"{name} must be an int scalar, got shape {shape} {_dtype(x)}")
+
+
+def check_declared_dtype(name: str, x: Any, dtype: np.dtype) -> None:
+    """Raise unless `x` has `dtype`, the declared dtype of a field that is not an int."""
+    if _dtype(x) != dtype:
+        raise refusals.not_the_declared_dtype(name, _dtype(x), dtype)

@@ -110,16 +110,17 @@ def check_spec(spec: Any) -> SpecConfig:
 class FutureMapState(NamedTuple):
     """The relay buffers, leading dimension R (pool size). Spec fields are None without spec.
 
-    Slot 0 mirrors the request pool's padding row: padded rows write garbage there.
+    Slot 0 mirrors the request pool's padding row: padded rows write garbage there. A
+    real-float field's buffer holds its raw bits, the unsigned int of its width (uint32 for
+    topk_p, uint16 for bf16 hidden states): unsigned-int writes are in place and bit-exact
+    on every backend; `jax.lax.bitcast_convert_type` views them as the declared dtype.
     """
 
     output_tokens: jax.Array  # [R] int: last token (non-spec) or bonus token (spec)
     new_seq_lens: jax.Array  # [R] int: length after the slot's last forward
-    topk_p: jax.Array | None = None  # [R, K] float32
+    topk_p: jax.Array | None = None  # [R, K] float32, as its bits (uint32)
     topk_index: jax.Array | None = None  # [R, K] int
-    # [R, H] raw bits of the declared hidden dtype (uint16 for bf16/f16, uint32 for f32):
-    # unsigned-int writes are in place and bit-exact on every backend.
-    hidden_states: jax.Array | None = None
+    hidden_states: jax.Array | None = None  # [R, H] the declared dtype, as its bits
     verified_id: jax.Array | None = None  # [R] int, when declared
     extras: dict[str, jax.Array] | None = None  # the engine's own fields by name, [R, ...]
 
