@@ -172,8 +172,27 @@ def publish(
     return state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
 
 
+def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
+    """Stash's payload as its per-row values by field name, once its kind is checked:
+    tokens (`tokens`) on a map without spec; on a spec map a DraftPayload giving no field
+    the spec leaves undeclared (`relay_fields.check_declared`), each declared field as
+    `draft.<name>` (None where not given). What every entry point of stash checks first."""
+    if spec is None:
+        if isinstance(payload, DraftPayload):
+            raise refusals.draft_on_plain_map()
+        if payload is None:
+            raise FutureMapError("tokens is missing: stash on a map without spec takes [B] ints")
+        return [("tokens", payload)]
+    if not isinstance(payload, DraftPayload):
+        raise refusals.tokens_on_spec_map()
+    fields = spec.fields()
+    rf.check_declared(fields, payload)
+    return [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields]
+
+
 def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
-    """Every declared field present, [rows, *shape] of its dtype; none undeclared."""
+    """Every declared field present, [rows, *shape] of its dtype (its kind and undeclared
+    fields checked by `payload_rows`)."""
     for f in cfg.fields:
         name, v = f"draft.{f.name}", rf.get(draft, f.name)
         if f.dtype is None and not f.shape:  # one int per row
@@ -186,7 +205,6 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
             s.check_fits(name, v, cfg.dtype)
         else:
             s.check_array(name, v, (rows, *f.shape), (f.dtype,))
-    rf.check_declared(cfg.fields, draft)
 
 
 def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
@@ -195,14 +213,11 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
     rows = jnp.shape(indices)[0]
+    payload_rows(cfg.spec, payload)
     if cfg.spec is None:
-        if isinstance(payload, DraftPayload):
-            raise refusals.draft_on_plain_map()
         s.check_1d_int("tokens", payload, dt)
         s.check_rows("tokens", payload, rows)
     else:
-        if not isinstance(payload, DraftPayload):
-            raise refusals.tokens_on_spec_map()
         _check_draft(cfg, payload, rows)
     if chk is not None:
         # Consumed fields must not be stashed negative: a -1 would read as the poison.
