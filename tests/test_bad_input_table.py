@@ -1,16 +1,25 @@
 """One rule for bad input: every bad input through every entry point, judged alike.
 
 Each row of `CASES` is one bad input to one op. It runs through every entry point that
-takes that form of input:
-- `jax`: the fm_jax class on one device (numpy host rows);
-- `mesh`: the fm_jax class on a 4x2 mesh of virtual CPU devices (each DP rank given the
-  same rows), in a subprocess with 8 devices, as tests/test_scaleout_mesh.py does;
+takes that form of input (`applies`):
+- `jax`: the fm_jax class on one device (numpy host rows), each call's arrays passed on
+  their own (`pack_inputs=False`);
+- `packed`: the same class packing each call's host arrays into one buffer
+  (`pack_inputs=True`, the default off CPU);
+- `step`: an engine step on one device (`FutureMap.engine_step`) whose forward is the
+  identity on the relay (it publishes and stashes what it resolved) except where the
+  row's bad input is what the forward returns: a batch's rows are the step's batch, a
+  publish's lengths and a stash's payload the forward's `StepOutput` (judged when the
+  step is traced, as jax arrays), and the step's own `inputs` (`StepInput`) its own rows;
+- `mesh` and `mesh step`: the class and the engine step on a 4x2 mesh of virtual CPU
+  devices (each DP rank given the same rows), in a subprocess with 8 devices, as
+  tests/test_scaleout_mesh.py does;
 - `ops`: fm_jax's pure ops, for what is visible when they are traced (dtypes, shapes,
   the kind of payload, a forward mode known on the host), called eagerly and under jit;
 - `torch`: the fm_torch twin (CPU tensors: values checked, as fm_jax checks host rows).
 Every entry point must refuse with `FutureMapError` (never a raw TypeError, ValueError or
-OverflowError) whose message names the field, and leave every buffer byte-identical; the
-two maps keep working afterwards.
+OverflowError) whose message names the field, and leave every buffer byte-identical (an
+engine step: its step count too); the maps keep working afterwards.
 """
 
 from __future__ import annotations
@@ -33,8 +42,12 @@ from fm_bench.child import call_in_child
 
 R = 6
 K, H = 2, 3
-WHERE = ("jax", "mesh", "ops", "torch")
+WHERE = ("jax", "packed", "step", "mesh", "mesh step", "ops", "torch")
+CLASS = ("jax", "packed", "mesh")  # the class's own calls
+HOST = tuple(w for w in WHERE if w != "ops")  # host rows: only what checks values sees them
+STEP = ("step", "mesh step")  # what only an engine step takes (the class takes lists)
 DP, TP = 4, 2
+MAP_OPS = ("publish", "stash", "resolve", "invalidate", "seq_lens")
 
 
 @dataclass(frozen=True)
@@ -42,13 +55,17 @@ class Bad:
     """One bad input: `op`'s good call with `change` applied.
 
     Attributes:
-      op: publish, stash, resolve, invalidate or seq_lens (resolve_seq_lens_cpu).
+      op: publish, stash, resolve, invalidate or seq_lens (resolve_seq_lens_cpu); an
+        engine step's own: inputs (its `StepInput`s) or output (what its forward returns
+        other than a StepOutput).
       field: what the refusal must name (fm_jax's field name).
       change: call arguments replaced (see `good_call`).
       spec: run on the spec maps.
-      trace: visible when the pure ops are traced (so `ops` refuses it too).
+      trace: visible when traced (so the pure ops refuse it too, and an engine step whose
+        forward returns it).
       torch_field: fm_torch's name for the field, where it differs.
-      where: the entry points that take this form of input.
+      where: the entry points that take this form of input (`applies` adds each entry
+        point's own rule).
     """
 
     op: str
@@ -62,6 +79,10 @@ class Bad:
 
 def a(*xs: Any) -> np.ndarray:
     return np.array(xs)
+
+
+def i32(*xs: Any) -> np.ndarray:
+    return np.array(xs, np.int32)
 
 
 def bf16(*shape: int) -> np.ndarray:
@@ -83,11 +104,9 @@ CASES: dict[str, Bad] = {
     # ------------------------------------------------------------------------ slots
     "indices_float": Bad("publish", "indices", {"indices": a(1.0, 2.0)}, trace=True),
     "indices_2d": Bad("publish", "indices", {"indices": a([1, 2])}, trace=True),
-    "indices_str": Bad("publish", "indices", {"indices": "12"}, where=("jax", "mesh", "torch")),
-    "indices_none": Bad("stash", "indices", {"indices": None}, where=("jax", "mesh", "torch")),
-    "indices_objects": Bad(
-        "stash", "indices", {"indices": [1, "a"]}, where=("jax", "mesh", "torch")
-    ),
+    "indices_str": Bad("publish", "indices", {"indices": "12"}, where=HOST),
+    "indices_none": Bad("stash", "indices", {"indices": None}, where=HOST),
+    "indices_objects": Bad("stash", "indices", {"indices": [1, "a"]}, where=HOST),
     "indices_slot_R": Bad("publish", "indices", {"indices": a(1, R)}),
     "indices_negative": Bad("stash", "indices", {"indices": a(-1, 2)}),
     "indices_live_twice": Bad("stash", "indices", {"indices": a(3, 3)}),
@@ -103,19 +122,13 @@ CASES: dict[str, Bad] = {
     "new_seq_lens_float": Bad("publish", "new_seq_lens", {"values": a(5.0, 6.0)}, trace=True),
     "new_seq_lens_beyond_int32": Bad("publish", "new_seq_lens", {"values": a(5, 2**31)}),
     "new_seq_lens_negative": Bad("publish", "new_seq_lens", {"values": a(5, -2)}),
-    "new_seq_lens_none": Bad(
-        "publish", "new_seq_lens", {"values": None}, where=("jax", "mesh", "torch")
-    ),
+    "new_seq_lens_none": Bad("publish", "new_seq_lens", {"values": None}, where=HOST),
     "tokens_negative": Bad("stash", "tokens", {"values": a(-1, 8)}),
     "tokens_negative_padding_row": Bad("stash", "tokens", {"indices": a(1, 0), "values": a(7, -5)}),
     "tokens_rows": Bad("stash", "tokens", {"values": a(7, 8, 9)}, trace=True),
-    "tokens_object": Bad(
-        "stash", "tokens", {"values": a(None, None)}, where=("jax", "mesh", "torch")
-    ),
+    "tokens_object": Bad("stash", "tokens", {"values": a(None, None)}, where=HOST),
     "tokens_beyond_int32": Bad("stash", "tokens", {"values": a(7, -(2**31) - 1)}),
-    "tokens_huge_python_ints": Bad(
-        "stash", "tokens", {"values": [2**70, 1]}, where=("jax", "mesh", "torch")
-    ),
+    "tokens_huge_python_ints": Bad("stash", "tokens", {"values": [2**70, 1]}, where=HOST),
     "draft_on_plain_map": Bad("stash", "DraftPayload", draft(), trace=True),
     # ------------------------------------------------------------------------ resolve
     "input_ids_float": Bad("resolve", "input_ids", {"ids": a(-1.0, -2.0)}, trace=True),
@@ -184,7 +197,7 @@ CASES: dict[str, Bad] = {
         "bonus_tokens",
         draft(bonus_tokens=a(None, None)),
         spec=True,
-        where=("jax", "mesh", "torch"),
+        where=HOST,
     ),
     "draft_indices_slot_R": Bad(
         "resolve",
@@ -203,11 +216,47 @@ CASES: dict[str, Bad] = {
     ),
     "spec_sentinel_R": Bad("resolve", "input_ids", {"ids": a(-1, -R)}, spec=True),
     "spec_mode_unknown": Bad("resolve", "forward_mode", {"mode": 9}, spec=True, trace=True),
+    # ------------------------------------------------------------ rows with no rows
+    "new_seq_lens_0d": Bad("publish", "new_seq_lens", {"values": np.array(5)}, trace=True),
+    "tokens_0d": Bad("stash", "tokens", {"values": np.array(7)}, trace=True),
+    "topk_p_0d": Bad("stash", "topk_p", draft(topk_p=np.float32(0.5)), spec=True, trace=True),
+    "extras_list": Bad("stash", "draft.extras", draft(extras=[bf16(2, H)]), spec=True, trace=True),
+    # ----------------------------------------- what an engine's forward returns (step)
+    "step_lens_list": Bad("publish", "new_seq_lens", {"values": [5, 6]}, trace=True, where=STEP),
+    "step_lens_int": Bad("publish", "new_seq_lens", {"values": 5}, trace=True, where=STEP),
+    "step_tokens_list": Bad("stash", "tokens", {"values": [7, 8]}, trace=True, where=STEP),
+    "step_tokens_int": Bad("stash", "tokens", {"values": 7}, trace=True, where=STEP),
+    "step_tokens_none": Bad("stash", "tokens", {"values": None}, trace=True, where=STEP),
+    "step_bonus_list": Bad(
+        "stash", "bonus_tokens", draft(bonus_tokens=[10, 11]), spec=True, trace=True, where=STEP
+    ),
+    "step_hidden_float": Bad(
+        "stash", "hidden_states", draft(hidden_states=1.0), spec=True, trace=True, where=STEP
+    ),
+    "step_output_tuple": Bad("output", "StepOutput", trace=True, where=STEP),
+    # ------------------------------------------------- an engine step's own inputs
+    "input_float": Bad("inputs", "pos", {"inputs": {"pos": a(0.5, 1.0)}}, where=STEP),
+    "input_int64_beyond_int32": Bad("inputs", "pos", {"inputs": {"pos": a(0, 2**40)}}, where=STEP),
+    "input_missing": Bad("inputs", "pos", {"inputs": {}}, where=STEP),
+    "input_undeclared": Bad(
+        "inputs", "temp", {"inputs": {"pos": i32(0, 1), "temp": i32(0, 1)}}, where=STEP
+    ),
+    "input_rows": Bad("inputs", "pos", {"inputs": {"pos": i32(0, 1, 2)}}, where=STEP),
+    "input_row_shape": Bad(
+        "inputs", "pos", {"inputs": {"pos": np.zeros((2, 3), np.int32)}}, where=STEP
+    ),
+    "input_0d": Bad("inputs", "pos", {"inputs": {"pos": np.array(0, np.int32)}}, where=STEP),
+    "input_object": Bad("inputs", "pos", {"inputs": {"pos": a(None, None)}}, where=STEP),
+    "input_str": Bad("inputs", "pos", {"inputs": {"pos": "01"}}, where=STEP),
+    "input_jax_rows": Bad(
+        "inputs", "pos", {"inputs": {"pos": jnp.zeros(3, jnp.int32)}}, where=("step",)
+    ),
+    "inputs_not_a_mapping": Bad("inputs", "inputs", {"inputs": [i32(0, 1)]}, where=STEP),
     # ---------------------------------------------- per-rank mappings (fm_jax only)
-    "rank_key_float": Bad("stash", "DP rank", {"by_rank": 1.0}, where=("jax", "mesh")),
-    "rank_key_bool": Bad("stash", "DP rank", {"by_rank": True}, where=("jax", "mesh")),
-    "rank_key_str": Bad("stash", "DP rank", {"by_rank": "1"}, where=("jax", "mesh")),
-    "rank_key_foreign": Bad("stash", "DP rank", {"by_rank": DP}, where=("jax", "mesh")),
+    "rank_key_float": Bad("stash", "DP rank", {"by_rank": 1.0}, where=CLASS),
+    "rank_key_bool": Bad("stash", "DP rank", {"by_rank": True}, where=CLASS),
+    "rank_key_str": Bad("stash", "DP rank", {"by_rank": "1"}, where=CLASS),
+    "rank_key_foreign": Bad("stash", "DP rank", {"by_rank": DP}, where=CLASS),
 }
 
 
@@ -222,6 +271,7 @@ def good_call(case: Bad) -> dict[str, Any]:
         "ids": a(-1, -2),
         "lens": a(-1, -2),
         "draft_indices": a(1, 2) if case.spec else None,
+        "inputs": {"pos": i32(0, 1)},
     }
     if case.op == "stash" and case.spec:
         base.update(draft())
@@ -235,6 +285,42 @@ def tile(x: Any, n: int) -> Any:
     if isinstance(x, dict):
         return {k: tile(v, n) for k, v in x.items()}
     return x
+
+
+def reaches_step(case: Bad) -> bool:
+    """Whether an engine step takes the case's bad input: a batch's rows (the step's
+    batch), its own inputs, or what its forward returns (publish's lengths, stash's
+    payload, another output), seen when traced, as jax arrays (`staged_applies`)."""
+    if case.op in ("resolve", "inputs"):
+        return True
+    if case.op in ("publish", "stash", "invalidate") and set(case.change) == {"indices"}:
+        return True  # a step's slots are its batch's
+    returned = set(case.change) <= {"values", "draft", "tuple_draft"}
+    return case.op in ("publish", "stash", "output") and case.trace and returned
+
+
+def field(case: Bad, where: str) -> str:
+    """What the refusal through `where` must name: an engine step's slots are its batch's
+    `req_pool_indices`."""
+    if where in ("step", "mesh step") and case.field == "indices":
+        return "req_pool_indices"
+    return case.field
+
+
+def applies(case: Bad, where: str) -> bool:
+    """Whether the entry point `where` takes the case: named by the case, and within
+    the entry point's reach (the pure ops: what tracing sees; an engine step:
+    `reaches_step`; the others: the map's own ops)."""
+    if where not in case.where:
+        return False
+    if where in ("step", "mesh step"):
+        return reaches_step(case) and staged_applies(case)
+    return case.op in MAP_OPS and (case.trace or where != "ops")
+
+
+def cases(where: str) -> list[str]:
+    """The cases the entry point `where` takes."""
+    return [k for k, c in CASES.items() if applies(c, where)]
 
 
 def call_jax(fm: Any, case: Bad, n: int = 1) -> Any:
@@ -257,6 +343,71 @@ def call_jax(fm: Any, case: Bad, n: int = 1) -> Any:
     }[case.op]()
 
 
+POS = fj.StepInput("pos", "row")
+"""The engine step's own per-row input."""
+
+
+def relay_forward(case: Bad, out: dict[str, Any]) -> Any:
+    """An engine's forward that is the identity on the relay (it publishes and stashes
+    what it resolved) but returns `case`'s bad lengths or payload (`out`, as jax arrays)
+    in their place, or a tuple for a case of another output."""
+
+    def forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> Any:
+        lens = out.get("lens", res.seq_lens)
+        payload = out.get("payload", res.draft if case.spec else res.input_ids)
+        got = fj.StepOutput(lens, payload, inputs["pos"])
+        return tuple(got) if case.op == "output" else got
+
+    return forward
+
+
+_GOOD_STEPS: dict[Any, Any] = {}
+"""Each map's engine step with the identity forward (by map; compiled once per map)."""
+
+
+def call_step(fm: Any, case: Bad, n: int = 1) -> Any:
+    """Run `case` through an engine step of `fm` (`n` DP ranks, given global rows)."""
+    c = {k: tile(v, n) for k, v in good_call(case).items()}
+    rows = {k: tile(v, n) for k, v in good_call(Bad("resolve", "", spec=case.spec)).items()}
+    if case.op == "resolve":
+        rows = c
+    elif "indices" in case.change:  # the step's slots
+        rows["idx"] = c["indices"]
+    batch = fj.Batch(rows["mode"], rows["idx"], rows["ids"], rows["lens"], rows["draft_indices"])
+    out: dict[str, Any] = {}
+    if case.op == "publish":
+        out["lens"] = staged(c["values"])
+    elif case.op == "stash":
+        out["payload"] = staged_payload(c, n)
+    if out or case.op == "output":
+        step = fm.engine_step(relay_forward(case, out), inputs=[POS])
+    else:  # the good forward: one step per map, compiled once
+        step = _GOOD_STEPS.get(fm)
+        if step is None:
+            step = _GOOD_STEPS[fm] = fm.engine_step(relay_forward(case, {}), inputs=[POS])
+    return step(batch, inputs=c["inputs"])
+
+
+def staged(x: Any) -> Any:
+    """A host array as a jax array (what a jitted function holds); anything else as is."""
+    if not isinstance(x, np.ndarray) or x.dtype == object:
+        return x
+    return jnp.asarray(x)
+
+
+def staged_payload(c: dict[str, Any], n: int) -> Any:
+    """Stash's payload of the call `c` (tokens, a DraftPayload, a tuple), staged."""
+    if c.get("tuple_draft"):
+        return tuple(staged(v) for v in tile(draft()["draft"], n).values())
+    if c.get("draft") is not None:
+        d = c["draft"]
+        extras = d.get("extras")
+        if isinstance(extras, dict):
+            extras = {k: staged(v) for k, v in extras.items()}
+        return fj.DraftPayload(**{**{k: staged(v) for k, v in d.items()}, "extras": extras})
+    return staged(c["values"])
+
+
 def call_ops(ops: Any, state: Any, case: Bad, jit: bool) -> Any:
     """Run `case` on fm_jax's pure ops (`ops` single-pool or sharded), eagerly or jitted."""
     n = getattr(getattr(ops, "layout", None), "dp", 1)
@@ -264,15 +415,13 @@ def call_ops(ops: Any, state: Any, case: Bad, jit: bool) -> Any:
 
     def conv(x: Any) -> Any:
         """Under jit, arrays as jax arrays (an engine's jitted step holds nothing else)."""
-        if not jit or x is None or isinstance(x, int | float | str) or x.dtype == object:
-            return x
-        return jnp.asarray(x)
+        return staged(x) if jit else x
 
-    payload: Any = conv(c["values"])
-    if c.get("draft") is not None:
-        payload = fj.DraftPayload(**{k: conv(v) for k, v in c["draft"].items()})
-    if c.get("tuple_draft"):
-        payload = tuple(conv(v) for v in tile(draft()["draft"], n).values())
+    payload: Any = staged_payload(c, n) if jit else c["values"]
+    if not jit and c.get("draft") is not None:
+        payload = fj.DraftPayload(**c["draft"])
+    if not jit and c.get("tuple_draft"):
+        payload = tuple(tile(draft()["draft"], n).values())
     mode = c["mode"]
     if jit and isinstance(mode, int | float) and not isinstance(mode, bool):
         mode = jnp.asarray(mode)  # a traced mode, as an engine's jitted step holds it
@@ -290,11 +439,6 @@ def call_ops(ops: Any, state: Any, case: Bad, jit: bool) -> Any:
         checked = checkify.checkify(fn, errors=checkify.user_checks)
         return jax.jit(checked)(state, conv(c["indices"]), values)
     return fn(state, c["indices"], values)
-
-
-def ops_cases() -> list[str]:
-    """The cases visible when the pure ops are traced."""
-    return [k for k, c in CASES.items() if c.trace and "ops" in c.where]
 
 
 def staged_applies(case: Bad) -> bool:
@@ -317,11 +461,12 @@ def jax_buffers(fm: Any) -> dict[str, bytes]:
     return {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
 
 
-def jax_outcome(fm: Any, case: Bad, n: int = 1) -> dict[str, Any]:
-    """What `case` did on an fm_jax class map: the refusal and whether buffers held."""
-    before, state = jax_buffers(fm), fm.state
+def jax_outcome(fm: Any, case: Bad, where: str, n: int = 1) -> dict[str, Any]:
+    """What `case` did through the fm_jax entry point `where`: the refusal, and whether
+    the buffers and the step count held."""
+    before, state, step = jax_buffers(fm), fm.state, fm.step
     try:
-        call_jax(fm, case, n)
+        CALLS[where](fm, case, n)
     except Exception as e:  # noqa: BLE001  # the test judges the type
         kind, msg = type(e).__name__, str(e)
         refused = isinstance(e, fj.FutureMapError)
@@ -329,17 +474,31 @@ def jax_outcome(fm: Any, case: Bad, n: int = 1) -> dict[str, Any]:
         kind, msg, refused = "accepted", "", False
     intact = (
         fm.state is state
+        and fm.step == step
         and not any(b.is_deleted() for b in fm.buffers().values())
         and jax_buffers(fm) == before
     )
     return {"kind": kind, "message": msg, "refused": refused, "intact": intact}
 
 
-def make_jax_map(spec: bool, mesh: Any = None) -> Any:
+CALLS = {"jax": call_jax, "packed": call_jax, "mesh": call_jax, "step": call_step}
+CALLS["mesh step"] = call_step
+
+
+def good_case(case: Bad, where: str) -> Bad:
+    """The good call that shows the map still works after `case` through `where`: the
+    op's own, or for an engine step a step with the identity forward."""
+    op = "resolve" if where in ("step", "mesh step") else case.op
+    return Bad(op, "", spec=case.spec)
+
+
+def make_jax_map(spec: bool, mesh: Any = None, pack: bool = False) -> Any:
     """An fm_jax map with distinct values in every buffer (the spec extras of one draft)."""
     cfg = fj.SpecConfig(K, H, jnp.dtype(jnp.bfloat16)) if spec else None
     kw = {} if mesh is None else {"mesh": mesh, "dp_axis": "dp", "tp_axis": "tp"}
-    fm = fj.FutureMap(R, spec=cfg, batch_buckets=(2, 4), token_buckets=(2, 4), **kw)
+    fm = fj.FutureMap(
+        R, spec=cfg, batch_buckets=(2, 4), token_buckets=(2, 4), pack_inputs=pack, **kw
+    )
     n = fm.layout.dp
     fm.publish(tile(a(1, 2, 3, 4), n), tile(a(11, 12, 13, 14), n))
     if spec:
@@ -351,23 +510,34 @@ def make_jax_map(spec: bool, mesh: Any = None) -> Any:
 
 
 # ------------------------------------------------------------------- fm_jax, one device
+ONE_DEVICE = ("jax", "packed", "step")
+
+
 @pytest.fixture(scope="module")
-def jax_maps() -> dict[bool, Any]:
-    return {spec: make_jax_map(spec) for spec in (False, True)}
+def jax_maps() -> dict[tuple[str, bool], Any]:
+    """A map per one-device entry point and spec (the packed one packing every call)."""
+    return {
+        (w, spec): make_jax_map(spec, pack=w == "packed")
+        for w in ONE_DEVICE
+        for spec in (False, True)
+    }
 
 
-@pytest.mark.parametrize("name", [k for k, c in CASES.items() if "jax" in c.where])
-def test_fm_jax_class_refuses_and_keeps_every_byte(jax_maps: dict[bool, Any], name: str) -> None:
-    """Pins a bad input that the one-device class takes (writing or casting silently), or
-    refuses with a raw error, a message that does not name the field, or after a write."""
+@pytest.mark.parametrize(("where", "name"), [(w, k) for w in ONE_DEVICE for k in cases(w)])
+def test_fm_jax_class_refuses_and_keeps_every_byte(
+    jax_maps: dict[tuple[str, bool], Any], where: str, name: str
+) -> None:
+    """Pins a bad input that the one-device class (its calls packed or not) or its engine
+    step takes (writing or casting silently), or refuses with a raw error, a message that
+    does not name the field, or after a write."""
     case = CASES[name]
-    fm = jax_maps[case.spec]
-    got = jax_outcome(fm, case)
+    fm = jax_maps[where, case.spec]
+    got = jax_outcome(fm, case, where)
     assert got["refused"], got
-    assert case.field in got["message"], got
+    assert field(case, where) in got["message"], got
     assert got["intact"], got
     # the map keeps working: the op's good call goes through
-    call_jax(fm, Bad(case.op, "", spec=case.spec))
+    CALLS[where](fm, good_case(case, where))
 
 
 # --------------------------------------------------------------------- fm_jax pure ops
@@ -382,7 +552,7 @@ def pure_ops() -> dict[bool, Any]:
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("name", ops_cases())
+@pytest.mark.parametrize("name", cases("ops"))
 def test_pure_ops_refuse_what_tracing_sees(pure_ops: dict[bool, Any], name: str, jit: bool) -> None:
     """Pins a pure op taking a bad dtype, shape, payload kind or host mode when traced
     (silently cast, or failing later with a raw error): the engine that inlines the ops
@@ -460,7 +630,7 @@ def torch_maps() -> dict[bool, Any]:
     return out
 
 
-@pytest.mark.parametrize("name", [k for k, c in CASES.items() if "torch" in c.where])
+@pytest.mark.parametrize("name", cases("torch"))
 def test_fm_torch_refuses_and_keeps_every_byte(torch_maps: dict[bool, Any], name: str) -> None:
     """Pins fm_torch judging an input otherwise than fm_jax (taking what fm_jax refuses,
     or refusing with a raw error or after a write)."""
@@ -476,28 +646,32 @@ def test_fm_torch_refuses_and_keeps_every_byte(torch_maps: dict[bool, Any], name
 
 
 # --------------------------------------------------- fm_jax on a 4x2 mesh (subprocess)
+MESH = ("mesh", "mesh step")
+
+
 def _inner() -> dict[str, Any]:
-    """In a process with 8 CPU devices: every case on a 4x2 mesh map, and the trace-time
-    cases on the sharded pure ops; one JSON-able report."""
+    """In a process with 8 CPU devices: every case on a 4x2 mesh map and its engine step,
+    and the trace-time cases on the sharded pure ops; one JSON-able report."""
     assert len(jax.devices()) == DP * TP, jax.devices()
     mesh = jax.make_mesh((DP, TP), ("dp", "tp"))  # Explicit axes, jax.make_mesh's default
-    maps = {spec: make_jax_map(spec, mesh) for spec in (False, True)}
-    report: dict[str, Any] = {"class": {}, "ops": {}}
-    for name, case in CASES.items():
-        if "mesh" not in case.where:
-            continue
-        try:
-            got = jax_outcome(maps[case.spec], case, DP)
-            call_jax(maps[case.spec], Bad(case.op, "", spec=case.spec), DP)  # still works
-        except Exception:  # noqa: BLE001  # reported to the test
-            got = {"error": traceback.format_exc()}
-        report["class"][name] = got
+    report: dict[str, Any] = {"ops": {}}
+    for where in MESH:
+        maps = {spec: make_jax_map(spec, mesh) for spec in (False, True)}
+        report[where] = {}
+        for name in cases(where):
+            case = CASES[name]
+            try:
+                got = jax_outcome(maps[case.spec], case, where, DP)
+                CALLS[where](maps[case.spec], good_case(case, where), DP)  # still works
+            except Exception:  # noqa: BLE001  # reported to the test
+                got = {"error": traceback.format_exc()}
+            report[where][name] = got
     sharded = {}
     for spec in (False, True):
         cfg = fj.SpecConfig(K, H, jnp.dtype(jnp.bfloat16)) if spec else None
         ops = fj.sharded_future_map(R, mesh, dp_axis="dp", tp_axis="tp", spec=cfg, debug=True)
         sharded[spec] = (ops, ops.init())
-    for name in ops_cases():
+    for name in cases("ops"):
         case = CASES[name]
         for jit in (False, True):
             if not (jit_applies(case) if jit else staged_applies(case)):
@@ -531,20 +705,22 @@ def mesh_report() -> dict[str, Any]:
     return call_in_child(__file__, "_inner", env, timeout=600)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("name", [k for k, c in CASES.items() if "mesh" in c.where])
-def test_fm_jax_mesh_refuses_and_keeps_every_byte(mesh_report: dict[str, Any], name: str) -> None:
-    """Pins the mesh map judging an input otherwise than the one-device map (a float64
-    topk_p cast, a rank key 1.0 or True taken as rank 1, a draft ignored)."""
+@pytest.mark.parametrize(("where", "name"), [(w, k) for w in MESH for k in cases(w)])
+def test_fm_jax_mesh_refuses_and_keeps_every_byte(
+    mesh_report: dict[str, Any], where: str, name: str
+) -> None:
+    """Pins the mesh map or its engine step judging an input otherwise than the one-device
+    map (a float64 topk_p cast, a rank key 1.0 or True taken as rank 1, a draft ignored)."""
     case = CASES[name]
-    got = mesh_report["class"][name]
+    got = mesh_report[where][name]
     assert "error" not in got, got.get("error")
     assert got["refused"], got
-    assert case.field in got["message"], got
+    assert field(case, where) in got["message"], got
     assert got["intact"], got
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("name", ops_cases())
+@pytest.mark.parametrize("name", cases("ops"))
 def test_sharded_pure_ops_refuse_what_tracing_sees(
     mesh_report: dict[str, Any], name: str, jit: bool
 ) -> None:

@@ -612,3 +612,92 @@ def test_a_float_field_given_another_dtype_names_both_dtypes() -> None:
     ops = fj.future_map(R, spec=spec)  # the pure ops, traced: the same refusal
     with pytest.raises(fj.FutureMapError, match=r"^draft.p has dtype float16, declared float32"):
         ops.stash(ops.init(), dev(3, 5), fj.DraftPayload(extras={"p": jnp.ones((2, 2), "f2")}))
+
+
+# ------------------------------------------------------------------ what a forward returns
+SPEC = fj.SpecConfig(topk=2, extra=(fj.RelayField("score", (), np.float32),))
+
+
+def _draft(**change: Any) -> fj.DraftPayload:
+    d = {
+        "bonus_tokens": jnp.ones(2, jnp.int32),
+        "topk_p": jnp.full((2, 2), 0.5, jnp.float32),
+        "topk_index": jnp.ones((2, 2), jnp.int32),
+        "extras": {"score": jnp.ones(2, jnp.float32)},
+    }
+    return fj.DraftPayload(**{**d, **change})
+
+
+BAD_OUTPUTS = {
+    "lens_list": (False, "new_seq_lens", "Python list", lambda r: ([4, 5], r.input_ids)),
+    "lens_int": (False, "new_seq_lens", "Python int", lambda r: (4, r.input_ids)),
+    "lens_0d": (False, "new_seq_lens", "0-d array", lambda r: (jnp.int32(4), r.input_ids)),
+    "tokens_list": (False, "tokens", "Python list", lambda r: (r.seq_lens, [7, 8])),
+    "tokens_int": (False, "tokens", "Python int", lambda r: (r.seq_lens, 7)),
+    "tokens_0d": (False, "tokens", "0-d array", lambda r: (r.seq_lens, jnp.int32(7))),
+    "tokens_none": (False, "tokens", "missing", lambda r: (r.seq_lens, None)),
+    "bonus_list": (
+        True,
+        "draft.bonus_tokens",
+        "Python list",
+        lambda r: (r.seq_lens, _draft(bonus_tokens=[7, 8])),
+    ),
+    "topk_p_float": (
+        True,
+        "draft.topk_p",
+        "Python float",
+        lambda r: (r.seq_lens, _draft(topk_p=0.5)),
+    ),
+    "extra_0d": (
+        True,
+        "draft.score",
+        "0-d array",
+        lambda r: (r.seq_lens, _draft(extras={"score": jnp.float32(1)})),
+    ),
+    "extras_list": (
+        True,
+        "draft.extras",
+        "mapping",
+        lambda r: (r.seq_lens, _draft(extras=[jnp.ones(2, jnp.float32)])),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD_OUTPUTS)
+def test_a_step_output_that_is_no_array_of_rows_is_named(name: str) -> None:
+    """Pins a forward whose StepOutput holds a Python list, a Python number or a 0-d
+    array (as new_seq_lens, the tokens or a DraftPayload field) getting JAX's raw
+    shard_map ValueError, and a DraftPayload whose `extras` is a list a raw AttributeError:
+    each is a FutureMapError naming the field and what was expected, raised when the
+    step is traced, with nothing run, donated or counted."""
+    spec, field, what, out = BAD_OUTPUTS[name]
+    fm = fj.FutureMap(R, spec=SPEC if spec else None, batch_buckets=(2,), token_buckets=(2,))
+    fm.publish(a(1, 2), a(3, 4))
+    before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+    batch = fj.Batch(fj.ForwardMode.EXTEND, a(1, 2), a(3, 4), a(1, 1))
+    step = fm.engine_step(lambda r, b, i, w: fj.StepOutput(*out(r), w), donate_argnums=(0,))
+    w = jnp.zeros(3)
+    with pytest.raises(fj.FutureMapError, match="StepOutput") as info:
+        step(batch, w)
+    assert field in str(info.value) and what in str(info.value), str(info.value)
+    assert fm.step == 0 and not w.is_deleted()
+    assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
+    good = _draft() if spec else jnp.ones(2, jnp.int32)
+    fm.engine_step(lambda r, b, i: fj.StepOutput(r.seq_lens, good))(batch)  # still serves
+    assert fm.step == 1
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ops", "sharded ops"])
+def test_pure_ops_stash_names_extras_that_are_no_mapping(sharded: bool) -> None:
+    """Pins the pure ops' stash raising a raw AttributeError for a DraftPayload whose
+    `extras` is a list (the class names it): both check the payload's form in one place
+    first, eagerly and under jit."""
+    if sharded:
+        ops: Any = fj.sharded_future_map(R, jax.make_mesh((1,), ("dp",)), spec=SPEC)
+    else:
+        ops = fj.future_map(R, spec=SPEC)
+    state = ops.init()
+    bad = _draft(extras=[jnp.ones(2, jnp.float32)])
+    for fn in (ops.stash, jax.jit(ops.stash)):
+        with pytest.raises(fj.FutureMapError, match="draft.extras must be a mapping"):
+            fn(state, jnp.array([1, 2], jnp.int32), bad)

@@ -138,7 +138,7 @@ class EngineStep:
         self._runtime = runtime
         self._protocol = protocol
         self._options = dict(options)
-        self._tail = tail(ops, protocol)
+        self._tail = tail(ops, protocol, what="")
         self._registry = Registry(self._build, self._not_warmed, packed_names=False)
 
     @property
@@ -237,7 +237,14 @@ class EngineStep:
                     f"the engine's forward must return a StepOutput, got {type(got).__name__}"
                 )
             idx = batch.req_pool_indices
-            e_tail, (state, sentinels) = checked(tail_fn)(state, idx, got.new_seq_lens, got.payload)
+            try:  # the tail's trace-time checks judge only what the forward returned
+                e_tail, (state, sentinels) = checked(tail_fn)(
+                    state, idx, got.new_seq_lens, got.payload
+                )
+            except FutureMapError as e:
+                raise FutureMapError(
+                    f"the engine's forward returned a StepOutput the map cannot relay: {e}"
+                ) from None
             # The published lengths leave the step only when the host reads them.
             lens = jnp.asarray(got.new_seq_lens, dtype) if copies_lengths else None
             out = (state, got.out, sentinels, lens)

@@ -18,18 +18,21 @@ import jax
 from fm_jax._src import checks
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.keys import FIXED_MODES, Key, takes_state, writes_state
+from fm_jax._src.ops import payload_rows
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.protocol import Protocol
-from fm_jax._src.sharding import ShardedFutureMapOps
+from fm_jax._src.sharding import ShardedFutureMapOps, check_split
 from fm_jax._src.types import Batch, FutureMapState
 
 
-def tail(ops: ShardedFutureMapOps, protocol: Protocol) -> Any:
+def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> Any:
     """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
     payload) -> (state, what the protocol leaves: the sentinels `-indices`, or None).
 
     Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
-    consecutive shard_maps (jax 0.10: "select cases must have the same shapes").
+    consecutive shard_maps (jax 0.10: "select cases must have the same shapes"). Its
+    arguments are checked when traced as publish's and stash's are (`check_split`; refusals
+    begin with `what`).
     """
     local = ops.local
 
@@ -40,7 +43,16 @@ def tail(ops: ShardedFutureMapOps, protocol: Protocol) -> Any:
         state = local.stash(state, indices, payload)
         return state, protocol.sentinels(indices.astype(local.dtype))
 
-    return ops.map_ranks(local_tail)
+    mapped = ops.map_ranks(local_tail)
+
+    def checked_tail(
+        state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any
+    ) -> tuple[FutureMapState, Any]:
+        rows = [("indices", indices), ("new_seq_lens", new_seq_lens)]
+        check_split(ops.layout, what, [*rows, *payload_rows(local.spec, payload)])
+        return mapped(state, indices, new_seq_lens, payload)  # type: ignore[no-any-return]
+
+    return checked_tail
 
 
 def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool) -> Any:

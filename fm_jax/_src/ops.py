@@ -172,10 +172,28 @@ def publish(
     return state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
 
 
+def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
+    """Stash's payload as its per-row values by field name, once its kind is checked:
+    tokens (`tokens`) on a map without spec; on a spec map a DraftPayload giving no field
+    the spec leaves undeclared (`relay_fields.check_declared`), each declared field as
+    `draft.<name>` (None where not given). What every entry point of stash checks first."""
+    if spec is None:
+        if isinstance(payload, DraftPayload):
+            raise refusals.draft_on_plain_map()
+        if payload is None:
+            raise FutureMapError("tokens is missing: stash on a map without spec takes [B] ints")
+        return [("tokens", payload)]
+    if not isinstance(payload, DraftPayload):
+        raise refusals.tokens_on_spec_map()
+    fields = spec.fields()
+    rf.check_declared(fields, payload)
+    return [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields]
+
+
 def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
-    """Every declared field present, [rows, *shape]; none undeclared. An int field's rows
-    may be of any int dtype whose every value fits its buffer (they are cast); any other
-    field's are of its own dtype."""
+    """Every declared field present, [rows, *shape] (its kind and undeclared fields
+    checked by `payload_rows`). An int field's rows may be of any int dtype whose every
+    value fits its buffer (they are cast); any other field's are of its own dtype."""
     for f in cfg.fields:
         name, v = f"draft.{f.name}", rf.get(draft, f.name)
         dt = rf.element_dtype(f, cfg.dtype)
@@ -191,7 +209,6 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
             s.check_ints(name, v, dt)
         else:
             s.check_declared_dtype(name, v, dt)
-    rf.check_declared(cfg.fields, draft)
 
 
 def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
@@ -200,14 +217,11 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
     rows = jnp.shape(indices)[0]
+    payload_rows(cfg.spec, payload)
     if cfg.spec is None:
-        if isinstance(payload, DraftPayload):
-            raise refusals.draft_on_plain_map()
         s.check_1d_int("tokens", payload, dt)
         s.check_rows("tokens", payload, rows)
     else:
-        if not isinstance(payload, DraftPayload):
-            raise refusals.tokens_on_spec_map()
         _check_draft(cfg, payload, rows)
     if chk is not None:
         # Consumed fields must not be stashed negative: a -1 would read as the poison.

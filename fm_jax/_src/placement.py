@@ -26,6 +26,7 @@ from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import BatchPlacement, StepInput
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax._src.keys import Key
+from fm_jax._src.ops import payload_rows
 from fm_jax._src.plans import Placed, Plan, Role, signature
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload
@@ -190,15 +191,12 @@ class Placement:
         """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
         inputs = self.inputs
         drafts = list(payload.values()) if isinstance(payload, Mapping) else [payload]
-        is_draft = [isinstance(p, DraftPayload) for p in drafts]
-        if self.spec is None:
-            if any(is_draft):
-                raise refusals.draft_on_plain_map()
-            return inputs.matched("tokens", payload, idx, relayed=True)
-        if not drafts or not all(is_draft):
+        if not drafts and self.spec is not None:
             raise refusals.tokens_on_spec_map(per_rank=True)
-        for p in drafts:
-            rf.check_declared(self.fields, p)
+        for p in drafts:  # each rank's payload: its kind and declared fields, as the ops judge
+            payload_rows(self.spec, p)
+        if self.spec is None:
+            return inputs.matched("tokens", payload, idx, relayed=True)
 
         def field(f: rf.RelayField) -> Any:
             """The field's rows placed like `idx` (None where no rank gives it)."""

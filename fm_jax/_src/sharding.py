@@ -18,7 +18,7 @@ collectives and outputs keep the inputs' sharding (no resharding step to step).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.ops import FutureMapOps, future_map
+from fm_jax._src.ops import FutureMapOps, future_map, payload_rows
 from fm_jax._src.shapes import check_int_array
 from fm_jax._src.types import Batch, FutureMapState, Resolved, SpecConfig
 
@@ -201,15 +201,41 @@ def _checks_vma(ops: FutureMapOps) -> bool:
     return ops.spec is None or ops.spec.kernel != "pallas"
 
 
-def _check_split(layout: MeshLayout, tree: Any, what: str) -> None:
-    """Every leaf's leading size splits evenly into DP equal per-rank parts."""
-    for leaf in jax.tree.leaves(tree):
-        shape = jnp.shape(leaf)
-        if len(shape) == 0 or shape[0] % layout.dp:
+def check_split(layout: MeshLayout, what: str, named: Iterable[tuple[str, Any]]) -> None:
+    """Each named per-row value (None: not given) an array whose leading size splits into
+    DP equal per-rank parts, as the ranks' shard_map takes it; else FutureMapError naming
+    the field and what it is (a Python list or number, a 0-d array, uneven rows), after
+    `what` (the op; empty: the caller names it)."""
+    rows = "[B, ...]" if layout.dp == 1 else f"[{layout.dp}*B, ...], each DP rank's B rows"
+    head = f"{what}: " if what else ""
+    for name, x in named:
+        if x is None:
+            continue
+        if not isinstance(x, np.ndarray | jax.Array) or x.ndim == 0:
+            got = "a 0-d array" if isinstance(x, np.ndarray | jax.Array) else _kind(x)
+            raise FutureMapError(f"{head}{name} must be an array of rows {rows}, got {got}")
+        if x.shape[0] % layout.dp:
             raise FutureMapError(
-                f"{what}: leading size {shape[:1]} does not split into {layout.dp} equal "
-                "per-rank parts (lay each rank's rows out end to end, padded to one size)"
+                f"{head}{name} has leading size {x.shape[0]}, which does not split into "
+                f"{layout.dp} equal per-rank parts (lay each rank's rows out end to end, "
+                "padded to one size)"
             )
+
+
+def _kind(x: Any) -> str:
+    """What a value that is no array is, for a refusal."""
+    if isinstance(x, bool | int | float | complex):
+        return f"a Python {type(x).__name__} ({x!r})"
+    if isinstance(x, np.generic):
+        return f"a numpy scalar ({x.dtype})"
+    if type(x) in (list, tuple):
+        return f"a Python {type(x).__name__}"
+    return f"a {type(x).__name__}"
+
+
+def _batch_rows(batch: Batch) -> list[tuple[str, Any]]:
+    """A batch's fields by name, as the ops name them."""
+    return list(zip(Batch._fields, batch, strict=True))
 
 
 def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
@@ -235,12 +261,12 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
 
     def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
         _check_state(layout, state, pool_size)
-        _check_split(layout, (indices, new_seq_lens), "publish")
+        check_split(layout, "publish", [("indices", indices), ("new_seq_lens", new_seq_lens)])
         return each(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
         _check_state(layout, state, pool_size)
-        _check_split(layout, (indices, payload), "stash")
+        check_split(layout, "stash", [("indices", indices), *payload_rows(ops.spec, payload)])
         return each(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
 
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
@@ -253,7 +279,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
                 return ops.resolve(state, b._replace(forward_mode=fixed))
 
             batch = batch._replace(forward_mode=None)
-            _check_split(layout, batch, "resolve")
+            check_split(layout, "resolve", _batch_rows(batch))
             return each(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
         check_int_array("forward_mode", mode)  # a traced mode here: a scalar or one per rank
         shape = jnp.shape(mode)  # type: ignore[arg-type]
@@ -270,17 +296,17 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
             return ops.resolve(state, b._replace(forward_mode=b.forward_mode[0]))  # type: ignore[index]
 
         batch = batch._replace(forward_mode=mode)
-        _check_split(layout, batch, "resolve")
+        check_split(layout, "resolve", _batch_rows(batch))
         return each(local_resolve)(state, batch)  # type: ignore[no-any-return]
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
-        _check_split(layout, indices, "invalidate")
+        check_split(layout, "invalidate", [("indices", indices)])
         # Elementwise: every rank's sentinels are its own rank-local -indices.
         return ops.invalidate(batch, indices)
 
     def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
         _check_state(layout, state, pool_size)
-        _check_split(layout, indices, "seq_lens_at")
+        check_split(layout, "seq_lens_at", [("indices", indices)])
         return each(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
 
     return ShardedFutureMapOps(init, publish, stash, resolve, invalidate, seq_lens_at, ops, layout)
