@@ -72,7 +72,7 @@ from jax.experimental import checkify
 
 import fm_jax as fj
 import fm_torch as ft
-from fm_jax._src import host_inputs, host_lengths
+from fm_jax._src import host_inputs
 
 R = 5  # live slots 1..4
 ROWS = TOKENS = 4  # the one bucket: every call compiles once
@@ -81,7 +81,7 @@ POISON = -1
 EXTEND, DECODE, MIXED, IDLE = (int(m) for m in fj.ForwardMode)
 SEED = int(os.environ.get("FM_CONTRACT_SEED") or random.SystemRandom().randrange(2**32))
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FM_CONTRACT_EXAMPLES", "100")),
+    max_examples=int(os.environ.get("FM_CONTRACT_EXAMPLES", "80")),
     stateful_step_count=30,
     deadline=None,
     database=None,
@@ -263,14 +263,17 @@ class Impl:
 
 
 @functools.cache
-def _class_map(pack_inputs: bool, needs_cpu_seq_lens: bool) -> fj.FutureMap:
+def _class_map(
+    pack_inputs: bool, needs_cpu_seq_lens: bool, buckets: tuple[int, ...] = (ROWS,)
+) -> fj.FutureMap:
     """One class map per variant for every example (reset by `ClassImpl.reset`): a fresh
-    map per example would compile its executables again."""
+    map per example would compile its executables again. `buckets`: its batch and token
+    buckets (the largest `ROWS`, the pure ops' padded size)."""
     return fj.FutureMap(
         R,
         debug=True,
-        batch_buckets=(ROWS,),
-        token_buckets=(TOKENS,),
+        batch_buckets=buckets,
+        token_buckets=buckets,
         pack_inputs=pack_inputs,
         needs_cpu_seq_lens=needs_cpu_seq_lens,
     )
@@ -320,9 +323,12 @@ class ClassImpl(Impl):
     # ------------------------------------------------------------------------------ ops
     def write(self, op: str, slots: list[int], values: list[int], form: str) -> None:
         """publish or stash, the values in `form`: a host array of that dtype, or "device"
-        (a jax array padded to the bucket: good values, checked on the device)."""
+        (a jax array padded to the slots' bucket: good values, checked on the device)."""
         idx = a(slots)
-        vals = _pad(values, ROWS) if form == "device" else np.array(values, form)
+        if form == "device":
+            vals = jnp.asarray(fj.pad_to_bucket(np.array(values, np.int32), self.fm.batch_buckets))
+        else:
+            vals = np.array(values, form)
         getattr(self.fm, op)(idx, vals)
         idx[:] = SCRIBBLE  # the engine refills its arrays
         if form != "device":
@@ -384,11 +390,30 @@ def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> fj.St
 
 class StepImpl(ClassImpl):
     """The class's engine step on its own map: a step is one dispatch; the other ops are
-    the class's."""
+    the class's.
+
+    Two known defects are stepped around, each pinned by a strict xfail test below (when
+    one is fixed, its test passes: drop the workaround and the test).
+    """
+
+    # Host modes whose value the forward's batch is compared on (a traced mode always is):
+    # a host MIXED or IDLE batch reaches the forward as EXTEND.
+    FORWARD_SEES: ClassVar[tuple[int, ...]] = (EXTEND, DECODE)
+    # The batch a step returned is fed back with its sentinels cut to its rows' batch
+    # bucket: a step whose rows followed a larger token bucket pads them to that one, and
+    # the next step refuses them.
+    CUT_SENTINELS: ClassVar[bool] = True
 
     def __init__(self, name: str, fm: fj.FutureMap) -> None:
         super().__init__(name, fm)
         self.engine = _engine_step(fm)
+
+    def batch(self, b: BatchIn) -> fj.Batch:
+        batch = super().batch(b)
+        if b.again and self.CUT_SENTINELS:
+            rows = fj.pad_to_bucket(batch.req_pool_indices, self.fm.batch_buckets).shape[0]
+            batch = batch._replace(input_ids=batch.input_ids[:rows], seq_lens=batch.seq_lens[:rows])
+        return batch
 
     def step(self, b: BatchIn, tokens: list[int], after: list[int]) -> dict[str, list[int]]:
         toks = np.array(tokens, np.int32)
@@ -398,7 +423,9 @@ class StepImpl(ClassImpl):
         self.kept = r.batch
         ids, lens, mode = r.out
         n = len(b.slots)
-        out = {"ids": _ints(ids, len(b.ids)), "lens": _ints(lens, n), "mode": [int(mode)]}
+        out = {"ids": _ints(ids, len(b.ids)), "lens": _ints(lens, n)}
+        if b.traced or b.mode in self.FORWARD_SEES:
+            out["mode"] = [int(mode)]
         return {**out, **self.next_of(r.batch, n)}
 
 
@@ -597,7 +624,9 @@ class TorchImpl(Impl):
 
 IMPLS: list[Callable[[], Impl]] = [
     lambda: ClassImpl("class (unpacked, no host lengths)", _class_map(False, False)),
-    lambda: StepImpl("engine step (class packed, host lengths)", _class_map(True, True)),
+    lambda: StepImpl(
+        "engine step (class packed, host lengths, buckets 2 and 4)", _class_map(True, True, (2, 4))
+    ),
     OpsImpl,
     TorchImpl,
 ]
@@ -626,10 +655,6 @@ def _with_slot_fault(slots: list[int], fault: str | None, data: st.DataObject) -
 
 class ContractMachine(RuleBasedStateMachine):
     """Every implementation of `IMPLS` side by side, against `Model`."""
-
-    # Host forward modes whose value the engine step's forward is compared on (a traced
-    # mode always is).
-    FORWARD_SEES: ClassVar[tuple[int, ...]] = (EXTEND, DECODE)
 
     def __init__(self) -> None:
         super().__init__()
@@ -672,8 +697,6 @@ class ContractMachine(RuleBasedStateMachine):
         live = [i for i, s in enumerate(slots) if s]
         for who, got in outs.items():
             for key, value in got.items():
-                if key not in want.out:
-                    continue  # a forward mode the step does not keep yet (FORWARD_SEES)
                 w = want.out[key]
                 if key == "lens":
                     assert [value[i] for i in live] == [w[i] for i in live], (who, key, value, w)
@@ -805,8 +828,6 @@ class ContractMachine(RuleBasedStateMachine):
     def run_step(self, b: BatchIn, data: st.DataObject) -> None:
         tokens = data.draw(tokens_of(len(b.slots)))
         want, after = self.model.step(b.mode, b.slots, b.ids, b.lens, tokens)
-        if not (b.traced or b.mode in self.FORWARD_SEES):
-            want.out.pop("mode", None)
         self.compare(want, b.slots, self.run("step", want, b, tokens, after))
         if not want.refused:
             self.published = self.stepped = b.slots
@@ -827,41 +848,28 @@ def test_every_implementation_follows_the_contract_model() -> None:
 
 
 # ------------------------------------------------------------------ the machine is not blind
-def _run_until_it_fails(machine: type[ContractMachine], examples: int = 400) -> None:
-    test = get_state_machine_test(
-        machine, settings=settings(SETTINGS, max_examples=examples, phases=[Phase.generate])
-    )
-    with pytest.raises(Exception):  # noqa: B017  # an assertion, or a refusal not expected
-        seed(SEED)(test)()
-
-
-def _keeps_the_callers_lengths(self: Any, idx: Any, lens: Any) -> None:
-    self._last = host_lengths._Published(idx, lens)
-
-
 def _returns_its_own_rows(self: Any, host: np.ndarray, like: Any) -> Any:
     return host if like.counts is None else host[: like.counts[0]]
 
 
-@pytest.mark.parametrize(
-    ("owner", "name", "broken"),
-    [
-        (host_lengths.HostLengths, "published", _keeps_the_callers_lengths),
-        (host_inputs.HostInputs, "unpad", _returns_its_own_rows),
-    ],
-    ids=["a publish keeps the caller's host lengths", "a read returns the map's own rows"],
-)
-def test_the_machine_fails_on_a_broken_map(
-    monkeypatch: pytest.MonkeyPatch, owner: type, name: str, broken: Any
+def test_the_machine_fails_on_a_map_whose_reads_share_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The host-length checks are not blind: a map that keeps the caller's host array as
-    its copy of the published lengths, or hands a read its own rows, fails the machine."""
-    monkeypatch.setattr(owner, name, broken)
-    _run_until_it_fails(ContractMachine)
+    """The reads' checks are not blind: a map handing `resolve_seq_lens_cpu` a view of its
+    own host rows instead of the caller's own array fails the machine."""
+    monkeypatch.setattr(host_inputs.HostInputs, "unpad", _returns_its_own_rows)
+    test = get_state_machine_test(
+        ContractMachine, settings=settings(SETTINGS, max_examples=100, phases=[Phase.generate])
+    )
+    with pytest.raises(AssertionError):
+        seed(SEED)(test)()
 
 
-class _EveryModeSeen(ContractMachine):
-    FORWARD_SEES = (EXTEND, DECODE, MIXED, IDLE)
+def _stepper() -> StepImpl:
+    """The machine's engine step at the model's start."""
+    impl = StepImpl("engine step", _class_map(True, True, (2, 4)))
+    impl.reset()
+    return impl
 
 
 @pytest.mark.xfail(
@@ -869,11 +877,33 @@ class _EveryModeSeen(ContractMachine):
     reason="defect: an engine step given a batch whose host forward_mode is MIXED or IDLE "
     "hands its forward EXTEND (the executable fixed 'not DECODE')",
 )
-def test_the_engine_steps_forward_sees_every_host_mode() -> None:
-    """The machine comparing the mode the step's forward sees for every host mode: a
-    MIXED or IDLE batch must reach the forward as MIXED or IDLE. When this passes,
-    ContractMachine.FORWARD_SEES takes every mode and this test goes."""
-    test = get_state_machine_test(
-        _EveryModeSeen, settings=settings(SETTINGS, max_examples=50, phases=[Phase.generate])
+@pytest.mark.parametrize("mode", [MIXED, IDLE])
+def test_the_engine_steps_forward_sees_the_batchs_host_mode(
+    monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    """A MIXED or IDLE batch must reach the step's forward as MIXED or IDLE (a forward
+    branches on it: skip IDLE, handle MIXED's running rows). When this passes,
+    StepImpl.FORWARD_SEES takes every mode and this test goes."""
+    monkeypatch.setattr(StepImpl, "FORWARD_SEES", (EXTEND, DECODE, MIXED, IDLE))
+    slots = [] if mode == IDLE else [1]
+    out = _stepper().step(
+        BatchIn(mode, slots, [5] * len(slots), [1] * len(slots)), [7] * len(slots), []
     )
-    seed(SEED)(test)()
+    assert out["mode"] == [mode]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=fj.FutureMapError,
+    reason="defect: StepResult.batch pads its sentinels to the token bucket its rows "
+    "followed (4 rows for 2), and the next step refuses it",
+)
+def test_the_batch_a_step_returns_is_the_next_steps_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """StepResult.batch, 'the batch for the next step', fed back as the next DECODE step
+    after a prefill of 2 rows and 3 tokens (token bucket 4, batch bucket 2). When this
+    passes, StepImpl.CUT_SENTINELS goes and so does this test."""
+    monkeypatch.setattr(StepImpl, "CUT_SENTINELS", False)
+    impl = _stepper()
+    impl.step(BatchIn(EXTEND, [1, 2], [5, 6, 7], [2, 1]), [8, 9], [])
+    out = impl.step(BatchIn(DECODE, [1, 2], [-1, -2], [-1, -2], again=True), [1, 1], [])
+    assert out["ids"] == [8, 9]
