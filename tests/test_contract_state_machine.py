@@ -9,9 +9,10 @@ in `IMPLS`, all in debug mode:
 - fm_jax's FutureMap class, host numpy rows, unpacked (`pack_inputs=False`), without
   host lengths (`needs_cpu_seq_lens=False`: every read gathers from the buffer);
 - the class's engine step (`FutureMap.engine_step`) on a map that packs its host inputs
-  (`pack_inputs=True`) and keeps host lengths (the default): a step is one dispatch,
-  resolve + a forward that writes the resolved lengths + 1 and the host's tokens + the
-  tail; every other rule is the class's op on that map, packed;
+  (`pack_inputs=True`), keeps host lengths (the default) and has buckets 2 and 4 (a
+  batch's rows may follow its token bucket): a step is one dispatch, resolve + a forward
+  that writes the resolved lengths + 1 and the host's tokens + the tail; every other rule
+  is the class's op on that map, packed;
 - fm_jax's pure ops, jitted once per op at fixed padded shapes, under checkify;
 - fm_torch (CPU tensors).
 A step on the others is resolve, then the tail (the class's `finish`; publish, stash and
