@@ -1,26 +1,44 @@
 """Random op sequences, good and bad, through every implementation against a model.
 
 A hypothesis rule-based state machine drives publish / stash / resolve /
-resolve_seq_lens_cpu / invalidate calls (each either good or with one fault: a slot out
-of range, a live slot twice, a negative token or length, a sentinel naming no slot, a
-DECODE batch with more ids than rows, a forward mode that is none; and, as good input, a
-sentinel naming a slot outside its batch) through three implementations at once, all in
-debug mode:
-- fm_jax's FutureMap class (host numpy rows);
+resolve_seq_lens_cpu / invalidate calls and whole engine steps (each either good or with
+one fault: a slot out of range, a live slot twice, a negative token or length, a sentinel
+naming no slot, a DECODE batch with more ids than rows, a forward mode that is none; and,
+as good input, a sentinel naming a slot outside its batch) through every implementation
+in `IMPLS`, all in debug mode:
+- fm_jax's FutureMap class, host numpy rows, unpacked (`pack_inputs=False`), without
+  host lengths (`needs_cpu_seq_lens=False`: every read gathers from the buffer);
+- the class's engine step (`FutureMap.engine_step`) on a map that packs its host inputs
+  (`pack_inputs=True`), keeps host lengths (the default) and has buckets 2 and 4 (a
+  batch's rows may follow its token bucket): a step is one dispatch, resolve + a forward
+  that writes the resolved lengths + 1 and the host's tokens + the tail; every other rule
+  is the class's op on that map, packed;
 - fm_jax's pure ops, jitted once per op at fixed padded shapes, under checkify;
 - fm_torch (CPU tensors).
-`Model` below is the contract in plain Python (dicts, docs/CONTRACT.md's words). After every call
-each implementation must give the model's outputs, hold the model's live slots in every
-buffer, and refuse (FutureMapError naming the field) or report (InvariantViolation
-naming the invariant) exactly what the model says. Slot 0 is padding: garbage, never
-compared.
+A step on the others is resolve, then the tail (the class's `finish`; publish, stash and
+invalidate on the pure ops and fm_torch). `Model` below is the contract in plain Python
+(dicts, docs/CONTRACT.md's words). After every call each implementation must give the
+model's outputs, hold the model's live slots in every buffer, and refuse (FutureMapError
+naming the field) or report (InvariantViolation naming the invariant) exactly what the
+model says. Slot 0 is padding: garbage, never compared. A new implementation is one more
+`Impl` in `IMPLS`: every rule drives it.
+
+Host lengths: reads come at drawn slots and at exactly the slots last published (a publish
+of host or device lengths, a finish, a step: the copy a publish keeps); every array a read
+returns is the caller's own (a fresh writable ndarray, or tensor) and the test updates it
+in place, as an engine does, before the next call; a publish's and a step's host arrays
+are overwritten after the call (the engine refilling them for the next batch). None of it
+may change what the map holds or returns.
+
+Batches: fresh ones, with the forward mode on the host or (good input) a jax array; and
+the batch the implementation's last step returned, fed back as the next DECODE step.
 
 Where the implementations differ by design, the model says how: a refused call changes
 nothing anywhere (the pure ops, which cannot read values when traced, must report it as
 a violation instead; their result is dropped). A debug violation on valid input: the
 fm_jax ops run on and write their poison; fm_torch on CPU raises before writing, so the
 test writes the same poison into its buffer (what fm_torch's CUDA path, which asserts on
-the device, would hold) and all three go on alike.
+the device, would hold) and all go on alike.
 
 Reproducing a failure: hypothesis prints the failing call sequence and a
 `@reproduce_failure` blob; the run's seed is printed too (set FM_CONTRACT_SEED to rerun
@@ -33,21 +51,29 @@ import contextlib
 import functools
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, seed, settings
+from hypothesis import HealthCheck, Phase, event, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    initialize,
+    precondition,
+    rule,
+)
 from jax.experimental import checkify
 
 import fm_jax as fj
 import fm_torch as ft
+from fm_jax._src import host_inputs
 
 R = 5  # live slots 1..4
 ROWS = TOKENS = 4  # the one bucket: every call compiles once
@@ -56,7 +82,7 @@ POISON = -1
 EXTEND, DECODE, MIXED, IDLE = (int(m) for m in fj.ForwardMode)
 SEED = int(os.environ.get("FM_CONTRACT_SEED") or random.SystemRandom().randrange(2**32))
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FM_CONTRACT_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("FM_CONTRACT_EXAMPLES", "80")),
     stateful_step_count=30,
     deadline=None,
     database=None,
@@ -75,8 +101,9 @@ class Outcome:
       traced: the invariant the pure ops report instead of refusing (None: they cannot
         see this fault; nothing to check), for a refused call.
       violation: the invariant a debug check reports on good input ('' when none).
-      out: the call's outputs (resolve: ids and lengths; reads: lengths; invalidate:
-        sentinels).
+      out: the call's outputs by name: "ids" (resolved ids, one per token), "lens"
+        (resolved or read lengths, one per row), "next" and "next_lens" (sentinels),
+        "mode" (the forward mode a step's forward sees).
       poisoned: slots whose token the call poisons (a resolve).
     """
 
@@ -153,42 +180,45 @@ class Model:
             self.tokens[s] = POISON
         return got
 
-
-# ------------------------------------------------------------ the implementations' setup
-@functools.cache
-def _class_map() -> fj.FutureMap:
-    """One class map for every example (reset by `_reset_class`): a fresh map per example
-    would compile its executables again."""
-    return fj.FutureMap(R, debug=True, batch_buckets=(ROWS,), token_buckets=(TOKENS,))
-
-
-_OPS = fj.future_map(R, debug=True)
-
-
-def _checked(fn: Any) -> Any:
-    return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))
-
-
-_PURE = {
-    "publish": _checked(_OPS.publish),
-    "stash": _checked(_OPS.stash),
-    "resolve": _checked(_OPS.resolve),
-    "read": _checked(_OPS.seq_lens_at),
-    "invalidate": jax.jit(_OPS.invalidate),
-}
+    def step(
+        self, mode: Any, slots: list[int], ids: list[int], lens: list[int], tokens: list[int]
+    ) -> tuple[Outcome, list[int]]:
+        """An engine step: resolve; a forward whose lengths are each row's resolved length
+        + 1 (a padding row's: garbage, written at slot 0) and whose tokens are `tokens`;
+        the tail publishes and stashes them at the batch's slots and leaves the sentinels.
+        Returns the outcome and the lengths the tail publishes."""
+        got = self.resolve(mode, slots, ids, lens)
+        if got.refused:
+            return got, []
+        after = [(n or 0) + 1 for n in got.out["lens"]]
+        assert not self.write("publish", slots, after).refused
+        assert not self.write("stash", slots, tokens).refused
+        got.out.update(next=[-s for s in slots], next_lens=[-s for s in slots], mode=[mode])
+        return got, after
 
 
-def _reset_class(fm: fj.FutureMap) -> None:
-    """Bring the shared class map to the model's start (lengths 0, tokens poisoned), with
-    public ops only."""
-    with contextlib.suppress(fj.InvariantViolation):
-        fm.check()  # an earlier failing example may have left errors pending
-    live = np.array(LIVE)
-    fm.publish(live, np.zeros(len(LIVE), np.int64))
-    fm.stash(live, np.zeros(len(LIVE), np.int64))
-    ones = np.ones(len(LIVE), np.int64)
-    fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, live, ones, ones))  # poisons every live slot
-    fm.check()
+# ------------------------------------------------------------------- the implementations
+@dataclass
+class BatchIn:
+    """One batch in the model's terms, for every implementation to lay out its own way.
+
+    Attributes:
+      traced: the class's forward mode a jax int32 array (the traced executables); the
+        pure ops' always is.
+      again: the batch the implementation's own last step returned (its sentinels), with
+        `mode` as its forward mode; `slots`, `ids` and `lens` say what it holds.
+    """
+
+    mode: Any
+    slots: list[int]
+    ids: list[int]
+    lens: list[int]
+    traced: bool = False
+    again: bool = False
+
+
+def a(xs: list[int]) -> np.ndarray:
+    return np.array(xs, np.int64)
 
 
 def _pad(xs: list[int], n: int) -> jax.Array:
@@ -199,6 +229,411 @@ def _live(buf: Any) -> list[int]:
     return [int(x) for x in np.asarray(buf)[1:R]]
 
 
+def _ints(x: Any, n: int) -> list[int]:
+    return [int(v) for v in np.asarray(x)[:n]]
+
+
+def _checked(fn: Any) -> Any:
+    return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))
+
+
+SCRIBBLE = 12345  # what the engine refills its host arrays with after a call
+
+
+class Impl:
+    """One implementation under test: each op in the model's terms, in its own layout.
+
+    `call(op, want, *args)` runs op `op` (a method: write, i.e. publish or stash; read,
+    resolve, invalidate, step) and checks its refusal or debug violation against `want` the way
+    this implementation reports them; it returns the op's outputs by name (as `Outcome.out`
+    names them), or None where it has none to compare.
+    """
+
+    name: str
+
+    def reset(self) -> None:
+        """Back to the model's start: lengths 0, every live token poisoned."""
+        raise NotImplementedError
+
+    def buffers(self) -> tuple[Any, Any]:
+        """(output_tokens, new_seq_lens), global."""
+        raise NotImplementedError
+
+    def call(self, op: str, want: Outcome, *args: Any) -> dict[str, list[int]] | None:
+        raise NotImplementedError
+
+
+@functools.cache
+def _class_map(
+    pack_inputs: bool, needs_cpu_seq_lens: bool, buckets: tuple[int, ...] = (ROWS,)
+) -> fj.FutureMap:
+    """One class map per variant for every example (reset by `ClassImpl.reset`): a fresh
+    map per example would compile its executables again. `buckets`: its batch and token
+    buckets (the largest `ROWS`, the pure ops' padded size)."""
+    return fj.FutureMap(
+        R,
+        debug=True,
+        batch_buckets=buckets,
+        token_buckets=buckets,
+        pack_inputs=pack_inputs,
+        needs_cpu_seq_lens=needs_cpu_seq_lens,
+    )
+
+
+class ClassImpl(Impl):
+    """fm_jax's class: refusals raised before anything runs, violations at `check()`."""
+
+    def __init__(self, name: str, fm: fj.FutureMap) -> None:
+        self.name, self.fm = name, fm
+        self.kept: fj.Batch | None = None  # the batch its last step returned
+        self.returned: np.ndarray | None = None  # the last read's array (the caller's)
+
+    def reset(self) -> None:
+        fm = self.fm
+        with contextlib.suppress(fj.InvariantViolation):
+            fm.check()  # an earlier failing example may have left errors pending
+        live = np.array(LIVE)
+        fm.publish(live, np.zeros(len(LIVE), np.int64))
+        fm.stash(live, np.zeros(len(LIVE), np.int64))
+        ones = np.ones(len(LIVE), np.int64)
+        fm.resolve(fj.Batch(fj.ForwardMode.EXTEND, live, ones, ones))  # poisons every slot
+        fm.check()
+        self.kept = self.returned = None
+
+    def buffers(self) -> tuple[Any, Any]:
+        bufs = self.fm.buffers()
+        return bufs["output_tokens"], bufs["new_seq_lens"]
+
+    def call(self, op: str, want: Outcome, *args: Any) -> dict[str, list[int]] | None:
+        fn, step = getattr(self, op), self.fm.step
+        if want.refused:
+            with pytest.raises(fj.FutureMapError, match=want.refused):
+                fn(*args)
+            self.fm.check()  # a refused call records nothing
+            assert self.fm.step == step, self.name
+            return None
+        out = fn(*args)
+        if want.violation:
+            with pytest.raises(fj.InvariantViolation) as info:
+                self.fm.check()
+            assert info.value.invariant == want.violation, (self.name, info.value)
+        else:
+            self.fm.check()
+        return out  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------------------ ops
+    def write(self, op: str, slots: list[int], values: list[int], form: str) -> None:
+        """publish or stash, the values in `form`: a host array of that dtype, or "device"
+        (a jax array padded to the slots' bucket: good values, checked on the device)."""
+        idx = a(slots)
+        if form == "device":
+            vals = jnp.asarray(fj.pad_to_bucket(np.array(values, np.int32), self.fm.batch_buckets))
+        else:
+            vals = np.array(values, form)
+        getattr(self.fm, op)(idx, vals)
+        idx[:] = SCRIBBLE  # the engine refills its arrays
+        if form != "device":
+            vals[:] = SCRIBBLE
+
+    def read(self, slots: list[int]) -> dict[str, list[int]]:
+        got = self.fm.resolve_seq_lens_cpu(a(slots))
+        assert type(got) is np.ndarray and got.flags.writeable, (self.name, type(got))
+        assert self.returned is None or not np.shares_memory(got, self.returned), self.name
+        self.returned = got
+        out = got.tolist()
+        got += SCRIBBLE  # the caller updates its copy in place: nothing the map keeps
+        return {"lens": out}
+
+    def mode(self, b: BatchIn) -> Any:
+        return jnp.int32(b.mode) if b.traced else b.mode
+
+    def batch(self, b: BatchIn) -> fj.Batch:
+        if b.again:
+            assert self.kept is not None
+            return self.kept._replace(forward_mode=self.mode(b))
+        return fj.Batch(self.mode(b), a(b.slots), a(b.ids), a(b.lens))
+
+    def resolve(self, b: BatchIn) -> dict[str, list[int]]:
+        return self.resolve_batch(self.batch(b), b)
+
+    def invalidate(self, slots: list[int]) -> dict[str, list[int]]:
+        idx = a(slots)
+        got = self.fm.invalidate(fj.Batch(fj.ForwardMode.DECODE, idx, idx, idx), idx)
+        return {
+            "next": _ints(got.input_ids, len(slots)),
+            "next_lens": _ints(got.seq_lens, len(slots)),
+        }
+
+    def step(self, b: BatchIn, tokens: list[int], after: list[int]) -> dict[str, list[int]]:
+        """resolve, then `finish` with the forward's lengths and tokens."""
+        batch = self.batch(b)
+        out = self.resolve_batch(batch, b)
+        lens, toks = np.array(after, np.int32), np.array(tokens, np.int32)
+        self.kept = self.fm.finish(batch, batch.req_pool_indices, lens, toks)
+        lens[:], toks[:] = SCRIBBLE, SCRIBBLE
+        return {**out, **self.next_of(self.kept, len(b.slots))}
+
+    def resolve_batch(self, batch: fj.Batch, b: BatchIn) -> dict[str, list[int]]:
+        res = self.fm.resolve(batch)
+        return {"ids": _ints(res.input_ids, len(b.ids)), "lens": _ints(res.seq_lens, len(b.slots))}
+
+    @staticmethod
+    def next_of(batch: fj.Batch, n: int) -> dict[str, list[int]]:
+        return {"next": _ints(batch.input_ids, n), "next_lens": _ints(batch.seq_lens, n)}
+
+
+def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> fj.StepOutput:
+    """The engine's forward: each row's resolved length + 1, the host's tokens; it hands
+    back what it was given (ids, lengths, forward mode)."""
+    mode = jnp.asarray(batch.forward_mode, jnp.int32)
+    return fj.StepOutput(res.seq_lens + 1, inputs["tokens"], (res.input_ids, res.seq_lens, mode))
+
+
+class StepImpl(ClassImpl):
+    """The class's engine step on its own map: a step is one dispatch; the other ops are
+    the class's.
+
+    Two known defects are stepped around, each pinned by a strict xfail test below (when
+    one is fixed, its test passes: drop the workaround and the test).
+    """
+
+    # Host modes whose value the forward's batch is compared on (a traced mode always is):
+    # a host MIXED or IDLE batch reaches the forward as EXTEND.
+    FORWARD_SEES: ClassVar[tuple[int, ...]] = (EXTEND, DECODE)
+    # The batch a step returned is fed back with its sentinels cut to its rows' batch
+    # bucket: a step whose rows followed a larger token bucket pads them to that one, and
+    # the next step refuses them.
+    CUT_SENTINELS: ClassVar[bool] = True
+
+    def __init__(self, name: str, fm: fj.FutureMap) -> None:
+        super().__init__(name, fm)
+        self.engine = _engine_step(fm)
+
+    def batch(self, b: BatchIn) -> fj.Batch:
+        batch = super().batch(b)
+        if b.again and self.CUT_SENTINELS:
+            rows = fj.pad_to_bucket(batch.req_pool_indices, self.fm.batch_buckets).shape[0]
+            batch = batch._replace(input_ids=batch.input_ids[:rows], seq_lens=batch.seq_lens[:rows])
+        return batch
+
+    def step(self, b: BatchIn, tokens: list[int], after: list[int]) -> dict[str, list[int]]:
+        toks = np.array(tokens, np.int32)
+        r = self.engine(self.batch(b), inputs={"tokens": toks})
+        toks[:] = SCRIBBLE
+        assert isinstance(r.batch, fj.Batch)
+        self.kept = r.batch
+        ids, lens, mode = r.out
+        n = len(b.slots)
+        out = {"ids": _ints(ids, len(b.ids)), "lens": _ints(lens, n)}
+        if b.traced or b.mode in self.FORWARD_SEES:
+            out["mode"] = [int(mode)]
+        return {**out, **self.next_of(r.batch, n)}
+
+
+@functools.cache
+def _engine_step(fm: fj.FutureMap) -> fj.EngineStep:
+    return fm.engine_step(_forward, inputs=[fj.StepInput("tokens", "row")])
+
+
+_OPS = fj.future_map(R, debug=True)
+_PURE = {
+    "publish": _checked(_OPS.publish),
+    "stash": _checked(_OPS.stash),
+    "resolve": _checked(_OPS.resolve),
+    "read": _checked(_OPS.seq_lens_at),
+    "invalidate": jax.jit(_OPS.invalidate),
+}
+
+
+class OpsImpl(Impl):
+    """fm_jax's pure ops at padded shapes, the mode traced: a refused call's fault is
+    raised while tracing or reported as an invariant (its result dropped); a violation is
+    reported by the op's checkify error."""
+
+    name = "ops"
+
+    def __init__(self) -> None:
+        self.state = _OPS.init()
+        self.kept: fj.Batch | None = None
+
+    def reset(self) -> None:
+        self.state, self.kept = _OPS.init(), None
+
+    def buffers(self) -> tuple[Any, Any]:
+        return self.state.output_tokens, self.state.new_seq_lens
+
+    def call(self, op: str, want: Outcome, *args: Any) -> dict[str, list[int]] | None:
+        fn = getattr(self, op)
+        if want.refused:
+            try:
+                errs, _ = fn(*args, commit=False)  # its result dropped: nothing written
+            except fj.FutureMapError as e:  # visible when traced
+                assert want.refused in str(e), e
+            else:
+                if want.traced is not None:
+                    with pytest.raises(fj.InvariantViolation) as info:
+                        fj.raise_if_violated(errs[0])
+                    assert info.value.invariant == want.traced, info.value
+            return None
+        errs, out = fn(*args, commit=True)
+        for i, err in enumerate(errs):  # the violation is the first op's (a resolve's)
+            if want.violation and i == 0:
+                with pytest.raises(fj.InvariantViolation) as info:
+                    fj.raise_if_violated(err)
+                assert info.value.invariant == want.violation, info.value
+            else:
+                fj.raise_if_violated(err)
+        return out  # type: ignore[no-any-return]
+
+    def write(
+        self, op: str, slots: list[int], values: list[int], form: str, *, commit: bool
+    ) -> tuple[list[Any], None]:
+        err, new = _PURE[op](self.state, _pad(slots, ROWS), _pad(values, ROWS))
+        if commit:
+            self.state = new
+        return [err], None
+
+    def read(self, slots: list[int], *, commit: bool) -> tuple[list[Any], dict[str, list[int]]]:
+        err, lens = _PURE["read"](self.state, _pad(slots, ROWS))
+        return [err], {"lens": _ints(lens, len(slots))}
+
+    def batch(self, b: BatchIn) -> fj.Batch:
+        mode = jnp.asarray(b.mode) if isinstance(b.mode, bool) else jnp.int32(int(b.mode))
+        if b.again:
+            assert self.kept is not None
+            return self.kept._replace(forward_mode=mode)
+        return fj.Batch(mode, _pad(b.slots, ROWS), _pad(b.ids, TOKENS), _pad(b.lens, ROWS))
+
+    def resolve(self, b: BatchIn, *, commit: bool) -> tuple[list[Any], dict[str, list[int]]]:
+        err, (new, res) = _PURE["resolve"](self.state, self.batch(b))
+        if commit:
+            self.state = new
+        return [err], {
+            "ids": _ints(res.input_ids, len(b.ids)),
+            "lens": _ints(res.seq_lens, len(b.slots)),
+        }
+
+    def invalidate(
+        self, slots: list[int], *, commit: bool
+    ) -> tuple[list[Any], dict[str, list[int]]]:
+        n = len(slots)
+        got = _PURE["invalidate"](fj.Batch(None, _pad(slots, ROWS), None, None), _pad(slots, ROWS))
+        return [], {"next": _ints(got.input_ids, n), "next_lens": _ints(got.seq_lens, n)}
+
+    def step(
+        self, b: BatchIn, tokens: list[int], after: list[int], *, commit: bool
+    ) -> tuple[list[Any], dict[str, list[int]] | None]:
+        """resolve, then publish, stash and invalidate."""
+        batch = self.batch(b)
+        err, (new, res) = _PURE["resolve"](self.state, batch)
+        if not commit:
+            return [err], None
+        self.state, n = new, len(b.slots)
+        out = {"ids": _ints(res.input_ids, len(b.ids)), "lens": _ints(res.seq_lens, n)}
+        errs = [err]
+        for op, values in (("publish", after), ("stash", tokens)):
+            errs += self.write(op, b.slots, values, "int32", commit=True)[0]
+        self.kept = _PURE["invalidate"](batch._replace(forward_mode=None), batch.req_pool_indices)
+        assert self.kept is not None
+        return errs, {**out, **ClassImpl.next_of(self.kept, n)}
+
+
+class TorchImpl(Impl):
+    """fm_torch on CPU: refusals and violations both raised before anything is written
+    (the test then writes the poison its device path would)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tm = ft.FutureMap(R, dtype=torch.int32, debug=True)
+        self.kept: ft.ScheduleBatch | None = None
+        self.returned: torch.Tensor | None = None
+
+    def buffers(self) -> tuple[Any, Any]:
+        return self.tm.output_tokens, self.tm.new_seq_lens
+
+    def call(self, op: str, want: Outcome, *args: Any) -> dict[str, list[int]] | None:
+        if op == "step":
+            return self.step(want, *args)
+        fn = getattr(self, op)
+        if want.refused:
+            with pytest.raises(ft.FutureMapError, match=want.refused):
+                fn(*args)
+            return None
+        if not want.violation:
+            return fn(*args)  # type: ignore[no-any-return]
+        with pytest.raises(ft.InvariantViolation) as info:
+            fn(*args)
+        assert info.value.invariant == want.violation, info.value
+        if want.poisoned:  # fm_torch's CPU path wrote nothing; the device path would
+            self.tm.output_tokens[torch.tensor(want.poisoned)] = POISON
+        return None
+
+    def write(self, op: str, slots: list[int], values: list[int], form: str) -> None:
+        getattr(self.tm, op)(torch.tensor(slots, dtype=torch.int64), torch.tensor(values))
+
+    def read(self, slots: list[int]) -> dict[str, list[int]]:
+        got = self.tm.resolve_seq_lens_cpu(torch.tensor(slots, dtype=torch.int64))
+        prev = self.returned
+        assert prev is None or not np.shares_memory(got.numpy(), prev.numpy())
+        self.returned = got
+        out = got.tolist()
+        got += SCRIBBLE  # the caller updates its copy in place: nothing the map keeps
+        return {"lens": out}
+
+    def batch(self, b: BatchIn) -> ft.ScheduleBatch:
+        if b.again:
+            assert self.kept is not None
+            self.kept.forward_mode = b.mode
+            return self.kept
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        return ft.ScheduleBatch(b.mode, t(b.slots), t(b.ids), t(b.lens))
+
+    def resolve(self, b: BatchIn) -> dict[str, list[int]]:
+        tb = self.batch(b)
+        self.tm.resolve(tb)
+        return {"ids": tb.input_ids.tolist(), "lens": tb.seq_lens.tolist()}
+
+    def invalidate(self, slots: list[int]) -> dict[str, list[int]]:
+        idx = torch.tensor(slots, dtype=torch.int64)
+        tb = ft.ScheduleBatch(ft.ForwardMode.DECODE, idx, idx, idx)
+        self.tm.invalidate(tb, idx)
+        return {"next": tb.input_ids.tolist(), "next_lens": tb.seq_lens.tolist()}
+
+    def step(
+        self, want: Outcome, b: BatchIn, tokens: list[int], after: list[int]
+    ) -> dict[str, list[int]] | None:
+        """resolve (refused, or its violation reported, as a resolve's), then publish,
+        stash and invalidate."""
+        tb = self.batch(b)
+        out = self.call("resolve_batch", want, tb)
+        if want.refused:
+            return None
+        self.write("publish", b.slots, after, "int32")
+        self.write("stash", b.slots, tokens, "int32")
+        self.tm.invalidate(tb, tb.req_pool_indices)
+        self.kept = tb
+        return {**(out or {}), "next": tb.input_ids.tolist(), "next_lens": tb.seq_lens.tolist()}
+
+    def resolve_batch(self, tb: ft.ScheduleBatch) -> dict[str, list[int]]:
+        self.tm.resolve(tb)
+        return {"ids": tb.input_ids.tolist(), "lens": tb.seq_lens.tolist()}
+
+
+IMPLS: list[Callable[[], Impl]] = [
+    lambda: ClassImpl("class (unpacked, no host lengths)", _class_map(False, False)),
+    lambda: StepImpl(
+        "engine step (class packed, host lengths, buckets 2 and 4)", _class_map(True, True, (2, 4))
+    ),
+    OpsImpl,
+    TorchImpl,
+]
+"""Every implementation the machine drives, built once per example."""
+
+
 # ------------------------------------------------------------------------ the machine
 slot_lists = st.lists(st.sampled_from(LIVE), max_size=3, unique=True).flatmap(
     lambda live: (
@@ -206,6 +641,7 @@ slot_lists = st.lists(st.sampled_from(LIVE), max_size=3, unique=True).flatmap(
     )
 )
 faults = st.sampled_from([None, None, None, "slot", "dup", "negative"])
+tokens_of = lambda n: st.lists(st.integers(0, 30), min_size=n, max_size=n)  # noqa: E731
 
 
 def _with_slot_fault(slots: list[int], fault: str | None, data: st.DataObject) -> list[int]:
@@ -219,153 +655,114 @@ def _with_slot_fault(slots: list[int], fault: str | None, data: st.DataObject) -
 
 
 class ContractMachine(RuleBasedStateMachine):
-    """The three implementations side by side, against `Model`."""
+    """Every implementation of `IMPLS` side by side, against `Model`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.model = Model()
-        self.fm = _class_map()
-        self.state = _OPS.init()
-        self.tm = ft.FutureMap(R, dtype=torch.int32, debug=True)
+        self.impls = [make() for make in IMPLS]
+        self.published: list[int] = LIVE  # the slots of the last publish
+        self.stepped: list[int] | None = None  # the slots of the last step
 
     @initialize()
     def start(self) -> None:
-        _reset_class(self.fm)
+        for impl in self.impls:
+            impl.reset()
         self.compare_buffers()
 
     # ------------------------------------------------------------------- comparisons
     def compare_buffers(self) -> None:
         want_tokens = [self.model.tokens[s] for s in LIVE]
         want_lens = [self.model.lens[s] for s in LIVE]
-        bufs = self.fm.buffers()
-        for who, tokens, lens in (
-            ("class", bufs["output_tokens"], bufs["new_seq_lens"]),
-            ("ops", self.state.output_tokens, self.state.new_seq_lens),
-            ("torch", self.tm.output_tokens, self.tm.new_seq_lens),
-        ):
-            assert _live(tokens) == want_tokens, (who, "output_tokens")
-            assert _live(lens) == want_lens, (who, "new_seq_lens")
+        for impl in self.impls:
+            tokens, lens = impl.buffers()
+            assert _live(tokens) == want_tokens, (impl.name, "output_tokens")
+            assert _live(lens) == want_lens, (impl.name, "new_seq_lens")
 
-    def run(self, want: Outcome, on_class: Any, on_torch: Any, on_ops: Any) -> dict[str, Any]:
-        """Run one call on all three; check refusals and violations; return the outputs."""
-        outs: dict[str, Any] = {}
-        if want.refused:
-            with pytest.raises(fj.FutureMapError, match=want.refused):
-                on_class()
-            with pytest.raises(ft.FutureMapError, match=want.refused):
-                on_torch()
-            try:
-                err, _ = on_ops()  # its result is dropped: nothing written, as refused
-            except fj.FutureMapError as e:  # visible when traced
-                assert want.refused in str(e), e
-            else:
-                if want.traced is not None:
-                    with pytest.raises(fj.InvariantViolation) as info:
-                        fj.raise_if_violated(err)
-                    assert info.value.invariant == want.traced, info.value
-            self.fm.check()  # a refused call records nothing
-            return outs
-        outs["class"] = on_class()
-        if want.violation:
-            with pytest.raises(fj.InvariantViolation) as info:
-                self.fm.check()
-            assert info.value.invariant == want.violation, info.value
-            with pytest.raises(ft.InvariantViolation) as tinfo:
-                on_torch()
-            assert tinfo.value.invariant == want.violation, tinfo.value
-            if want.poisoned:  # fm_torch's CPU path wrote nothing; the device path would
-                self.tm.output_tokens[torch.tensor(want.poisoned)] = POISON
-        else:
-            self.fm.check()
-            outs["torch"] = on_torch()
-        err, outs["ops"] = on_ops()
-        if want.violation:
-            with pytest.raises(fj.InvariantViolation) as info:
-                fj.raise_if_violated(err)
-            assert info.value.invariant == want.violation, info.value
-        else:
-            fj.raise_if_violated(err)
+    def run(self, op: str, want: Outcome, *args: Any) -> dict[str, dict[str, list[int]]]:
+        """One call on every implementation (each checks its refusal or violation);
+        returns the outputs by implementation."""
+        event(f"{op}: {want.refused or want.violation or 'good'}")
+        outs = {}
+        for impl in self.impls:
+            got = impl.call(op, want, *args)
+            if got is not None:
+                outs[impl.name] = got
         return outs
 
+    def compare(
+        self, want: Outcome, slots: list[int], outs: dict[str, dict[str, list[int]]]
+    ) -> None:
+        """Every output as the model's: ids, sentinels and modes whole, lengths at live
+        rows (a padding row's is garbage)."""
+        live = [i for i, s in enumerate(slots) if s]
+        for who, got in outs.items():
+            for key, value in got.items():
+                w = want.out[key]
+                if key == "lens":
+                    assert [value[i] for i in live] == [w[i] for i in live], (who, key, value, w)
+                else:
+                    assert value == w, (who, key, value, w)
+
     # ------------------------------------------------------------------------ rules
-    @rule(op=st.sampled_from(["publish", "stash"]), slots=slot_lists, fault=faults, data=st.data())
+    @rule(
+        op=st.sampled_from(["publish", "stash"]),
+        slots=st.one_of(slot_lists, st.permutations(LIVE)),  # or the whole bucket
+        fault=faults,
+        data=st.data(),
+    )
     def write(self, op: str, slots: list[int], fault: str | None, data: st.DataObject) -> None:
         slots = _with_slot_fault(slots, fault, data)
         values = data.draw(st.lists(st.integers(0, 30), min_size=len(slots), max_size=len(slots)))
         if fault == "negative" and slots:
             values[data.draw(st.integers(0, len(slots) - 1))] = data.draw(st.integers(-5, -1))
-        want = self.model.write(op, slots, values)
-        idx, vals = np.array(slots, np.int64), np.array(values, np.int64)
-
-        def on_ops() -> Any:
-            err, new = _PURE[op](self.state, _pad(slots, ROWS), _pad(values, ROWS))
-            if not want.refused:
-                self.state = new
-            return err, None
-
-        self.run(
-            want,
-            lambda: getattr(self.fm, op)(idx, vals),
-            lambda: getattr(self.tm, op)(torch.from_numpy(idx), torch.from_numpy(vals)),
-            on_ops,
+        # The class's values: host arrays (int32 ones of a whole bucket need no padding),
+        # or good values on the device, as many as the bucket.
+        forms = ["int32", "int32", "int64"] + ["device"] * (
+            fault != "negative" and len(slots) <= ROWS
         )
+        form = data.draw(st.sampled_from(forms))
+        want = self.model.write(op, slots, values)
+        self.run("write", want, op, slots, values, form)
+        if op == "publish" and not want.refused:
+            self.published = slots
+        self.compare_buffers()
+
+    def read(self, slots: list[int]) -> None:
+        want = self.model.read(slots)
+        self.compare(want, slots, self.run("read", want, slots))
         self.compare_buffers()
 
     @rule(slots=slot_lists, fault=st.sampled_from([None, None, "slot"]), data=st.data())
     def read_lengths(self, slots: list[int], fault: str | None, data: st.DataObject) -> None:
-        slots = _with_slot_fault(slots, fault, data)
-        want = self.model.read(slots)
-        idx = np.array(slots, np.int64)
-        outs = self.run(
-            want,
-            lambda: self.fm.resolve_seq_lens_cpu(idx),
-            lambda: self.tm.resolve_seq_lens_cpu(torch.from_numpy(idx)),
-            lambda: _PURE["read"](self.state, _pad(slots, ROWS)),
-        )
-        if outs:
-            want_lens = want.out["lens"]
-            live = [i for i, s in enumerate(slots) if s]
-            for who, got in (
-                ("class", np.asarray(outs["class"])),
-                ("torch", outs["torch"].numpy()),
-                ("ops", np.asarray(outs["ops"])),
-            ):
-                assert [int(got[i]) for i in live] == [want_lens[i] for i in live], who
-        self.compare_buffers()
+        self.read(_with_slot_fault(slots, fault, data))
+
+    @rule()
+    def read_published(self) -> None:
+        """Exactly the slots last published (or finished, or stepped): where the map keeps
+        host lengths, the copy that publish kept."""
+        self.read(self.published)
 
     @rule(slots=slot_lists, fault=st.sampled_from([None, None, "slot"]), data=st.data())
     def invalidate(self, slots: list[int], fault: str | None, data: st.DataObject) -> None:
         slots = _with_slot_fault(slots, fault, data)
         bad = self.model.slot_fault(slots)
-        idx = np.array(slots, np.int64)
-        batch = fj.Batch(fj.ForwardMode.DECODE, idx, idx, idx)
-        ti = torch.from_numpy(idx)
-        tb = ft.ScheduleBatch(ft.ForwardMode.DECODE, ti, ti, ti)
-        if bad:  # the pure op reads no value: nothing to check there
-            with pytest.raises(fj.FutureMapError, match="indices"):
-                self.fm.invalidate(batch, idx)
-            with pytest.raises(ft.FutureMapError, match="indices"):
-                self.tm.invalidate(tb, torch.from_numpy(idx))
-            return
-        got = self.fm.invalidate(batch, idx)
-        self.tm.invalidate(tb, torch.from_numpy(idx))
-        pure = _PURE["invalidate"](batch._replace(forward_mode=None), _pad(slots, ROWS))
-        want = [-s for s in slots]
-        n = len(slots)
-        assert np.asarray(got.input_ids)[:n].tolist() == want
-        assert np.asarray(got.seq_lens)[:n].tolist() == want
-        assert tb.input_ids.tolist() == want and tb.seq_lens.tolist() == want
-        assert np.asarray(pure.input_ids)[:n].tolist() == want
+        # The pure op reads no value: a bad slot is nothing it can see.
+        want = Outcome(refused="indices") if bad else Outcome(out={"next": [-s for s in slots]})
+        if not bad:
+            want.out["next_lens"] = want.out["next"]
+        self.compare(want, slots, self.run("invalidate", want, slots))
+        self.compare_buffers()
 
-    @rule(
-        mode=st.sampled_from([EXTEND, DECODE, DECODE, DECODE, MIXED, IDLE]),
-        slots=slot_lists,
-        fault=st.sampled_from(
-            [None, None, "slot", "dup", "sentinel", "mode", "ids", "stray", "stray"]
-        ),
-        data=st.data(),
-    )
-    def resolve(self, mode: int, slots: list[int], fault: str | None, data: st.DataObject) -> None:
+    def draw_batch(self, data: st.DataObject) -> BatchIn | None:
+        """A fresh batch, good or with one fault; None when it would not fit the bucket."""
+        mode = data.draw(st.sampled_from([EXTEND, DECODE, DECODE, DECODE, MIXED, IDLE]))
+        fault = data.draw(
+            st.sampled_from(
+                [None, None, "slot", "dup", "sentinel", "mode", "ids", "stray", "stray"]
+            )
+        )
+        slots = data.draw(slot_lists)
         ready = [s for s in LIVE if self.model.tokens[s] >= 0 and self.model.lens[s] > 0]
         if ready and (fault == "stray" or data.draw(st.booleans())):  # slots a good step runs
             slots = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=3, unique=True))
@@ -379,7 +776,7 @@ class ContractMachine(RuleBasedStateMachine):
                 ids.append(-s)
                 continue
             k = data.draw(st.integers(1, 2)) if len(ids) + len(slots) - i < TOKENS else 1
-            ids += data.draw(st.lists(st.integers(0, 30), min_size=k, max_size=k))
+            ids += data.draw(tokens_of(k))
         n = len(slots)
         lens = (
             [-s for s in slots]
@@ -401,51 +798,113 @@ class ContractMachine(RuleBasedStateMachine):
             if outside:
                 ids[decode_rows[0]] = -data.draw(st.sampled_from(outside))
         if len(ids) > TOKENS:
-            return  # the class would refuse the size (not a bucket): another rule
-        want = self.model.resolve(mode, slots, ids, lens)
-        a = lambda xs: np.array(xs, np.int64)  # noqa: E731
-        traced = jnp.asarray(mode) if isinstance(mode, bool) else jnp.int32(int(mode))
+            return None  # the class would refuse the size (not a bucket): another rule
+        traced = fault in (None, "stray", "slot", "dup") and data.draw(st.booleans())
+        return BatchIn(mode, slots, ids, lens, traced=traced)
 
-        def on_ops() -> Any:
-            b = fj.Batch(traced, _pad(slots, ROWS), _pad(ids, TOKENS), _pad(lens, ROWS))
-            err, (new, res) = _PURE["resolve"](self.state, b)
-            if not want.refused:
-                self.state = new
-            return err, res
-
-        tb = ft.ScheduleBatch(mode, *(torch.from_numpy(a(x)) for x in (slots, ids, lens)))
-        outs = self.run(
-            want,
-            lambda: self.fm.resolve(fj.Batch(mode, a(slots), a(ids), a(lens))),
-            lambda: self.tm.resolve(tb),
-            on_ops,
-        )
-        if outs:
-            self.compare_resolved(want, slots, ids, outs, tb)
+    @rule(data=st.data())
+    def resolve(self, data: st.DataObject) -> None:
+        b = self.draw_batch(data)
+        if b is None:
+            return
+        want = self.model.resolve(b.mode, b.slots, b.ids, b.lens)
+        self.compare(want, b.slots, self.run("resolve", want, b))
         self.compare_buffers()
 
-    def compare_resolved(
-        self, want: Outcome, slots: list[int], ids: list[int], outs: dict[str, Any], tb: Any
-    ) -> None:
-        """Resolved ids and lengths: every implementation as the model (padding rows'
-        restored lengths are garbage: not compared)."""
-        got = {k: v for k, v in outs.items() if v is not None}
-        if "torch" in got:
-            got["torch"] = fj.Resolved(tb.input_ids.numpy(), tb.seq_lens.numpy())
-        live = [i for i, s in enumerate(slots) if s]
-        for who, res in got.items():
-            assert np.asarray(res.input_ids)[: len(ids)].tolist() == want.out["ids"], who
-            lens = np.asarray(res.seq_lens)
-            assert [int(lens[i]) for i in live] == [want.out["lens"][i] for i in live], who
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """An engine step on a fresh batch."""
+        b = self.draw_batch(data)
+        if b is not None:
+            self.run_step(b, data)
+
+    @precondition(lambda self: self.stepped is not None)
+    @rule(traced=st.booleans(), data=st.data())
+    def step_again(self, traced: bool, data: st.DataObject) -> None:
+        """A DECODE step on the batch the last step returned (its sentinels)."""
+        assert self.stepped is not None
+        s = self.stepped
+        self.run_step(BatchIn(DECODE, s, [-x for x in s], [-x for x in s], traced, True), data)
+
+    def run_step(self, b: BatchIn, data: st.DataObject) -> None:
+        tokens = data.draw(tokens_of(len(b.slots)))
+        want, after = self.model.step(b.mode, b.slots, b.ids, b.lens, tokens)
+        self.compare(want, b.slots, self.run("step", want, b, tokens, after))
+        if not want.refused:
+            self.published = self.stepped = b.slots
+        self.compare_buffers()
 
 
 def test_every_implementation_follows_the_contract_model() -> None:
-    """Random good and bad op sequences: the fm_jax class, its pure ops and fm_torch agree
-    with the plain-Python model on every output, every live buffer slot, every refusal and
-    every debug violation."""
+    """Random good and bad op sequences and engine steps: the fm_jax class (unpacked and
+    packed, with and without host lengths), its engine step, its pure ops and fm_torch
+    agree with the plain-Python model on every output, every live buffer slot, every
+    refusal and every debug violation; every read returns the caller's own array."""
     test = seed(SEED)(get_state_machine_test(ContractMachine, settings=SETTINGS))
     try:
         test()
     except BaseException as e:
         e.add_note(f"contract state machine seed: FM_CONTRACT_SEED={SEED} reproduces this run")
         raise
+
+
+# ------------------------------------------------------------------ the machine is not blind
+def _returns_its_own_rows(self: Any, host: np.ndarray, like: Any) -> Any:
+    return host if like.counts is None else host[: like.counts[0]]
+
+
+def test_the_machine_fails_on_a_map_whose_reads_share_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reads' checks are not blind: a map handing `resolve_seq_lens_cpu` a view of its
+    own host rows instead of the caller's own array fails the machine."""
+    monkeypatch.setattr(host_inputs.HostInputs, "unpad", _returns_its_own_rows)
+    test = get_state_machine_test(
+        ContractMachine, settings=settings(SETTINGS, max_examples=100, phases=[Phase.generate])
+    )
+    with pytest.raises(AssertionError):
+        seed(SEED)(test)()
+
+
+def _stepper() -> StepImpl:
+    """The machine's engine step at the model's start."""
+    impl = StepImpl("engine step", _class_map(True, True, (2, 4)))
+    impl.reset()
+    return impl
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: an engine step given a batch whose host forward_mode is MIXED or IDLE "
+    "hands its forward EXTEND (the executable fixed 'not DECODE')",
+)
+@pytest.mark.parametrize("mode", [MIXED, IDLE])
+def test_the_engine_steps_forward_sees_the_batchs_host_mode(
+    monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    """A MIXED or IDLE batch must reach the step's forward as MIXED or IDLE (a forward
+    branches on it: skip IDLE, handle MIXED's running rows). When this passes,
+    StepImpl.FORWARD_SEES takes every mode and this test goes."""
+    monkeypatch.setattr(StepImpl, "FORWARD_SEES", (EXTEND, DECODE, MIXED, IDLE))
+    slots = [] if mode == IDLE else [1]
+    out = _stepper().step(
+        BatchIn(mode, slots, [5] * len(slots), [1] * len(slots)), [7] * len(slots), []
+    )
+    assert out["mode"] == [mode]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=fj.FutureMapError,
+    reason="defect: StepResult.batch pads its sentinels to the token bucket its rows "
+    "followed (4 rows for 2), and the next step refuses it",
+)
+def test_the_batch_a_step_returns_is_the_next_steps_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """StepResult.batch, 'the batch for the next step', fed back as the next DECODE step
+    after a prefill of 2 rows and 3 tokens (token bucket 4, batch bucket 2). When this
+    passes, StepImpl.CUT_SENTINELS goes and so does this test."""
+    monkeypatch.setattr(StepImpl, "CUT_SENTINELS", False)
+    impl = _stepper()
+    impl.step(BatchIn(EXTEND, [1, 2], [5, 6, 7], [2, 1]), [8, 9], [])
+    out = impl.step(BatchIn(DECODE, [1, 2], [-1, -2], [-1, -2], again=True), [1, 1], [])
+    assert out["ids"] == [8, 9]

@@ -2,13 +2,17 @@
 
 The gather protocol's twin of tests/test_contract_state_machine.py (whose model, slot
 strategies and helpers it imports): a hypothesis rule-based state machine drives publish /
-stash / resolve / resolve_seq_lens_cpu / invalidate through
-- fm_jax's FutureMap class (protocol="gather", debug, host rows, host forward modes);
+stash / resolve / resolve_seq_lens_cpu / invalidate and engine steps through
+- fm_jax's FutureMap class (protocol="gather", debug, host rows, host forward modes;
+  packed or not by variant), a step its `engine_step` (resolve, a forward whose lengths
+  are the resolved ones + 1 and whose payload is the host's tokens or draft, publish and
+  stash: one dispatch);
 - fm_jax's pure ops under checkify, with the forward mode traced (one device only);
 - fm_torch (protocol="gather", debug, CPU tensors, one map per DP rank),
-against `GatherModel`, the contract in plain Python (docs/CONTRACT.md, 'Two protocols' and
-its batch-fields table, 'Relay fields', 'Checks beyond SGLang'). Each resolve builds one
-batch per DP rank from the table: EXTEND (prefill ids, token slots none or all 0), DECODE
+(a step on these two: resolve, then publish and stash) against `GatherModel`, the
+contract in plain Python (docs/CONTRACT.md, 'Two protocols' and its batch-fields table,
+'Relay fields', 'Checks beyond SGLang'). Each resolve (and step) builds one batch per DP
+rank from the table: EXTEND (prefill ids, token slots none or all 0), DECODE
 (non-spec: no ids, gathered; spec: the host's ids or none), MIXED (prefill ids, then the
 running rows' tokens gathered: fm_jax's per-token `token_slots`, fm_torch's per-row
 `mix_running_indices`, the same batch in each twin's layout) and IDLE, with at most one
@@ -32,17 +36,22 @@ hide a fault, there is nothing to check). A good call gives the model's ids, len
 draft rows and leaves the model's bytes in every live buffer row; a debug violation is
 reported by both twins with the same invariant (fm_jax's named slot among the model's
 bad slots). fm_torch on CPU raises before writing, so the test writes the poison its
-device path would (as the sentinel machine does).
+device path would (as the sentinel machine does). Reads come at drawn slots and at exactly
+each rank's slots last published (the class's host lengths); every array a read returns is
+the caller's own (fresh, writable), updated in place by the test before the next call,
+and the host arrays of a publish or a step are overwritten after it (the engine refilling
+them): neither may change what the map returns.
 
-Variants: non-spec; spec, with a declared payload of verified ids (consume-tracked), an
-engine's float32 field `score` and consume-tracked int field `steps`, top-k and bf16
-hidden states whose values include NaNs with payloads (quiet and signalling), infinities
-and -0.0, compared bit for bit (raw bytes: NaN == NaN only with the same bits, -0.0 !=
-0.0); and both again on a 2-rank mesh (a child process with 2 virtual CPU devices: the
-class takes per-rank mappings, each rank's kind drawn on its own, so ranks of different
-kinds meet in one resolve; fm_torch has one map per rank; the pure ops are not driven
-there). `test_the_machine_fails_on_a_broken_model` runs the machine against models with one
-rule broken (MIXED ids not gathered, token slots on EXTEND taken, a tracked draft field not
+Variants (the class map packed: non-spec on one device, spec on the mesh): non-spec; spec,
+with a declared payload of verified ids (consume-tracked), an engine's float32 field
+`score` and consume-tracked int field `steps`, top-k and bf16 hidden states whose values
+include NaNs with payloads (quiet and signalling), infinities and -0.0, compared bit for
+bit (raw bytes: NaN == NaN only with the same bits, -0.0 != 0.0); and both again on a
+2-rank mesh (a child process with 2 virtual CPU devices: the class takes per-rank mappings,
+each rank's kind drawn on its own, so ranks of different kinds meet in one resolve;
+fm_torch has one map per rank; the pure ops are not driven there).
+`test_the_machine_fails_on_a_broken_model` runs the machine against models with one rule
+broken (MIXED ids not gathered, token slots on EXTEND taken, a tracked draft field not
 poisoned, NaN payloads canonicalised): each must fail.
 
 Findings, each pinned by a test named after it (F1 by tests/test_spec_mixed.py's
@@ -61,7 +70,7 @@ refuses what fm_jax never sees; the machine does not generate it.
 
 Reproducing a failure: hypothesis prints the failing steps and a `@reproduce_failure`
 blob; the run's seed is printed too (FM_GATHER_SEED reruns it), FM_GATHER_EXAMPLES sets
-the number of examples per machine (default 60; the mesh machines run a third).
+the number of examples per machine (default 50; the mesh machines run a third).
 Failures are not shrunk by default (a shrink can take minutes of CI time): rerun with the
 seed and FM_GATHER_SHRINK=1 for a minimal sequence.
 """
@@ -105,6 +114,7 @@ from test_contract_state_machine import (
     MIXED,
     POISON,
     ROWS,
+    SCRIBBLE,
     TOKENS,
     Model,
     Outcome,
@@ -143,7 +153,7 @@ ROW_FIELDS = ("topk_p", "topk_index", "hidden_states", "score")  # rows of bytes
 DRAFT_FIELDS = INT_FIELDS + ROW_FIELDS
 
 SEED = int(os.environ.get("FM_GATHER_SEED") or random.SystemRandom().randrange(2**32))
-EXAMPLES = int(os.environ.get("FM_GATHER_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("FM_GATHER_EXAMPLES", "50"))
 
 
 def _settings(examples: int, **kw: Any) -> settings:
@@ -460,9 +470,10 @@ DRAFT_SHAPE_FAULTS = {
 
 # ------------------------------------------------------------ the implementations' setup
 @functools.cache
-def _class_map(spec: bool, dp: int) -> fj.FutureMap:
+def _class_map(spec: bool, dp: int, pack: bool = False) -> fj.FutureMap:
     """One class map per variant for every example (brought back to the model's start by
-    the machine's `start`): a fresh map per example would compile its executables again."""
+    the machine's `start`): a fresh map per example would compile its executables again.
+    `pack`: its host inputs packed into one buffer (`pack_inputs`)."""
     mesh = None
     if dp > 1:
         from fm_parity.mesh import make_mesh
@@ -477,7 +488,40 @@ def _class_map(spec: bool, dp: int) -> fj.FutureMap:
         protocol="gather",
         batch_buckets=(ROWS,),
         token_buckets=(TOKENS,),
+        pack_inputs=pack,
     )
+
+
+def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> fj.StepOutput:
+    """The engine's forward: each row's resolved length + 1, and as its payload the host's
+    tokens (non-spec) or draft (spec: every declared field from the host); it hands back
+    what it resolved."""
+    if "tokens" in inputs:
+        return fj.StepOutput(res.seq_lens + 1, inputs["tokens"], res)
+    extras = {k: v for k, v in inputs.items() if k not in STANDARD_FIELDS}
+    draft = fj.DraftPayload(**{k: inputs[k] for k in STANDARD_FIELDS}, extras=extras)
+    return fj.StepOutput(res.seq_lens + 1, draft, res)
+
+
+STANDARD_FIELDS = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
+STEP_INPUTS = {  # the engine's host inputs: the step's payload
+    False: [fj.StepInput("tokens", "row")],
+    True: [
+        fj.StepInput("bonus_tokens", "row"),
+        fj.StepInput("verified_id", "row"),
+        fj.StepInput("topk_p", "row", (K,), np.float32),
+        fj.StepInput("topk_index", "row", (K,)),
+        fj.StepInput("hidden_states", "row", (H,), jnp.bfloat16),
+        fj.StepInput("score", "row", (2,), np.float32),
+        fj.StepInput("steps", "row"),
+    ],
+}
+
+
+@functools.cache
+def _engine_step(spec: bool, dp: int, pack: bool) -> fj.EngineStep:
+    """The class map's engine step (compiled once per variant)."""
+    return _class_map(spec, dp, pack).engine_step(_forward, inputs=STEP_INPUTS[spec])
 
 
 @functools.cache
@@ -538,10 +582,9 @@ def _draft_arrays(d: Draft, fault: str | None, pad: int | None = None) -> dict[s
 
 
 def jax_draft(arrays: dict[str, Any]) -> fj.DraftPayload:
-    std = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
     return fj.DraftPayload(
-        **{k: arrays[k] for k in std},
-        extras={k: v for k, v in arrays.items() if k not in std},
+        **{k: arrays[k] for k in STANDARD_FIELDS},
+        extras={k: v for k, v in arrays.items() if k not in STANDARD_FIELDS},
     )
 
 
@@ -553,10 +596,9 @@ def torch_draft(arrays: dict[str, Any]) -> ft.DraftPayload:
             return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
         return torch.from_numpy(x.copy())
 
-    std = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
     return ft.DraftPayload(
-        **{k: tensor(arrays[k]) for k in std},
-        extras={k: tensor(v) for k, v in arrays.items() if k not in std},  # type: ignore[misc]
+        **{k: tensor(arrays[k]) for k in STANDARD_FIELDS},
+        extras={k: tensor(v) for k, v in arrays.items() if k not in STANDARD_FIELDS},  # type: ignore[misc]
     )
 
 
@@ -686,12 +728,18 @@ class GatherMachine(RuleBasedStateMachine):
 
     SPEC: ClassVar[bool] = False
     DP: ClassVar[int] = 1
+    # The class map's pack_inputs: each variant one way (non-spec on one device and spec
+    # on a mesh packed, the other two not).
+    PACK: ClassVar[bool] = True
     FAULTS: ClassVar[list[str | None]] = RESOLVE_FAULTS
 
     def __init__(self) -> None:
         super().__init__()
         self.models = [GatherModel(spec=self.SPEC) for _ in range(self.DP)]
-        self.fm = _class_map(self.SPEC, self.DP)
+        self.fm = _class_map(self.SPEC, self.DP, self.PACK)
+        self.engine = _engine_step(self.SPEC, self.DP, self.PACK)
+        self.published = [LIVE] * self.DP  # each rank's slots of the last publish
+        self.returned: list[Any] = []  # the arrays the last read returned (the caller's)
         self.tms = [
             ft.FutureMap(
                 R,
@@ -756,6 +804,7 @@ class GatherMachine(RuleBasedStateMachine):
             batch = fj.Batch(fj.ForwardMode.DECODE, live, None, ones)
         fm.resolve(self.jx([batch] * self.DP))  # poisons every tracked field
         fm.check()
+        self.published, self.returned = [LIVE] * self.DP, []
         if self.pure is not None:
             p = self.pure
             err, self.state = p["publish"](p["ops"].init(), _pad(LIVE, ROWS), _pad(lens, ROWS))
@@ -920,17 +969,23 @@ class GatherMachine(RuleBasedStateMachine):
                 self.state = new
             return err, None
 
+        host = [(a(s), a(v)) for s, v in zip(slots, values, strict=True)]
         self.run(
             op,
             wants,
             lambda: getattr(self.fm, op)(
-                self.jx(list(map(a, slots))), self.jx(list(map(a, values)))
+                self.jx([x[0] for x in host]), self.jx([x[1] for x in host])
             ),
             lambda d: (lambda: getattr(self.tms[d], op)(t(slots[d]), t(values[d])), None),
             on_ops
             if self.pure is not None and not any(w.ops is None and w.refused for w in wants)
             else None,
         )
+        for arrays in host:  # the engine refills its arrays for the next batch
+            for x in arrays:
+                x[:] = SCRIBBLE
+        if op == "publish" and not any(w.refused for w in wants):
+            self.published = slots
         self.compare_buffers()
 
     @precondition(lambda self: self.SPEC)
@@ -1000,6 +1055,17 @@ class GatherMachine(RuleBasedStateMachine):
             else self.draw_slots(data, d, None)
             for d in range(self.DP)
         ]
+        self.read_step(slots)
+
+    @rule()
+    def read_published(self) -> None:
+        """Exactly each rank's slots last published (or stepped): the copy that publish
+        kept (host lengths)."""
+        self.read_step(self.published)
+
+    def read_step(self, slots: list[list[int]]) -> None:
+        """resolve_seq_lens_cpu: the model's lengths, each array returned the caller's own
+        (fresh, writable), updated in place by the caller afterwards."""
         wants = [m.read_lengths(s) for m, s in zip(self.models, slots, strict=True)]
 
         def on_ops(good: bool) -> Any:
@@ -1024,6 +1090,14 @@ class GatherMachine(RuleBasedStateMachine):
                 for who, g in gots.items():
                     g = _ints(g)
                     assert [g[i] for i in live] == [lens[i] for i in live], (who, d)
+            mine = [*got.values(), *(outs[("torch", d)] for d in range(self.DP))]
+            for x in mine:
+                host = x.numpy() if isinstance(x, torch.Tensor) else x
+                assert type(host) is np.ndarray and host.flags.writeable, type(x)
+                assert not any(np.shares_memory(host, y) for y in self.returned), "not fresh"
+            self.returned = [x.numpy() if isinstance(x, torch.Tensor) else x for x in mine]
+            for x in self.returned:
+                x += SCRIBBLE  # the caller updates its copy in place: nothing the map keeps
         self.compare_buffers()
 
     @rule(data=st.data())
@@ -1222,6 +1296,82 @@ class GatherMachine(RuleBasedStateMachine):
             self.compare_resolved(calls, wants, outs, tbs)
         self.compare_buffers()
 
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """An engine step: on the class its `engine_step` (resolve, a forward whose lengths
+        are each row's resolved length + 1 and whose payload is the host's tokens or draft,
+        publish and stash: one dispatch); on fm_torch and the pure ops resolve, then
+        publish and stash."""
+        faulty = data.draw(st.integers(0, self.DP - 1))
+        calls: list[Call] = []
+        for d in range(self.DP):
+            c = self.draw_call(
+                data, d, data.draw(st.sampled_from(self.faults())) if d == faulty else None
+            )
+            if c is None:
+                return  # the class would refuse the size (not a bucket): another rule
+            calls.append(c)
+        n = [len(c.slots) for c in calls]
+        ints = lambda k: data.draw(st.lists(st.integers(0, 30), min_size=k, max_size=k))  # noqa: E731
+        payloads: list[Any] = [draw_draft(data, k) if self.SPEC else ints(k) for k in n]
+        saved = copy.deepcopy(self.models)
+        wants = [m.resolve_gather(c) for m, c in zip(self.models, calls, strict=True)]
+        self.undo_if_refused(saved, wants)
+        afters = [[(x or 0) + 1 for x in w.out.get("lens", [])] for w in wants]
+        if not any(w.refused for w in wants):  # the tail: lengths and payload at the slots
+            for m, c, after, p in zip(self.models, calls, afters, payloads, strict=True):
+                assert not m.write_values("publish", c.slots, after).refused
+                if self.SPEC:
+                    assert not m.stash_draft(c.slots, p, None).refused
+                else:
+                    assert not m.write_values("stash", c.slots, p).refused
+        # The payload's arrays: the step's inputs (ints as the declared int32), fm_torch's
+        # and the pure ops' stash.
+        arrays = [_draft_arrays(p, None) if self.SPEC else {"tokens": a(p)} for p in payloads]
+        inputs = [
+            {k: np.array(v, np.int32 if v.dtype == np.int64 else v.dtype) for k, v in x.items()}
+            for x in arrays
+        ]
+        tbs = [self.torch_batch(c) for c in calls]
+
+        def on_class() -> Any:
+            batch = self.jx([self.jax_batch(c) for c in calls])
+            given = {k: self.jx([x[k] for x in inputs]) for k in inputs[0]}
+            return self.engine(batch, inputs=given).out  # the forward's: what it resolved
+
+        def on_ops(good: bool) -> Any:
+            assert self.pure is not None and self.state is not None
+            p, slots = self.pure, _pad(calls[0].slots, ROWS)
+            err, (state, res) = p["resolve"](self.state, self.ops_batch(calls[0]))
+            if good:
+                padded = {k: _pad(v, ROWS) for k, v in arrays[0].items()}
+                payload = jax_draft(padded) if self.SPEC else padded["tokens"]
+                for op, values in (("publish", _pad(afters[0], ROWS)), ("stash", payload)):
+                    tail_err, state = p[op](state, slots, values)
+                    fj.raise_if_violated(tail_err)
+                self.state = state
+            return err, res
+
+        ops_ok = self.pure is not None and not (wants[0].refused and wants[0].ops is None)
+        kinds = "+".join(MODE_NAMES[c.mode] if c.known_mode() else "bad mode" for c in calls)
+        outs = self.run(
+            f"step {kinds}",
+            wants,
+            on_class,
+            lambda d: (lambda: self.tms[d].resolve(tbs[d]), tbs[d]),
+            on_ops if ops_ok else None,
+        )
+        for x in inputs:  # the engine refills its arrays for the next batch
+            for v in x.values():
+                v[...] = SCRIBBLE
+        if outs is not None:  # fm_torch's tail, after its resolve (or its violation)
+            for c, tm, after, x in zip(calls, self.tms, afters, arrays, strict=True):
+                tm.publish(t(c.slots), t(after))
+                tm.stash(t(c.slots), torch_draft(x) if self.SPEC else torch.from_numpy(x["tokens"]))
+            self.published = [c.slots for c in calls]
+            self.compare_resolved(calls, wants, outs, tbs)
+        self.compare_buffers()
+
     # ------------------------------------------------------------- batch layouts
     @staticmethod
     def jax_batch(c: Call) -> fj.Batch:
@@ -1321,15 +1471,15 @@ class GatherMachine(RuleBasedStateMachine):
 
 
 class SpecGatherMachine(GatherMachine):
-    SPEC = True
+    SPEC, PACK = True, False
 
 
 class MeshGatherMachine(GatherMachine):
-    DP = 2
+    DP, PACK = 2, False
 
 
 class MeshSpecGatherMachine(GatherMachine):
-    SPEC, DP = True, 2
+    SPEC, DP, PACK = True, 2, True
 
 
 def _run_machine(cls: type[GatherMachine], examples: int, **kw: Any) -> None:
@@ -1411,6 +1561,7 @@ def test_the_machine_fails_on_a_broken_model(
 
     class Broken(GatherMachine):
         SPEC = spec
+        PACK = (SpecGatherMachine if spec else GatherMachine).PACK
         FAULTS = faults
 
         def __init__(self) -> None:
@@ -1424,7 +1575,7 @@ def test_the_machine_fails_on_a_broken_model(
 # -------------------------------------------------------------------- the 2-rank mesh
 def _f2_repro() -> dict[str, Any]:
     """Finding F2 on a 2-rank mesh: rank 0 MIXED without token slots, rank 1 with them."""
-    fm = _class_map(False, 2)
+    fm = _class_map(False, 2, MeshGatherMachine.PACK)
     fm.check()
     fm.publish({0: a([3]), 1: a([3])}, {0: a([4]), 1: a([4])})
     fm.stash({0: a([3]), 1: a([3])}, {0: a([30]), 1: a([31])})
@@ -1453,7 +1604,7 @@ def _f3_repro() -> dict[str, Any]:
     """Finding F3: a DECODE rank with all-zero token slots, one device vs a mesh rank."""
     out = {}
     one = fj.FutureMap(R, protocol="gather", batch_buckets=(ROWS,), token_buckets=(TOKENS,))
-    mesh = _class_map(False, 2)
+    mesh = _class_map(False, 2, MeshGatherMachine.PACK)
     mesh.check()
     decode = fj.Batch(fj.ForwardMode.DECODE, a([3]), None, a([4]), token_slots=a([0]))
     extend = fj.Batch(fj.ForwardMode.EXTEND, a([2]), a([7]), a([1]))
@@ -1474,7 +1625,7 @@ def _f3_repro() -> dict[str, Any]:
 def _f4_repro() -> dict[str, Any]:
     """Finding F4: on a 2-rank spec mesh, rank 0 a spec DECODE with its draft, rank 1 a
     prefill without one (fm_torch: each rank's map takes its own batch)."""
-    fm = _class_map(True, 2)
+    fm = _class_map(True, 2, MeshSpecGatherMachine.PACK)
     with contextlib.suppress(fj.InvariantViolation):
         fm.check()
     fm.publish({0: a([3]), 1: a([3])}, {0: a([4]), 1: a([4])})
@@ -1502,7 +1653,7 @@ def _f4_repro() -> dict[str, Any]:
 def _f7_repro() -> dict[str, Any]:
     """Finding F7: rank 0 DECODE, rank 1 IDLE with all-zero token slots ('none, or all
     0'); fm_torch's rank maps take both."""
-    fm = _class_map(False, 2)
+    fm = _class_map(False, 2, MeshGatherMachine.PACK)
     with contextlib.suppress(fj.InvariantViolation):
         fm.check()
     fm.publish({0: a([3])}, {0: a([4])})
