@@ -53,7 +53,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -391,30 +391,11 @@ def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> fj.St
 
 class StepImpl(ClassImpl):
     """The class's engine step on its own map: a step is one dispatch; the other ops are
-    the class's.
-
-    Two known defects are stepped around, each pinned by a strict xfail test below (when
-    one is fixed, its test passes: drop the workaround and the test).
-    """
-
-    # Host modes whose value the forward's batch is compared on (a traced mode always is):
-    # a host MIXED or IDLE batch reaches the forward as EXTEND.
-    FORWARD_SEES: ClassVar[tuple[int, ...]] = (EXTEND, DECODE)
-    # The batch a step returned is fed back with its sentinels cut to its rows' batch
-    # bucket: a step whose rows followed a larger token bucket pads them to that one, and
-    # the next step refuses them.
-    CUT_SENTINELS: ClassVar[bool] = True
+    the class's. The forward's batch is compared on its mode, host or traced."""
 
     def __init__(self, name: str, fm: fj.FutureMap) -> None:
         super().__init__(name, fm)
         self.engine = _engine_step(fm)
-
-    def batch(self, b: BatchIn) -> fj.Batch:
-        batch = super().batch(b)
-        if b.again and self.CUT_SENTINELS:
-            rows = fj.pad_to_bucket(batch.req_pool_indices, self.fm.batch_buckets).shape[0]
-            batch = batch._replace(input_ids=batch.input_ids[:rows], seq_lens=batch.seq_lens[:rows])
-        return batch
 
     def step(self, b: BatchIn, tokens: list[int], after: list[int]) -> dict[str, list[int]]:
         toks = np.array(tokens, np.int32)
@@ -424,9 +405,7 @@ class StepImpl(ClassImpl):
         self.kept = r.batch
         ids, lens, mode = r.out
         n = len(b.slots)
-        out = {"ids": _ints(ids, len(b.ids)), "lens": _ints(lens, n)}
-        if b.traced or b.mode in self.FORWARD_SEES:
-            out["mode"] = [int(mode)]
+        out = {"ids": _ints(ids, len(b.ids)), "lens": _ints(lens, n), "mode": [int(mode)]}
         return {**out, **self.next_of(r.batch, n)}
 
 
@@ -873,19 +852,11 @@ def _stepper() -> StepImpl:
     return impl
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: an engine step given a batch whose host forward_mode is MIXED or IDLE "
-    "hands its forward EXTEND (the executable fixed 'not DECODE')",
-)
 @pytest.mark.parametrize("mode", [MIXED, IDLE])
-def test_the_engine_steps_forward_sees_the_batchs_host_mode(
-    monkeypatch: pytest.MonkeyPatch, mode: int
-) -> None:
-    """A MIXED or IDLE batch must reach the step's forward as MIXED or IDLE (a forward
-    branches on it: skip IDLE, handle MIXED's running rows). When this passes,
-    StepImpl.FORWARD_SEES takes every mode and this test goes."""
-    monkeypatch.setattr(StepImpl, "FORWARD_SEES", (EXTEND, DECODE, MIXED, IDLE))
+def test_the_engine_steps_forward_sees_the_batchs_host_mode(mode: int) -> None:
+    """An engine step given a host MIXED or IDLE batch handed its forward EXTEND (its
+    executable fixed 'not DECODE'): a forward that branches on the mode (skip IDLE, handle
+    MIXED's running rows) took the wrong path. It must see MIXED or IDLE."""
     slots = [] if mode == IDLE else [1]
     out = _stepper().step(
         BatchIn(mode, slots, [5] * len(slots), [1] * len(slots)), [7] * len(slots), []
@@ -893,17 +864,11 @@ def test_the_engine_steps_forward_sees_the_batchs_host_mode(
     assert out["mode"] == [mode]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=fj.FutureMapError,
-    reason="defect: StepResult.batch pads its sentinels to the token bucket its rows "
-    "followed (4 rows for 2), and the next step refuses it",
-)
-def test_the_batch_a_step_returns_is_the_next_steps_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """StepResult.batch, 'the batch for the next step', fed back as the next DECODE step
-    after a prefill of 2 rows and 3 tokens (token bucket 4, batch bucket 2). When this
-    passes, StepImpl.CUT_SENTINELS goes and so does this test."""
-    monkeypatch.setattr(StepImpl, "CUT_SENTINELS", False)
+def test_the_batch_a_step_returns_is_the_next_steps_batch() -> None:
+    """StepResult.batch, 'the batch for the next step', padded its sentinels to the token
+    bucket its rows followed (4 rows for 2) while keeping the caller's 2 slots, and the next
+    step refused it. Fed back as the next DECODE step after a prefill of 2 rows and 3
+    tokens (token bucket 4, batch bucket 2), it must serve."""
     impl = _stepper()
     impl.step(BatchIn(EXTEND, [1, 2], [5, 6, 7], [2, 1]), [8, 9], [])
     out = impl.step(BatchIn(DECODE, [1, 2], [-1, -2], [-1, -2], again=True), [1, 1], [])

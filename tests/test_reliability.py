@@ -20,6 +20,7 @@ from jax.experimental import checkify
 import fm_jax as fj
 import fm_torch as ft
 from fm_bench.child import call_in_child
+from fm_jax._src.registry import counting_compiles
 
 R = 8
 DECODE, MIXED = fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
@@ -701,3 +702,72 @@ def test_pure_ops_stash_names_extras_that_are_no_mapping(sharded: bool) -> None:
     for fn in (ops.stash, jax.jit(ops.stash)):
         with pytest.raises(fj.FutureMapError, match="draft.extras must be a mapping"):
             fn(state, jnp.array([1, 2], jnp.int32), bad)
+
+
+# ------------------------------------------------------------------ the step's own mode
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_warmed_step_hands_its_forward_each_host_mode(protocol: str) -> None:
+    """An engine step given a host MIXED or IDLE batch ran the 'not DECODE' executable and
+    handed its forward EXTEND. Each mode reaches the forward as given, fixed when traced
+    (a Python int the forward may branch on), and warm-up compiles each: with the guard
+    on, no mode the protocol serves is refused."""
+    fm = fj.FutureMap(16, batch_buckets=(2,), token_buckets=(2, 4), protocol=protocol)
+    seen: list[int] = []
+
+    def forward(r: fj.Resolved, b: fj.Batch, inputs: Any) -> fj.StepOutput:
+        assert isinstance(b.forward_mode, int)  # fixed: the forward may branch on it
+        seen.append(b.forward_mode)
+        return fj.StepOutput(r.seq_lens + 1, r.seq_lens, jnp.int32(b.forward_mode))
+
+    step = fm.engine_step(forward)
+    step.warm_up(guard=True, traced_modes=False)
+    a = lambda *v: np.array(v, np.int32)  # noqa: E731
+    E, M, I = fj.ForwardMode.EXTEND, fj.ForwardMode.MIXED, fj.ForwardMode.IDLE  # noqa: E741
+    mixed_slots = a(0, 0, 2) if protocol == "gather" else None  # gather: MIXED brings slots
+    batches = {
+        E: fj.Batch(E, a(1, 2), a(5, 6, 7), a(2, 1)),
+        M: fj.Batch(M, a(1, 2), a(5, 6, 7), a(2, 1), None, mixed_slots),
+        I: fj.Batch(I, a(), a(), a()),
+    }
+    with counting_compiles() as counter:
+        for mode, batch in batches.items():
+            assert int(step(batch).out) == mode
+    assert counter.executables == 0
+    assert {fj.ForwardMode.MIXED, fj.ForwardMode.IDLE} <= set(seen)
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_guarded_step_serves_what_serving_passes(protocol: str) -> None:
+    """After `EngineStep.warm_up(guard=True)` the guard refused jax-array batches and
+    inputs at warmed shapes and traced modes (warm-up had packed them as host leaves,
+    serving passes device leaves), and the batch a step returned (its sentinels padded
+    to the token bucket its rows followed, or device sentinels beside host slots). Each is
+    served now, with no compile."""
+    fm = fj.FutureMap(16, batch_buckets=(2, 4), token_buckets=(2, 4), protocol=protocol)
+
+    def forward(r: fj.Resolved, b: fj.Batch, inputs: Any) -> fj.StepOutput:
+        return fj.StepOutput(r.seq_lens + 1, r.seq_lens + inputs["p"], r.input_ids)
+
+    step = fm.engine_step(forward, inputs=[fj.StepInput("p", "row")])
+    step.warm_up(guard=True)
+    a = lambda *v: np.array(v, np.int32)  # noqa: E731
+    E, D = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE
+    s, neg, traced = jnp.array([1, 2], jnp.int32), jnp.array([-1, -2], jnp.int32), jnp.int32(D)
+    # Every field a jax array, the mode fixed and traced (gather: a fixed DECODE's ids are
+    # gathered, a traced one brings ids >= 0).
+    sentinel = protocol == "sentinel"
+    jax_batches = [
+        fj.Batch(D, s, neg if sentinel else None, neg if sentinel else s),
+        fj.Batch(traced, s, neg if sentinel else s, neg if sentinel else s),
+    ]
+    with counting_compiles() as counter:
+        r = step(fj.Batch(E, a(1, 2), a(5, 6, 7), a(2, 1)), inputs={"p": a(0, 0)})
+        for _ in range(3):  # the returned batch, fed back
+            nxt = r.batch if sentinel else fj.Batch(D, a(1, 2), None, a(3, 2))
+            r = step(nxt._replace(forward_mode=D), inputs={"p": a(0, 0)})
+        for batch in jax_batches:
+            step(batch, inputs={"p": s})
+    assert counter.executables == 0
+    # Every step ran: sentinel lengths resolved from the map (3, 2 after the prefill, +1 a
+    # step), the gather protocol's the host's (the last batch's 1, 2, +1).
+    assert fm.resolve_seq_lens_cpu(a(1, 2)).tolist() == ([8, 7] if sentinel else [2, 3])

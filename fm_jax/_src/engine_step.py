@@ -39,7 +39,7 @@ from fm_jax._src.registry import Call, Registry, WarmUpReport
 from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import ShardedFutureMapOps
 from fm_jax._src.types import Batch, ForwardMode
-from fm_jax._src.warm_up import empty_batches, empty_inputs
+from fm_jax._src.warm_up import empty_batches, empty_inputs, on_device
 
 __all__ = ["EngineStep", "Forward", "StepInput", "StepOutput", "StepResult"]
 
@@ -66,8 +66,11 @@ class StepResult(NamedTuple):
     Attributes:
       out: `StepOutput.out` of the engine's forward.
       batch: the batch for the next step: in the sentinel protocol the invalidated batch
-        (`input_ids` and `seq_lens` the sentinels `-req_pool_indices`, padded per rank to
-        the batch bucket), in the gather protocol the batch as given.
+        (`input_ids` and `seq_lens` the sentinels `-req_pool_indices`, in the form the
+        slots were given: host slots' sentinels a host array of their rows, made on the
+        host, so that the batch, its mode set to DECODE, is placed as a host batch (warmed
+        so); jax slots' the step's own, padded per rank like them), in the gather protocol
+        the batch as given.
     """
 
     out: Any
@@ -185,6 +188,8 @@ class EngineStep:
             return StepResult(result, batch)
         if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
             return StepResult(result, Batch(None, placed.idx.array, sentinels, sentinels))
+        if placed.idx.counts is not None:  # host slots: their sentinels made here, alike
+            sentinels = -np.asarray(batch.req_pool_indices, self._placement.inputs.dtype)
         return StepResult(result, self._protocol.next_batch(batch, sentinels))
 
     # ---------------------------------------------------------------------- executables
@@ -262,7 +267,10 @@ class EngineStep:
         variant (mode fixed not DECODE, fixed DECODE, traced; token slots in the gather
         protocol), with and without a draft on a spec map; each placed with zeros for the
         declared inputs through the map's placement, as serving places its calls.
-        Nothing runs and nothing is donated.
+        Each is warmed fed as serving feeds it: host arrays, and (in one process) jax
+        arrays for every field and input, which the step takes as they are (a non-spec
+        DECODE's ids at its rows, as `StepResult.batch` gives them). Nothing runs and
+        nothing is donated.
 
         Args:
           *args: the engine's arguments as serving passes them (only their shapes,
@@ -274,11 +282,20 @@ class EngineStep:
         """
         runtime, placement = self._runtime, self._placement
         with runtime.lock:
+            layout = placement.inputs.layout
             calls: list[Call] = []
             for e in empty_batches(
-                placement.inputs, self._protocol, placement.spec, traced_modes=traced_modes
+                placement.inputs,
+                self._protocol,
+                placement.spec,
+                traced_modes=traced_modes,
+                step=True,
             ):
                 zeros = empty_inputs(self._declared, e.batch, e.rows, e.tokens, placement.dp)
-                p = placement.resolve(e.batch, e.rows, e.tokens, step=self._declared, inputs=zeros)
-                calls.append((p.key, p.pack, (runtime.state, *p.args, *args), len(args)))
+                fed = [(e.batch, zeros, e.rows, e.tokens)]
+                if layout.single_process:  # jax arrays as they are: their own sizes
+                    fed.append((*on_device((e.batch, zeros), layout.sharding), None, None))
+                for batch, inputs, rows, tokens in fed:
+                    p = placement.resolve(batch, rows, tokens, step=self._declared, inputs=inputs)
+                    calls.append((p.key, p.pack, (runtime.state, *p.args, *args), len(args)))
             return self._registry.warm_up(calls, guard=guard, threads=threads)

@@ -71,7 +71,7 @@ class BatchPlacement:
             )
         else:
             mode, idx, ids, lens, draft, slots = self._one_batch(batch, rows, tokens)
-        key, mode = self._mode_key(mode, idx, ids, slots)
+        key, mode = self._mode_key(mode, idx, ids, slots, exact=step is not None)
         draft_idx = self._draft(draft, idx)
         placed_batch = Batch(
             mode, idx.array, None if ids is None else ids.array, lens, draft_idx, slots
@@ -162,9 +162,12 @@ class BatchPlacement:
             slots = self._token_slots(full, ids)
         return modes, idx, ids, lens, drafts or None, slots
 
-    def _mode_key(self, mode: Any, idx: Rows, ids: Rows | None, slots: Any) -> tuple[Key, Any]:
+    def _mode_key(
+        self, mode: Any, idx: Rows, ids: Rows | None, slots: Any, *, exact: bool
+    ) -> tuple[Key, Any]:
         """The resolve's key (its mode) and the mode the executable takes (None: fixed);
-        the protocol's rules for modes known on the host."""
+        the protocol's rules for modes known on the host. `exact` (an engine step, whose
+        forward sees the mode): one executable per mode, not per kind."""
         protocol = self.protocol
         if isinstance(mode, jax.Array):
             if mode.dtype != np.int32 or mode.shape not in ((), (self.dp,)):
@@ -183,9 +186,14 @@ class BatchPlacement:
         decoding = [m == ForwardMode.DECODE for m in modes]
         if ids is not None and protocol.checks_ids_per_row(self.spec):
             self.inputs.one_id_per_row(ids, idx, decoding)
-        kinds = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
-        if len(kinds) > 1:  # ranks differ in kind: one executable with the modes traced
+        if exact:
+            kinds: set[Any] = set(modes)
+        else:
+            kinds = {m == ForwardMode.DECODE for m in modes if m != ForwardMode.IDLE}
+        if len(kinds) > 1:  # ranks differ: one executable with the modes traced
             return Key("resolve", 0, mode="traced"), np.asarray(modes, np.int32)
+        if exact:
+            return Key("resolve", 0, mode=ForwardMode(modes[0]).name.lower()), None
         # Known on the host: an executable with the mode fixed (no branch inside).
         return Key("resolve", 0, mode="decode" if kinds == {True} else "extend"), None
 

@@ -18,8 +18,10 @@ MODES = ("extend", "decode", "traced")
 """How a resolve (or a step) knows its batch's kind: fixed when traced, not DECODE or
 DECODE (no branch in the executable), or traced (the mode is an argument)."""
 
-FIXED_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
-"""The ForwardMode a fixed-mode executable is traced with, by its key's mode."""
+FIXED_MODES = {m.name.lower(): m for m in ForwardMode}
+"""The ForwardMode a fixed-mode executable is traced with, by its key's mode. A resolve's
+relay depends on the kind only (DECODE or not): its keys use 'extend' for every batch that
+is not DECODE. An engine step's forward sees the mode itself: its keys name it exactly."""
 
 
 class Key(NamedTuple):
@@ -50,8 +52,8 @@ class Key(NamedTuple):
     @property
     def name(self) -> str:
         """The executable's name as `FutureMap.executables()` and warm-up reports give it:
-        'resolve_fixed_extend', 'unchecked_publish', 'step_fixed_decode', 'resolve'."""
-        fixed = self.mode in ("extend", "decode")
+        'resolve_fixed_extend', 'unchecked_publish', 'step_fixed_mixed', 'resolve'."""
+        fixed = self.mode in FIXED_MODES
         base = f"{self.op}_fixed_{self.mode}" if fixed else self.op
         return base if self.checked else f"unchecked_{base}"
 

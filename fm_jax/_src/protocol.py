@@ -110,6 +110,12 @@ class Protocol:
         mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced'."""
         raise NotImplementedError
 
+    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
+        """The modes an engine step (whose forward sees its mode) serves where a resolve's
+        variant is 'extend': every mode that is not DECODE and that this protocol takes
+        with (or without) token slots."""
+        raise NotImplementedError
+
 
 class _Sentinel(Protocol):
     name = "sentinel"
@@ -148,6 +154,10 @@ class _Sentinel(Protocol):
         if spec is not None or tokens <= decode_tokens:
             out.append(("decode", False))
         return out + ([("traced", False)] if traced else [])
+
+    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
+        mixed = [ForwardMode.MIXED] if spec is None else []  # a spec MIXED is refused
+        return [ForwardMode.EXTEND, *mixed, ForwardMode.IDLE]
 
 
 class _Gather(Protocol):
@@ -246,6 +256,10 @@ class _Gather(Protocol):
         if spec is not None:
             out.append(("decode", False))
         return out + ([("traced", False), ("traced", True)] if traced else [])
+
+    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
+        # Token slots come with a MIXED batch, and only with one.
+        return [ForwardMode.MIXED] if with_slots else [ForwardMode.EXTEND, ForwardMode.IDLE]
 
 
 SENTINEL: Protocol = _Sentinel()

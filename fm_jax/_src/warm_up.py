@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -65,10 +66,17 @@ def empty_tails(
 
 
 def empty_batches(
-    inputs: HostInputs, protocol: Protocol, spec: SpecConfig | None, *, traced_modes: bool
+    inputs: HostInputs,
+    protocol: Protocol,
+    spec: SpecConfig | None,
+    *,
+    traced_modes: bool,
+    step: bool = False,
 ) -> Iterator[EmptyBatch]:
     """Every resolve serving reaches: per token bucket and resolve variant, with and
-    without a draft on a spec map; a DECODE that places no ids per batch bucket."""
+    without a draft on a spec map; a DECODE that places no ids per batch bucket. `step`:
+    an engine step's, whose executables fix each mode that is not DECODE, not its kind
+    (`Protocol.step_modes`)."""
     dp, dt = inputs.dp, inputs.dtype
     batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
     drafts = [False, True] if spec is not None else [False]
@@ -89,18 +97,23 @@ def empty_batches(
             for mode, with_slots in protocol.resolve_variants(spec, t, decode_tokens, traced_modes):
                 # A non-spec decode row carries one id: b ids, padded to the t bucket.
                 ids = rows if mode == "decode" and spec is None else toks
-                kind: Any = traced if mode == "traced" else FIXED_MODES[mode]
-                if with_slots and mode != "traced":
-                    kind = ForwardMode.MIXED
-                batch = Batch(
-                    kind,
-                    rows,
-                    ids,
-                    rows,
-                    rows if with_draft else None,
-                    toks if with_slots else None,
-                )
-                yield EmptyBatch(batch, b, t)
+                kinds: list[Any] = [traced if mode == "traced" else FIXED_MODES[mode]]
+                if mode == "extend":
+                    kinds = (
+                        list(protocol.step_modes(spec, with_slots))
+                        if step
+                        else [ForwardMode.MIXED if with_slots else ForwardMode.EXTEND]
+                    )
+                for kind in kinds:
+                    batch = Batch(
+                        kind,
+                        rows,
+                        ids,
+                        rows,
+                        rows if with_draft else None,
+                        toks if with_slots else None,
+                    )
+                    yield EmptyBatch(batch, b, t)
                 if mode == "traced" and dp > 1:
                     # Ranks of different kinds, all on the host: the same executable, its
                     # modes (one per rank, one id per row) fed from the host.
@@ -116,6 +129,14 @@ def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -
     no ids has T = B)."""
     per = {"row": rows, "token": rows if batch.input_ids is None else tokens}
     return {d.name: np.zeros((dp * per[d.per], *d.shape), d.dtype) for d in declared}
+
+
+def on_device(tree: Any, sharding: Any) -> Any:
+    """`tree` with each host array put on the device with `sharding` (the map's layout of
+    every batch field), as a caller that feeds jax arrays passes them."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x, tree
+    )
 
 
 def class_calls(placement: Any, state: Any, *, debug: bool, traced_modes: bool) -> list[Any]:
