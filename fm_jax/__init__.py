@@ -9,7 +9,7 @@ from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax._src.compile_options import compiler_options, use_persistent_cache
 from fm_jax._src.debug_channel import raise_if_violated
 from fm_jax._src.engine_step import EngineStep, StepInput, StepOutput, StepResult
-from fm_jax._src.errors import FutureMapError, InvariantViolation
+from fm_jax._src.errors import FutureMapError, InvariantViolation, StateLost
 from fm_jax._src.future_map import FutureMap
 from fm_jax._src.ops import POISON, FutureMapOps, future_map
 from fm_jax._src.registry import WarmUpReport
@@ -46,6 +46,7 @@ __all__ = [
     "Resolved",
     "ShardedFutureMapOps",
     "SpecConfig",
+    "StateLost",
     "StepInput",
     "StepOutput",
     "StepResult",

@@ -771,3 +771,259 @@ def test_a_guarded_step_serves_what_serving_passes(protocol: str) -> None:
     # Every step ran: sentinel lengths resolved from the map (3, 2 after the prefill, +1 a
     # step), the gather protocol's the host's (the last batch's 1, 2, +1).
     assert fm.resolve_seq_lens_cpu(a(1, 2)).tolist() == ([8, 7] if sentinel else [2, 3])
+
+
+# ------------------------------------------------------------- donation and lifetimes
+def _failing_forward(fail: dict[str, bool]) -> Any:
+    """An engine forward whose sampler is a host callback that raises while `fail["on"]`:
+    a failure while the step runs, after the state was donated to it."""
+
+    def sample(ids: np.ndarray) -> np.ndarray:
+        if fail["on"]:
+            raise RuntimeError("the sampler failed")
+        return (ids + 1) % 50
+
+    def forward(r: fj.Resolved, b: fj.Batch, i: Any, cache: jax.Array) -> fj.StepOutput:
+        shape = jax.ShapeDtypeStruct(r.seq_lens.shape, r.seq_lens.dtype)
+        tokens = jax.pure_callback(sample, shape, r.input_ids[: r.seq_lens.shape[0]])
+        cache = cache.at[b.req_pool_indices].add(tokens)
+        return fj.StepOutput(r.seq_lens + 1, tokens, cache)
+
+    return forward
+
+
+def _serve(fm: fj.FutureMap, step: Any, cache: jax.Array, n: int) -> tuple[Any, list]:
+    """A prefill of slots 1 and 2, then `n - 1` decodes: the cache and each step's tokens."""
+    slots = a(1, 2)
+    batch: Any = fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1))
+    outs = []
+    for k in range(n):
+        if k:
+            batch = batch._replace(forward_mode=DECODE)
+        r = step(batch, cache)
+        cache, batch = r.out, r.batch
+        outs.append(np.asarray(fm.resolve_seq_lens_cpu(slots)).tolist())
+    return cache, outs
+
+
+def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset() -> None:
+    """Pins an engine step whose forward failed while it ran (a host callback raising)
+    deleting the map's donated state and the engine's donated cache with no word: every
+    later op raised a raw "Array has been deleted". Now the step raises StateLost naming
+    what was lost (the map's buffers, the donated args consumed), chained from the
+    failure; every op of the map raises it until `reset()`, after which serving gives the
+    bytes a fresh map gives."""
+    fail = {"on": False}
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+    step = fm.engine_step(_failing_forward(fail), donate_argnums=(0,))
+    cache, _ = _serve(fm, step, jnp.zeros(R, jnp.int32), 2)
+    fail["on"] = True
+    slots = a(1, 2)
+    decode = fj.Batch(DECODE, slots, -slots, -slots)
+    with pytest.raises(fj.StateLost, match=r"donated args consumed too: \[0\]") as info:
+        step(decode, cache)
+    lost = info.value
+    assert isinstance(lost, fj.FutureMapError) and lost.consumed_args == (0,)
+    assert lost.call == "the engine step" and lost.step == fm.step == 2
+    assert "the sampler failed" in str(lost) and "output_tokens, new_seq_lens" in str(lost)
+    assert isinstance(lost.__cause__, Exception) and cache.is_deleted()
+    refused = [
+        lambda: fm.resolve(decode),
+        lambda: fm.publish(slots, a(3, 3)),
+        lambda: fm.stash(slots, a(3, 3)),
+        lambda: fm.finish(decode, slots, a(3, 3), a(1, 1)),
+        lambda: fm.invalidate(decode, slots),
+        lambda: fm.resolve_seq_lens_cpu(slots),
+        lambda: fm.check(),
+        lambda: fm.buffers(),
+        lambda: fm.state,
+        lambda: fm.warm_up(),
+        lambda: step(decode, jnp.zeros(R, jnp.int32)),
+        lambda: step.warm_up(jnp.zeros(R, jnp.int32)),
+    ]
+    for call in refused:
+        with pytest.raises(fj.StateLost) as again:
+            call()
+        assert str(again.value) == str(lost) and again.value.__cause__ is lost.__cause__
+    fail["on"] = False
+    fm.reset()
+    assert fm.step == 2
+    assert fm.resolve_seq_lens_cpu(slots).tolist() == [0, 0]  # the last publish forgotten
+    fresh = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+    fresh_step = fresh.engine_step(_failing_forward(fail), donate_argnums=(0,))
+    got = _serve(fm, step, jnp.zeros(R, jnp.int32), 3)
+    want = _serve(fresh, fresh_step, jnp.zeros(R, jnp.int32), 3)
+    assert got[1] == want[1] and np.asarray(got[0]).tolist() == np.asarray(want[0]).tolist()
+    for name, buf in fresh.buffers().items():
+        assert np.asarray(fm.buffers()[name]).tobytes() == np.asarray(buf).tobytes(), name
+
+
+def test_a_step_refused_before_it_ran_leaves_the_map_whole() -> None:
+    """The other side of StateLost: a step that fails before its executable runs (the
+    forward raising while traced) consumes nothing, so the map keeps serving as it was."""
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+    fm.publish(a(1, 2), a(5, 6))
+    before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+
+    def broken(r: Any, b: Any, i: Any, cache: Any) -> Any:
+        raise RuntimeError("the engine's model failed")
+
+    cache = jnp.zeros(R, jnp.int32)
+    with pytest.raises(RuntimeError, match="model failed"):
+        fm.engine_step(broken, donate_argnums=(0,))(fj.Batch(DECODE, a(1), a(-1), a(-1)), cache)
+    assert not cache.is_deleted()
+    assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
+    assert fm.resolve_seq_lens_cpu(a(1, 2)).tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("op", ["finish", "resolve", "interrupted"])
+def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None:
+    """Pins a class op whose executable failed after consuming the donated state (on a GPU,
+    any runtime error of the device) leaving deleted buffers and raw "Array has been
+    deleted" errors: the op raises StateLost naming itself, and so does every later op
+    until `reset()`. (Debug resolve donates the state too.) An interrupt stays an
+    interrupt, the map lost all the same."""
+    fm = fj.FutureMap(R, debug=True, batch_buckets=(2,), token_buckets=(2,))
+    slots = a(1, 2)
+    fm.finish(fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1)), slots, a(2, 2), a(7, 8))
+    registry = fm._registry
+    real = registry.executable
+
+    def failing(*key: Any) -> Any:
+        exe = real(*key)
+
+        def run(*args: Any) -> Any:
+            exe(*args)  # consumes the donated state
+            raise KeyboardInterrupt if op == "interrupted" else RuntimeError("device failure")
+
+        return run
+
+    registry.executable = failing  # type: ignore[method-assign]
+    decode = fj.Batch(DECODE, slots, -slots, -slots)
+    if op == "interrupted":
+        with pytest.raises(KeyboardInterrupt):
+            fm.finish(decode, slots, a(3, 3), a(9, 9))
+    else:
+        with pytest.raises(fj.StateLost, match=f"^{op} failed while it ran") as info:
+            if op == "finish":
+                fm.finish(decode, slots, a(3, 3), a(9, 9))
+            else:
+                fm.resolve(decode)
+        assert info.value.call == op and info.value.consumed_args == ()
+        assert "device failure" in str(info.value)
+    registry.executable = real  # type: ignore[method-assign]
+    with pytest.raises(fj.StateLost):
+        fm.resolve(decode)
+    fm.reset()
+    fm.check()  # the failed op recorded no debug error
+    fm.finish(fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1)), slots, a(2, 2), a(7, 8))
+    r = fm.resolve(decode)
+    assert np.asarray(r.input_ids)[:2].tolist() == [7, 8]
+    fm.check()
+
+
+def test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving() -> None:
+    """Pins donation misuse surfacing as raw JAX errors: an engine argument an earlier step
+    donated passed again, one of the map's own buffers passed as a step argument (donated
+    or not), a deleted jax array given to a class op, and donate_argnums that are no
+    sequence of indices. Each is a FutureMapError naming the argument, before anything
+    runs: the map's buffers and the other arguments are as they were."""
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+
+    def forward(r: fj.Resolved, b: fj.Batch, i: Any, w: Any, cache: Any) -> fj.StepOutput:
+        tokens = r.input_ids[:2] + w.sum()
+        return fj.StepOutput(r.seq_lens + 1, tokens, cache.at[b.req_pool_indices].add(tokens))
+
+    step = fm.engine_step(forward, donate_argnums=(1,))
+    slots = a(1, 2)
+    batch = fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1))
+    w, cache = jnp.ones(2, jnp.int32), jnp.zeros(R, jnp.int32)
+    donated = cache
+    cache = step(batch, w, cache).out
+    before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
+    misuse = [
+        ((w, donated), r"argument 1 \(args\[1\]\) is a deleted jax array \(int32\[8\]\)"),
+        ((w, fm.buffers()["new_seq_lens"]), "argument 1 .* the map's own buffer 'new_seq_lens'"),
+        ((fm.state.output_tokens, cache), "argument 0 .* the map's own buffer 'output_tokens'"),
+    ]
+    for args, match in misuse:
+        with pytest.raises(fj.FutureMapError, match=match):
+            step(batch, *args)
+        assert not cache.is_deleted() and not w.is_deleted()
+        assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
+    assert fm.step == 1
+    gone = jnp.array([3, 4], jnp.int32)
+    gone.delete()
+    with pytest.raises(fj.FutureMapError, match=r"publish: an input is a deleted jax array"):
+        fm.publish(slots, gone)
+    for bad in (None, 1, ("1",), (True,)):
+        with pytest.raises(fj.FutureMapError, match="donate_argnums must be a sequence"):
+            fm.engine_step(forward, donate_argnums=bad)  # type: ignore[arg-type]
+    cache = step(batch, w, cache).out
+    assert fm.step == 2 and np.asarray(cache)[1:3].tolist() == [2 * 5, 2 * 6]
+
+
+def test_device_lengths_donated_by_the_caller_after_publish_are_read_from_the_buffer() -> None:
+    """Pins `resolve_seq_lens_cpu` raising a raw "Array has been deleted" after the engine
+    donated the jax lengths it had published (the map kept the caller's array for its host
+    copy), although the map's buffer holds them: the read gathers from the buffer."""
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+    slots = a(1, 2)
+    prefill = fj.Batch(fj.ForwardMode.EXTEND, slots, a(1, 2), a(1, 1))
+    for op in ("publish", "finish"):
+        lens = dev(5, 7) if op == "publish" else dev(6, 8)
+        if op == "publish":
+            fm.publish(slots, lens)
+        else:
+            fm.finish(prefill, slots, lens, a(1, 1))
+        want = np.asarray(lens).tolist()
+        jax.jit(lambda x: x + 1, donate_argnums=0)(lens)
+        assert lens.is_deleted()
+        assert fm.resolve_seq_lens_cpu(slots).tolist() == want
+
+
+def test_a_monitor_thread_reads_buffer_copies_while_others_serve() -> None:
+    """Pins `fm.buffers()` and `fm.state` being read outside the map's lock, and offering
+    nothing a monitoring thread could keep: its reads while others served raised raw "Array
+    has been deleted". `buffers(copy=True)` copies under the lock: a monitor reads every
+    value while two threads serve, and a copy outlives the ops after it."""
+    import threading
+
+    fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def serve(slot: int) -> None:
+        try:
+            for k in range(150):
+                fm.publish(a(slot), a(k + 1))
+                fm.stash(a(slot), a(k))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    seen: list[int] = []
+
+    def monitor() -> None:
+        try:
+            while not seen or not stop.is_set():
+                copies = fm.buffers(copy=True)
+                seen.append(int(np.asarray(copies["new_seq_lens"]).max()))
+                assert np.asarray(copies["output_tokens"]).shape == (R,)
+                fm.state  # noqa: B018 - the read itself, under the lock
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    reader = threading.Thread(target=monitor)
+    reader.start()
+    servers = [threading.Thread(target=serve, args=(s,)) for s in (1, 2)]
+    for th in servers:
+        th.start()
+    for th in servers:
+        th.join()
+    stop.set()
+    reader.join()
+    assert errors == [] and seen and max(seen) <= 150
+    kept = fm.buffers(copy=True)
+    fm.publish(a(1, 2), a(9, 9))
+    assert np.asarray(kept["new_seq_lens"])[1:3].tolist() == [150, 150]
+    assert np.asarray(fm.buffers()["new_seq_lens"])[1:3].tolist() == [9, 9]

@@ -128,11 +128,14 @@ class EngineStep:
     ) -> None:
         if not callable(forward):
             raise FutureMapError(f"engine_step needs a callable forward, got {forward!r}")
-        donate = tuple(donate_argnums)
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in donate):
+        if not isinstance(donate_argnums, Sequence) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in donate_argnums
+        ):
             raise FutureMapError(
-                f"donate_argnums must be indices >= 0 into the step's args, got {donate_argnums!r}"
+                "donate_argnums must be a sequence of indices >= 0 into the step's args "
+                f"(() for none), got {donate_argnums!r}"
             )
+        donate = tuple(donate_argnums)
         self._forward = forward
         self._declared = _check_declared(inputs)
         self._donate = donate
@@ -174,12 +177,22 @@ class EngineStep:
         """
         runtime = self._runtime
         with runtime.lock:  # one op at a time on the map (see FutureMap)
+            if runtime.lost is not None:
+                runtime.refuse_if_lost()
             placed = self._placement.resolve(
                 batch, rows, tokens, step=self._declared, inputs=inputs
             )
             exe = self._registry.executable(placed.key, placed.pack, len(args))
             ops = ("resolve", "finish") if runtime.debug is not None else ()
-            out = runtime.run(exe, (*placed.args, *args), ops, new_step=True)
+            out = runtime.run(
+                exe,
+                placed.args,
+                ops,
+                call="the engine step",
+                new_step=True,
+                engine_args=args,
+                donated=self._donate,
+            )
             if runtime.debug is not None:
                 runtime.resolved(placed.idx)
             runtime.state, result, sentinels, lens = out
@@ -282,6 +295,7 @@ class EngineStep:
         """
         runtime, placement = self._runtime, self._placement
         with runtime.lock:
+            runtime.refuse_if_lost()
             layout = placement.inputs.layout
             calls: list[Call] = []
             for e in empty_batches(

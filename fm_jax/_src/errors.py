@@ -6,7 +6,31 @@ from collections.abc import Sequence
 
 
 class FutureMapError(ValueError):
-    """Bad input from the host side: raised before anything is written."""
+    """Bad input from the host side: raised before anything is written (the one exception
+    is its subclass `StateLost`)."""
+
+
+class StateLost(FutureMapError):
+    """A map call failed after its executable had consumed the map's donated state.
+
+    The buffers are gone: every slot's relay rows (tokens, draft) and lengths, so every
+    request the map was relaying. The map refuses every op with this error (a new instance,
+    the same message and cause) until `FutureMap.reset()` re-creates the initial state.
+
+    Attributes:
+      call: the call that failed ('engine step', or the class op's name).
+      step: the step count when it failed (the failed call took no step).
+      consumed_args: the engine step's arguments (indices into its args) that the failed
+        call consumed too; () for a class op.
+    """
+
+    def __init__(
+        self, message: str, call: str = "", step: int = 0, consumed_args: Sequence[int] = ()
+    ) -> None:
+        self.call = call
+        self.step = step
+        self.consumed_args = tuple(consumed_args)
+        super().__init__(message)
 
 
 class InvariantViolation(RuntimeError):

@@ -45,11 +45,15 @@ per-rank mappings of either."""
 def _serialized(method: _M) -> _M:
     """`method` run under the map's lock: calls from several threads take turns (each op
     donates the state the next one reads). Uncontended, the lock and the extra frame cost
-    about 1 us a call or less (`python -m fm_bench.lock_cost`)."""
+    about 1 us a call or less (`python -m fm_bench.lock_cost`). A map whose state a failed
+    call consumed refuses it (`StateLost`, until `reset`)."""
 
     @functools.wraps(method)
     def locked(self: FutureMap, *args: Any, **kwargs: Any) -> Any:
-        with self._runtime.lock:
+        runtime = self._runtime
+        with runtime.lock:
+            if runtime.lost is not None:
+                runtime.refuse_if_lost()
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
@@ -71,7 +75,13 @@ class FutureMap:
     reported by `check()`, or by `resolve_seq_lens_cpu` (which syncs anyway).
 
     Threads: a map's ops (and its engine steps) take turns on one lock per map, so several
-    threads may call one map; each op sees the state the previous one left.
+    threads may call one map; each op sees the state the previous one left. `state` and
+    `buffers()` are read under the lock; what they return is donated by the next op, so
+    another thread takes `buffers(copy=True)`.
+
+    Failures (docs/CONTRACT.md, 'Donation and lifetimes'): a call refused before it runs
+    consumes nothing; a call that fails while it runs, after consuming the donated state,
+    raises `StateLost`, and so does every later op until `reset()`.
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1); slot 0 is padding.
@@ -150,8 +160,14 @@ class FutureMap:
 
     # ------------------------------------------------------------------------------ state
     @property
+    @_serialized
     def state(self) -> FutureMapState:
-        """The current global buffers. Donated on the next op: keep no references across ops."""
+        """The map's own global buffers, read under its lock.
+
+        The next op donates them (deletes them): they are valid only until then, so read
+        them only from the thread that serves, between its ops. From another thread, or
+        to keep them, take `buffers(copy=True)`.
+        """
         return self._runtime.state
 
     @property
@@ -159,12 +175,30 @@ class FutureMap:
         """Resolves (and engine steps) so far: the step debug violations name."""
         return self._runtime.step
 
-    def buffers(self) -> dict[str, jax.Array]:
+    @_serialized
+    def buffers(self, *, copy: bool = False) -> dict[str, jax.Array]:
         """The present buffers by name, global [DP*R, ...] (DLPack-exportable on one device).
 
-        Release exported views before the next op: a live external reference blocks donation.
+        Args:
+          copy: False: the map's own buffers (as `state`): the next op donates them, so they
+            are valid only until then, and a live DLPack export of one blocks that op's
+            donation (release it first). True: copies made on the device under the map's
+            lock (no host sync): the caller's own, valid whatever ops follow, from any
+            thread (a monitor's read while other threads serve).
         """
-        return {k: v for k, v in self._runtime.state._asdict().items() if v is not None}
+        out = {k: v for k, v in self._runtime.state._asdict().items() if v is not None}
+        return {k: jax.tree.map(jnp.copy, v) for k, v in out.items()} if copy else out
+
+    def reset(self) -> None:
+        """Re-create the initial state: every slot's rows and lengths as at construction.
+
+        Every request the map was relaying is forgotten (start each again with a prefill);
+        the step count and pending debug errors are kept. The recovery from `StateLost`,
+        which every op raises once a failed call consumed the state; also serves to drop
+        every request at once.
+        """
+        with self._runtime.lock:  # not refused when lost: it is the way back
+            self._runtime.reset()
 
     def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
         """The jitted entry points by name (for compile counting and HLO inspection).
@@ -185,7 +219,7 @@ class FutureMap:
         exe = self._registry.executable(key, placed.pack)
         ops = (op,) if self.debug and key.checked else ()
         return self._runtime.run(
-            exe, placed.args, ops, with_state=takes_state(key.op), new_step=new_step
+            exe, placed.args, ops, call=op, with_state=takes_state(key.op), new_step=new_step
         )
 
     # -------------------------------------------------------------------------------- ops

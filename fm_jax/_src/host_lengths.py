@@ -12,6 +12,11 @@ takes the copy, waiting only for the computation that produced the lengths. A pu
 host lengths needs no device-to-host copy: it keeps a host copy of them (the caller may refill
 its arrays for the next batch). Only the most recent publish is kept:
 a read of other slots, or after another publish, gathers from the buffer as before.
+
+Device lengths given to `publish` or `finish` are the caller's array: the copy is started
+on it, and the caller may donate or delete it after the call. The copy is then gone with it
+(JAX drops a deleted array's host value), so the read gathers from the map's buffer, which
+holds the same lengths: the map's answer never depends on the caller's array living on.
 """
 
 from __future__ import annotations
@@ -56,4 +61,6 @@ class HostLengths:
             same = idx.array is last.idx.array
         else:
             same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
-        return np.asarray(last.lens) if same else None
+        if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
+            return None  # other slots, or the caller's array donated since: the buffer
+        return np.asarray(last.lens)

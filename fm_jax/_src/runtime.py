@@ -5,6 +5,12 @@ writes them), the step count, the lock every op takes, the debug channel, the ho
 of the last published lengths, and which slots the last debug resolve checked. `run` is
 the one way an executable is called on the state: the map's ops and its engine steps
 both go through it, so the state, the step count and the debug record move together.
+
+A call that fails is diagnosed there, on the failure path only (the call itself pays
+nothing): an executable that failed after consuming the donated state leaves the map lost
+(`StateLost`, until `reset`); a call JAX refused before running (an argument deleted, or
+one of the map's own buffers passed in) leaves the state as it was and is named as a
+`FutureMapError`.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 import jax
 
 from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.errors import FutureMapError, StateLost
 from fm_jax._src.host_inputs import Rows
 from fm_jax._src.host_lengths import HostLengths
 from fm_jax._src.types import FutureMapState
@@ -32,13 +39,21 @@ class MapRuntime:
       step: resolves (and engine steps) so far; debug violations name it.
       debug: the debug channel, or None.
       host_lengths: the last publish's lengths on their way to the host, or None.
+      lost: the StateLost of the call that consumed the state, or None (the state is
+        whole). While set, every op is refused with it (`refuse_if_lost`).
     """
 
     def __init__(
-        self, state: FutureMapState, debug: DebugChannel | None, host_lengths: HostLengths | None
+        self,
+        fresh: Callable[[], FutureMapState],
+        state: FutureMapState,
+        debug: DebugChannel | None,
+        host_lengths: HostLengths | None,
     ) -> None:
         self.lock = threading.RLock()
+        self._fresh = fresh
         self.state = state
+        self.lost: StateLost | None = None
         self.step = 0
         self.debug = debug
         self.host_lengths = host_lengths
@@ -46,6 +61,22 @@ class MapRuntime:
         # (holding it would keep it alive). jax arrays are immutable: a second check of
         # the same array would find the same.
         self._checked: weakref.ref[jax.Array] | None = None
+
+    def refuse_if_lost(self) -> None:
+        """Raise StateLost (a new instance: the message, attributes and cause of the first)
+        while a failed call has left the map without its state."""
+        lost = self.lost
+        if lost is not None:
+            raise StateLost(str(lost), lost.call, lost.step, lost.consumed_args) from lost.__cause__
+
+    def reset(self) -> None:
+        """The initial state again (every slot's rows and lengths as at construction): no
+        request is relayed any more, nothing published is read back. The step count and
+        pending debug errors are kept."""
+        self.state = self._fresh()
+        self.lost = None
+        if self.host_lengths is not None:
+            self.host_lengths = HostLengths()
 
     def last_checked(self) -> jax.Array | None:
         """The slots (a jax array) the last debug resolve checked, if still alive."""
@@ -57,29 +88,38 @@ class MapRuntime:
         args: Sequence[Any],
         ops: Sequence[str],
         *,
+        call: str,
         with_state: bool = True,
         new_step: bool = False,
+        engine_args: Sequence[Any] = (),
+        donated: Sequence[int] = (),
     ) -> Any:
-        """`exe(state, *args)` (or `exe(*args)`); returns its outputs.
+        """`exe(state, *args, *engine_args)` (or `exe(*args)`); returns its outputs.
 
         Args:
           exe: the executable.
-          args: its arguments after the state.
+          args: its arguments after the state, as placed.
           ops: the op names its debug errors are recorded as (a debug executable returns
             one packed error, or one per op of a step, before its outputs); empty for an
             executable without checks.
+          call: the call in words, for its errors ('publish', 'engine step').
           with_state: the executable takes the state first.
           new_step: the call starts a step (a resolve, an engine step); a refusal before
             it ran takes no step.
+          engine_args: an engine step's own arguments, after `args`.
+          donated: which of `engine_args` the executable donates.
         """
         if new_step:
             self.step += 1
         try:
-            out = exe(self.state, *args) if with_state else exe(*args)
-        except BaseException:
+            out = exe(self.state, *args, *engine_args) if with_state else exe(*args)
+        except BaseException as failure:
             if new_step:
                 self.step -= 1  # refused, or failed: no step was taken
-            raise
+            named = self._diagnose(failure, call, args, engine_args, donated, with_state)
+            if named is None or not isinstance(failure, Exception):
+                raise
+            raise named from failure
         if not ops or self.debug is None:
             return out
         errors, out = out
@@ -87,6 +127,44 @@ class MapRuntime:
         for op, err in zip(ops, errors, strict=True):
             self.debug.record(self.step, op, err)
         return out
+
+    def _diagnose(
+        self,
+        err: BaseException,
+        call: str,
+        args: Sequence[Any],
+        engine_args: Sequence[Any],
+        donated: Sequence[int],
+        with_state: bool,
+    ) -> FutureMapError | None:
+        """What a failed call did, in words: StateLost when it consumed the state (the map
+        is lost from here on); a FutureMapError naming the argument when JAX refused it
+        before running (the state untouched); None when neither (the error stands)."""
+        state = _named_leaves(self.state) if with_state else {}
+        if any(_deleted(x) for x in state.values()):
+            consumed = tuple(
+                i for i in donated if any(map(_deleted, jax.tree.leaves(engine_args[i])))
+            )
+            self.lost = _state_lost(err, call, self.step, tuple(state), donated, consumed)
+            return self.lost
+        ids = {id(x): name for name, x in state.items()}
+        given = [(f"engine step argument {i} (args[{i}])", a) for i, a in enumerate(engine_args)]
+        given += [(f"{call}: an input", a) for a in args]
+        for what, arg in given:
+            for leaf in jax.tree.leaves(arg):
+                if id(leaf) in ids:
+                    return FutureMapError(
+                        f"{what} is the map's own buffer {ids[id(leaf)]!r} (fm.state, "
+                        f"fm.buffers()), which the call donates: pass a copy "
+                        "(fm.buffers(copy=True)); nothing ran"
+                    )
+                if _deleted(leaf):
+                    return FutureMapError(
+                        f"{what} is a deleted jax array ({leaf.aval.str_short()}): donated "
+                        "to an earlier call (an engine step returns the new one in its "
+                        "out) or deleted; nothing ran"
+                    )
+        return None
 
     def resolved(self, idx: Rows) -> None:
         """Debug, after a resolve ran: its slots were checked on the device (only now)."""
@@ -96,3 +174,38 @@ class MapRuntime:
         """A publish wrote `lens` at `idx` (as placed): start their copy to the host."""
         if self.host_lengths is not None:
             self.host_lengths.published(idx, lens)
+
+
+def _deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and x.is_deleted()
+
+
+def _named_leaves(state: FutureMapState) -> dict[str, jax.Array]:
+    """The state's buffers by name (an engine field as 'extras[name]')."""
+    out = {k: v for k, v in state._asdict().items() if isinstance(v, jax.Array)}
+    out.update({f"extras[{k!r}]": v for k, v in (state.extras or {}).items()})
+    return out
+
+
+def _state_lost(
+    err: BaseException,
+    call: str,
+    step: int,
+    buffers: Sequence[str],
+    donated: Sequence[int],
+    consumed: tuple[int, ...],
+) -> StateLost:
+    """The StateLost of `call`, which failed with `err` after consuming the state."""
+    cause = str(err).strip().splitlines()  # its last line: a callback's own error
+    words = (
+        f"{call} failed while it ran ({type(err).__name__}: {cause[-1] if cause else ''}) "
+        f"after consuming the map's donated state: every slot's relay rows and lengths "
+        f"({', '.join(buffers)}) are gone, and with them every request the map was relaying."
+    )
+    if donated:
+        words += f" The step's donated args consumed too: {list(consumed)}; rebuild them."
+    words += (
+        " Every op of this map raises StateLost until FutureMap.reset() re-creates its "
+        "initial state: then start every running request again (a new prefill)."
+    )
+    return StateLost(words, call, step, consumed)
