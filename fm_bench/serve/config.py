@@ -18,7 +18,7 @@ class ModelConfig(NamedTuple):
       eos_id: the end-of-sequence token.
       eos_bias: added to the EOS logit so that random weights stop some requests early.
       seed: PRNG seed of the random weights.
-      row_tile: rows per GEMM tile (batch invariance, see model.dense); divides every bucket.
+      row_tile: rows per GEMM tile (batch invariance, see tiles.by_tiles); divides every bucket.
     """
 
     vocab: int = 8192

@@ -3,7 +3,7 @@
 As vLLM tests its async scheduling: the same requests served synchronously and with overlap,
 across relay protocol (sentinel, gather) x debug (off, on) x chunked prefill (on, off) x
 MIXED batches (on, off) x slot reuse (heavy: a few slots for many requests; none: a slot
-per request). The model is batch-invariant (`model.dense`), so every setting's synchronous
+per request). The model is batch-invariant (`tiles.by_tiles`), so every setting's synchronous
 run must also give the same tokens as every other's: one reference for the whole matrix.
 """
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_bench.serve.config import ModelConfig
+from fm_bench.serve.tiles import by_tiles, dense
 
 
 class Layer(NamedTuple):
@@ -84,40 +85,13 @@ def init_cache(cfg: ModelConfig, pool_size: int) -> KVCache:
     return KVCache(*(jnp.zeros(shape, jnp.float32) for _ in range(2)))
 
 
-def _by_tiles(fn: Any, x: jax.Array, row_tile: int) -> jax.Array:
-    """`fn` applied to `row_tile` rows at a time (a loop over fixed-shape tiles).
-
-    XLA chooses GEMM blocking and reduction vectorisation by shape, so `x @ w` or a row mean
-    over a [T, d] array can round a row differently for different T. A fixed tile shape makes
-    each row's result bitwise the same whatever the batch size or the row's place in it, which
-    is what lets two schedules of the same requests produce the same tokens.
-    """
-    rows = x.shape[0]
-    if rows % row_tile:
-        raise ValueError(f"{rows} rows is not a multiple of the row tile {row_tile}")
-    # Unrolled: a rolled loop is an XLA while loop, whose output buffer is a copy of a
-    # broadcast and, on a GPU, whose trip test the host waits for each iteration.
-    _, tiles = jax.lax.scan(
-        lambda c, a: (c, fn(a)),
-        None,
-        x.reshape(rows // row_tile, row_tile, *x.shape[1:]),
-        unroll=True,
-    )
-    return tiles.reshape(rows, *tiles.shape[2:])
-
-
-def dense(x: jax.Array, w: jax.Array, row_tile: int) -> jax.Array:
-    """`x @ w`, batch-invariant (see `_by_tiles`); x.shape[0] must be a multiple of row_tile."""
-    return _by_tiles(lambda a: a @ w, x, row_tile)
-
-
 def rms_norm(x: jax.Array, scale: jax.Array, row_tile: int) -> jax.Array:
-    """RMS normalisation of each row of x, batch-invariant (see `_by_tiles`)."""
+    """RMS normalisation of each row of x, batch-invariant (see `tiles.by_tiles`)."""
 
     def norm(a: jax.Array) -> jax.Array:
         return a * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + 1e-6) * scale
 
-    return _by_tiles(norm, x, row_tile)
+    return by_tiles(norm, x, row_tile)
 
 
 def forward(
