@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fm_bench.serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
 from fm_bench.serve.engine import Engine, ServeResult
+from fm_bench.serve.model import toy
 from fm_bench.serve.requests import Request, make_requests
 from fm_bench.serve.sweep import diff_outputs
 
@@ -79,7 +80,7 @@ def run_matrix(
     out: dict[str, list[str]] = {}
     for cell in only or cells():
         cfg = engine_config(cell, n_requests, model.row_tile)
-        engine = Engine(model, cfg, debug=cell.debug, protocol=cell.protocol)
+        engine = Engine(*toy(model), cfg, debug=cell.debug, protocol=cell.protocol)
         sync = engine.run_sync(requests)
         ref = ref or sync
         got = engine.run_overlap(requests)

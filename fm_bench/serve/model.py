@@ -9,7 +9,7 @@ padding tokens write there and nothing live reads it.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,53 @@ class KVCache(NamedTuple):
 
     k: jax.Array
     v: jax.Array
+
+
+class ToyModel(NamedTuple):
+    """The toy transformer as the serving loop runs it (`served.ServedModel`)."""
+
+    cfg: ModelConfig
+
+    @property
+    def vocab(self) -> int:
+        """Token ids are in [0, vocab)."""
+        return self.cfg.vocab
+
+    @property
+    def max_seq_len(self) -> int:
+        """KV cache positions per slot."""
+        return self.cfg.max_seq_len
+
+    @property
+    def row_tile(self) -> int:
+        """Rows per matmul tile."""
+        return self.cfg.row_tile
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence token."""
+        return (self.cfg.eos_id,)
+
+    def init_cache(self, pool_size: int) -> KVCache:
+        """A zeroed KV cache with one row per request-pool slot."""
+        return init_cache(self.cfg, pool_size)
+
+    def forward(
+        self,
+        params: Params,
+        cache: KVCache,
+        input_ids: jax.Array,
+        token_slots: jax.Array,
+        positions: jax.Array,
+        last_token: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits [B, V] of each row's last token and the updated cache (see `forward`)."""
+        return forward(params, self.cfg, cache, input_ids, token_slots, positions, last_token)
+
+
+def toy(cfg: ModelConfig) -> tuple[ToyModel, Params]:
+    """The toy model of `cfg` and its random weights, as `Engine(model, params, ...)` takes them."""
+    return ToyModel(cfg), init_params(cfg)
 
 
 def init_params(cfg: ModelConfig) -> Params:
