@@ -27,7 +27,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "engine step: prints the completions, tokens/s and the time per step.",
     )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    p.add_argument("--prompts-file", type=Path, help="one prompt a line (\\n: a newline)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--mode", choices=MODES, default="overlap", help="the serving loop")
     p.add_argument("--compare", action="store_true", help="serve in every mode, compare")

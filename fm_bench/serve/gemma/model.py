@@ -15,14 +15,14 @@ row tiles (`tiles.by_tiles`), so a row's logits do not depend on the rest of the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fm_bench.serve.gemma.config import GemmaConfig
-from fm_bench.serve.gemma.params import GemmaParams
+from fm_bench.serve.gemma.params import Blocks, GemmaParams
 from fm_bench.serve.tiles import by_tiles, dense
 
 
@@ -130,7 +130,9 @@ def _forward(
     causal = span <= positions[:, None]  # [T, S]: within the token's own slot
     inv_freq, window = _layer_tables(c)
 
-    def block(carry, layer):  # type: ignore[no-untyped-def]
+    Carry = tuple[jax.Array, jax.Array, jax.Array]  # residual, keys, values
+
+    def block(carry: Carry, layer: tuple[Any, Blocks, Any, Any]) -> tuple[Carry, None]:
         x, k_all, v_all = carry
         i, w, freq, win = layer
         a = norm(x, w.attn_norm)
