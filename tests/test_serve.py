@@ -18,6 +18,7 @@ from fm_bench.serve import cli
 from fm_bench.serve.config import TINY_REQUESTS, tiny_engine, tiny_model
 from fm_bench.serve.engine import Engine, ServeResult
 from fm_bench.serve.host_cost import HostCost
+from fm_bench.serve.model import toy
 from fm_bench.serve.requests import Request, RequestState, make_requests
 from fm_bench.serve.scheduler import Scheduler
 from fm_bench.serve.sweep import diff_outputs
@@ -37,7 +38,7 @@ def requests() -> list[Request]:
 
 @pytest.fixture(scope="module")
 def reference(requests: list[Request]) -> ServeResult:
-    return Engine(tiny_model(), tiny_engine()).run_sync(requests)
+    return Engine(*toy(tiny_model()), tiny_engine()).run_sync(requests)
 
 
 def test_reference_exercises_every_path(requests: list[Request], reference: ServeResult) -> None:
@@ -63,7 +64,7 @@ def test_overlap_tokens_equal_sync(
     """Pins a relay fault (an id resolved from a wrong or stale slot, a lost length, a slot
     reused too early) or a debug invariant tripping on a correct overlap schedule, in either
     relay protocol: both serve the synchronous run's tokens."""
-    engine = Engine(tiny_model(), tiny_engine(), debug=debug, protocol=protocol)
+    engine = Engine(*toy(tiny_model()), tiny_engine(), debug=debug, protocol=protocol)
     got = engine.run_overlap(requests)
     assert {"MIXED", "DECODE"} <= set(got.modes)
     assert diff_outputs("overlap", reference, got) == []
@@ -73,7 +74,7 @@ def test_overlap_with_host_cost_tokens_equal_sync(
     requests: list[Request], reference: ServeResult
 ) -> None:
     """Pins a host-timing dependence: tokens must not change when the scheduler is slow."""
-    got = Engine(tiny_model(), tiny_engine()).run_overlap(requests, HostCost(2e-4, "sleep"))
+    got = Engine(*toy(tiny_model()), tiny_engine()).run_overlap(requests, HostCost(2e-4, "sleep"))
     assert diff_outputs("overlap", reference, got) == []
 
 
@@ -94,7 +95,7 @@ def test_lost_relay_changes_tokens(
     requests: list[Request], reference: ServeResult, protocol: str
 ) -> None:
     """Pins a token check that cannot fail: overlap without the relay must differ."""
-    engine = Engine(tiny_model(), tiny_engine(), protocol=protocol)
+    engine = Engine(*toy(tiny_model()), tiny_engine(), protocol=protocol)
     _lose_relay(engine)
     assert diff_outputs("overlap", reference, engine.run_overlap(requests)) != []
 
@@ -102,7 +103,7 @@ def test_lost_relay_changes_tokens(
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_lost_relay_trips_debug_consume_check(requests: list[Request], protocol: str) -> None:
     """Pins debug mode missing a read of an unwritten slot (WRWR) inside the jitted step."""
-    engine = Engine(tiny_model(), tiny_engine(), debug=True, protocol=protocol)
+    engine = Engine(*toy(tiny_model()), tiny_engine(), debug=True, protocol=protocol)
     _lose_relay(engine)
     with pytest.raises(fm_jax.InvariantViolation) as info:
         engine.run_overlap(requests)
@@ -113,7 +114,7 @@ def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
     requests: list[Request],
 ) -> None:
     """Pins an overlap loop that syncs on step N's tokens before dispatching N+1 (no overlap)."""
-    engine = Engine(tiny_model(), tiny_engine())
+    engine = Engine(*toy(tiny_model()), tiny_engine())
     step, dispatched, lag = engine._overlap_step, [0], []
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -135,7 +136,7 @@ def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
         overlap=overlap,
         host_cost=cost,
         max_seq_len=tiny_model().max_seq_len,
-        eos_id=tiny_model().eos_id,
+        stop_ids=(tiny_model().eos_id,),
     )
     engine.run_overlap(requests)
     assert max(lag) == 1  # never more than one step in flight beyond the one being read
@@ -151,7 +152,7 @@ def _scheduler(requests: list[Request], overlap: bool, protocol: str = "sentinel
         overlap=overlap,
         host_cost=HostCost(),
         max_seq_len=m.max_seq_len,
-        eos_id=m.eos_id,
+        stop_ids=(m.eos_id,),
         protocol=protocol,
     )
 
@@ -221,7 +222,7 @@ def test_scheduler_refuses_request_longer_than_cache() -> None:
 
 def test_engine_refuses_prompt_ids_outside_vocab() -> None:
     """Pins an out-of-vocab id silently clamped by the embedding gather into another token."""
-    engine = Engine(tiny_model(), tiny_engine())
+    engine = Engine(*toy(tiny_model()), tiny_engine())
     with pytest.raises(ValueError, match="outside"):
         engine.run_sync([Request(0, (3, tiny_model().vocab), 2)])
 

@@ -18,7 +18,7 @@ class ModelConfig(NamedTuple):
       eos_id: the end-of-sequence token.
       eos_bias: added to the EOS logit so that random weights stop some requests early.
       seed: PRNG seed of the random weights.
-      row_tile: rows per GEMM tile (batch invariance, see model.dense); divides every bucket.
+      row_tile: rows per GEMM tile (batch invariance, see tiles.by_tiles); divides every bucket.
     """
 
     vocab: int = 8192
@@ -102,3 +102,16 @@ class RequestShape(NamedTuple):
 
 DEFAULT_REQUESTS = RequestShape(prompt_len=(8, 40), max_new=(4, 24))
 TINY_REQUESTS = RequestShape(prompt_len=(3, 30), max_new=(1, 20))
+
+
+def engine_for(max_running: int, prefill_budget: int, row_tile: int) -> EngineConfig:
+    """An engine with one batch bucket and two token buckets, every one a multiple of
+    `row_tile`: decode steps (one token per row) and steps with a prefill chunk."""
+    up = lambda n: n + (-n % row_tile)  # noqa: E731
+    rows = up(max_running)
+    return EngineConfig(
+        max_running=max_running,
+        prefill_budget=prefill_budget,
+        batch_buckets=(rows,),
+        token_buckets=tuple(sorted({rows, up(prefill_budget + max_running)})),
+    )

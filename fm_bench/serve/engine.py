@@ -14,20 +14,25 @@ the step and op of every violation.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
 
 import fm_jax
-from fm_bench.serve import model as mdl
-from fm_bench.serve.config import EngineConfig, ModelConfig
+from fm_bench.serve.config import EngineConfig
 from fm_bench.serve.host_cost import HostCost
 from fm_bench.serve.requests import Request
 from fm_bench.serve.scheduler import ScheduledBatch, Scheduler
-from fm_bench.serve.step import make_overlap_step, make_sync_step
+from fm_bench.serve.served import ServedModel
+from fm_bench.serve.step import StepInputs, make_overlap_step, make_sync_step
+
+Progress = Callable[[int], None]
+"""Called after each step's tokens are taken, with the number of new output tokens."""
 
 
 @dataclass
@@ -40,7 +45,8 @@ class ServeResult:
       steps: batches dispatched; `modes` counts them by ForwardMode name.
       wait_s: time the host spent blocked on the device (reading tokens).
       step_s: sync only: per-step dispatch-to-tokens time (the device time seen by the host).
-      host_s: sync only: per-step host time (building the batch, then processing its tokens).
+      host_s: per step, the host's time: building the batch and processing its tokens (sync:
+        the step excluded; overlap: each loop turn less its wait, the dispatch included).
       dispatch_s: per step, the time inside the step call (until it returns to the host).
     """
 
@@ -68,7 +74,8 @@ class Engine:
     """A model, its jitted steps and FutureMap ops; serves request sets in either mode.
 
     Args:
-      model_cfg: the transformer's shapes and seed.
+      model: the served model (`served.ServedModel`: the toy transformer, Gemma 3).
+      params: its weights.
       engine_cfg: pool size, prefill budget, buckets.
       debug: checkify the overlap step with fm_jax's debug invariants.
       protocol: the overlap step's relay protocol, "sentinel" or "gather" (docs/CONTRACT.md,
@@ -77,22 +84,22 @@ class Engine:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        model: ServedModel,
+        params: Any,
         engine_cfg: EngineConfig,
         *,
         debug: bool = False,
         protocol: str = "sentinel",
     ):
-        bad = [
-            b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % model_cfg.row_tile
-        ]
+        tile = model.row_tile
+        bad = [b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % tile]
         if bad:
-            raise ValueError(f"buckets {bad} are not multiples of row_tile {model_cfg.row_tile}")
-        self.model_cfg = model_cfg
+            raise ValueError(f"buckets {bad} are not multiples of row_tile {tile}")
+        self.model = model
         self.engine_cfg = engine_cfg
         self.debug = debug
         self.protocol = protocol
-        self.params = mdl.init_params(model_cfg)
+        self.params = params
         # One map for every run: a run leaves each slot's last write unread (its request
         # finished), which the next run's first write to that slot replaces.
         self.fm = fm_jax.FutureMap(
@@ -102,13 +109,13 @@ class Engine:
             batch_buckets=engine_cfg.batch_buckets,
             token_buckets=engine_cfg.token_buckets,
         )
-        self._overlap_step = make_overlap_step(model_cfg, self.fm)
-        self._sync_step = make_sync_step(model_cfg)
+        self._overlap_step = make_overlap_step(model, self.fm)
+        self._sync_step = make_sync_step(model)
 
     def _scheduler(
         self, requests: Sequence[Request], overlap: bool, host_cost: HostCost
     ) -> Scheduler:
-        vocab = self.model_cfg.vocab
+        vocab = self.model.vocab
         for r in requests:
             if not r.prompt or r.max_new_tokens < 1:
                 raise ValueError(f"request {r.rid}: needs a non-empty prompt and max_new >= 1")
@@ -120,17 +127,53 @@ class Engine:
             self.engine_cfg,
             overlap=overlap,
             host_cost=host_cost,
-            max_seq_len=self.model_cfg.max_seq_len,
-            eos_id=self.model_cfg.eos_id,
+            max_seq_len=self.model.max_seq_len,
+            stop_ids=self.model.stop_ids,
             protocol=self.protocol,
         )
 
-    def _fresh_cache(self) -> mdl.KVCache:
-        cache = mdl.init_cache(self.model_cfg, self.engine_cfg.pool_size)
+    def _fresh_cache(self) -> Any:
+        cache = self.model.init_cache(self.engine_cfg.pool_size)
         return jax.block_until_ready(cache)
 
+    def warm_up(self, overlap: bool) -> None:
+        """Compile the steps one mode serves, for every bucket it reaches.
+
+        Overlap: the engine step's `warm_up(guard=True)` (afterwards a call that would
+        compile is refused). Sync: one all-padding step per (batch, token) bucket pair;
+        padding writes only slot 0, which nothing live reads.
+        """
+        cache = self._fresh_cache()
+        if overlap:
+            self._overlap_step.warm_up(self.params, cache, guard=True, traced_modes=False)
+            return
+        cfg = self.engine_cfg
+        for b, t in itertools.product(cfg.batch_buckets, cfg.token_buckets):
+            if b > t:
+                continue
+            rows, toks = np.zeros(b, np.int32), np.zeros(t, np.int32)
+            pad = StepInputs(
+                forward_mode=np.int32(int(fm_jax.ForwardMode.EXTEND)),
+                req_pool_indices=rows,
+                input_ids=toks,
+                seq_lens=rows,
+                extend_lens=rows,
+                token_rows=toks,
+                token_slots=toks,
+                token_offsets=toks,
+                last_token=rows,
+                relay_slots=toks,
+                temperature=np.zeros(b, np.float32),
+                sample_seed=rows,
+            )
+            cache, tokens = self._sync_step(self.params, cache, pad)
+        jax.block_until_ready(cache)
+
     def run_sync(
-        self, requests: Sequence[Request], host_cost: HostCost | None = None
+        self,
+        requests: Sequence[Request],
+        host_cost: HostCost | None = None,
+        progress: Progress | None = None,
     ) -> ServeResult:
         """Serve `requests` synchronously: the host waits for each step's tokens."""
         sched = self._scheduler(requests, False, host_cost or HostCost())
@@ -149,7 +192,9 @@ class Engine:
             t_done = time.perf_counter()
             wait += t_done - t_launch
             step_s.append(t_done - t_launch)
-            sched.process(batch, host_tokens)
+            made = sched.process(batch, host_tokens)
+            if progress is not None:
+                progress(made)
             host_s.append(time.perf_counter() - t_build - step_s[-1])
             steps += 1
             modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
@@ -158,7 +203,10 @@ class Engine:
         return ServeResult(outputs, wall, steps, wait, modes, step_s, host_s, dispatch_s)
 
     def run_overlap(
-        self, requests: Sequence[Request], host_cost: HostCost | None = None
+        self,
+        requests: Sequence[Request],
+        host_cost: HostCost | None = None,
+        progress: Progress | None = None,
     ) -> ServeResult:
         """Serve `requests` with overlap: build N+1 while N runs, read N's tokens one step late.
 
@@ -168,10 +216,11 @@ class Engine:
         sched = self._scheduler(requests, True, host_cost or HostCost())
         cache = self._fresh_cache()
         gather = self.protocol == "gather"
-        steps, wait, modes, dispatch_s = 0, 0.0, dict[str, int](), []
+        steps, wait, modes, dispatch_s, host_s = 0, 0.0, dict[str, int](), [], []
         pending: tuple[ScheduledBatch, jax.Array] | None = None
         t0 = time.perf_counter()
         while True:
+            t_turn, waited = time.perf_counter(), 0.0
             batch = sched.build()  # runs while the device works on `pending`
             launched = None
             if batch is not None:
@@ -189,14 +238,18 @@ class Engine:
                 prev, prev_tokens = pending
                 t_wait = time.perf_counter()
                 host_tokens = np.asarray(prev_tokens)  # blocks on step N only, N+1 is queued
-                wait += time.perf_counter() - t_wait
-                sched.process(prev, host_tokens)
+                waited = time.perf_counter() - t_wait
+                wait += waited
+                made = sched.process(prev, host_tokens)
+                if progress is not None:
+                    progress(made)
             elif batch is None:  # nothing in flight and nothing to build
                 if not sched.idle:
                     raise RuntimeError("overlap scheduler stalled with requests remaining")
                 break
+            host_s.append(time.perf_counter() - t_turn - waited)
             pending = launched
         wall = time.perf_counter() - t0
         self.fm.check()  # debug: every violation of the run, by step and op
         outputs = {st.req.rid: st.output for st in sched.done}
-        return ServeResult(outputs, wall, steps, wait, modes, dispatch_s=dispatch_s)
+        return ServeResult(outputs, wall, steps, wait, modes, host_s=host_s, dispatch_s=dispatch_s)

@@ -3,7 +3,7 @@
 As vLLM tests its async scheduling: the same requests served synchronously and with overlap,
 across relay protocol (sentinel, gather) x debug (off, on) x chunked prefill (on, off) x
 MIXED batches (on, off) x slot reuse (heavy: a few slots for many requests; none: a slot
-per request). The model is batch-invariant (`model.dense`), so every setting's synchronous
+per request). The model is batch-invariant (`tiles.by_tiles`), so every setting's synchronous
 run must also give the same tokens as every other's: one reference for the whole matrix.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fm_bench.serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
 from fm_bench.serve.engine import Engine, ServeResult
+from fm_bench.serve.model import toy
 from fm_bench.serve.requests import Request, make_requests
 from fm_bench.serve.sweep import diff_outputs
 
@@ -79,7 +80,7 @@ def run_matrix(
     out: dict[str, list[str]] = {}
     for cell in only or cells():
         cfg = engine_config(cell, n_requests, model.row_tile)
-        engine = Engine(model, cfg, debug=cell.debug, protocol=cell.protocol)
+        engine = Engine(*toy(model), cfg, debug=cell.debug, protocol=cell.protocol)
         sync = engine.run_sync(requests)
         ref = ref or sync
         got = engine.run_overlap(requests)

@@ -9,13 +9,14 @@ padding tokens write there and nothing live reads it.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fm_bench.serve.config import ModelConfig
+from fm_bench.serve.tiles import by_tiles, dense
 
 
 class Layer(NamedTuple):
@@ -44,6 +45,53 @@ class KVCache(NamedTuple):
 
     k: jax.Array
     v: jax.Array
+
+
+class ToyModel(NamedTuple):
+    """The toy transformer as the serving loop runs it (`served.ServedModel`)."""
+
+    cfg: ModelConfig
+
+    @property
+    def vocab(self) -> int:
+        """Token ids are in [0, vocab)."""
+        return self.cfg.vocab
+
+    @property
+    def max_seq_len(self) -> int:
+        """KV cache positions per slot."""
+        return self.cfg.max_seq_len
+
+    @property
+    def row_tile(self) -> int:
+        """Rows per matmul tile."""
+        return self.cfg.row_tile
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence token."""
+        return (self.cfg.eos_id,)
+
+    def init_cache(self, pool_size: int) -> KVCache:
+        """A zeroed KV cache with one row per request-pool slot."""
+        return init_cache(self.cfg, pool_size)
+
+    def forward(
+        self,
+        params: Params,
+        cache: KVCache,
+        input_ids: jax.Array,
+        token_slots: jax.Array,
+        positions: jax.Array,
+        last_token: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits [B, V] of each row's last token and the updated cache (see `forward`)."""
+        return forward(params, self.cfg, cache, input_ids, token_slots, positions, last_token)
+
+
+def toy(cfg: ModelConfig) -> tuple[ToyModel, Params]:
+    """The toy model of `cfg` and its random weights, as `Engine(model, params, ...)` takes them."""
+    return ToyModel(cfg), init_params(cfg)
 
 
 def init_params(cfg: ModelConfig) -> Params:
@@ -84,40 +132,13 @@ def init_cache(cfg: ModelConfig, pool_size: int) -> KVCache:
     return KVCache(*(jnp.zeros(shape, jnp.float32) for _ in range(2)))
 
 
-def _by_tiles(fn: Any, x: jax.Array, row_tile: int) -> jax.Array:
-    """`fn` applied to `row_tile` rows at a time (a loop over fixed-shape tiles).
-
-    XLA chooses GEMM blocking and reduction vectorisation by shape, so `x @ w` or a row mean
-    over a [T, d] array can round a row differently for different T. A fixed tile shape makes
-    each row's result bitwise the same whatever the batch size or the row's place in it, which
-    is what lets two schedules of the same requests produce the same tokens.
-    """
-    rows = x.shape[0]
-    if rows % row_tile:
-        raise ValueError(f"{rows} rows is not a multiple of the row tile {row_tile}")
-    # Unrolled: a rolled loop is an XLA while loop, whose output buffer is a copy of a
-    # broadcast and, on a GPU, whose trip test the host waits for each iteration.
-    _, tiles = jax.lax.scan(
-        lambda c, a: (c, fn(a)),
-        None,
-        x.reshape(rows // row_tile, row_tile, *x.shape[1:]),
-        unroll=True,
-    )
-    return tiles.reshape(rows, *tiles.shape[2:])
-
-
-def dense(x: jax.Array, w: jax.Array, row_tile: int) -> jax.Array:
-    """`x @ w`, batch-invariant (see `_by_tiles`); x.shape[0] must be a multiple of row_tile."""
-    return _by_tiles(lambda a: a @ w, x, row_tile)
-
-
 def rms_norm(x: jax.Array, scale: jax.Array, row_tile: int) -> jax.Array:
-    """RMS normalisation of each row of x, batch-invariant (see `_by_tiles`)."""
+    """RMS normalisation of each row of x, batch-invariant (see `tiles.by_tiles`)."""
 
     def norm(a: jax.Array) -> jax.Array:
         return a * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + 1e-6) * scale
 
-    return _by_tiles(norm, x, row_tile)
+    return by_tiles(norm, x, row_tile)
 
 
 def forward(

@@ -9,11 +9,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Request:
-    """A generation request: prompt ids and a cap on new tokens (EOS may stop it earlier)."""
+    """A generation request: prompt ids and a cap on new tokens (a stop token may end it
+    earlier), sampled greedily (temperature 0) or with a temperature and a seed."""
 
     rid: int
     prompt: tuple[int, ...]
     max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
 
 
 @dataclass

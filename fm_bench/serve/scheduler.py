@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +73,8 @@ class ScheduledBatch:
             "token_rows": inp.token_rows[:t],
             "token_slots": inp.token_slots[:t],
             "token_offsets": inp.token_offsets[:t],
+            "temperature": inp.temperature[:b],
+            "sample_seed": inp.sample_seed[:b],
         }
         return batch, model
 
@@ -95,7 +97,7 @@ class Scheduler:
         ids, host lengths, relay slots in MIXED batches).
       host_cost: simulated scheduling cost spent per built batch.
       max_seq_len: the model's KV positions per slot; a request that cannot fit is refused.
-      eos_id: the token that stops a request (read back one step late in overlap mode).
+      stop_ids: the tokens that stop a request (read back one step late in overlap mode).
     """
 
     def __init__(
@@ -106,7 +108,7 @@ class Scheduler:
         overlap: bool,
         host_cost: HostCost,
         max_seq_len: int,
-        eos_id: int,
+        stop_ids: Collection[int],
         protocol: str = "sentinel",
     ) -> None:
         if protocol not in ("sentinel", "gather"):
@@ -127,7 +129,7 @@ class Scheduler:
         self.overlap = overlap
         self.gather = overlap and protocol == "gather"
         self.host_cost = host_cost
-        self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids)
         self.queue = collections.deque(RequestState(r) for r in requests)
         self.running: list[RequestState] = []  # admission order
         self.free_slots = list(range(cfg.pool_size - 1, 0, -1))  # pop() gives the lowest
@@ -192,6 +194,8 @@ class Scheduler:
         tok_slots = np.zeros(t, np.int32)
         tok_off = np.zeros(t, np.int32)
         relay = np.zeros(t, np.int32)
+        temperature = np.zeros(b, np.float32)
+        seed = np.zeros(b, np.int32)
         rows: list[Row] = []
         pos = 0
         for i, (st, chunk) in enumerate(prefill):
@@ -199,6 +203,7 @@ class Scheduler:
             ids[pos : pos + chunk] = st.req.prompt[lo : lo + chunk]
             self._row(i, st, chunk, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
             seq_lens[i] = lo + chunk
+            temperature[i], seed[i] = st.req.temperature, st.req.seed
             st.prefilled += chunk
             final = st.prefill_done
             if final:  # the last chunk samples the first output token
@@ -208,6 +213,7 @@ class Scheduler:
             pos += chunk
         for j, st in enumerate(decode, start=len(prefill)):
             self._row(j, st, 1, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
+            temperature[j], seed[j] = st.req.temperature, st.req.seed
             if self.gather:
                 # No id: resolve gathers it at the row's slot (DECODE: req_pool_indices;
                 # MIXED: relay_slots). The host's length is exact (one more per step).
@@ -235,6 +241,8 @@ class Scheduler:
             token_offsets=tok_off,
             last_token=last,
             relay_slots=relay,
+            temperature=temperature,
+            sample_seed=seed,
         )
         return ScheduledBatch(inputs, rows, mode, n_tok)
 
@@ -260,22 +268,26 @@ class Scheduler:
         tok_off[pos : pos + n] = np.arange(n)
 
     # -------------------------------------------------------------------------- results
-    def process(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
-        """Take a finished step's sampled tokens: append outputs, apply stops, retire.
+    def process(self, batch: ScheduledBatch, tokens: np.ndarray) -> int:
+        """Take a finished step's sampled tokens: append outputs, apply stops, retire;
+        returns the number of output tokens taken.
 
-        A row whose request already finished (overlap: its EOS was read one step late, after
+        A row whose request already finished (overlap: its stop was read one step late, after
         this step was dispatched) is discarded. Retirement frees the slot for the next build.
         """
+        taken = 0
         for i, row in enumerate(batch.rows):
             st = row.state
             if not row.samples or st.finished:
                 continue
             tok = int(tokens[i])
             st.output.append(tok)
+            taken += 1
             self.last_token[st.req.rid] = tok
-            if tok == self.eos_id or len(st.output) == st.req.max_new_tokens:
+            if tok in self.stop_ids or len(st.output) == st.req.max_new_tokens:
                 st.finished = True
                 self.running.remove(st)
                 self.free_slots.append(st.slot)
                 self.free_slots.sort(reverse=True)
                 self.done.append(st)
+        return taken

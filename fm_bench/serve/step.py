@@ -1,4 +1,4 @@
-"""The jitted forward step, in two flavours over the same model.
+"""The jitted forward step, in two flavours over the same served model.
 
 - sync step: the host passes real token ids and real lengths; no FutureMap.
 - overlap step: the same forward inside a `fm_jax.FutureMap`'s engine step (one dispatch):
@@ -13,6 +13,10 @@
 Token positions are computed on device from the resolved lengths, because in the sentinel
 protocol a DECODE row's length is itself a sentinel until resolve: position = seq_len -
 extend_len + offset.
+
+Sampling: a row with temperature 0 takes the argmax; any other draws by Gumbel-max from the
+logits / temperature with a key of (its request's seed, the sampled token's position), so a
+request's draws do not depend on the batch it shares or the loop that scheduled it.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import fm_jax
-from fm_bench.serve import model as mdl
-from fm_bench.serve.config import ModelConfig
+from fm_bench.serve.served import ServedModel
 
 Ints = Any
 """A host int array (np.ndarray) when built, a traced jax.Array inside the jitted step."""
@@ -48,6 +52,8 @@ class StepInputs(NamedTuple):
     token_offsets: Ints  # [T] offset of each token within its row's tokens
     last_token: Ints  # [B] index of each row's last token (padding rows: 0)
     relay_slots: Ints  # [T] gather-protocol MIXED: a running row's slot at its token, else 0
+    temperature: Any  # [B] float32 sampling temperature (0: greedy)
+    sample_seed: Ints  # [B] the request's sampling seed
 
 
 def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
@@ -57,32 +63,52 @@ def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
     return jnp.where(inp.token_slots > 0, pos, 0)
 
 
+def sample(
+    logits: jax.Array, temperature: jax.Array, seeds: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """One token per row [B] int32: argmax where temperature is 0, else a Gumbel-max draw
+    keyed by (seed, position). Draws are computed only when some row samples."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def drawn() -> jax.Array:
+        def row(lg: jax.Array, temp: jax.Array, seed: jax.Array, pos: jax.Array) -> jax.Array:
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
+            noise = jax.random.gumbel(key, lg.shape, jnp.float32)
+            hot = lg / jnp.maximum(temp, jnp.float32(1e-6)) + noise
+            return jnp.where(temp > 0, jnp.argmax(hot).astype(jnp.int32), jnp.argmax(lg))
+
+        return jax.vmap(row)(logits, temperature, seeds, positions).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
+
+
 def _run_model(
-    params: mdl.Params,
-    cfg: ModelConfig,
-    cache: mdl.KVCache,
+    params: Any,
+    model: ServedModel,
+    cache: Any,
     inp: Any,
     input_ids: jax.Array,
     seq_lens: jax.Array,
-) -> tuple[jax.Array, mdl.KVCache]:
-    """Forward plus greedy sampling: (tokens [B] int32, updated cache)."""
-    positions = jnp.clip(_positions(inp, seq_lens), 0, cfg.max_seq_len - 1)
-    logits, cache = mdl.forward(
-        params, cfg, cache, input_ids, inp.token_slots, positions, inp.last_token
+) -> tuple[jax.Array, Any]:
+    """Forward plus sampling: (tokens [B] int32, updated cache)."""
+    positions = jnp.clip(_positions(inp, seq_lens), 0, model.max_seq_len - 1)
+    logits, cache = model.forward(
+        params, cache, input_ids, inp.token_slots, positions, inp.last_token
     )
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    tokens = sample(logits, inp.temperature, inp.sample_seed, seq_lens)
+    return tokens, cache
 
 
 @functools.cache
-def make_sync_step(cfg: ModelConfig) -> Callable[..., tuple[mdl.KVCache, jax.Array]]:
+def make_sync_step(model: ServedModel) -> Callable[..., tuple[Any, jax.Array]]:
     """The jitted synchronous step: (params, cache, inputs) -> (cache, tokens); cache donated.
 
-    Assumes the host filled in real token ids and lengths (no sentinels). Cached per config,
+    Assumes the host filled in real token ids and lengths (no sentinels). Cached per model,
     so engines with the same model share compiled executables.
     """
 
-    def step(params: mdl.Params, cache: mdl.KVCache, inp: StepInputs) -> Any:
-        tokens, cache = _run_model(params, cfg, cache, inp, inp.input_ids, inp.seq_lens)
+    def step(params: Any, cache: Any, inp: StepInputs) -> Any:
+        tokens, cache = _run_model(params, model, cache, inp, inp.input_ids, inp.seq_lens)
         return cache, tokens
 
     return jax.jit(step, donate_argnums=(1,))
@@ -94,6 +120,8 @@ MODEL_INPUTS = (
     fm_jax.StepInput("token_rows", "token"),
     fm_jax.StepInput("token_slots", "token"),
     fm_jax.StepInput("token_offsets", "token"),
+    fm_jax.StepInput("temperature", "row", dtype=np.float32),
+    fm_jax.StepInput("sample_seed", "row"),
 )
 """The model's own per-step host arrays, declared to the FutureMap's engine step: padded
 there like the batch's rows or tokens and sent with the batch in one transfer."""
@@ -107,9 +135,11 @@ class ModelInputs(NamedTuple):
     token_rows: jax.Array
     token_slots: jax.Array
     token_offsets: jax.Array
+    temperature: jax.Array
+    sample_seed: jax.Array
 
 
-def make_overlap_step(cfg: ModelConfig, fm: fm_jax.FutureMap) -> fm_jax.EngineStep:
+def make_overlap_step(model: ServedModel, fm: fm_jax.FutureMap) -> fm_jax.EngineStep:
     """The overlap step: the model's forward inside `fm`'s engine step.
 
     `step(batch, params, cache, inputs=model inputs) -> StepResult(out=(cache, tokens))`,
@@ -124,11 +154,11 @@ def make_overlap_step(cfg: ModelConfig, fm: fm_jax.FutureMap) -> fm_jax.EngineSt
         res: fm_jax.Resolved,
         batch: fm_jax.Batch,
         inputs: dict[str, jax.Array],
-        params: mdl.Params,
-        cache: mdl.KVCache,
+        params: Any,
+        cache: Any,
     ) -> fm_jax.StepOutput:
         inp = ModelInputs(**inputs)
-        tokens, cache = _run_model(params, cfg, cache, inp, res.input_ids, res.seq_lens)
+        tokens, cache = _run_model(params, model, cache, inp, res.input_ids, res.seq_lens)
         return fm_jax.StepOutput(res.seq_lens + 1, tokens, (cache, tokens))
 
     # XLA's defaults for the model (on CPU the map's option would keep its matmuls on the

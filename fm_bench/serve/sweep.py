@@ -20,6 +20,7 @@ import jax
 from fm_bench.serve.config import EngineConfig, ModelConfig
 from fm_bench.serve.engine import Engine, ServeResult
 from fm_bench.serve.host_cost import HostCost
+from fm_bench.serve.model import toy
 from fm_bench.serve.requests import Request
 
 
@@ -195,7 +196,7 @@ def run_sweep(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    engine = Engine(model_cfg, engine_cfg, protocol=protocol)
+    engine = Engine(*toy(model_cfg), engine_cfg, protocol=protocol)
     log("warm-up (compiles every bucket shape the request set reaches): sync")
     ref = engine.run_sync(requests)
     log(f"warm-up: overlap ({protocol} protocol)")
@@ -203,7 +204,8 @@ def run_sweep(
     debug_equal = None
     if debug_check:
         log("debug: overlap with fm_jax checkify invariants")
-        dbg = Engine(model_cfg, engine_cfg, debug=True, protocol=protocol).run_overlap(requests)
+        dbg_engine = Engine(*toy(model_cfg), engine_cfg, debug=True, protocol=protocol)
+        dbg = dbg_engine.run_overlap(requests)
         debug_mismatch = diff_outputs("overlap debug", ref, dbg)
         debug_equal = not debug_mismatch
         mismatches += debug_mismatch

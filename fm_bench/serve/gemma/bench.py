@@ -1,0 +1,362 @@
+"""`fm-serve-bench`: Gemma 3 270M, synchronous vs overlap serving, at several batch sizes.
+
+For each batch size B (requests in a batch at once) the same 2B requests (real prompts,
+greedy, up to `--max-tokens` each, stopped early by end of sequence or end of turn) are
+served by the synchronous loop and by the overlap loop (fm_jax's engine step), back to
+back `--repeats` times (the order alternating); the pair of median speed-up counts, so
+load that drifts over minutes on a shared machine hits both of a pair alike. Per step: H,
+the host's time in the sync loop (building the batch, reading and processing its tokens);
+S, the sync step from dispatch to tokens (the device's step as the host sees it); D, the
+time inside the overlap step's call (the host is busy for it). Overlap's speed-up is set
+against the bound that counts the dispatch as host time, (H + S) / max(H + D, S)
+(`sweep.SweepRun`). `--ratios` adds a simulated host cost per batch, a multiple of the
+first sync run's S (`--host-cost sleep` yields the core, as a host with cores of its own
+would). Every run's tokens are compared with the first synchronous run's. `--startup`
+also times two fresh processes of `fm-serve` on an empty cache: the first start (unpack
+the GGUF, compile) and the second (read the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    ",
+    "The three primary colours are",
+    "Water boils at",
+    "A short poem about the moon:\n",
+    "The main causes of the First World War were",
+    "To make a cup of tea, first",
+    "Photosynthesis is the process by which",
+    "The quick brown fox",
+    "In machine learning, overfitting means",
+    "My favourite book is",
+    "The Pacific Ocean is",
+    "Here is a list of five European countries:\n1.",
+    "The history of the Roman Empire spans many centuries, from its founding to",
+    "<start_of_turn>user\nWhat is a prime number?<end_of_turn>\n<start_of_turn>model\n",
+)
+
+
+def bench_prompts(n: int) -> list[str]:
+    """`n` prompts: the list above, then again with a prefix (so no two are the same)."""
+    return [("Question: " * (i // len(PROMPTS))) + PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
+def environment() -> dict[str, str]:
+    """The device and the versions the figures were taken with."""
+    import jax
+
+    d = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    versions = {p: metadata.version(p) for p in ("jax", "jaxlib", "numpy", "gguf")}
+    return {
+        "device": f"{d.platform} ({d.device_kind})",
+        "host": f"{cpu}, {os.cpu_count()} logical CPUs",
+        "python": platform.python_version(),
+        **versions,
+    }
+
+
+def run_batch_size(
+    loaded: Any,
+    batch: int,
+    *,
+    max_tokens: int,
+    prefill_budget: int,
+    ratios: Sequence[float],
+    host_cost_kind: str,
+    repeats: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Serve 2 x `batch` requests sync and overlap at each host-cost ratio; the record."""
+    from fm_bench.serve.config import engine_for
+    from fm_bench.serve.engine import Engine, ServeResult
+    from fm_bench.serve.gemma.serve import make_requests
+    from fm_bench.serve.host_cost import HostCost
+    from fm_bench.serve.sweep import SweepRun, diff_outputs
+
+    requests = make_requests(loaded, bench_prompts(2 * batch), max_tokens)
+    cfg = engine_for(batch, prefill_budget, loaded.model.row_tile)
+    engine = Engine(loaded.model, loaded.params, cfg, protocol="gather")
+    t0 = time.perf_counter()
+    engine.warm_up(overlap=False)
+    engine.warm_up(overlap=True)
+    log(f"B={batch}: warm-up {time.perf_counter() - t0:.1f} s")
+    ref = engine.run_sync(requests)  # also the first touch of every executable
+    t_step = sum(ref.step_s) / len(ref.step_s)
+    mismatches = diff_outputs("overlap first run", ref, engine.run_overlap(requests))
+    runs = []
+    for ratio in ratios:
+        cost = HostCost(ratio * t_step, host_cost_kind)
+        pairs: list[tuple[ServeResult, ServeResult]] = []
+        for k in range(repeats):  # back to back, the order alternating: drift hits both
+            got: dict[str, ServeResult] = {}
+            order = ("sync", "overlap") if k % 2 == 0 else ("overlap", "sync")
+            for name in order:
+                got[name] = (engine.run_sync if name == "sync" else engine.run_overlap)(
+                    requests, cost
+                )
+                mismatches += diff_outputs(f"{name} r={ratio:g}", ref, got[name])
+            pairs.append((got["sync"], got["overlap"]))
+        pairs.sort(key=lambda p: p[1].tok_s / p[0].tok_s)
+        sync, overlap = pairs[len(pairs) // 2]  # the pair of median speed-up
+        r = SweepRun(ratio, 1e3 * cost.seconds, sync, overlap)
+        log(
+            f"B={batch} host/S={ratio:g}: sync {r.sync.tok_s:.1f} tok/s, overlap "
+            f"{r.overlap.tok_s:.1f} tok/s ({r.speedup:.3f}x, bound {r.ideal_speedup:.3f}x); "
+            f"H {r.t_host_ms:.2f} ms, S {r.t_step_ms:.1f} ms, D {r.t_dispatch_ms:.2f} ms"
+        )
+        runs.append(
+            {
+                **r.as_json(),
+                "overlap_host_ms": 1e3 * sum(r.overlap.host_s) / len(r.overlap.host_s),
+                "modes": r.sync.modes,
+            }
+        )
+    stops = set(loaded.model.stop_ids)
+    return {
+        "batch": batch,
+        "requests": len(requests),
+        "output_tokens": ref.tokens,
+        "stopped_early": sum(1 for o in ref.outputs.values() if o[-1] in stops),
+        "tokens_equal": not mismatches,
+        "mismatches": mismatches[:10],
+        "engine": cfg._asdict(),
+        "runs": runs,
+    }
+
+
+def measure_startup(max_tokens: int = 8) -> dict[str, Any]:
+    """Two fresh `fm-serve` processes on an empty cache directory: the first start unpacks
+    the GGUF and compiles, the second reads the unpacked weights and compiled steps."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "FM_JAX_CACHE": cache}
+        for name in ("first", "cached"):
+            doc = Path(cache) / f"{name}.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "fm_bench.serve.gemma.cli",
+                "--max-tokens",
+                str(max_tokens),
+            ]
+            t0 = time.perf_counter()
+            subprocess.run([*cmd, "--json", str(doc)], env=env, check=True, capture_output=True)
+            got = json.loads(doc.read_text())
+            run = got["runs"]["overlap"]
+            out[name] = {
+                "process_s": time.perf_counter() - t0,
+                "load_s": got["load_s"],
+                "first_load": got["first_load"],
+                "warm_up_s": run["warm_up_s"],
+                "load_plus_warm_up_s": got["load_s"] + run["warm_up_s"],
+            }
+    return out
+
+
+def markdown(doc: dict[str, Any], plot_name: str | None) -> str:
+    """The result file: environment, settings, the table, start-up and the plot."""
+    env = doc["environment"]
+    lines = [
+        "# Gemma 3 270M served with fm_jax: synchronous vs overlap",
+        "",
+        f"Device: {env['device']}; host: {env['host']}. Python {env['python']}, jax "
+        f"{env['jax']}, jaxlib {env['jaxlib']}, numpy {env['numpy']}, gguf {env['gguf']}. "
+        f"Taken {doc['date']}, `{doc['command']}`.",
+        "",
+        f"Model: Gemma 3 270M (Q4_K_M GGUF, dequantized to float32), KV cache of "
+        f"{doc['max_seq_len']} positions per slot, row tile {doc['row_tile']}. Per batch "
+        f"size B: 2B requests (real prompts), greedy, at most {doc['max_tokens']} new "
+        f"tokens each, prefill budget {doc['prefill_budget']} tokens per step; of "
+        f"{doc['repeats']} back-to-back sync/overlap pairs, the one of median speed-up. "
+        "Relay protocol: gather.",
+        "",
+        "H: host time per step of the sync loop; S: the sync step, dispatch to tokens; D: time "
+        "inside the overlap step's call; overlap H: the overlap loop's host time per step "
+        "(dispatch included); overlap wall: its wall time per step. bound = (H + S) / "
+        "max(H + D, S). The overlap loop reads a finished request's last token a step late, "
+        "so its slot is reused a step later: it runs a step or so more. The two runs of a "
+        "pair see the same machine only as far as other jobs' load holds still; where the "
+        "overlap wall per step is below the sync S, the device ran faster during the overlap "
+        "run, and the speed-up can pass its bound.",
+        "",
+        "| B | host cost / S | H ms | S ms | D ms | overlap H ms | overlap wall ms | steps "
+        "sync/overlap | sync tok/s | overlap tok/s | speed-up | bound | of bound | tokens "
+        "equal |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for b in doc["batches"]:
+        for r in b["runs"]:
+            wall = 1e3 * b["output_tokens"] / r["overlap_tok_s"] / r["overlap_steps"]
+            lines.append(
+                f"| {b['batch']} | {r['host_cost_ratio']:g} | {r['t_host_ms']:.2f} | "
+                f"{r['t_step_ms']:.1f} | {r['t_dispatch_ms']:.2f} | {r['overlap_host_ms']:.2f} | "
+                f"{wall:.1f} | {r['sync_steps']}/{r['overlap_steps']} | "
+                f"{r['sync_tok_s']:.1f} | {r['overlap_tok_s']:.1f} | {r['speedup']:.3f}x | "
+                f"{r['ideal_speedup']:.3f}x | {r['fraction_of_ideal']:.3f} | "
+                f"{'yes' if b['tokens_equal'] else 'NO'} |"
+            )
+    lines.append("")
+    for b in doc["batches"]:
+        lines.append(
+            f"B={b['batch']}: {b['requests']} requests, {b['output_tokens']} output tokens, "
+            f"{b['stopped_early']} stopped by a stop token; step kinds (sync) "
+            f"{b['runs'][0]['modes']}."
+        )
+    if doc.get("startup"):
+        s = doc["startup"]
+        lines += [
+            "",
+            "Start-up (`fm-serve`, default settings, overlap mode, fresh processes on an empty "
+            "cache): first start: load "
+            f"{s['first']['load_s']:.1f} s (GGUF assembled, dequantized and cached) + "
+            f"warm-up {s['first']['warm_up_s']:.1f} s (compile); from the cache: load "
+            f"{s['cached']['load_s']:.2f} s + warm-up {s['cached']['warm_up_s']:.2f} s = "
+            f"{s['cached']['load_plus_warm_up_s']:.2f} s (whole process "
+            f"{s['cached']['process_s']:.1f} s, imports included).",
+        ]
+    if plot_name:
+        lines += ["", f"![sync vs overlap]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Tokens/s against batch size (sync, overlap), and the speed-up against its bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ratios = sorted({r["host_cost_ratio"] for b in doc["batches"] for r in b["runs"]})
+    for ratio in ratios:
+        pts = [
+            (b["batch"], r)
+            for b in doc["batches"]
+            for r in b["runs"]
+            if r["host_cost_ratio"] == ratio
+        ]
+        xs = [p[0] for p in pts]
+        tag = f" (host cost {ratio:g} S)" if ratio else ""
+        ax1.plot(xs, [p[1]["sync_tok_s"] for p in pts], "o--", label=f"sync{tag}")
+        ax1.plot(xs, [p[1]["overlap_tok_s"] for p in pts], "s-", label=f"overlap{tag}")
+        ax2.plot(xs, [p[1]["speedup"] for p in pts], "s-", label=f"speed-up{tag}")
+        ax2.plot(xs, [p[1]["ideal_speedup"] for p in pts], "k:", label=f"bound{tag}")
+    for ax, ylabel in ((ax1, "output tokens / s"), (ax2, "overlap / sync")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests at once)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Gemma 3 270M on {doc['environment']['device']}: sync vs overlap (fm_jax)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rewrite(json_path: Path) -> Path:
+    """Write the markdown and the plot again from a result JSON (no run)."""
+    doc = json.loads(json_path.read_text())
+    png = plot(doc, json_path.with_suffix(".png"))
+    json_path.with_suffix(".md").write_text(markdown(doc, png.name))
+    return json_path.with_suffix(".md")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; return 0 when every run's tokens equal the sync run's."""
+    p = argparse.ArgumentParser(prog="fm-serve-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--batch-sizes", type=_ints, default=[4, 8, 16])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prefill-budget", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--row-tile", type=int, default=4)
+    p.add_argument("--ratios", type=_floats, default=[0.0], help="host cost / S list")
+    p.add_argument("--host-cost", choices=("spin", "sleep"), default="sleep")
+    p.add_argument("--repeats", type=int, default=3, help="sync/overlap pairs (odd)")
+    p.add_argument("--startup", action="store_true", help="also time two fresh starts")
+    p.add_argument("--out", type=Path, help="write gemma_serve_<tag>.{json,md,png} here")
+    p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
+    args = p.parse_args(argv)
+    import jax
+
+    from fm_bench.serve.gemma.load import load_model
+
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    loaded = load_model(max_seq_len=args.max_seq_len, row_tile=args.row_tile)
+    log(f"model loaded in {loaded.load_s:.2f} s")
+    batches = [
+        run_batch_size(
+            loaded,
+            b,
+            max_tokens=args.max_tokens,
+            prefill_budget=args.prefill_budget,
+            ratios=args.ratios,
+            host_cost_kind=args.host_cost,
+            repeats=args.repeats,
+            log=log,
+        )
+        for b in args.batch_sizes
+    ]
+    doc = {
+        "environment": environment(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "fm-serve-bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "max_tokens": args.max_tokens,
+        "prefill_budget": args.prefill_budget,
+        "max_seq_len": args.max_seq_len,
+        "row_tile": args.row_tile,
+        "repeats": args.repeats,
+        "host_cost_kind": args.host_cost,
+        "batches": batches,
+    }
+    if args.startup:
+        log("start-up: two fresh fm-serve processes on an empty cache")
+        doc["startup"] = measure_startup()
+    print(markdown(doc, None))
+    if args.out is not None:
+        tag = args.tag or jax.devices()[0].platform
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"gemma_serve_{tag}"
+        Path(f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        png = plot(doc, Path(f"{stem}.png"))
+        Path(f"{stem}.md").write_text(markdown(doc, png.name))
+        log(f"wrote {stem}.{{json,md,png}}")
+    return 0 if all(b["tokens_equal"] for b in doc["batches"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Serve text prompts on Gemma 3 in one mode (sync, overlap, debug overlap) and time it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fm_bench.serve.config import engine_for
+from fm_bench.serve.engine import Engine, ServeResult
+from fm_bench.serve.gemma.load import Loaded
+from fm_bench.serve.requests import Request
+
+
+@dataclass
+class PromptRun:
+    """One mode's run over the prompts: completions, the serve result, warm-up time.
+
+    `outputs[i]` are prompt i's new tokens (a stop token included when it ended the request),
+    `texts[i]` their text with control tokens left out.
+    """
+
+    outputs: list[list[int]]
+    texts: list[str]
+    result: ServeResult
+    warm_up_s: float
+
+    @property
+    def host_ms(self) -> float:
+        """Mean host time per step (build and processing; overlap: the dispatch too)."""
+        return 1e3 * statistics.fmean(self.result.host_s)
+
+    @property
+    def device_ms(self) -> float | None:
+        """Sync only: mean step time, dispatch to tokens on the host (the device's step)."""
+        s = self.result.step_s
+        return 1e3 * statistics.fmean(s) if s else None
+
+    @property
+    def wall_ms(self) -> float:
+        """Wall time per step."""
+        return 1e3 * self.result.wall_s / self.result.steps
+
+    def summary_line(self, mode: str) -> str:
+        """The run in one line: tokens/s and the per-step times."""
+        r = self.result
+        dev = self.device_ms
+        device = f"device {dev:.1f} ms" if dev is not None else f"wall {self.wall_ms:.1f} ms"
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.modes.items()))
+        return (
+            f"{mode}: {r.tokens} tokens in {r.wall_s:.2f} s = {r.tok_s:.1f} tok/s; "
+            f"{r.steps} steps ({kinds}); per step: host {self.host_ms:.2f} ms, {device}; "
+            f"warm-up {self.warm_up_s:.1f} s"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """The run's figures and outputs."""
+        r = self.result
+        return {
+            "tokens": r.tokens,
+            "wall_s": r.wall_s,
+            "tok_s": r.tok_s,
+            "steps": r.steps,
+            "modes": r.modes,
+            "host_ms_per_step": self.host_ms,
+            "device_ms_per_step": self.device_ms,
+            "wall_ms_per_step": self.wall_ms,
+            "warm_up_s": self.warm_up_s,
+            "outputs": self.outputs,
+            "texts": self.texts,
+        }
+
+
+def make_requests(
+    loaded: Loaded,
+    prompts: Sequence[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[Request]:
+    """One request per prompt (tokenized, `<bos>` first); request i samples with seed + i."""
+    tok = loaded.tokenizer
+    return [
+        Request(i, tuple(tok.encode(p)), max_tokens, temperature, seed + i)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def serve_prompts(
+    loaded: Loaded,
+    prompts: Sequence[str],
+    *,
+    mode: str = "overlap",
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_running: int = 8,
+    prefill_budget: int = 32,
+    protocol: str = "gather",
+    progress: bool = False,
+    log: Callable[[str], None] = lambda _: None,
+) -> PromptRun:
+    """Warm up the mode's steps, then serve every prompt to `max_tokens` or a stop token.
+
+    Args:
+      loaded: the model (`load.load_model`).
+      prompts: the texts, served together with continuous batching.
+      mode: "sync", "overlap" or "debug" (overlap with fm_jax's device checks).
+      max_tokens: new tokens per request.
+      temperature, seed: sampling (0: greedy); request i uses seed + i.
+      max_running: requests in a batch at once (the rest wait for a free slot).
+      prefill_budget: prompt tokens per step (longer prompts are prefilled in chunks).
+      protocol: the FutureMap relay protocol of the overlap modes.
+      progress: show a progress bar of the output tokens.
+      log: progress messages.
+    """
+    if mode not in ("sync", "overlap", "debug"):
+        raise ValueError(f"mode must be sync, overlap or debug, got {mode!r}")
+    requests = make_requests(loaded, prompts, max_tokens, temperature, seed)
+    cfg = engine_for(max_running, prefill_budget, loaded.model.row_tile)
+    engine = Engine(loaded.model, loaded.params, cfg, debug=mode == "debug", protocol=protocol)
+    t0 = time.perf_counter()
+    engine.warm_up(overlap=mode != "sync")
+    warm = time.perf_counter() - t0
+    log(f"{mode}: warm-up (compile or load every bucket's step) {warm:.2f} s")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests) * max_tokens, unit="tok", desc=mode, leave=False)
+    run = engine.run_sync if mode == "sync" else engine.run_overlap
+    try:
+        result = run(requests, progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    outputs = [result.outputs[r.rid] for r in requests]
+    texts = [loaded.tokenizer.decode(o, skip_special=True) for o in outputs]
+    return PromptRun(outputs, texts, result, warm)
