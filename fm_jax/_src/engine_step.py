@@ -201,7 +201,7 @@ class EngineStep:
             return StepResult(result, batch)
         if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
             return StepResult(result, Batch(None, placed.idx.array, sentinels, sentinels))
-        if placed.idx.counts is not None:  # host slots: their sentinels made here, alike
+        if placed.idx.counts is not None:  # host slots: the sentinels -slot of their rows
             sentinels = -np.asarray(batch.req_pool_indices, self._placement.inputs.dtype)
         return StepResult(result, self._protocol.next_batch(batch, sentinels))
 
