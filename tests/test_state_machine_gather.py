@@ -1261,7 +1261,8 @@ class GatherMachine(RuleBasedStateMachine):
         """A second resolve rule: resolves are most of the steps."""
         self.resolve_step(data)
 
-    def resolve_step(self, data: st.DataObject) -> None:
+    def draw_calls(self, data: st.DataObject) -> list[Call] | None:
+        """One call per rank, one rank's with a fault drawn; None where a size is no bucket."""
         faulty = data.draw(st.integers(0, self.DP - 1))
         calls: list[Call] = []
         for d in range(self.DP):
@@ -1269,8 +1270,14 @@ class GatherMachine(RuleBasedStateMachine):
                 data, d, data.draw(st.sampled_from(self.faults())) if d == faulty else None
             )
             if c is None:
-                return  # the class would refuse the size (not a bucket): another rule
+                return None
             calls.append(c)
+        return calls
+
+    def resolve_step(self, data: st.DataObject) -> None:
+        calls = self.draw_calls(data)
+        if calls is None:
+            return  # the class would refuse the size (not a bucket): another rule
         saved = copy.deepcopy(self.models)
         wants = [m.resolve_gather(c) for m, c in zip(self.models, calls, strict=True)]
         self.undo_if_refused(saved, wants)
@@ -1302,15 +1309,9 @@ class GatherMachine(RuleBasedStateMachine):
         are each row's resolved length + 1 and whose payload is the host's tokens or draft,
         publish and stash: one dispatch); on fm_torch and the pure ops resolve, then
         publish and stash."""
-        faulty = data.draw(st.integers(0, self.DP - 1))
-        calls: list[Call] = []
-        for d in range(self.DP):
-            c = self.draw_call(
-                data, d, data.draw(st.sampled_from(self.faults())) if d == faulty else None
-            )
-            if c is None:
-                return  # the class would refuse the size (not a bucket): another rule
-            calls.append(c)
+        calls = self.draw_calls(data)
+        if calls is None:
+            return  # the class would refuse the size (not a bucket): another rule
         n = [len(c.slots) for c in calls]
         ints = lambda k: data.draw(st.lists(st.integers(0, 30), min_size=k, max_size=k))  # noqa: E731
         payloads: list[Any] = [draw_draft(data, k) if self.SPEC else ints(k) for k in n]
