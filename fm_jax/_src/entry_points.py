@@ -17,15 +17,22 @@ import jax
 
 from fm_jax._src import checks
 from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.errors import FutureMapError
 from fm_jax._src.keys import FIXED_MODES, Key, takes_state, writes_state
-from fm_jax._src.ops import payload_rows
+from fm_jax._src.ops import future_map, payload_rows
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.protocol import Protocol
+from fm_jax._src.rows import gather
 from fm_jax._src.sharding import ShardedFutureMapOps, check_split
 from fm_jax._src.types import Batch, FutureMapState
 
 
-def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> Any:
+def tail(
+    ops: ShardedFutureMapOps,
+    protocol: Protocol,
+    what: str = "finish",
+    owned: frozenset[str] = frozenset(),
+) -> Any:
     """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
     payload) -> (state, what the protocol leaves: the sentinels `-indices`, or None).
 
@@ -33,14 +40,53 @@ def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> 
     consecutive shard_maps (jax 0.10: "select cases must have the same shapes"). Its
     arguments are checked when traced as publish's and stash's are (`check_split`; refusals
     begin with `what`).
+
+    `owned` names the relay buffers (`new_seq_lens`, `output_tokens`) that the caller's
+    forward wrote itself: for each, the value given (`new_seq_lens`, the tokens or the
+    draft's `bonus_tokens`) is the whole buffer, taken as the state's with no scatter (in
+    debug mode its rows at `indices` are checked as the relayed rows would be).
     """
     local = ops.local
+    own_lens, own_tokens = "new_seq_lens" in owned, "output_tokens" in owned
+    # A spec map whose forward owns output_tokens stashes every other field as a map
+    # without bonus tokens would (None: the bonus tokens were its only field).
+    rest = None
+    if own_tokens and local.spec is not None:
+        spec = local.spec._replace(bonus_tokens=False)
+        if spec.fields():
+            rest = future_map(
+                local.pool_size,
+                dtype=local.dtype,
+                spec=spec,
+                debug=local.debug,
+                protocol=local.protocol,
+            )
+
+    def check_owned(name: str, invariant: str, buf: jax.Array, indices: jax.Array) -> None:
+        chk = checks.OpChecks()
+        checks.relayed_values(name, invariant, gather(buf, indices), indices, local.dtype, chk)
+        chk.run()
 
     def local_tail(
         state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
     ) -> tuple[FutureMapState, Any]:
-        state = local.publish(state, indices, new_seq_lens)
-        state = local.stash(state, indices, payload)
+        if own_lens:
+            if local.debug:
+                check_owned("new_seq_lens", checks.PUBLISHED_LENGTHS, new_seq_lens, indices)
+            state = state._replace(new_seq_lens=new_seq_lens)
+        else:
+            state = local.publish(state, indices, new_seq_lens)
+        if not own_tokens:
+            state = local.stash(state, indices, payload)
+        else:
+            spec = local.spec is not None
+            tokens = payload.bonus_tokens if spec else payload
+            name = "draft.bonus_tokens" if spec else "tokens"
+            if local.debug:
+                check_owned(name, checks.STASHED_TOKENS, tokens, indices)
+            state = state._replace(output_tokens=tokens)
+            if rest is not None:
+                state = rest.stash(state, indices, payload._replace(bonus_tokens=None))
         return state, protocol.sentinels(indices.astype(local.dtype))
 
     mapped = ops.map_ranks(local_tail)
@@ -49,7 +95,30 @@ def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> 
         state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any
     ) -> tuple[FutureMapState, Any]:
         rows = [("indices", indices), ("new_seq_lens", new_seq_lens)]
-        check_split(ops.layout, what, [*rows, *payload_rows(local.spec, payload)])
+        relayed = payload_rows(local.spec, payload)
+        if owned:
+            head = f"{what}: " if what else ""
+            for name, buf in (("new_seq_lens", new_seq_lens), ("output_tokens", None)):
+                if name not in owned:
+                    continue
+                if buf is None:  # the tokens' entry: the payload's first
+                    buf = relayed[0][1]
+                    relayed = relayed[1:]
+                else:
+                    rows = rows[:1]
+                want = getattr(state, name)
+                if not isinstance(buf, jax.Array) or (buf.shape, buf.dtype) != (
+                    want.shape,
+                    want.dtype,
+                ):
+                    got = (
+                        f"{buf.dtype}{list(buf.shape)}" if isinstance(buf, jax.Array) else buf
+                    )
+                    raise FutureMapError(
+                        f"{head}the forward owns the {name} buffer (StepInput per='slot'): it "
+                        f"returns that buffer, {want.dtype}{list(want.shape)}, written; got {got}"
+                    )
+        check_split(ops.layout, what, [*rows, *relayed])
         return mapped(state, indices, new_seq_lens, payload)  # type: ignore[no-any-return]
 
     return checked_tail
