@@ -208,9 +208,7 @@ class EngineStep:
         with runtime.lock:  # one op at a time on the map (see FutureMap)
             if runtime.lost is not None:
                 runtime.refuse_if_lost()
-            placed = self._placement.resolve(
-                batch, rows, tokens, step=self._placed, inputs=inputs
-            )
+            placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
             exe = self._registry.executable(placed.key, placed.pack, len(args))
             ops = ("resolve", "finish") if runtime.debug is not None else ()
             out = runtime.run(

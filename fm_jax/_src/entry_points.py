@@ -94,34 +94,31 @@ def tail(
     def checked_tail(
         state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any
     ) -> tuple[FutureMapState, Any]:
-        rows = [("indices", indices), ("new_seq_lens", new_seq_lens)]
+        rows = [("indices", indices)]
+        if own_lens:
+            _check_owned(what, "new_seq_lens", new_seq_lens, state.new_seq_lens)
+        else:
+            rows.append(("new_seq_lens", new_seq_lens))
         relayed = payload_rows(local.spec, payload)
-        if owned:
-            head = f"{what}: " if what else ""
-            for name, buf in (("new_seq_lens", new_seq_lens), ("output_tokens", None)):
-                if name not in owned:
-                    continue
-                if buf is None:  # the tokens' entry: the payload's first
-                    buf = relayed[0][1]
-                    relayed = relayed[1:]
-                else:
-                    rows = rows[:1]
-                want = getattr(state, name)
-                if not isinstance(buf, jax.Array) or (buf.shape, buf.dtype) != (
-                    want.shape,
-                    want.dtype,
-                ):
-                    got = (
-                        f"{buf.dtype}{list(buf.shape)}" if isinstance(buf, jax.Array) else buf
-                    )
-                    raise FutureMapError(
-                        f"{head}the forward owns the {name} buffer (StepInput per='slot'): it "
-                        f"returns that buffer, {want.dtype}{list(want.shape)}, written; got {got}"
-                    )
+        if own_tokens:  # the tokens are the payload's first entry
+            _check_owned(what, "output_tokens", relayed.pop(0)[1], state.output_tokens)
         check_split(ops.layout, what, [*rows, *relayed])
         return mapped(state, indices, new_seq_lens, payload)  # type: ignore[no-any-return]
 
     return checked_tail
+
+
+def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
+    """FutureMapError unless `got`, what a forward owning the `name` buffer returned for
+    it, is an array of that buffer's shape and dtype."""
+    if isinstance(got, jax.Array) and (got.shape, got.dtype) == (buf.shape, buf.dtype):
+        return
+    head = f"{what}: " if what else ""
+    shown = f"{got.dtype}{list(got.shape)}" if isinstance(got, jax.Array) else repr(got)
+    raise FutureMapError(
+        f"{head}the forward owns the {name} buffer (StepInput per='slot'): it returns that "
+        f"buffer, {buf.dtype}{list(buf.shape)}, written; got {shown}"
+    )
 
 
 def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool) -> Any:
