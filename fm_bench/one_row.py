@@ -31,7 +31,7 @@ from fm_bench.inplace import kernels
 POOL = 1024
 
 
-def _ops(hlo: str) -> dict[str, int]:
+def _ops(hlo: str) -> dict[str, float]:
     entry = hlo[hlo.index("ENTRY") :]
     count = lambda op: len(re.findall(rf"\b{op}\(", hlo))  # noqa: E731
     return {
@@ -123,7 +123,11 @@ def engine_steps(calls: int) -> dict[str, Any]:
             p = fm._placement.resolve(batch, None, None, step=step._placed, inputs={})
             hlo = step._registry.jitted(p.key, p.pack, 0).lower(fm.state, *p.args).compile()
             row = _ops(hlo.as_text() or "")
-            row["host_us"], row["waited_us"] = _time(lambda s=step, b=batch: s(b).out, calls)
+
+            def call(st: Any = step, bt: fj.Batch = batch) -> Any:
+                return st(bt).out
+
+            row["host_us"], row["waited_us"] = _time(call, calls)
             out[f"B={b} {name}"] = row
     return out
 
