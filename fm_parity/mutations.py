@@ -31,6 +31,7 @@ class Mutant:
     """
 
     judged_under = "sentinel"
+    debug_only = False  # a mistake only debug mode's writes make visible: judged in it
 
     def __init__(self, inner: Twin) -> None:
         self.inner = inner
@@ -290,7 +291,10 @@ class _SyncingMap:
 class OneRowAliases(Mutant):
     """A one-row DECODE resolve hands the forward a view of the buffer row instead of a
     copy: the forward reads the row as the resolve left it, which in debug mode is the
-    consume poison the resolve wrote back (non-spec: the token; spec: the bonus token)."""
+    consume poison the resolve wrote back (non-spec: the token; spec: the bonus token).
+    Without debug nothing writes the row before the forward reads it: judged in debug."""
+
+    debug_only = True
 
     def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
         out = self.inner.resolve(batches, sizes)
