@@ -365,6 +365,53 @@ def long_run(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def one_row(size: int = 1, seed: int = 0) -> Scenario:
+    """One request at a time in batches of one row (batch bucket 1): each op's one-row
+    path, slots reused as requests retire."""
+    reqs = tuple(Request(i, 1 + (3 * i) % 5, 2 + i % 3, arrival=i) for i in range(4 * size))
+    return Scenario(
+        "one_row",
+        "batches of one row",
+        reqs,
+        3,
+        Policy(max_running=1, max_prefill_rows=1, max_prefill_tokens=6),
+        batch_buckets=(1,),
+        token_buckets=(1, 8),
+    )
+
+
+def one_row_spec(size: int = 1, seed: int = 0) -> Scenario:
+    """Spec decode in batches of one row: the draft fields read and written one row at a
+    time."""
+    reqs = tuple(Request(i, 2 + i % 3, 6 + i % 4, arrival=i) for i in range(3 * size))
+    return Scenario(
+        "one_row_spec",
+        "spec decode, batches of one row",
+        reqs,
+        3,
+        Policy(max_running=1, max_prefill_rows=1, max_prefill_tokens=6),
+        spec=SpecShape(topk=2, hidden=4),
+        batch_buckets=(1,),
+        token_buckets=(1, 8),
+    )
+
+
+def owned_relay(size: int = 1, seed: int = 0) -> Scenario:
+    """The engine owns the relay's lengths and tokens buffers (fm_torch adopts them and
+    skips the writes the engine already made), with slot reuse and idle steps."""
+    reqs = tuple(Request(i, 2 + i % 5, 3 + (5 * i) % 6, arrival=i // 2) for i in range(8 * size))
+    return Scenario(
+        "owned_relay",
+        "engine-owned relay buffers",
+        reqs,
+        5,
+        Policy(max_running=4, max_prefill_tokens=12, idle_every=7),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+        owned_relay=True,
+    )
+
+
 Builder = Callable[[int, int], Scenario]
 
 CATALOGUE: dict[str, Builder] = {
@@ -386,6 +433,9 @@ CATALOGUE: dict[str, Builder] = {
     "random_spec_mix": random_spec_mix,
     "dp_overlap": dp_overlap,
     "long_run": long_run,
+    "one_row": one_row,
+    "one_row_spec": one_row_spec,
+    "owned_relay": owned_relay,
 }
 """Scenario name -> builder(size, seed). The default run takes every entry at size 1."""
 

@@ -31,6 +31,7 @@ class Mutant:
     """
 
     judged_under = "sentinel"
+    debug_only = False  # a mistake only debug mode's writes make visible: judged in it
 
     def __init__(self, inner: Twin) -> None:
         self.inner = inner
@@ -287,6 +288,65 @@ class _SyncingMap:
         return out
 
 
+class OneRowAliases(Mutant):
+    """A one-row DECODE resolve hands the forward a view of the buffer row instead of a
+    copy: the forward reads the row as the resolve left it, which in debug mode is the
+    consume poison the resolve wrote back (non-spec: the token; spec: the bonus token).
+    Without debug nothing writes the row before the forward reads it: judged in debug."""
+
+    debug_only = True
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = self.inner.resolve(batches, sizes)
+        one = [
+            r for r, hb in batches.items() if hb.mode == MODE[Kind.DECODE] and len(hb.slots) == 1
+        ]
+        if not one:
+            return out
+        bufs = self.inner.buffers({r: False for r in one})
+        for r in one:
+            slot = int(batches[r].slots[0])
+            if slot == 0:
+                continue
+            row = self.inner.host(bufs[r]["output_tokens"])[slot - 1]  # slots 1..R-1
+            res = out[r]
+            if res.draft is not None:
+                bonus = self.inner.host(res.draft.bonus_tokens).copy()
+                bonus[0] = row
+                out[r] = res._replace(
+                    draft=_with_bonus(res.draft, _like(res.draft.bonus_tokens, bonus))
+                )
+            else:
+                ids = self.inner.host(res.input_ids).copy()
+                ids[0] = row
+                out[r] = res._replace(input_ids=_like(res.input_ids, ids))
+        return out
+
+
+class OwnedRelayUnwritten(Mutant):
+    """With an engine-owned relay, the map skips its publish for lengths the engine never
+    wrote (its skip taken on the wrong tensor): every second non-empty publish writes
+    nothing, so the next decode restores a step-old length."""
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes) -> None:
+        if any(len(s) for s in slots.values()):
+            self.calls += 1
+            if self.calls % 2 == 0:
+                return
+        self.inner.publish(slots, lens, sizes)
+
+
+def _with_bonus(draft: Any, bonus: Any) -> Any:
+    """`draft` (either twin's DraftPayload) with bonus tokens `bonus`."""
+    if hasattr(draft, "_replace"):  # fm_jax's NamedTuple
+        return draft._replace(bonus_tokens=bonus)
+    return dataclasses.replace(draft, bonus_tokens=bonus)
+
+
 def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
     """`payload` (either twin's DraftPayload: a NamedTuple or a dataclass) with host verified
     ids `vid`; both twins take host rows in a stash."""
@@ -320,6 +380,8 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "skip_stash_rows": SkipStashRows,
     "skip_verified_id_stash": SkipVerifiedIdStash,
     "host_copy_syncs": HostCopySyncs,
+    "one_row_aliases": OneRowAliases,
+    "owned_relay_unwritten": OwnedRelayUnwritten,
 }
 """Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
 

@@ -94,6 +94,10 @@ class Scenario:
       batch_buckets / token_buckets: padded batch sizes (rows / flat tokens).
       max_steps: the scheduler stops after this many steps even if requests remain.
       protocols: the relay protocols it runs under (spec MIXED batches: gather only).
+      owned_relay: the engine owns the lengths and tokens buffers: fm_torch's maps adopt
+        them (`fm_torch.RelayBuffers`) and the twin's engine writes each step's rows into
+        them itself, so the maps' publish and stash skip their own writes (fm_jax's class
+        has no such path; its twin runs as usual).
     """
 
     name: str
@@ -106,6 +110,7 @@ class Scenario:
     token_buckets: tuple[int, ...] = (8, 32, 128, 512)
     max_steps: int = 10_000
     protocols: tuple[str, ...] = ("sentinel", "gather")
+    owned_relay: bool = False
 
     def __post_init__(self) -> None:
         p = self.policy

@@ -66,6 +66,17 @@ class TorchTwin:
         # draft of a verified-id scenario does (forward, bootstrap and IDLE alike).
         self.verified = sp is not None and sp.verified_id
         self.ranks = tuple(ranks)
+        # An engine-owned relay: each rank's lengths and tokens buffers, which its maps
+        # adopt and its engine writes itself (`publish`, `stash`).
+        r_ = scenario.pool_size
+        self.relay = {
+            r: fm_torch.RelayBuffers(
+                torch.empty(r_, dtype=self.dtype, device=self.device),
+                torch.empty(r_, dtype=self.dtype, device=self.device),
+            )
+            for r in self.ranks
+            if scenario.owned_relay
+        }
         self.fms = {
             r: fm_torch.FutureMap(
                 scenario.pool_size,
@@ -74,6 +85,7 @@ class TorchTwin:
                 spec=sp is not None,
                 debug=debug,
                 protocol=self.protocol,
+                relay=self.relay.get(r),
             )
             for r in self.ranks
         }
@@ -185,15 +197,26 @@ class TorchTwin:
         self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
     ) -> None:
         for r, s in slots.items():
+            idx, rows = self._t(s), self._t(lens[r])
+            relay = self.relay.get(r)
             with self.fms[r].forward_stream():
-                self.fms[r].publish(self._t(s), self._t(lens[r]))
+                if relay is not None and len(s):  # the engine writes its rows itself
+                    relay.new_seq_lens[idx] = rows.to(self.dtype)
+                    relay.published_seq_lens = rows
+                self.fms[r].publish(idx, rows)
 
     def stash(
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
     ) -> None:
         for r, s in slots.items():
+            idx, p = self._t(s), self._payload(payload[r])
+            relay = self.relay.get(r)
             with self.fms[r].forward_stream():
-                self.fms[r].stash(self._t(s), self._payload(payload[r]))
+                tokens = getattr(p, "bonus_tokens", p)
+                if relay is not None and len(s) and tokens is not None:
+                    relay.output_tokens[idx] = tokens.to(self.dtype)
+                    relay.published_bonus = tokens
+                self.fms[r].stash(idx, p)
 
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""

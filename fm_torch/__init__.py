@@ -17,6 +17,7 @@ anything is written.
 from fm_torch.batch import DraftInput, DraftPayload, ForwardMode, ScheduleBatch
 from fm_torch.errors import FutureMapError, InvariantViolation
 from fm_torch.future_map import DEBUG_ENV, POISON, FutureMap, debug_from_env
+from fm_torch.relay import RelayBuffers
 
 __all__ = [
     "DEBUG_ENV",
@@ -27,6 +28,7 @@ __all__ = [
     "FutureMap",
     "FutureMapError",
     "InvariantViolation",
+    "RelayBuffers",
     "ScheduleBatch",
     "debug_from_env",
 ]

@@ -39,6 +39,7 @@ import torch
 from fm_torch import validate as v
 from fm_torch.batch import DraftPayload, ForwardMode, ScheduleBatch
 from fm_torch.errors import FutureMapError, InvariantViolation
+from fm_torch.relay import RelayBuffers
 
 DEBUG_ENV = "FM_DEBUG"
 """Environment variable that turns debug mode on for every FutureMap built without `debug=`."""
@@ -69,6 +70,8 @@ class FutureMap:
         "gather" (no placeholders: resolve gathers a DECODE batch's ids at its slots, a
         MIXED batch's running tokens at `mix_running_indices`, spec lengths and extras at
         the draft's slots; invalidate is refused).
+      relay: engine-owned `new_seq_lens` and `output_tokens` buffers to adopt
+        (`RelayBuffers`): [R] each, of `dtype`, on `device`.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class FutureMap:
         debug: bool | None = None,
         consumed: tuple[str, ...] = (),
         protocol: str = "sentinel",
+        relay: RelayBuffers | None = None,
     ) -> None:
         if not isinstance(pool_size, int) or pool_size < 2:
             raise FutureMapError(
@@ -102,6 +106,9 @@ class FutureMap:
         fill = POISON if self.debug else 0
         self.output_tokens = torch.full((pool_size,), fill, dtype=dtype, device=self.device)
         self.new_seq_lens = torch.zeros(pool_size, dtype=dtype, device=self.device)
+        self._relay: RelayBuffers | None = None
+        if relay is not None:
+            self._adopt(relay)
         # Spec extras are shaped by the first draft stashed (K, H unknown until then).
         self.bonus_tokens = True  # whether drafts relay bonus tokens (in output_tokens)
         self.topk_p: torch.Tensor | None = None
@@ -114,6 +121,34 @@ class FutureMap:
         # Recorded after each spec publish on accelerators; resolve_seq_lens_cpu waits on it.
         self.publish_ready: torch.Event | None = None
         self._forward_stream = self._make_forward_stream()
+
+    def _adopt(self, relay: RelayBuffers) -> None:
+        """The engine's buffers become this map's, holding its initial contents."""
+        if not isinstance(relay, RelayBuffers):
+            raise FutureMapError(f"relay must be a RelayBuffers, got {type(relay).__name__}")
+        if relay.adopted:
+            raise FutureMapError("relay buffers already adopted by another FutureMap")
+        for name in ("new_seq_lens", "output_tokens"):
+            v.check_tensor(
+                f"relay.{name}", getattr(relay, name), self.device, (self.pool_size,), (self.dtype,)
+            )
+        if relay.new_seq_lens.data_ptr() == relay.output_tokens.data_ptr():
+            raise FutureMapError("relay.new_seq_lens and relay.output_tokens share memory")
+        relay.new_seq_lens.copy_(self.new_seq_lens)
+        relay.output_tokens.copy_(self.output_tokens)
+        self.new_seq_lens, self.output_tokens = relay.new_seq_lens, relay.output_tokens
+        relay.published_seq_lens = relay.published_bonus = None
+        relay.adopted = True
+        self._relay = relay
+
+    def _rows(self, buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`buf[indices]`. One row whose slot is on the host (a CPU map, values checked):
+        a copy of the row's slice, no gather."""
+        if indices.shape[0] == 1 and indices.device.type == "cpu":
+            i = int(indices[0])
+            if 0 <= i < buf.shape[0]:
+                return buf[i : i + 1].clone()
+        return buf[indices]
 
     # ----------------------------------------------------------------------------- streams
     def _make_forward_stream(self) -> torch.cuda.Stream | None:
@@ -151,7 +186,11 @@ class FutureMap:
             v.check_slots("indices", indices, self.pool_size)
             v.check_fits("new_seq_lens", new_seq_lens, self.dtype)
             v.check_non_negative("new_seq_lens", new_seq_lens)
-        self.new_seq_lens[indices] = new_seq_lens.to(self.dtype)
+        relay = self._relay
+        if relay is not None and new_seq_lens is relay.published_seq_lens:
+            relay.published_seq_lens = None  # the engine's forward wrote these rows
+        else:
+            self.new_seq_lens[indices] = new_seq_lens.to(self.dtype)
         if self.spec and self.device.type != "cpu":
             if self.publish_ready is None:
                 self.publish_ready = torch.Event(device=self.device)
@@ -197,7 +236,10 @@ class FutureMap:
                     if name in self.consumed:
                         v.check_non_negative(f"draft.{name}", x.reshape(-1))
         # Every check has passed: only now is anything written.
-        if tokens is not None:
+        relay = self._relay
+        if relay is not None and tokens is not None and tokens is relay.published_bonus:
+            relay.published_bonus = None  # the engine's forward wrote these rows
+        elif tokens is not None:
             self.output_tokens[indices] = tokens.to(self.dtype)
         if isinstance(payload, DraftPayload):
             self._stash_extras(indices, payload)
@@ -400,12 +442,12 @@ class FutureMap:
             v.check_fits("input_ids", ids, self.dtype)
             v.check_fits("seq_lens", host_lens, self.dtype)
 
-        seq_lens = self.new_seq_lens[indices] if is_decode else None
+        seq_lens = self._rows(self.new_seq_lens, indices) if is_decode else None
         if seq_lens is not None and self.debug:
             self._check_positive_lengths(seq_lens, indices)
         if not self.spec:
             is_ref = ids < 0
-            gathered = self.output_tokens[torch.clamp(-ids, min=0)]
+            gathered = self._rows(self.output_tokens, torch.clamp(-ids, min=0))
             resolved = torch.where(is_ref, gathered, ids.to(self.dtype))
             if self.debug:
                 self._consume(resolved, indices, source_slots=torch.where(is_ref, -ids, 0))
@@ -450,13 +492,14 @@ class FutureMap:
 
     def _read_extras(self, indices: torch.Tensor) -> DraftPayload:
         """Spec: the draft state stashed at `indices`, read only (no consume check)."""
+        rows = self._rows
         return DraftPayload(
-            bonus_tokens=self.output_tokens[indices] if self.bonus_tokens else None,
-            topk_p=None if self.topk_p is None else self.topk_p[indices],
-            topk_index=None if self.topk_index is None else self.topk_index[indices],
-            hidden_states=None if self.hidden_states is None else self.hidden_states[indices],
-            verified_id=None if self.verified_id is None else self.verified_id[indices],
-            extras={k: b[indices] for k, b in self.extras.items()} or None,
+            bonus_tokens=rows(self.output_tokens, indices) if self.bonus_tokens else None,
+            topk_p=None if self.topk_p is None else rows(self.topk_p, indices),
+            topk_index=None if self.topk_index is None else rows(self.topk_index, indices),
+            hidden_states=None if self.hidden_states is None else rows(self.hidden_states, indices),
+            verified_id=None if self.verified_id is None else rows(self.verified_id, indices),
+            extras={k: rows(b, indices) for k, b in self.extras.items()} or None,
         )
 
     def _resolve_gather(self, batch: ScheduleBatch) -> None:
@@ -521,7 +564,7 @@ class FutureMap:
         reads: list[tuple[torch.Tensor, torch.Tensor]] = []
         new_ids: torch.Tensor | None = None
         if mode == ForwardMode.DECODE and not self.spec:
-            new_ids = self.output_tokens[indices]
+            new_ids = self._rows(self.output_tokens, indices)
             reads.append((new_ids, indices))
         elif mix is not None:
             assert ids is not None
@@ -546,7 +589,7 @@ class FutureMap:
         if draft_indices is not None:
             # A spec DECODE batch's lengths are the verified ones last published.
             if mode == ForwardMode.DECODE:
-                seq_lens = self.new_seq_lens[draft_indices]
+                seq_lens = self._rows(self.new_seq_lens, draft_indices)
             payload = self._read_extras(draft_indices)
             if self.debug and mix is not None and payload.bonus_tokens is not None:
                 # Read after the running rows' consume: a slot both gathered finds the

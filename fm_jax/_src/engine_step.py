@@ -36,6 +36,7 @@ from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.placement import Placement
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.registry import Call, Registry, WarmUpReport
+from fm_jax._src.rows import gather
 from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import ShardedFutureMapOps
 from fm_jax._src.types import Batch, ForwardMode
@@ -48,9 +49,12 @@ class StepOutput(NamedTuple):
     """What the engine's `forward` returns to the step's tail.
 
     Attributes:
-      new_seq_lens: [B] each row's length after this forward, published.
+      new_seq_lens: [B] each row's length after this forward, published; or, when the
+        forward owns the `new_seq_lens` buffer (`StepInput("new_seq_lens", "slot")`),
+        that buffer as the forward wrote it, taken as the map's with no scatter.
       payload: [B] sampled tokens (non-spec), or a DraftPayload of [B, ...] rows (spec),
-        stashed at the batch's `req_pool_indices`.
+        stashed at the batch's `req_pool_indices`; when the forward owns `output_tokens`,
+        the tokens (spec: `bonus_tokens`) are that buffer as the forward wrote it.
       out: anything else (a pytree of arrays: the updated KV cache, the tokens for the
         host), returned to the caller as is.
     """
@@ -81,17 +85,32 @@ Forward = Callable[..., StepOutput]
 """(resolved, batch, inputs, *args) -> StepOutput: the engine's model and sampling."""
 
 
-def _check_declared(inputs: Sequence[StepInput]) -> tuple[StepInput, ...]:
+OWNABLE = ("new_seq_lens", "output_tokens")
+"""The relay buffers an engine's forward may own (`StepInput(name, per="slot")`)."""
+
+
+def _check_declared(inputs: Sequence[StepInput], dtype: np.dtype) -> tuple[StepInput, ...]:
     out, seen = [], set()
     for d in inputs:
         if not isinstance(d, StepInput):
             raise FutureMapError(f"engine_step inputs must be StepInputs, got {d!r}")
         if not isinstance(d.name, str) or not d.name or d.name in seen:
             raise FutureMapError(f"engine_step input names must be distinct strings: {d.name!r}")
-        if d.per not in ("row", "token"):
+        if d.per not in ("row", "token", "slot"):
             raise FutureMapError(
-                f"StepInput {d.name!r}: per must be 'row' or 'token', got {d.per!r}"
+                f"StepInput {d.name!r}: per must be 'row', 'token' or 'slot', got {d.per!r}"
             )
+        if d.per == "slot":
+            if d.name not in OWNABLE:
+                raise FutureMapError(
+                    f"StepInput {d.name!r}: per='slot' hands the forward one of the map's "
+                    f"relay buffers {OWNABLE}, not {d.name!r}"
+                )
+            if tuple(d.shape) != () or np.dtype(d.dtype) != dtype:
+                raise FutureMapError(
+                    f"StepInput {d.name!r}: the map's {d.name} buffer is one {dtype} per "
+                    f"slot: declare shape () and dtype {dtype}, got {d.shape} {d.dtype}"
+                )
         try:
             shape = tuple(int(n) for n in d.shape)
             dtype = np.dtype(d.dtype)
@@ -137,19 +156,29 @@ class EngineStep:
             )
         donate = tuple(donate_argnums)
         self._forward = forward
-        self._declared = _check_declared(inputs)
+        self._declared = _check_declared(inputs, ops.local.dtype)
+        # Host inputs are placed with the batch; the relay buffers the forward owns are
+        # handed to it from the map's state inside the step.
+        self._placed = tuple(d for d in self._declared if d.per != "slot")
+        self._owned = frozenset(d.name for d in self._declared if d.per == "slot")
+        spec = ops.local.spec
+        if "output_tokens" in self._owned and spec is not None and not spec.bonus_tokens:
+            raise FutureMapError(
+                "StepInput 'output_tokens' per='slot': this spec map relays no bonus tokens, "
+                "so its output_tokens buffer carries nothing"
+            )
         self._donate = donate
         self._ops = ops
         self._placement = placement
         self._runtime = runtime
         self._protocol = protocol
         self._options = dict(options)
-        self._tail = tail(ops, protocol, what="")
+        self._tail = tail(ops, protocol, what="", owned=self._owned)
         self._registry = Registry(self._build, self._not_warmed, packed_names=False)
 
     @property
     def inputs(self) -> tuple[StepInput, ...]:
-        """The engine's declared host inputs."""
+        """The engine's declared inputs (host arrays, and the relay buffers it owns)."""
         return self._declared
 
     # ------------------------------------------------------------------------- the step
@@ -179,9 +208,7 @@ class EngineStep:
         with runtime.lock:  # one op at a time on the map (see FutureMap)
             if runtime.lost is not None:
                 runtime.refuse_if_lost()
-            placed = self._placement.resolve(
-                batch, rows, tokens, step=self._declared, inputs=inputs
-            )
+            placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
             exe = self._registry.executable(placed.key, placed.pack, len(args))
             ops = ("resolve", "finish") if runtime.debug is not None else ()
             out = runtime.run(
@@ -233,9 +260,10 @@ class EngineStep:
     def _body(self, fixed: ForwardMode | None, spec: PackSpec) -> Callable[..., Any]:
         """(state, packed, device leaves, *args) -> (state, out, sentinels, lengths); with
         debug ((resolve's packed error, the tail's), that)."""
-        forward, tail_fn, ops = self._forward, self._tail, self._ops
+        forward, tail_fn, ops, owned = self._forward, self._tail, self._ops, self._owned
         debug, dtype = self._runtime.debug, ops.local.dtype
         copies_lengths = self._runtime.host_lengths is not None
+        rows_of = ops.map_ranks(gather)  # each rank's buffer rows at its slots
 
         def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug is None:
@@ -249,6 +277,8 @@ class EngineStep:
             if fixed is not None:
                 batch = batch._replace(forward_mode=int(fixed))
             e_head, (state, res) = checked(ops.resolve)(state, batch)
+            if owned:  # the buffers as resolve left them, for the forward to write
+                inputs = {**inputs, **{name: getattr(state, name) for name in owned}}
             got = forward(res, batch, inputs, *args)
             if not isinstance(got, StepOutput):
                 raise FutureMapError(
@@ -264,7 +294,13 @@ class EngineStep:
                     f"the engine's forward returned a StepOutput the map cannot relay: {e}"
                 ) from None
             # The published lengths leave the step only when the host reads them.
-            lens = jnp.asarray(got.new_seq_lens, dtype) if copies_lengths else None
+            lens = None
+            if copies_lengths:
+                lens = (
+                    rows_of(state.new_seq_lens, idx)
+                    if "new_seq_lens" in owned
+                    else jnp.asarray(got.new_seq_lens, dtype)
+                )
             out = (state, got.out, sentinels, lens)
             return out if debug is None else ((e_head, e_tail), out)
 
@@ -305,11 +341,11 @@ class EngineStep:
                 traced_modes=traced_modes,
                 step=True,
             ):
-                zeros = empty_inputs(self._declared, e.batch, e.rows, e.tokens, placement.dp)
+                zeros = empty_inputs(self._placed, e.batch, e.rows, e.tokens, placement.dp)
                 fed = [(e.batch, zeros, e.rows, e.tokens)]
                 if layout.single_process:  # jax arrays as they are: their own sizes
                     fed.append((*on_device((e.batch, zeros), layout.sharding), None, None))
                 for batch, inputs, rows, tokens in fed:
-                    p = placement.resolve(batch, rows, tokens, step=self._declared, inputs=inputs)
+                    p = placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
                     calls.append((p.key, p.pack, (runtime.state, *p.args, *args), len(args)))
             return self._registry.warm_up(calls, guard=guard, threads=threads)

@@ -17,15 +17,22 @@ import jax
 
 from fm_jax._src import checks
 from fm_jax._src.debug_channel import DebugChannel
+from fm_jax._src.errors import FutureMapError
 from fm_jax._src.keys import FIXED_MODES, Key, takes_state, writes_state
-from fm_jax._src.ops import payload_rows
+from fm_jax._src.ops import future_map, payload_rows
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.protocol import Protocol
+from fm_jax._src.rows import gather
 from fm_jax._src.sharding import ShardedFutureMapOps, check_split
 from fm_jax._src.types import Batch, FutureMapState
 
 
-def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> Any:
+def tail(
+    ops: ShardedFutureMapOps,
+    protocol: Protocol,
+    what: str = "finish",
+    owned: frozenset[str] = frozenset(),
+) -> Any:
     """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
     payload) -> (state, what the protocol leaves: the sentinels `-indices`, or None).
 
@@ -33,14 +40,53 @@ def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> 
     consecutive shard_maps (jax 0.10: "select cases must have the same shapes"). Its
     arguments are checked when traced as publish's and stash's are (`check_split`; refusals
     begin with `what`).
+
+    `owned` names the relay buffers (`new_seq_lens`, `output_tokens`) that the caller's
+    forward wrote itself: for each, the value given (`new_seq_lens`, the tokens or the
+    draft's `bonus_tokens`) is the whole buffer, taken as the state's with no scatter (in
+    debug mode its rows at `indices` are checked as the relayed rows would be).
     """
     local = ops.local
+    own_lens, own_tokens = "new_seq_lens" in owned, "output_tokens" in owned
+    # A spec map whose forward owns output_tokens stashes every other field as a map
+    # without bonus tokens would (None: the bonus tokens were its only field).
+    rest = None
+    if own_tokens and local.spec is not None:
+        spec = local.spec._replace(bonus_tokens=False)
+        if spec.fields():
+            rest = future_map(
+                local.pool_size,
+                dtype=local.dtype,
+                spec=spec,
+                debug=local.debug,
+                protocol=local.protocol,
+            )
+
+    def check_owned(name: str, invariant: str, buf: jax.Array, indices: jax.Array) -> None:
+        chk = checks.OpChecks()
+        checks.relayed_values(name, invariant, gather(buf, indices), indices, local.dtype, chk)
+        chk.run()
 
     def local_tail(
         state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
     ) -> tuple[FutureMapState, Any]:
-        state = local.publish(state, indices, new_seq_lens)
-        state = local.stash(state, indices, payload)
+        if own_lens:
+            if local.debug:
+                check_owned("new_seq_lens", checks.PUBLISHED_LENGTHS, new_seq_lens, indices)
+            state = state._replace(new_seq_lens=new_seq_lens)
+        else:
+            state = local.publish(state, indices, new_seq_lens)
+        if not own_tokens:
+            state = local.stash(state, indices, payload)
+        else:
+            spec = local.spec is not None
+            tokens = payload.bonus_tokens if spec else payload
+            name = "draft.bonus_tokens" if spec else "tokens"
+            if local.debug:
+                check_owned(name, checks.STASHED_TOKENS, tokens, indices)
+            state = state._replace(output_tokens=tokens)
+            if rest is not None:
+                state = rest.stash(state, indices, payload._replace(bonus_tokens=None))
         return state, protocol.sentinels(indices.astype(local.dtype))
 
     mapped = ops.map_ranks(local_tail)
@@ -48,11 +94,31 @@ def tail(ops: ShardedFutureMapOps, protocol: Protocol, what: str = "finish") -> 
     def checked_tail(
         state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any
     ) -> tuple[FutureMapState, Any]:
-        rows = [("indices", indices), ("new_seq_lens", new_seq_lens)]
-        check_split(ops.layout, what, [*rows, *payload_rows(local.spec, payload)])
+        rows = [("indices", indices)]
+        if own_lens:
+            _check_owned(what, "new_seq_lens", new_seq_lens, state.new_seq_lens)
+        else:
+            rows.append(("new_seq_lens", new_seq_lens))
+        relayed = payload_rows(local.spec, payload)
+        if own_tokens:  # the tokens are the payload's first entry
+            _check_owned(what, "output_tokens", relayed.pop(0)[1], state.output_tokens)
+        check_split(ops.layout, what, [*rows, *relayed])
         return mapped(state, indices, new_seq_lens, payload)  # type: ignore[no-any-return]
 
     return checked_tail
+
+
+def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
+    """FutureMapError unless `got`, what a forward owning the `name` buffer returned for
+    it, is an array of that buffer's shape and dtype."""
+    if isinstance(got, jax.Array) and (got.shape, got.dtype) == (buf.shape, buf.dtype):
+        return
+    head = f"{what}: " if what else ""
+    shown = f"{got.dtype}{list(got.shape)}" if isinstance(got, jax.Array) else repr(got)
+    raise FutureMapError(
+        f"{head}the forward owns the {name} buffer (StepInput per='slot'): it returns that "
+        f"buffer, {buf.dtype}{list(buf.shape)}, written; got {shown}"
+    )
 
 
 def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool) -> Any:

@@ -30,6 +30,11 @@ class StepInput(NamedTuple):
       name: its key in the step's `inputs` mapping, and in `forward`'s.
       per: "row" ([B, *shape], padded like `req_pool_indices`) or "token" ([T, *shape],
         padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
+        Or "slot": not a host array but one of the map's relay buffers (`name`
+        "new_seq_lens" or "output_tokens", shape (), the map's int dtype), handed to the
+        forward as the step's resolve left it; the forward writes it itself and returns it
+        where `StepOutput` relays that value, and the map takes it with no scatter of its
+        own (docs/CONTRACT.md, 'Engine-owned relay buffers').
       shape: the trailing shape of one row or token.
       dtype: its dtype; host arrays of another dtype are cast only where no value can
         change (numpy's 'safe' casting, or ints into an int dtype their values fit: a
