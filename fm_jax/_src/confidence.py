@@ -1,0 +1,141 @@
+"""The confidence relay's host side (DSpark): a ring of host copies the host reads without
+waiting.
+
+A publish with confidence rows writes them into the map's confidence buffer ([R, gamma]
+float32, as its bits) and returns a copy of the whole buffer, whose device-to-host copy it
+starts (`jax.Array.copy_to_host_async`). The ring keeps the last `DEPTH` such copies per DP
+rank, each with a snapshot of the host's per-slot generation counter as it stood at that
+publish (SGLang's `req_to_token_pool.req_generation`, bumped when a slot goes to a new
+request). A read takes the entry `LAG` publishes back: the publish before the last, whose
+copy has had a whole step to land. It never waits unless asked: an entry whose copy is not
+done yet reads as None, as do the first `LAG` publishes. The generation read with a row says
+which request the host had in that slot when the row was copied: a row of a slot reused
+since reads with an older generation than the slot's current one.
+
+Only publishes with confidence rows move the ring, and only on the ranks that had rows in
+them (an idle rank's ring stays, as SGLang's per-rank map returns before its copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from fm_jax._src.errors import FutureMapError
+from fm_jax._src.host_inputs import Rows
+
+LAG = 2
+"""Publishes back a read looks (SGLang's CONFIDENCE_RELAY_RING_LAG)."""
+
+DEPTH = LAG + 1
+"""Entries kept per rank: the one read, the one landing, the one being written."""
+
+
+class ResolvedConfidence(NamedTuple):
+    """A batch's confidence rows as the ring held them, and their generations.
+
+    Attributes:
+      confidence: [B, gamma] float32, each slot's row as published (bit for bit).
+      generation: [B] int64, each slot's generation when the row was copied: equal to the
+        slot's current generation only if no new request took the slot since.
+    """
+
+    confidence: np.ndarray
+    generation: np.ndarray
+
+
+class _Entry(NamedTuple):
+    rows: jax.Array  # the buffer after one publish, global [DP*R, gamma] bits, copying to host
+    generation: np.ndarray  # [R] int64: the rank's generations at that publish
+
+
+class ConfidenceRing:
+    """One map's ring per local DP rank (single process).
+
+    Args:
+      pool_size: R, slots per rank.
+      dp: DP ranks of the map's layout.
+      ranks: this process's ranks.
+    """
+
+    def __init__(self, pool_size: int, dp: int, ranks: tuple[int, ...]) -> None:
+        self.pool_size = pool_size
+        self.dp = dp
+        self._entries: dict[int, list[_Entry | None]] = {d: [None] * DEPTH for d in ranks}
+        self._pos = dict.fromkeys(ranks, 0)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The local DP ranks the ring serves."""
+        return list(self._entries)
+
+    def generations(self, x: Any) -> dict[int, np.ndarray]:
+        """The host's per-slot generation counters as given to a publish with confidence:
+        [R] ints (one DP rank), [DP*R] (each rank's end to end) or a mapping DP rank -> [R];
+        copied (the snapshot), before anything runs. FutureMapError naming `generation`."""
+        r = self.pool_size
+        if x is None:
+            raise FutureMapError(
+                "generation is required with confidence: the request pool's per-slot "
+                f"generation counter, [{r}] ints per DP rank (SGLang's req_generation)"
+            )
+        if isinstance(x, Mapping):
+            parts = {d: _ints(f"generation[rank {d}]", v, r) for d, v in x.items()}
+            missing = set(self._entries) - set(parts)
+            if missing:
+                raise FutureMapError(f"generation has no counters for DP rank(s) {sorted(missing)}")
+            return parts
+        a = _ints("generation", x, self.dp * r)
+        return {d: a[d * r : (d + 1) * r] for d in self._entries}
+
+    def issue(self, rows: jax.Array, generation: Mapping[int, np.ndarray], idx: Rows) -> None:
+        """A publish wrote confidence rows at `idx` (as placed) and returned the buffer
+        `rows`: start its host copy and enter it, with the generations, in the ring of every
+        rank that had rows (all local ranks for jax-array slots, whose counts are unknown)."""
+        rows.copy_to_host_async()
+        counts = idx.counts
+        for d, ring in self._entries.items():
+            if counts is not None and not counts[d]:
+                continue  # an idle rank: no copy in SGLang's per-rank map either
+            pos = self._pos[d]
+            ring[pos % DEPTH] = _Entry(rows, generation[d])
+            self._pos[d] = pos + 1
+
+    def read(self, rank: int, slots: np.ndarray, wait: bool) -> ResolvedConfidence | None:
+        """Rank `rank`'s rows at `slots` from the entry LAG publishes back; None before
+        LAG publishes, for no slots, or (unless `wait`) while that entry's copy is not done."""
+        pos = self._pos[rank]
+        if pos < LAG or slots.size == 0:
+            return None
+        entry = self._entries[rank][(pos - LAG) % DEPTH]
+        assert entry is not None
+        if not wait and not entry.rows.is_ready():
+            return None
+        block = np.asarray(entry.rows)[rank * self.pool_size : (rank + 1) * self.pool_size]
+        return ResolvedConfidence(block[slots].view(np.float32), entry.generation[slots].copy())
+
+    def slots(self, name: str, x: Any) -> np.ndarray:
+        """Host slots of a read, each in [0, R); FutureMapError naming `name`."""
+        a = np.asarray(x)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise FutureMapError(f"{name} must be 1-D host ints (slots), got {a.dtype} {a.shape}")
+        a = a.astype(np.int64)
+        bad = (a < 0) | (a >= self.pool_size)
+        if bad.any():
+            raise FutureMapError(
+                f"{name} holds slots outside [0, {self.pool_size}): {a[bad].tolist()}"
+            )
+        return a
+
+
+def _ints(name: str, x: Any, n: int) -> np.ndarray:
+    """`x` as a fresh int64 host array of shape [n]; FutureMapError naming `name`."""
+    if isinstance(x, jax.Array):
+        raise FutureMapError(f"{name} must be host ints (the host's counters), got a jax array")
+    a = np.asarray(x)
+    if a.shape != (n,) or a.dtype.kind not in "iu":
+        raise FutureMapError(f"{name} must be [{n}] ints, got {a.dtype} {a.shape}")
+    return a.astype(np.int64)
