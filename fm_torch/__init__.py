@@ -15,6 +15,7 @@ anything is written.
 """
 
 from fm_torch.batch import DraftInput, DraftPayload, ForwardMode, ScheduleBatch
+from fm_torch.confidence import ResolvedConfidence
 from fm_torch.errors import FutureMapError, InvariantViolation
 from fm_torch.future_map import DEBUG_ENV, POISON, FutureMap, debug_from_env
 
@@ -27,6 +28,7 @@ __all__ = [
     "FutureMap",
     "FutureMapError",
     "InvariantViolation",
+    "ResolvedConfidence",
     "ScheduleBatch",
     "debug_from_env",
 ]

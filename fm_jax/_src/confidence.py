@@ -128,6 +128,11 @@ class ConfidenceRing:
             raise FutureMapError(
                 f"{name} holds slots outside [0, {self.pool_size}): {a[bad].tolist()}"
             )
+        live, counts = np.unique(a[a != 0], return_counts=True)
+        if (counts > 1).any():
+            raise FutureMapError(
+                f"{name} holds live slots {live[counts > 1].tolist()} more than once"
+            )
         return a
 
 
