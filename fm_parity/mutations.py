@@ -76,8 +76,8 @@ class StashTwice(Mutant):
 class PublishWithoutPlusOne(Mutant):
     """publish writes the lengths one short (seq_lens instead of seq_lens + 1)."""
 
-    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes) -> None:
-        self.inner.publish(slots, {r: v - 1 for r, v in lens.items()}, sizes)
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes, **kw: Any) -> None:
+        self.inner.publish(slots, {r: v - 1 for r, v in lens.items()}, sizes, **kw)
 
 
 class SentinelOffByOne(Mutant):
@@ -287,6 +287,29 @@ class _SyncingMap:
         return out
 
 
+class ConfidenceGenerationNotSnapshotted(Mutant):
+    """The confidence relay keeps one generation array, the last one published, instead of
+    a snapshot per ring entry: a read gives the generations of the last publish with its
+    rows of two publishes back, so a row of a slot that went to a new request in between
+    reads as the new request's own. The rows are right; the read's generations are not."""
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.last: dict[int, np.ndarray] = {}
+
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes, **kw: Any) -> None:
+        self.inner.publish(slots, lens, sizes, **kw)
+        for r, g in (kw.get("generation") or {}).items():
+            self.last[r] = np.array(g)
+
+    def resolve_confidence_cpu(self, slots: Slots) -> dict[int, Any]:
+        out = self.inner.resolve_confidence_cpu(slots)
+        for r, got in out.items():
+            if got is not None:
+                out[r] = (got[0], self.last[r][slots[r]])
+        return out
+
+
 def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
     """`payload` (either twin's DraftPayload: a NamedTuple or a dataclass) with host verified
     ids `vid`; both twins take host rows in a stash."""
@@ -320,6 +343,7 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "skip_stash_rows": SkipStashRows,
     "skip_verified_id_stash": SkipVerifiedIdStash,
     "host_copy_syncs": HostCopySyncs,
+    "confidence_generation_not_snapshotted": ConfidenceGenerationNotSnapshotted,
 }
 """Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
 

@@ -74,6 +74,7 @@ class TorchTwin:
                 spec=sp is not None,
                 debug=debug,
                 protocol=self.protocol,
+                needs_confidence_relay=sp is not None and sp.confidence > 0,
             )
             for r in self.ranks
         }
@@ -182,11 +183,34 @@ class TorchTwin:
             )
 
     def publish(
-        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+        self,
+        slots: Mapping[int, np.ndarray],
+        lens: Mapping[int, Any],
+        sizes: Sizes,
+        confidence: Mapping[int, np.ndarray] | None = None,
+        generation: Mapping[int, np.ndarray] | None = None,
     ) -> None:
+        conf, gens = confidence or {}, generation or {}
         for r, s in slots.items():
             with self.fms[r].forward_stream():
-                self.fms[r].publish(self._t(s), self._t(lens[r]))
+                if r in conf:  # the host's generation counters stay on the host
+                    self.fms[r].publish(
+                        self._t(s),
+                        self._t(lens[r]),
+                        confidence=self._t(conf[r]),
+                        generation=torch.from_numpy(gens[r]),
+                    )
+                else:
+                    self.fms[r].publish(self._t(s), self._t(lens[r]))
+
+    def resolve_confidence_cpu(
+        self, slots: Mapping[int, np.ndarray]
+    ) -> dict[int, tuple[np.ndarray, np.ndarray] | None]:
+        out: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        for r, s in slots.items():
+            got = self.fms[r].resolve_confidence_cpu(torch.from_numpy(s), wait=True)
+            out[r] = None if got is None else (got.confidence.numpy(), got.generation.numpy())
+        return out
 
     def stash(
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes

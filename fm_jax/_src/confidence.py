@@ -72,10 +72,11 @@ class ConfidenceRing:
         """The local DP ranks the ring serves."""
         return list(self._entries)
 
-    def generations(self, x: Any) -> dict[int, np.ndarray]:
-        """The host's per-slot generation counters as given to a publish with confidence:
-        [R] ints (one DP rank), [DP*R] (each rank's end to end) or a mapping DP rank -> [R];
-        copied (the snapshot), before anything runs. FutureMapError naming `generation`."""
+    def generations(self, x: Any, idx: Rows) -> dict[int, np.ndarray]:
+        """The host's per-slot generation counters as given to a publish with confidence at
+        `idx` (as placed): [R] ints (one DP rank), [DP*R] (each rank's end to end) or a
+        mapping DP rank -> [R] (every rank with rows); copied (the snapshot), before
+        anything runs. FutureMapError naming `generation`."""
         r = self.pool_size
         if x is None:
             raise FutureMapError(
@@ -84,7 +85,7 @@ class ConfidenceRing:
             )
         if isinstance(x, Mapping):
             parts = {d: _ints(f"generation[rank {d}]", v, r) for d, v in x.items()}
-            missing = set(self._entries) - set(parts)
+            missing = {d for d in self._entries if _has_rows(idx, d)} - set(parts)
             if missing:
                 raise FutureMapError(f"generation has no counters for DP rank(s) {sorted(missing)}")
             return parts
@@ -96,9 +97,8 @@ class ConfidenceRing:
         `rows`: start its host copy and enter it, with the generations, in the ring of every
         rank that had rows (all local ranks for jax-array slots, whose counts are unknown)."""
         rows.copy_to_host_async()
-        counts = idx.counts
         for d, ring in self._entries.items():
-            if counts is not None and not counts[d]:
+            if not _has_rows(idx, d):
                 continue  # an idle rank: no copy in SGLang's per-rank map either
             pos = self._pos[d]
             ring[pos % DEPTH] = _Entry(rows, generation[d])
@@ -134,6 +134,11 @@ class ConfidenceRing:
                 f"{name} holds live slots {live[counts > 1].tolist()} more than once"
             )
         return a
+
+
+def _has_rows(idx: Rows, rank: int) -> bool:
+    """Whether rank `rank` has real rows at `idx` (jax-array slots: taken as yes)."""
+    return idx.counts is None or bool(idx.counts[rank])
 
 
 def _ints(name: str, x: Any, n: int) -> np.ndarray:

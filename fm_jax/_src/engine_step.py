@@ -188,11 +188,11 @@ class EngineStep:
         with runtime.lock:  # one op at a time on the map (see FutureMap)
             if runtime.lost is not None:
                 runtime.refuse_if_lost()
-            ring = runtime.confidence
-            gens = None if ring is None else ring.generations(generation)
             placed = self._placement.resolve(
                 batch, rows, tokens, step=self._declared, inputs=inputs
             )
+            ring = runtime.confidence
+            gens = None if ring is None else ring.generations(generation, placed.idx)
             exe = self._registry.executable(placed.key, placed.pack, len(args))
             ops = ("resolve", "finish") if runtime.debug is not None else ()
             out = runtime.run(

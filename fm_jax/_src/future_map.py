@@ -247,11 +247,10 @@ class FutureMap:
           generation: with `confidence`, the host's per-slot generation counters ([R]
             ints per DP rank, [DP*R] or a mapping DP rank -> [R]), snapshotted with it.
         """
-        ring = self._runtime.confidence
-        gens = None if confidence is None or ring is None else ring.generations(generation)
         placed = self._placement.tail(
             "publish", indices, new_seq_lens, None, rows, confidence=confidence
         )
+        gens = self._generations(confidence, generation, placed)
         if placed.idx.empty:
             return  # DP idle: nothing ran, nothing to relay
         out = self._run(placed, "publish")
@@ -261,6 +260,14 @@ class FutureMap:
             self._runtime.state, copied = out
             self._confidence_published(copied, gens, placed)
         self._runtime.published(placed.idx, placed.lens)
+
+    def _generations(self, confidence: Any, generation: Any, placed: Placed) -> Any:
+        """With confidence rows (a map with the relay: placement refused them otherwise), the
+        generations snapshotted with them, checked before anything runs; else None."""
+        ring = self._runtime.confidence
+        if confidence is None or ring is None:
+            return None
+        return ring.generations(generation, placed.idx)
 
     def _confidence_published(self, copied: jax.Array, gens: Any, placed: Placed) -> None:
         ring = self._runtime.confidence
@@ -341,11 +348,10 @@ class FutureMap:
         lengths and tokens (or the whole draft) together; one dispatch instead of three.
         Returns the invalidated batch; in the gather protocol (no sentinels) `batch` as given.
         """
-        ring = self._runtime.confidence
-        gens = None if confidence is None or ring is None else ring.generations(generation)
         placed = self._placement.tail(
             "finish", indices, new_seq_lens, payload, rows, confidence=confidence
         )
+        gens = self._generations(confidence, generation, placed)
         if placed.idx.empty:  # DP idle: nothing to relay
             if not self._protocol.invalidates:
                 return batch
