@@ -73,7 +73,9 @@ class ConfidenceRelay:
             raise FutureMapError("confidence must be a 2-D tensor [B, gamma]")
         buf = self.confidence_buf
         gamma = confidence.shape[1] if buf is None else buf.shape[1]
-        conf = v.check_tensor("confidence", confidence, self.device, (rows, gamma), (torch.float32,))
+        conf = v.check_tensor(
+            "confidence", confidence, self.device, (rows, gamma), (torch.float32,)
+        )
         if generation is None:
             raise FutureMapError(
                 "generation is required with confidence: the request pool's per-slot "
