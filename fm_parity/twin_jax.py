@@ -308,9 +308,8 @@ class JaxTwin:
             ring_copy = ("jax.Array.copy_to_host_async",)
             watched = self._watched("publish", self.fm.publish, ring_copy)
             with_conf = {r: slots[r] for r in confidence}
-            key = ("publish_confidence", rows)
             self._call(
-                key,
+                ("publish_confidence", rows),
                 sizes,
                 watched,
                 with_conf,

@@ -277,5 +277,7 @@ def test_spec_confidence_reads_rows_of_a_slots_previous_request(monkeypatch):
     monkeypatch.setattr(confidence, "digest", spy)
     run_reference(catalogue.build("spec_confidence"), "int32")
     assert any(read is None for read, _ in reads)
-    fresh = [g == c for read, now in reads if read is not None for g, c in zip(read[1], now)]
+    fresh = [
+        g == c for read, now in reads if read is not None for g, c in zip(read[1], now, strict=True)
+    ]
     assert any(fresh) and not all(fresh)

@@ -112,7 +112,7 @@ class ConfidenceRing:
             return None
         entry = self._entries[rank][(pos - LAG) % DEPTH]
         assert entry is not None
-        if not wait and not entry.rows.is_ready():
+        if not wait and not entry.rows.is_ready():  # type: ignore[attr-defined]  # not in the stubs
             return None
         block = np.asarray(entry.rows)[rank * self.pool_size : (rank + 1) * self.pool_size]
         return ResolvedConfidence(block[slots].view(np.float32), entry.generation[slots].copy())

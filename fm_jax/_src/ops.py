@@ -205,6 +205,7 @@ def publish(
     state = state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
     if confidence is None:
         return state  # the rows already published stay
+    assert state.confidence is not None  # declared: check_confidence passed
     bits = jax.lax.bitcast_convert_type(jnp.asarray(confidence), CONFIDENCE_BITS)
     return state._replace(confidence=scatter(state.confidence, indices, bits))
 
