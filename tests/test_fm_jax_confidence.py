@@ -195,3 +195,19 @@ def test_reset_forgets_the_ring(fm):
     assert fm.resolve_confidence_cpu(SLOTS, wait=True) is not None
     fm.reset()
     assert fm.resolve_confidence_cpu(SLOTS, wait=True) is None
+
+
+def test_warm_up_compiles_the_publishes_with_confidence():
+    """Under the serving guard a publish and a finish with confidence rows run what
+    warm-up compiled (an unwarmed call would be refused)."""
+    fm = FutureMap(R, spec=SPEC, batch_buckets=(2,), token_buckets=(2,), protocol="gather")
+    names = fm.warm_up(guard=True, traced_modes=False).by_op
+    assert {"publish_with_confidence", "finish_with_confidence"} <= set(names)
+    gen = np.zeros(R, np.int64)
+    draft = DraftPayload(np.array([7, 8]), np.ones((2, 1), np.float32), np.ones((2, 1), np.int32))
+    fm.publish(SLOTS, [4, 5], confidence=_rows(0), generation=gen)
+    batch = Batch(None, SLOTS, None, SLOTS)
+    fm.finish(batch, SLOTS, [5, 6], draft, confidence=_rows(1), generation=gen)
+    got = fm.resolve_confidence_cpu(SLOTS, wait=True)
+    assert got is not None
+    np.testing.assert_array_equal(_bits(got.confidence), _bits(_rows(0)))

@@ -120,12 +120,7 @@ def assemble(
     lengths = HostLengths() if needs_cpu_seq_lens and inputs.single_process else None
     ring = None
     if local.spec is not None and local.spec.confidence:
-        if not inputs.single_process:
-            raise FutureMapError(
-                "spec.confidence: the confidence relay's host ring reads the whole buffer; "
-                "it serves maps in one process"
-            )
-        ring = ConfidenceRing(pool_size, layout.dp, layout.local_ranks())
+        ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
     runtime = MapRuntime(fresh, state, debug_channel, lengths, ring)
     placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
     placement.last_checked = runtime.last_checked

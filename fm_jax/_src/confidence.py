@@ -2,8 +2,9 @@
 waiting.
 
 A publish with confidence rows writes them into the map's confidence buffer ([R, gamma]
-float32, as its bits) and returns a copy of the whole buffer, whose device-to-host copy it
-starts (`jax.Array.copy_to_host_async`). The ring keeps the last `DEPTH` such copies per DP
+float32, as its bits) and returns a copy of the whole buffer; the ring takes each local DP
+rank's block of it (one device's shard: [R, gamma]) and starts its device-to-host copy
+(`jax.Array.copy_to_host_async`). The ring keeps the last `DEPTH` such blocks per DP
 rank, each with a snapshot of the host's per-slot generation counter as it stood at that
 publish (SGLang's `req_to_token_pool.req_generation`, bumped when a slot goes to a new
 request). A read takes the entry `LAG` publishes back: the publish before the last, whose
@@ -18,7 +19,7 @@ them (an idle rank's ring stays, as SGLang's per-rank map returns before its cop
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -48,24 +49,29 @@ class ResolvedConfidence(NamedTuple):
 
 
 class _Entry(NamedTuple):
-    rows: jax.Array  # the buffer after one publish, global [DP*R, gamma] bits, copying to host
+    rows: jax.Array  # the rank's block of the buffer after one publish, [R, gamma] bits
     generation: np.ndarray  # [R] int64: the rank's generations at that publish
 
 
 class ConfidenceRing:
-    """One map's ring per local DP rank (single process).
+    """One map's ring per DP rank of this process.
 
     Args:
       pool_size: R, slots per rank.
       dp: DP ranks of the map's layout.
+      rank_of: the DP rank a device holds (`MeshLayout.rank_of`).
       ranks: this process's ranks.
     """
 
-    def __init__(self, pool_size: int, dp: int, ranks: tuple[int, ...]) -> None:
+    def __init__(
+        self, pool_size: int, dp: int, rank_of: Callable[[Any], int], ranks: tuple[int, ...]
+    ) -> None:
         self.pool_size = pool_size
         self.dp = dp
+        self.rank_of = rank_of
         self._entries: dict[int, list[_Entry | None]] = {d: [None] * DEPTH for d in ranks}
         self._pos = dict.fromkeys(ranks, 0)
+        self._rank: dict[Any, int] = {}  # device -> its DP rank
 
     @property
     def ranks(self) -> list[int]:
@@ -94,14 +100,20 @@ class ConfidenceRing:
 
     def issue(self, rows: jax.Array, generation: Mapping[int, np.ndarray], idx: Rows) -> None:
         """A publish wrote confidence rows at `idx` (as placed) and returned the buffer
-        `rows`: start its host copy and enter it, with the generations, in the ring of every
-        rank that had rows (all local ranks for jax-array slots, whose counts are unknown)."""
-        rows.copy_to_host_async()
-        for d, ring in self._entries.items():
-            if not _has_rows(idx, d):
-                continue  # an idle rank: no copy in SGLang's per-rank map either
+        `rows`: in the ring of every local rank that had rows (all for jax-array slots,
+        whose counts are unknown), its block with its host copy started, and its
+        generations."""
+        blocks: dict[int, jax.Array] = {}
+        for shard in rows.addressable_shards:  # one replica per rank
+            d = self._rank.get(shard.device)
+            if d is None:
+                d = self._rank[shard.device] = self.rank_of(shard.device)
+            if d not in blocks and d in self._entries and _has_rows(idx, d):
+                blocks[d] = shard.data  # an idle rank: no copy, as in SGLang's per-rank map
+        for d, block in blocks.items():
+            block.copy_to_host_async()
             pos = self._pos[d]
-            ring[pos % DEPTH] = _Entry(rows, generation[d])
+            self._entries[d][pos % DEPTH] = _Entry(block, generation[d])
             self._pos[d] = pos + 1
 
     def read(self, rank: int, slots: np.ndarray, wait: bool) -> ResolvedConfidence | None:
@@ -114,7 +126,7 @@ class ConfidenceRing:
         assert entry is not None
         if not wait and not entry.rows.is_ready():  # type: ignore[attr-defined]  # not in the stubs
             return None
-        block = np.asarray(entry.rows)[rank * self.pool_size : (rank + 1) * self.pool_size]
+        block = np.asarray(entry.rows)
         return ResolvedConfidence(block[slots].view(np.float32), entry.generation[slots].copy())
 
     def slots(self, name: str, x: Any) -> np.ndarray:

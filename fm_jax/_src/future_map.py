@@ -250,7 +250,7 @@ class FutureMap:
         placed = self._placement.tail(
             "publish", indices, new_seq_lens, None, rows, confidence=confidence
         )
-        gens = self._generations(confidence, generation, placed)
+        gens = None if confidence is None else self._generations(generation, placed)
         if placed.idx.empty:
             return  # DP idle: nothing ran, nothing to relay
         out = self._run(placed, "publish")
@@ -261,12 +261,11 @@ class FutureMap:
             self._confidence_published(copied, gens, placed)
         self._runtime.published(placed.idx, placed.lens)
 
-    def _generations(self, confidence: Any, generation: Any, placed: Placed) -> Any:
-        """With confidence rows (a map with the relay: placement refused them otherwise), the
-        generations snapshotted with them, checked before anything runs; else None."""
+    def _generations(self, generation: Any, placed: Placed) -> dict[int, np.ndarray]:
+        """The generations snapshotted with confidence rows (placed: the map has the relay),
+        checked before anything runs."""
         ring = self._runtime.confidence
-        if confidence is None or ring is None:
-            return None
+        assert ring is not None
         return ring.generations(generation, placed.idx)
 
     def _confidence_published(self, copied: jax.Array, gens: Any, placed: Placed) -> None:
@@ -351,7 +350,7 @@ class FutureMap:
         placed = self._placement.tail(
             "finish", indices, new_seq_lens, payload, rows, confidence=confidence
         )
-        gens = self._generations(confidence, generation, placed)
+        gens = None if confidence is None else self._generations(generation, placed)
         if placed.idx.empty:  # DP idle: nothing to relay
             if not self._protocol.invalidates:
                 return batch

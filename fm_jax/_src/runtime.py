@@ -83,7 +83,9 @@ class MapRuntime:
             self.host_lengths = HostLengths()
         ring = self.confidence
         if ring is not None:
-            self.confidence = ConfidenceRing(ring.pool_size, ring.dp, tuple(ring.ranks))
+            self.confidence = ConfidenceRing(
+                ring.pool_size, ring.dp, ring.rank_of, tuple(ring.ranks)
+            )
 
     def last_checked(self) -> jax.Array | None:
         """The slots (a jax array) the last debug resolve checked, if still alive."""
