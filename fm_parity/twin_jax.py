@@ -54,7 +54,9 @@ class JaxTwin:
     The 'sync' check (gather protocol): every resolve, publish and stash call on the map
     runs inside fm_parity.transfers.no_device_to_host, which records a device-to-host
     transfer rather than stopping the run (`transfers()` hands them to the driver). Only
-    the map's call is watched: the twin's own reads of outputs for the trace are not.
+    the map's call is watched: the twin's own reads of outputs for the trace are not. A
+    publish with confidence rows may start its ring's host copy (`copy_to_host_async`, by
+    contract); any other transfer in it is recorded.
     """
 
     name = "jax"
