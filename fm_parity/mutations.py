@@ -291,7 +291,10 @@ class ConfidenceGenerationNotSnapshotted(Mutant):
     """The confidence relay keeps one generation array, the last one published, instead of
     a snapshot per ring entry: a read gives the generations of the last publish with its
     rows of two publishes back, so a row of a slot that went to a new request in between
-    reads as the new request's own. The rows are right; the read's generations are not."""
+    reads as the new request's own. The rows are right; the read's generations are not.
+    The relay is the same in both protocols: the mutation table judges it under the
+    sentinel one. Parity sees it in fm_jax alone; in both twins the oracle does (each
+    read's freshness is in the request's stream)."""
 
     def __init__(self, inner: Twin) -> None:
         super().__init__(inner)
