@@ -7,6 +7,7 @@ call ops one by one, on one device or a mesh.
 
 from fm_jax._src.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax._src.compile_options import compiler_options, use_persistent_cache
+from fm_jax._src.confidence import ResolvedConfidence
 from fm_jax._src.debug_channel import raise_if_violated
 from fm_jax._src.engine_step import EngineStep, StepInput, StepOutput, StepResult
 from fm_jax._src.errors import FutureMapError, InvariantViolation, StateLost
@@ -44,6 +45,7 @@ __all__ = [
     "MeshLayout",
     "RelayField",
     "Resolved",
+    "ResolvedConfidence",
     "ShardedFutureMapOps",
     "SpecConfig",
     "StateLost",

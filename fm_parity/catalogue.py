@@ -223,6 +223,21 @@ def spec_ngram(size: int = 1, seed: int = 0) -> Scenario:
     return _small_spec("spec_ngram", "spec decode relaying SGLang's n-gram payload", reqs, spec)
 
 
+def spec_confidence(size: int = 1, seed: int = 0) -> Scenario:
+    """The confidence relay (DSpark): every spec DECODE step publishes a confidence row per
+    row with its lengths and first reads its rows of two such publishes back from the host
+    ring, with the generations snapshotted then. Short requests through three live slots:
+    a retired request's slot is taken at once, so reads meet rows of a slot's previous
+    request (older generation) beside the new one's own; PREBUILT and prefill publishes
+    carry no confidence (the rows stay)."""
+    reqs = tuple(
+        Request(i, 2 + i % 3, 4 + 2 * (i % 3), arrival=i, prebuilt=i % 4 == 3)
+        for i in range(7 * size)
+    )
+    spec = SpecShape(topk=2, hidden=0, confidence=3)
+    return _small_spec("spec_confidence", "spec decode with the confidence relay", reqs, spec)
+
+
 def spec_mixed(size: int = 1, seed: int = 0) -> Scenario:
     """Spec decode with chunked prefill merged into running spec rows (gather protocol):
     the host plans each MIXED batch before the last verify's accept lengths land, and
@@ -428,6 +443,7 @@ CATALOGUE: dict[str, Builder] = {
     "spec_verified": spec_verified,
     "spec_sglang_eagle": spec_sglang_eagle,
     "spec_ngram": spec_ngram,
+    "spec_confidence": spec_confidence,
     "spec_mixed": spec_mixed,
     "random_mix": random_mix,
     "random_spec_mix": random_spec_mix,

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from fm_parity import host_batch, payloads
+from fm_parity import confidence, host_batch, payloads
 from fm_parity import toy_model as tm
 from fm_parity.host_batch import HostBatch
 from fm_parity.scenario import Kind, Row, Scenario, Scheduler, StepPlan
@@ -86,14 +86,18 @@ def append_streams(
     plan: StepPlan,
     token: np.ndarray,
     accept: np.ndarray | None,
+    seen: list[list[int]] | None = None,
 ) -> None:
-    """Add what each row produced to its request's stream (intermediate chunks add nothing)."""
+    """Add what each row produced to its request's stream (intermediate chunks add nothing);
+    `seen`: what each decode row's confidence read gave it (`confidence.digest`), first."""
     toks = token.tolist()
     acc = None if accept is None else accept.tolist()
     for i, row in enumerate(plan.rows):
         if row.phase == "prefill" and not row.final:
             continue
         s = streams.setdefault((rank, row.rid), [])
+        if seen is not None and row.phase == "decode":
+            s.extend(seen[i])
         if acc is not None and row.phase == "decode":
             s.append(acc[i])
         s.append(toks[i])
@@ -265,6 +269,8 @@ def _step(
             rids = [row.rid for row in plans[r].rows]
             lanes[r].sched.observe(dict(zip(rids, host_lens[r].tolist(), strict=True)))
 
+    seen = _read_confidence(step, resolving, lanes, twin, rec)
+
     res = twin.resolve(resolving, sizes) if resolving else {}
     rec.op(step, "resolve", {r: _resolved_fields(twin, res[r], hbs[r]) for r in resolving})
 
@@ -293,7 +299,18 @@ def _step(
                 draft = tm.make_draft(tm.NUMPY, none, none, none, layout, offset, vid)
                 payload[r] = twin.draft_payload(none, draft)
     slots = {r: hb.slots for r, hb in hbs.items()}
-    twin.publish(slots, lens, sizes)
+    conf, gens = {}, {}
+    for r in running:
+        gamma = _confidence_width(lanes[r])
+        if gamma and hbs[r].spec_decode:  # a verify publishes confidence (DSpark)
+            out = outs[r]
+            host = (twin.host(out.token), twin.host(out.new_lens), hbs[r].slots)
+            conf[r] = confidence.rows(*host, gamma)
+            gens[r] = np.array(lanes[r].sched.generation, np.int64)
+    if conf:
+        twin.publish(slots, lens, sizes, confidence=conf, generation=gens)
+    else:
+        twin.publish(slots, lens, sizes)
     rec.op(step, "publish", {r: {} for r in hbs})
     twin.stash(slots, payload, sizes)
     for r in hbs:  # a spec rank's first draft stash shapes its extras
@@ -303,9 +320,51 @@ def _step(
     for r in running:
         acc = outs[r].accept
         append_streams(
-            streams, r, plans[r], twin.host(outs[r].token), None if acc is None else twin.host(acc)
+            streams,
+            r,
+            plans[r],
+            twin.host(outs[r].token),
+            None if acc is None else twin.host(acc),
+            seen.get(r),
         )
     return res
+
+
+def _confidence_width(lane: _Lane) -> int:
+    """gamma of the lane's confidence relay; 0 without one."""
+    spec = lane.scenario.spec
+    return 0 if spec is None else spec.confidence
+
+
+def _read_confidence(
+    step: int,
+    resolving: Mapping[int, HostBatch],
+    lanes: Mapping[int, _Lane],
+    twin: Twin,
+    rec: _Recorder,
+) -> dict[int, list[list[int]]]:
+    """Each spec DECODE rank with a confidence relay reads its live slots' rows (waiting for
+    the ring entry: deterministic); recorded, and returned as each row's stream entries."""
+    want = {
+        r: hb.live_slots
+        for r, hb in resolving.items()
+        if hb.spec_decode and _confidence_width(lanes[r])
+    }
+    if not want:
+        return {}
+    reads = twin.resolve_confidence_cpu(want)
+    fields: dict[int, Fields] = {}
+    seen = {}
+    for r, s in want.items():
+        got = reads[r]
+        f: Fields = {"ready": (np.array([got is not None], np.int8), s[:1])}
+        if got is not None:
+            f["confidence"] = (got[0], s)
+            f["generation"] = (got[1], s)
+        fields[r] = f
+        seen[r] = confidence.digest(got, np.array(lanes[r].sched.generation, np.int64)[s])
+    rec.op(step, "resolve_confidence_cpu", fields, buffers=False)
+    return seen
 
 
 def _syncs(step: int, twin: Twin, result: RunResult) -> None:

@@ -77,8 +77,8 @@ class StashTwice(Mutant):
 class PublishWithoutPlusOne(Mutant):
     """publish writes the lengths one short (seq_lens instead of seq_lens + 1)."""
 
-    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes) -> None:
-        self.inner.publish(slots, {r: v - 1 for r, v in lens.items()}, sizes)
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes, **kw: Any) -> None:
+        self.inner.publish(slots, {r: v - 1 for r, v in lens.items()}, sizes, **kw)
 
 
 class SentinelOffByOne(Mutant):
@@ -332,12 +332,12 @@ class OwnedRelayUnwritten(Mutant):
         super().__init__(inner)
         self.calls = 0
 
-    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes) -> None:
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes, **kw: Any) -> None:
         if any(len(s) for s in slots.values()):
             self.calls += 1
             if self.calls % 2 == 0:
                 return
-        self.inner.publish(slots, lens, sizes)
+        self.inner.publish(slots, lens, sizes, **kw)
 
 
 def _with_bonus(draft: Any, bonus: Any) -> Any:
@@ -345,6 +345,32 @@ def _with_bonus(draft: Any, bonus: Any) -> Any:
     if hasattr(draft, "_replace"):  # fm_jax's NamedTuple
         return draft._replace(bonus_tokens=bonus)
     return dataclasses.replace(draft, bonus_tokens=bonus)
+
+
+class ConfidenceGenerationNotSnapshotted(Mutant):
+    """The confidence relay keeps one generation array, the last one published, instead of
+    a snapshot per ring entry: a read gives the generations of the last publish with its
+    rows of two publishes back, so a row of a slot that went to a new request in between
+    reads as the new request's own. The rows are right; the read's generations are not.
+    The relay is the same in both protocols: the mutation table judges it under the
+    sentinel one. Parity sees it in fm_jax alone; in both twins the oracle does (each
+    read's freshness is in the request's stream)."""
+
+    def __init__(self, inner: Twin) -> None:
+        super().__init__(inner)
+        self.last: dict[int, np.ndarray] = {}
+
+    def publish(self, slots: Slots, lens: Mapping[int, Any], sizes: Sizes, **kw: Any) -> None:
+        self.inner.publish(slots, lens, sizes, **kw)
+        for r, g in (kw.get("generation") or {}).items():
+            self.last[r] = np.array(g)
+
+    def resolve_confidence_cpu(self, slots: Slots) -> dict[int, Any]:
+        out = self.inner.resolve_confidence_cpu(slots)
+        for r, got in out.items():
+            if got is not None:
+                out[r] = (got[0], self.last[r][slots[r]])
+        return out
 
 
 def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
@@ -382,6 +408,7 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "host_copy_syncs": HostCopySyncs,
     "one_row_aliases": OneRowAliases,
     "owned_relay_unwritten": OwnedRelayUnwritten,
+    "confidence_generation_not_snapshotted": ConfidenceGenerationNotSnapshotted,
 }
 """Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
 

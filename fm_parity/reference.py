@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fm_parity import payloads
+from fm_parity import confidence, payloads
 from fm_parity import toy_model as tm
 from fm_parity.scenario import Kind, Scenario, Scheduler
 
@@ -31,6 +31,8 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
     last: dict[int, int] = {}  # request -> its last token (spec: bonus token)
     length: dict[int, int] = {}  # request -> its length after its last forward
     drafts: dict[int, tm.Draft] = {}  # spec: request -> its draft, one row
+    gamma = 0 if scenario.spec is None else scenario.spec.confidence
+    ring = confidence.Ring(scenario.pool_size, gamma) if gamma else None
 
     while (plan := sched.next_step()) is not None:
         if plan.kind is Kind.IDLE:
@@ -62,6 +64,10 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
         slots = np.array([row.slot for row in rows], npdt)
         every = np.arange(len(rows))
         accept = None
+        seen = None
+        if ring is not None and plan.kind is Kind.DECODE:  # a verify reads, then publishes
+            gen = np.array(sched.generation, np.int64)
+            seen = confidence.digest(ring.read(slots.astype(np.int64)), gen[slots])
         if spec is None:
             token, new_lens = tm.forward_tokens(ids_a, lens_a, slots, every, tm.NUMPY, offset)
             draft = None
@@ -74,6 +80,9 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
                 gathered, lens_a, slots, tm.NUMPY, spec, offset, verified
             )
             token = draft.bonus
+            if ring is not None:
+                conf = confidence.rows(token, new_lens, slots, gamma)
+                ring.publish(slots.astype(np.int64), conf, np.array(sched.generation, np.int64))
         else:  # a spec prefill accepts nothing: its stream starts with the bonus token
             accept, new_lens, draft = tm.forward_spec_extend(
                 ids_a, lens_a, slots, every, tm.NUMPY, spec, offset, verified
@@ -86,6 +95,8 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             if draft is not None:  # the request's own row of every draft field
                 drafts[row.rid] = _row(draft, i)
             s = streams.setdefault(row.rid, [])
+            if seen is not None and row.phase == "decode":
+                s.extend(seen[i])
             if accept is not None and row.phase == "decode":
                 s.append(int(accept[i]))
             s.append(int(token[i]))

@@ -45,13 +45,15 @@ class Request:
 @dataclass(frozen=True)
 class SpecShape:
     """Speculative extras: top-k width (also the draft count), hidden width (bf16), whether
-    each draft relays a verified id (docs/CONTRACT.md, 'Relay fields'), and which payload
-    the drafts relay (fm_parity.payloads: 'eagle', 'sglang_eagle' or 'ngram')."""
+    each draft relays a verified id (docs/CONTRACT.md, 'Relay fields'), which payload
+    the drafts relay (fm_parity.payloads: 'eagle', 'sglang_eagle' or 'ngram'), and the
+    width of the confidence rows spec DECODE steps publish (0: none; fm_parity.confidence)."""
 
     topk: int
     hidden: int
     verified_id: bool = False
     payload: str = "eagle"
+    confidence: int = 0
 
     def __post_init__(self) -> None:
         if self.payload not in ("eagle", "sglang_eagle", "ngram"):
@@ -174,7 +176,8 @@ class Scheduler:
     """Walks a Scenario: admission, retirement, immediate slot reuse, batch formation.
 
     Freed slots go on a stack, so the next admitted request takes the slot freed last:
-    a retired request's slot is reused at once.
+    a retired request's slot is reused at once. `generation` counts each slot's requests
+    (SGLang's `req_generation`: bumped when a slot goes to a new request).
     """
 
     scenario: Scenario
@@ -183,9 +186,11 @@ class Scheduler:
     _free: list[int] = field(default_factory=list)
     _pending: list[Request] = field(default_factory=list)
     _running: dict[int, _Live] = field(default_factory=dict)  # admission order
+    generation: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.scenario.pool_size - 1, 0, -1))  # pop() gives slot 1 first
+        self.generation = [0] * self.scenario.pool_size
         self._pending = sorted(self.scenario.requests, key=lambda r: (r.arrival, r.rid))
         cap = self.scenario.max_steps
         self.max_steps = cap if self.max_steps is None else min(cap, self.max_steps)
@@ -209,7 +214,9 @@ class Scheduler:
             and len(self._running) < cap
         ):
             req = self._pending.pop(0)
-            self._running[req.rid] = _Live(req, self._free.pop())
+            slot = self._free.pop()
+            self.generation[slot] += 1
+            self._running[req.rid] = _Live(req, slot)
 
     def observe(self, lens: dict[int, int]) -> None:
         """Spec: host lengths reported by resolve_seq_lens_cpu (request id -> length)."""

@@ -84,9 +84,21 @@ class Twin(Protocol):
     ) -> dict[int, np.ndarray]: ...
     def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]: ...
     def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut: ...
+    # `confidence` (host [B, gamma] float32 rows) and `generation` (host [R] ints) for the
+    # ranks that publish confidence (fm_parity.confidence), or None.
     def publish(
-        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+        self,
+        slots: Mapping[int, np.ndarray],
+        lens: Mapping[int, Any],
+        sizes: Sizes,
+        confidence: Mapping[int, np.ndarray] | None = None,
+        generation: Mapping[int, np.ndarray] | None = None,
     ) -> None: ...
+    # Each rank's confidence read at host slots, waiting for its ring entry: (rows, generations)
+    # as host arrays, or None.
+    def resolve_confidence_cpu(
+        self, slots: Mapping[int, np.ndarray]
+    ) -> dict[int, tuple[np.ndarray, np.ndarray] | None]: ...
     def stash(
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
     ) -> None: ...

@@ -54,7 +54,9 @@ class JaxTwin:
     The 'sync' check (gather protocol): every resolve, publish and stash call on the map
     runs inside fm_parity.transfers.no_device_to_host, which records a device-to-host
     transfer rather than stopping the run (`transfers()` hands them to the driver). Only
-    the map's call is watched: the twin's own reads of outputs for the trace are not.
+    the map's call is watched: the twin's own reads of outputs for the trace are not. A
+    publish with confidence rows may start its ring's host copy (`copy_to_host_async`, by
+    contract); any other transfer in it is recorded.
     """
 
     name = "jax"
@@ -87,7 +89,7 @@ class JaxTwin:
         cfg = (
             None
             if sp is None or self.spec is None
-            else _spec_config(self.spec, sp.verified_id, spec_kernel)
+            else _spec_config(self.spec, sp.verified_id, spec_kernel, sp.confidence)
         )
         on_mesh = dp * tp > 1
         first = jax_device(device)
@@ -127,16 +129,26 @@ class JaxTwin:
         out, self._transfers = self._transfers, []
         return out
 
-    def _watched(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _watched(
+        self, op: str, fn: Callable[..., Any], allowed: tuple[str, ...] = ()
+    ) -> Callable[..., Any]:
         """Gather protocol: `fn` (a map op) run inside the device-to-host detector, its
-        transfers recorded; sentinel protocol: `fn`."""
+        transfers recorded but those through an entry point in `allowed` (a publish with
+        confidence rows starts the ring's asynchronous copy by contract: 'The confidence
+        relay'); sentinel protocol: `fn`."""
         if self.protocol != "gather":
             return fn
 
+        def record(text: str) -> None:
+            if not any(f"({a})" in text for a in allowed):
+                seen.append(text)
+
+        seen: list[str] = []
+
         def run(*args: Any, **kw: Any) -> Any:
-            seen: list[str] = []
+            seen.clear()
             try:
-                with transfers.no_device_to_host(seen.append):
+                with transfers.no_device_to_host(record):
                     return fn(*args, **kw)
             finally:
                 if seen:
@@ -284,14 +296,42 @@ class JaxTwin:
         )
 
     def publish(
-        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+        self,
+        slots: Mapping[int, np.ndarray],
+        lens: Mapping[int, Any],
+        sizes: Sizes,
+        confidence: Mapping[int, np.ndarray] | None = None,
+        generation: Mapping[int, np.ndarray] | None = None,
     ) -> None:
         rows, _ = self._sizes(sizes)
         host = {r: self.host(v) for r, v in lens.items()}
+        publish = self._watched("publish", self.fm.publish)
+        if confidence:  # one call for the ranks with confidence rows, one for the others
+            ring_copy = ("jax.Array.copy_to_host_async",)
+            watched = self._watched("publish", self.fm.publish, ring_copy)
+            with_conf = {r: slots[r] for r in confidence}
+            self._call(
+                ("publish_confidence", rows),
+                sizes,
+                watched,
+                with_conf,
+                {r: host[r] for r in confidence},
+                rows=rows,
+                confidence=dict(confidence),
+                generation=dict(generation or {}),
+            )
+            slots = {r: s for r, s in slots.items() if r not in confidence}
+            if not slots:
+                return
         key = ("publish", rows) if any(len(s) for s in slots.values()) else None
-        self._call(
-            key, sizes, self._watched("publish", self.fm.publish), dict(slots), host, rows=rows
-        )
+        self._call(key, sizes, publish, dict(slots), {r: host[r] for r in slots}, rows=rows)
+
+    def resolve_confidence_cpu(
+        self, slots: Mapping[int, np.ndarray]
+    ) -> dict[int, tuple[np.ndarray, np.ndarray] | None]:
+        got = self.fm.resolve_confidence_cpu(dict(slots), wait=True)
+        assert isinstance(got, dict)
+        return {r: None if g is None else (g.confidence, g.generation) for r, g in got.items()}
 
     def stash(
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes
@@ -326,10 +366,12 @@ class JaxTwin:
         return {r: (self._block(out.input_ids, r), self._block(out.seq_lens, r)) for r in batches}
 
 
-def _spec_config(spec: tm.Layout, verified_id: bool, kernel: str) -> fm_jax.SpecConfig:
+def _spec_config(
+    spec: tm.Layout, verified_id: bool, kernel: str, confidence: int = 0
+) -> fm_jax.SpecConfig:
     """fm_jax's declaration of a scenario's draft fields (fm_parity.payloads): the standard
     ones as the layout relays them, then the engine's own (float32, or the map's ints),
-    moved by `kernel`."""
+    moved by `kernel`; and the width of its confidence rows (0: none)."""
     extra = tuple(
         fm_jax.RelayField(
             e.name, (e.width,) if e.width else (), np.dtype(np.float32) if e.kind == "f32" else None
@@ -344,4 +386,5 @@ def _spec_config(spec: tm.Layout, verified_id: bool, kernel: str) -> fm_jax.Spec
         extra=extra,
         bonus_tokens=spec.relays_standard,
         kernel=kernel,
+        confidence=confidence,
     )

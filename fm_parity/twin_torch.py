@@ -86,6 +86,7 @@ class TorchTwin:
                 debug=debug,
                 protocol=self.protocol,
                 relay=self.relay.get(r),
+                needs_confidence_relay=sp is not None and sp.confidence > 0,
             )
             for r in self.ranks
         }
@@ -194,8 +195,14 @@ class TorchTwin:
             )
 
     def publish(
-        self, slots: Mapping[int, np.ndarray], lens: Mapping[int, Any], sizes: Sizes
+        self,
+        slots: Mapping[int, np.ndarray],
+        lens: Mapping[int, Any],
+        sizes: Sizes,
+        confidence: Mapping[int, np.ndarray] | None = None,
+        generation: Mapping[int, np.ndarray] | None = None,
     ) -> None:
+        conf, gens = confidence or {}, generation or {}
         for r, s in slots.items():
             idx, rows = self._t(s), self._t(lens[r])
             relay = self.relay.get(r)
@@ -203,7 +210,24 @@ class TorchTwin:
                 if relay is not None and len(s):  # the engine writes its rows itself
                     relay.new_seq_lens[idx] = rows.to(self.dtype)
                     relay.published_seq_lens = rows
-                self.fms[r].publish(idx, rows)
+                if r in conf:  # the host's generation counters stay on the host
+                    self.fms[r].publish(
+                        idx,
+                        rows,
+                        confidence=self._t(conf[r]),
+                        generation=torch.from_numpy(gens[r]),
+                    )
+                else:
+                    self.fms[r].publish(idx, rows)
+
+    def resolve_confidence_cpu(
+        self, slots: Mapping[int, np.ndarray]
+    ) -> dict[int, tuple[np.ndarray, np.ndarray] | None]:
+        out: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        for r, s in slots.items():
+            got = self.fms[r].resolve_confidence_cpu(torch.from_numpy(s), wait=True)
+            out[r] = None if got is None else (got.confidence.numpy(), got.generation.numpy())
+        return out
 
     def stash(
         self, slots: Mapping[int, np.ndarray], payload: Mapping[int, Any], sizes: Sizes

@@ -15,6 +15,7 @@ anything is written.
 """
 
 from fm_torch.batch import DraftInput, DraftPayload, ForwardMode, ScheduleBatch
+from fm_torch.confidence import ResolvedConfidence
 from fm_torch.errors import FutureMapError, InvariantViolation
 from fm_torch.future_map import DEBUG_ENV, POISON, FutureMap, debug_from_env
 from fm_torch.relay import RelayBuffers
@@ -29,6 +30,7 @@ __all__ = [
     "FutureMapError",
     "InvariantViolation",
     "RelayBuffers",
+    "ResolvedConfidence",
     "ScheduleBatch",
     "debug_from_env",
 ]

@@ -38,6 +38,7 @@ import torch
 
 from fm_torch import validate as v
 from fm_torch.batch import DraftPayload, ForwardMode, ScheduleBatch
+from fm_torch.confidence import ConfidenceRelay, ResolvedConfidence, not_declared
 from fm_torch.errors import FutureMapError, InvariantViolation
 from fm_torch.relay import RelayBuffers
 
@@ -72,6 +73,9 @@ class FutureMap:
         the draft's slots; invalidate is refused).
       relay: engine-owned `new_seq_lens` and `output_tokens` buffers to adopt
         (`RelayBuffers`): [R] each, of `dtype`, on `device`.
+      needs_confidence_relay: (spec, DSpark) `publish` takes `confidence=` rows and the
+        host's `generation=` counters, and `resolve_confidence_cpu` reads them back from
+        a host ring without waiting (fm_torch.confidence; SGLang's `ConfidenceRelay`).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class FutureMap:
         consumed: tuple[str, ...] = (),
         protocol: str = "sentinel",
         relay: RelayBuffers | None = None,
+        needs_confidence_relay: bool = False,
     ) -> None:
         if not isinstance(pool_size, int) or pool_size < 2:
             raise FutureMapError(
@@ -95,6 +100,9 @@ class FutureMap:
         self.protocol = v.check_protocol(protocol)
         v.check_flag("spec", spec)
         v.check_flag("debug", debug, none=True)
+        v.check_flag("needs_confidence_relay", needs_confidence_relay)
+        if needs_confidence_relay and not spec:
+            raise FutureMapError("needs_confidence_relay is a spec feature (DSpark): spec=True")
         self.pool_size = pool_size
         self.device = v.check_device(device)
         self.dtype = dtype
@@ -121,6 +129,8 @@ class FutureMap:
         # Recorded after each spec publish on accelerators; resolve_seq_lens_cpu waits on it.
         self.publish_ready: torch.Event | None = None
         self._forward_stream = self._make_forward_stream()
+        self.needs_confidence_relay = needs_confidence_relay
+        self.confidence_relay = ConfidenceRelay(pool_size, self.device)
 
     def _adopt(self, relay: RelayBuffers) -> None:
         """The engine's buffers become this map's, holding its initial contents."""
@@ -171,17 +181,31 @@ class FutureMap:
             yield
 
     # ----------------------------------------------------------------------------- writes
-    def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
+    def publish(
+        self,
+        indices: torch.Tensor,
+        new_seq_lens: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        generation: torch.Tensor | None = None,
+    ) -> None:
         """Write each slot's sequence length after this forward: `new_seq_lens[indices] := lens`.
 
         Empty `indices` (an idle data-parallel rank) is a no-op. With spec on an accelerator,
-        records `publish_ready` for `resolve_seq_lens_cpu`.
+        records `publish_ready` for `resolve_seq_lens_cpu`. With `needs_confidence_relay`,
+        `confidence` ([B, gamma] float32) is written at `indices` too and the buffer copied
+        to the host ring with a snapshot of `generation` (the host's per-slot counters,
+        [R] CPU ints); None leaves the rows as they are.
         """
         indices = v.check_1d_int("indices", indices, self.device)
         if indices.numel() == 0:
             return  # DP idle: nothing ran, nothing to relay
         new_seq_lens = v.check_1d_int("new_seq_lens", new_seq_lens, self.device)
         v.check_rows("new_seq_lens", new_seq_lens, indices.shape[0])
+        gen = None
+        if confidence is not None:
+            if not self.needs_confidence_relay:
+                raise not_declared()
+            confidence, gen = self.confidence_relay.check(confidence, generation, indices.shape[0])
         if self._values_checked:
             v.check_slots("indices", indices, self.pool_size)
             v.check_fits("new_seq_lens", new_seq_lens, self.dtype)
@@ -191,10 +215,30 @@ class FutureMap:
             relay.published_seq_lens = None  # the engine's forward wrote these rows
         else:
             self.new_seq_lens[indices] = new_seq_lens.to(self.dtype)
+        if confidence is not None:
+            self.confidence_relay.scatter(indices, confidence)
         if self.spec and self.device.type != "cpu":
             if self.publish_ready is None:
                 self.publish_ready = torch.Event(device=self.device)
             self.publish_ready.record()
+        if gen is not None:
+            self.confidence_relay.issue_ring_copy(gen, self.publish_ready)
+
+    def resolve_confidence_cpu(
+        self, indices: torch.Tensor, *, wait: bool = False
+    ) -> ResolvedConfidence | None:
+        """The confidence rows of host slots `indices` from the publish LAG (2) publishes with
+        confidence back, with their generations, without waiting: None before two such
+        publishes, for no slots, or (unless `wait`) while that copy is not done."""
+        if not self.needs_confidence_relay:
+            raise FutureMapError(
+                "resolve_confidence_cpu: the map relays no confidence; build it with "
+                "needs_confidence_relay=True"
+            )
+        v.check_flag("wait", wait)
+        indices = v.check_1d_int("indices", indices, torch.device("cpu"))
+        v.check_slots("indices", indices, self.pool_size)
+        return self.confidence_relay.resolve(indices, wait)
 
     def stash(self, indices: torch.Tensor, payload: torch.Tensor | DraftPayload) -> None:
         """Write this forward's output for the next step to read.

@@ -14,7 +14,8 @@
 # protocols, startup, serve, host_lengths, inplace (each op's compiled kernels and HLO),
 # host_path (where the class's host time goes), packed_layout (spec extras in one row per
 # slot: kernels), engine_step, one_row (one-row ops and engine-owned relay buffers: compiled
-# ops, host and waited time), mutations, sweeps.
+# ops, host and waited time), confidence (the confidence ring's read with its copy not done:
+# host time, both twins), mutations, sweeps.
 #
 # Every step has its own time limit (seconds, overridable as LIMIT_<step>=N) and writes
 # OUT/<step>.log (parity with its progress bar, so a step stopped at its limit shows how far it
@@ -97,13 +98,14 @@ run_step() {
     packed_layout) step packed_layout 60 "$py" -m fm_bench.packed_layout --out "$out" --tag cuda ;;
     engine_step) step engine_step 120 "$py" -m fm_bench.engine_step --out "$out" --tag cuda ;;
     one_row) step one_row 90 "$py" -m fm_bench.one_row --json "$out/one_row_cuda.json" ;;
+    confidence) step confidence 90 "$py" -m pytest -s -p no:cacheprovider tests/test_confidence_cuda.py ;;
     mutations)
         step mutations 280 "$py" -m fm_parity.cli --device cuda --mutations --dtype int32 \
             --json "$out/mutations_cuda.json"
         ;;
     sweeps) step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps" ;;
     checks) for s in versions cuda_tests suite; do run_step $s; done ;;
-    bench) for s in headline protocols startup serve host_lengths inplace host_path packed_layout engine_step one_row; do run_step $s; done ;;
+    bench) for s in headline protocols startup serve host_lengths inplace host_path packed_layout engine_step one_row confidence; do run_step $s; done ;;
     extra) for s in mutations sweeps; do run_step $s; done ;;
     *)
         echo "unknown part or step: $1" >&2

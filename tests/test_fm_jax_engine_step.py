@@ -256,7 +256,7 @@ def test_spec_step_relays_the_draft_like_finish(kernel: str) -> None:
                 fm.engine_step(forward)(batch, jnp.int32(k))
             else:
                 res = fm.resolve(batch)
-                lens, nxt, _ = jax.jit(lambda r, s: forward(r, None, None, s))(res, jnp.int32(k))
+                lens, nxt, *_ = jax.jit(lambda r, s: forward(r, None, None, s))(res, jnp.int32(k))
                 fm.finish(batch, slots, lens, nxt)
         maps.append(fm)
     for name, buf in maps[1].buffers().items():

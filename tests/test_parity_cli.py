@@ -92,7 +92,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     differs from fm_torch), or for a resolve that syncs the 'sync' check. The gather
     protocol's MIXED and spec mistakes need a MIXED and a spec scenario (spec MIXED: a
     gather-only one), a lost verified id a spec scenario relaying them, a one-row view
-    batches of one row (in debug mode, the only one where it shows)."""
+    batches of one row (in debug mode, the only one where it shows), a confidence
+    generation not snapshotted the confidence relay's scenario."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
@@ -108,6 +109,7 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
             "spec_mixed",
             "--scenario",
             "one_row",
+            "spec_confidence",
             "--dtype",
             "int32",
             "--debug",

@@ -258,3 +258,26 @@ def test_a_gather_only_scenario_is_refused_under_the_sentinel_protocol():
     assert not catalogue.runs_under("spec_mixed", "sentinel")
     with pytest.raises(ValueError, match="does not run under the sentinel protocol"):
         run_job(Job("spec_mixed", "int32", False, protocol="sentinel"))
+
+
+def test_spec_confidence_reads_rows_of_a_slots_previous_request(monkeypatch):
+    """The confidence scenario must read nothing at first (fewer than two publishes), then
+    rows whose generation is their slot's current one beside rows a reused slot's previous
+    request published (an older generation): what the generation snapshot is for."""
+    from fm_parity import confidence
+    from fm_parity.reference import run_reference
+
+    reads = []
+    real = confidence.digest
+
+    def spy(read, current):
+        reads.append((read, current.copy()))
+        return real(read, current)
+
+    monkeypatch.setattr(confidence, "digest", spy)
+    run_reference(catalogue.build("spec_confidence"), "int32")
+    assert any(read is None for read, _ in reads)
+    fresh = [
+        g == c for read, now in reads if read is not None for g, c in zip(read[1], now, strict=True)
+    ]
+    assert any(fresh) and not all(fresh)

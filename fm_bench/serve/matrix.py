@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fm_bench.serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
 from fm_bench.serve.engine import Engine, ServeResult
@@ -60,7 +61,13 @@ def cells(half: bool = False) -> list[Cell]:
     even number of the five axes take their second value (the 2^(5-1) design of defining
     relation I = ABCDE): any four axes still meet in all 16 of their combinations, so a
     fault that needs up to four settings at once shows in the half as in the whole."""
-    values = (("sentinel", "gather"), (False, True), (True, False), (True, False), (True, False))
+    values: tuple[tuple[Any, Any], ...] = (
+        ("sentinel", "gather"),
+        (False, True),
+        (True, False),
+        (True, False),
+        (True, False),
+    )
     every = itertools.product(*((0, 1),) * len(AXES))
     return [
         Cell(*(axis[i] for axis, i in zip(values, at, strict=True)))

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from fm_jax._src import buckets as bk
 from fm_jax._src.compile_options import compiler_options
+from fm_jax._src.confidence import ConfidenceRing
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.entry_points import entry_points
 from fm_jax._src.errors import FutureMapError
@@ -117,7 +118,10 @@ def assemble(
         raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
     # The last publish's lengths on their way to the host (one process only).
     lengths = HostLengths() if needs_cpu_seq_lens and inputs.single_process else None
-    runtime = MapRuntime(fresh, state, debug_channel, lengths)
+    ring = None
+    if local.spec is not None and local.spec.confidence:
+        ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
+    runtime = MapRuntime(fresh, state, debug_channel, lengths, ring)
     placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
     placement.last_checked = runtime.last_checked
     # Debug: the tail ops' only checks are slot checks; slots already checked take

@@ -57,11 +57,15 @@ class StepOutput(NamedTuple):
         the tokens (spec: `bonus_tokens`) are that buffer as the forward wrote it.
       out: anything else (a pytree of arrays: the updated KV cache, the tokens for the
         host), returned to the caller as is.
+      confidence: [B, gamma] float32 confidence rows, published with the lengths (a map
+        declaring `SpecConfig(confidence=gamma)`; the step then takes `generation=`), or
+        None: the rows already published stay.
     """
 
     new_seq_lens: Any
     payload: Any
     out: Any = None
+    confidence: Any = None
 
 
 class StepResult(NamedTuple):
@@ -189,6 +193,7 @@ class EngineStep:
         inputs: Mapping[str, Any] | None = None,
         rows: int | None = None,
         tokens: int | None = None,
+        generation: Any = None,
     ) -> StepResult:
         """Run one step: resolve, `forward(resolved, batch, inputs, *args)`, publish, stash.
 
@@ -200,6 +205,10 @@ class EngineStep:
           inputs: the declared `StepInput`s by name: host arrays of the batch's real rows
             or tokens (padded here like the batch), or jax arrays already padded.
           rows, tokens: per-rank padded sizes (buckets); required across processes.
+          generation: a map with a confidence relay: the host's per-slot generation
+            counters (as `FutureMap.publish` takes them), snapshotted with the confidence
+            rows when the forward returns some. Required there (checked before the step
+            runs); not read on other maps.
 
         Returns:
           StepResult: the forward's `out` and the batch for the next step.
@@ -209,6 +218,8 @@ class EngineStep:
             if runtime.lost is not None:
                 runtime.refuse_if_lost()
             placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
+            ring = runtime.confidence
+            gens = None if ring is None else ring.generations(generation, placed.idx)
             exe = self._registry.executable(placed.key, placed.pack, len(args))
             ops = ("resolve", "finish") if runtime.debug is not None else ()
             out = runtime.run(
@@ -222,7 +233,10 @@ class EngineStep:
             )
             if runtime.debug is not None:
                 runtime.resolved(placed.idx)
-            runtime.state, result, sentinels, lens = out
+            runtime.state, result, sentinels, lens, copied = out
+            if copied is not None:
+                assert ring is not None and gens is not None
+                ring.issue(copied, gens, placed.idx)
             runtime.published(placed.idx, lens)
         if sentinels is None:
             return StepResult(result, batch)
@@ -258,8 +272,9 @@ class EngineStep:
         )
 
     def _body(self, fixed: ForwardMode | None, spec: PackSpec) -> Callable[..., Any]:
-        """(state, packed, device leaves, *args) -> (state, out, sentinels, lengths); with
-        debug ((resolve's packed error, the tail's), that)."""
+        """(state, packed, device leaves, *args) -> (state, out, sentinels, lengths, a copy
+        of the confidence buffer when the forward published confidence rows); with debug
+        ((resolve's packed error, the tail's), that)."""
         forward, tail_fn, ops, owned = self._forward, self._tail, self._ops, self._owned
         debug, dtype = self._runtime.debug, ops.local.dtype
         copies_lengths = self._runtime.host_lengths is not None
@@ -287,7 +302,7 @@ class EngineStep:
             idx = batch.req_pool_indices
             try:  # the tail's trace-time checks judge only what the forward returned
                 e_tail, (state, sentinels) = checked(tail_fn)(
-                    state, idx, got.new_seq_lens, got.payload
+                    state, idx, got.new_seq_lens, got.payload, got.confidence
                 )
             except FutureMapError as e:
                 raise FutureMapError(
@@ -301,7 +316,8 @@ class EngineStep:
                     if "new_seq_lens" in owned
                     else jnp.asarray(got.new_seq_lens, dtype)
                 )
-            out = (state, got.out, sentinels, lens)
+            copied = None if got.confidence is None else state.confidence
+            out = (state, got.out, sentinels, lens, copied)
             return out if debug is None else ((e_head, e_tail), out)
 
         return body

@@ -34,7 +34,8 @@ def tail(
     owned: frozenset[str] = frozenset(),
 ) -> Any:
     """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
-    payload) -> (state, what the protocol leaves: the sentinels `-indices`, or None).
+    payload, confidence=None) -> (state, what the protocol leaves: the sentinels
+    `-indices`, or None).
 
     Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
     consecutive shard_maps (jax 0.10: "select cases must have the same shapes"). Its
@@ -68,14 +69,24 @@ def tail(
         chk.run()
 
     def local_tail(
-        state: FutureMapState, indices: jax.Array, new_seq_lens: jax.Array, payload: Any
+        state: FutureMapState,
+        indices: jax.Array,
+        new_seq_lens: jax.Array,
+        payload: Any,
+        confidence: Any = None,
     ) -> tuple[FutureMapState, Any]:
         if own_lens:
-            if local.debug:
-                check_owned("new_seq_lens", checks.PUBLISHED_LENGTHS, new_seq_lens, indices)
-            state = state._replace(new_seq_lens=new_seq_lens)
+            if confidence is not None:
+                # publish scatters the owned rows back unchanged beside the confidence rows
+                # (and checks them in debug): one B-row scatter, only with confidence
+                state = state._replace(new_seq_lens=new_seq_lens)
+                state = local.publish(state, indices, gather(new_seq_lens, indices), confidence)
+            else:
+                if local.debug:
+                    check_owned("new_seq_lens", checks.PUBLISHED_LENGTHS, new_seq_lens, indices)
+                state = state._replace(new_seq_lens=new_seq_lens)
         else:
-            state = local.publish(state, indices, new_seq_lens)
+            state = local.publish(state, indices, new_seq_lens, confidence)
         if not own_tokens:
             state = local.stash(state, indices, payload)
         else:
@@ -92,9 +103,9 @@ def tail(
     mapped = ops.map_ranks(local_tail)
 
     def checked_tail(
-        state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any
+        state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any, confidence: Any = None
     ) -> tuple[FutureMapState, Any]:
-        rows = [("indices", indices)]
+        rows = [("indices", indices), ("confidence", confidence)]
         if own_lens:
             _check_owned(what, "new_seq_lens", new_seq_lens, state.new_seq_lens)
         else:
@@ -103,7 +114,9 @@ def tail(
         if own_tokens:  # the tokens are the payload's first entry
             _check_owned(what, "output_tokens", relayed.pop(0)[1], state.output_tokens)
         check_split(ops.layout, what, [*rows, *relayed])
-        return mapped(state, indices, new_seq_lens, payload)  # type: ignore[no-any-return]
+        if confidence is None:
+            return mapped(state, indices, new_seq_lens, payload)  # type: ignore[no-any-return]
+        return mapped(state, indices, new_seq_lens, payload, confidence)  # type: ignore[no-any-return]
 
     return checked_tail
 
@@ -148,8 +161,23 @@ def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool
 
         return ops.map_ranks(local_sentinels)
     if key.op == "finish":
-        return tail(ops, protocol)
+        return with_confidence_copy(tail(ops, protocol)) if key.confidence else tail(ops, protocol)
+    if key.op == "publish" and key.confidence:
+        return with_confidence_copy(ops.publish)
     return {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}[key.op]
+
+
+def with_confidence_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a publish, or a tail whose first output is the state) returning also a copy
+    of the confidence buffer it wrote: the state is donated to the next op, the copy is
+    what the host ring copies to the host."""
+
+    def both(*args: Any) -> Any:
+        out = fn(*args)
+        state = out if isinstance(out, FutureMapState) else out[0]
+        return out, state.confidence  # XLA gives each output a buffer of its own
+
+    return both
 
 
 def entry_points(

@@ -24,7 +24,9 @@ from jax.sharding import Mesh
 
 from fm_jax._src import refusals
 from fm_jax._src.assembly import assemble
+from fm_jax._src.confidence import ResolvedConfidence
 from fm_jax._src.engine_step import EngineStep, Forward
+from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import Key, takes_state
 from fm_jax._src.placement import Placement
@@ -225,7 +227,13 @@ class FutureMap:
     # -------------------------------------------------------------------------------- ops
     @_serialized
     def publish(
-        self, indices: RowsInput, new_seq_lens: RowsInput, *, rows: int | None = None
+        self,
+        indices: RowsInput,
+        new_seq_lens: RowsInput,
+        *,
+        rows: int | None = None,
+        confidence: RowsInput | None = None,
+        generation: Any = None,
     ) -> None:
         """`new_seq_lens[indices] := new_seq_lens`, in place. No real row: a no-op.
 
@@ -233,12 +241,77 @@ class FutureMap:
           indices: slots [B] (rank-local), or a mapping DP rank -> slots.
           new_seq_lens: lengths after this forward, one per slot, in the same form.
           rows: per-rank padded size (a batch bucket); required across processes.
+          confidence: a map declaring `SpecConfig(confidence=gamma)`: [B, gamma] float32
+            rows, in the same form, written at `indices`; the confidence buffer's copy to
+            the host ring starts (`resolve_confidence_cpu`). None: the rows stay.
+          generation: with `confidence`, the host's per-slot generation counters ([R]
+            ints per DP rank, [DP*R] or a mapping DP rank -> [R]), snapshotted with it.
         """
-        placed = self._placement.tail("publish", indices, new_seq_lens, None, rows)
+        placed = self._placement.tail(
+            "publish", indices, new_seq_lens, None, rows, confidence=confidence
+        )
+        gens = None if confidence is None else self._generations(generation, placed)
         if placed.idx.empty:
             return  # DP idle: nothing ran, nothing to relay
-        self._runtime.state = self._run(placed, "publish")
+        out = self._run(placed, "publish")
+        if gens is None:
+            self._runtime.state = out
+        else:
+            self._runtime.state, copied = out
+            self._confidence_published(copied, gens, placed)
         self._runtime.published(placed.idx, placed.lens)
+
+    def _generations(self, generation: Any, placed: Placed) -> dict[int, np.ndarray]:
+        """The generations snapshotted with confidence rows (placed: the map has the relay),
+        checked before anything runs."""
+        ring = self._runtime.confidence
+        assert ring is not None
+        return ring.generations(generation, placed.idx)
+
+    def _confidence_published(self, copied: jax.Array, gens: Any, placed: Placed) -> None:
+        ring = self._runtime.confidence
+        assert ring is not None
+        ring.issue(copied, gens, placed.idx)
+
+    @_serialized
+    def resolve_confidence_cpu(
+        self, indices: Any, *, wait: bool = False
+    ) -> ResolvedConfidence | None | dict[int, ResolvedConfidence | None]:
+        """The confidence rows of slots `indices` from the publish LAG (2) publishes with
+        confidence back, and the generations snapshotted with them, without waiting.
+
+        None before two such publishes, for no slots, and (unless `wait`) while that
+        publish's host copy is not done. A row whose generation is older than its slot's
+        current one was published by the slot's previous request.
+
+        Args:
+          indices: host slots [B] (one DP rank), or a mapping DP rank -> slots.
+          wait: block until that publish's copy is done (tests, parity) instead of None.
+
+        Returns:
+          ResolvedConfidence (rows [B, gamma] float32, generations [B] int64) or None; per
+          rank for a mapping.
+        """
+        ring = self._runtime.confidence
+        if ring is None:
+            raise FutureMapError(
+                "resolve_confidence_cpu: the map relays no confidence; declare its width, "
+                "SpecConfig(..., confidence=gamma)"
+            )
+        if not isinstance(wait, bool):
+            raise FutureMapError(f"wait must be a bool, got {wait!r}")
+        if isinstance(indices, Mapping):
+            unknown = sorted(set(indices) - set(ring.ranks))
+            if unknown:
+                raise FutureMapError(f"indices names DP rank(s) {unknown}, not this process's")
+            slots = {d: ring.slots(f"indices[rank {d}]", s) for d, s in indices.items()}
+            return {d: ring.read(d, s, wait) for d, s in slots.items()}
+        if self.layout.dp > 1:
+            raise FutureMapError(
+                "resolve_confidence_cpu on a map of several DP ranks takes a mapping DP rank "
+                "-> slots"
+            )
+        return ring.read(0, ring.slots("indices", indices), wait)
 
     @_serialized
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
@@ -264,20 +337,29 @@ class FutureMap:
         payload: Payload,
         *,
         rows: int | None = None,
+        confidence: RowsInput | None = None,
+        generation: Any = None,
     ) -> Batch:
         """The tail of a step in one donated call: publish, stash, then invalidate.
 
-        Equivalent to `publish(indices, new_seq_lens)`, `stash(indices, payload)` and
-        `invalidate(batch, indices)`, for engines that hold lengths and tokens (or the whole
-        draft) together; one dispatch instead of three. Returns the invalidated batch; in
-        the gather protocol (no sentinels) `batch` as given.
+        Equivalent to `publish(indices, new_seq_lens, confidence=, generation=)`,
+        `stash(indices, payload)` and `invalidate(batch, indices)`, for engines that hold
+        lengths and tokens (or the whole draft) together; one dispatch instead of three.
+        Returns the invalidated batch; in the gather protocol (no sentinels) `batch` as given.
         """
-        placed = self._placement.tail("finish", indices, new_seq_lens, payload, rows)
+        placed = self._placement.tail(
+            "finish", indices, new_seq_lens, payload, rows, confidence=confidence
+        )
+        gens = None if confidence is None else self._generations(generation, placed)
         if placed.idx.empty:  # DP idle: nothing to relay
             if not self._protocol.invalidates:
                 return batch
             return self._sentinels(batch, indices, rows)
-        self._runtime.state, sentinels = self._run(placed, "finish")
+        out = self._run(placed, "finish")
+        if gens is not None:
+            out, copied = out
+            self._confidence_published(copied, gens, placed)
+        self._runtime.state, sentinels = out
         self._runtime.published(placed.idx, placed.lens)
         return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
 

@@ -38,6 +38,8 @@ class Key(NamedTuple):
         on the host or by the last resolve).
       ids: a resolve that places input ids (False: a gather-protocol DECODE whose ids are
         gathered, T = B); a spec DECODE at the same sizes may come either way.
+      confidence: a publish or finish that also writes confidence rows (and returns a copy
+        of the confidence buffer for its host ring).
     """
 
     op: str
@@ -48,6 +50,7 @@ class Key(NamedTuple):
     mode: str = ""
     checked: bool = True
     ids: bool = True
+    confidence: bool = False
 
     @property
     def name(self) -> str:
@@ -55,6 +58,7 @@ class Key(NamedTuple):
         'resolve_fixed_extend', 'unchecked_publish', 'step_fixed_mixed', 'resolve'."""
         fixed = self.mode in FIXED_MODES
         base = f"{self.op}_fixed_{self.mode}" if fixed else self.op
+        base += "_with_confidence" if self.confidence else ""
         return base if self.checked else f"unchecked_{base}"
 
     def describe(self) -> str:

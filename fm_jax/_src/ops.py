@@ -59,7 +59,8 @@ class FutureMapOps(NamedTuple):
 
     Attributes:
       init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
-      publish: (state, indices, new_seq_lens) -> state.
+      publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
+        ([B, gamma] float32) only on a map whose spec declares `confidence` (gamma).
       stash: (state, indices, tokens | DraftPayload) -> state.
       resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
@@ -70,7 +71,7 @@ class FutureMapOps(NamedTuple):
     """
 
     init: Callable[[], FutureMapState]
-    publish: Callable[[FutureMapState, Any, Any], FutureMapState]
+    publish: Callable[..., FutureMapState]
     stash: Callable[[FutureMapState, Any, Any], FutureMapState]
     resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
     invalidate: Callable[[Batch, Any], Batch]
@@ -145,18 +146,50 @@ def init(cfg: OpsConfig) -> FutureMapState:
             fill = POISON if cfg.debug and f.consumed else 0
             buf = jnp.full((r, *f.shape), fill, dtype=rf.buffer_dtype(f, dt))
             state = rf.put(state, f.name, buf)
+    gamma = confidence_width(cfg.spec)
+    if gamma:  # zeros, like every buffer not consume-tracked
+        state = state._replace(confidence=jnp.zeros((r, gamma), CONFIDENCE_BITS))
     return state
 
 
+CONFIDENCE_DTYPE = np.dtype(np.float32)
+"""The dtype of a confidence row (SGLang's confidence buffer: float32)."""
+
+CONFIDENCE_BITS = np.dtype(np.uint32)
+"""What the confidence buffer holds: each float32's raw bits (written bit for bit)."""
+
+
+def confidence_width(spec: SpecConfig | None) -> int:
+    """gamma, the width of a slot's confidence row; 0 when the map relays none."""
+    return 0 if spec is None else spec.confidence
+
+
+def check_confidence(spec: SpecConfig | None, confidence: Any, rows: int) -> None:
+    """Confidence rows given to a publish: [rows, gamma] float32 on a map whose spec
+    declares `confidence`; refused on any other map (FutureMapError naming the field)."""
+    gamma = confidence_width(spec)
+    if not gamma:
+        raise refusals.confidence_not_declared()
+    s.check_array("confidence", confidence, (rows, gamma))
+    s.check_declared_dtype("confidence", confidence, CONFIDENCE_DTYPE)
+
+
 def publish(
-    cfg: OpsConfig, state: FutureMapState, indices: Any, new_seq_lens: Any
+    cfg: OpsConfig,
+    state: FutureMapState,
+    indices: Any,
+    new_seq_lens: Any,
+    confidence: Any = None,
 ) -> FutureMapState:
-    """`new_seq_lens[indices] := new_seq_lens`; empty indices is a no-op."""
+    """`new_seq_lens[indices] := new_seq_lens` (and, given, `confidence[indices] :=
+    confidence`); empty indices is a no-op."""
     dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
     s.check_1d_int("new_seq_lens", new_seq_lens, dt)
     s.check_rows("new_seq_lens", new_seq_lens, jnp.shape(indices)[0])
+    if confidence is not None:
+        check_confidence(cfg.spec, confidence, jnp.shape(indices)[0])
     if chk is not None:
         checks.relayed_values(
             "new_seq_lens",
@@ -169,7 +202,12 @@ def publish(
         chk.run()
     if jnp.shape(indices)[0] == 0:
         return state  # DP idle: nothing ran, nothing to relay
-    return state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
+    state = state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
+    if confidence is None:
+        return state  # the rows already published stay
+    assert state.confidence is not None  # declared: check_confidence passed
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(confidence), CONFIDENCE_BITS)
+    return state._replace(confidence=scatter(state.confidence, indices, bits))
 
 
 def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:

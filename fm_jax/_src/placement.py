@@ -26,7 +26,7 @@ from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import BatchPlacement, StepInput
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax._src.keys import Key
-from fm_jax._src.ops import payload_rows
+from fm_jax._src.ops import CONFIDENCE_DTYPE, confidence_width, payload_rows
 from fm_jax._src.plans import Placed, Plan, Role, signature
 from fm_jax._src.protocol import Protocol
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload
@@ -112,11 +112,13 @@ class Placement:
         rows: int | None = None,
         *,
         pack: bool | None = None,
+        confidence: Any = None,
     ) -> Placed:
         """publish (`payload` None), stash (`lens` None) or finish: slots, lengths, payload
-        (`pack` as for `resolve`)."""
-        if pack is not None:
-            return self._place_tail(op, indices, lens, payload, rows, pack)
+        and (publish, finish) confidence rows (`pack` as for `resolve`). A call with
+        confidence rows takes the general path."""
+        if pack is not None or confidence is not None:
+            return self._place_tail(op, indices, lens, payload, rows, pack, confidence)
         values = (indices, lens, *_payload_values(self.fields, payload))
         sig = signature(op, values, rows, None, kinds=_payload_kind(payload))
         plan = self._plans.get(sig, _UNSEEN) if sig is not None else None
@@ -171,8 +173,11 @@ class Placement:
         payload: Any,
         rows: int | None,
         pack: bool | None = None,
+        confidence: Any = None,
     ) -> Placed:
         inputs = self.inputs
+        if confidence is not None and not confidence_width(self.spec):
+            raise refusals.confidence_not_declared()
         idx = inputs.slots("indices", indices, rows)
         if idx.empty:
             return Placed(Key(op, idx.size), (), None, idx)  # DP idle: nothing to relay
@@ -183,8 +188,16 @@ class Placement:
             args.append(placed_lens)
         if op != "publish":
             args.append(self._payload(payload, idx))
+        if confidence is not None:
+            args.append(inputs.matched("confidence", confidence, idx, CONFIDENCE_DTYPE))
         given = (lens, payload) if op == "finish" else lens if op == "publish" else payload
-        key = Key(op, idx.size, checked=self._checked(idx, on_device(given)))
+        given = (given, confidence)
+        key = Key(
+            op,
+            idx.size,
+            checked=self._checked(idx, on_device(given)),
+            confidence=confidence is not None,
+        )
         return self._packed(key, tuple(args), idx, placed_lens, pack)
 
     def _payload(self, payload: Any, idx: Rows) -> Any:

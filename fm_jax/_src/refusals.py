@@ -94,3 +94,11 @@ def not_the_declared_dtype(name: str, given: object, declared: object) -> Future
     return FutureMapError(
         f"{name} has dtype {given}, declared {declared}: give its rows in that dtype"
     )
+
+
+def confidence_not_declared() -> FutureMapError:
+    """Confidence rows given to a map whose spec declares no confidence relay."""
+    return FutureMapError(
+        "confidence given but the map relays none: declare its width, "
+        "SpecConfig(..., confidence=gamma)"
+    )

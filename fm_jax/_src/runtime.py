@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from fm_jax._src.confidence import ConfidenceRing
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.errors import FutureMapError, StateLost
 from fm_jax._src.host_inputs import Rows
@@ -39,6 +40,7 @@ class MapRuntime:
       step: resolves (and engine steps) so far; debug violations name it.
       debug: the debug channel, or None.
       host_lengths: the last publish's lengths on their way to the host, or None.
+      confidence: the confidence relay's host ring, or None (no relay declared).
       lost: the StateLost of the call that consumed the state, or None (the state is
         whole). While set, every op is refused with it (`refuse_if_lost`).
     """
@@ -49,8 +51,10 @@ class MapRuntime:
         state: FutureMapState,
         debug: DebugChannel | None,
         host_lengths: HostLengths | None,
+        confidence: ConfidenceRing | None = None,
     ) -> None:
         self.lock = threading.RLock()
+        self.confidence = confidence
         self._fresh = fresh
         self.state = state
         self.lost: StateLost | None = None
@@ -77,6 +81,11 @@ class MapRuntime:
         self.lost = None
         if self.host_lengths is not None:
             self.host_lengths = HostLengths()
+        ring = self.confidence
+        if ring is not None:
+            self.confidence = ConfidenceRing(
+                ring.pool_size, ring.dp, ring.rank_of, tuple(ring.ranks)
+            )
 
     def last_checked(self) -> jax.Array | None:
         """The slots (a jax array) the last debug resolve checked, if still alive."""

@@ -169,7 +169,8 @@ class ShardedFutureMapOps(NamedTuple):
 
     Attributes:
       init: () -> FutureMapState, global [DP*R, ...] buffers placed with `layout.sharding`.
-      publish: (state, indices [DP*B], new_seq_lens [DP*B]) -> state.
+      publish: (state, indices [DP*B], new_seq_lens [DP*B], confidence [DP*B, gamma] or
+        None) -> state.
       stash: (state, indices [DP*B], tokens [DP*B] | DraftPayload of [DP*B, ...]) -> state.
       resolve: (state, batch) -> (state, Resolved). `batch.forward_mode` is [DP] int32 (one
         mode per rank), an int32 scalar (every rank's), or a host int (fixed when traced).
@@ -180,7 +181,7 @@ class ShardedFutureMapOps(NamedTuple):
     """
 
     init: Callable[[], FutureMapState]
-    publish: Callable[[FutureMapState, Any, Any], FutureMapState]
+    publish: Callable[..., FutureMapState]
     stash: Callable[[FutureMapState, Any, Any], FutureMapState]
     resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
     invalidate: Callable[[Batch, Any], Batch]
@@ -259,10 +260,15 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> ShardedFutureMapOps:
     def init() -> FutureMapState:
         return jax.shard_map(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
 
-    def publish(state: FutureMapState, indices: Any, new_seq_lens: Any) -> FutureMapState:
+    def publish(
+        state: FutureMapState, indices: Any, new_seq_lens: Any, confidence: Any = None
+    ) -> FutureMapState:
         _check_state(layout, state, pool_size)
-        check_split(layout, "publish", [("indices", indices), ("new_seq_lens", new_seq_lens)])
-        return each(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
+        rows = [("indices", indices), ("new_seq_lens", new_seq_lens), ("confidence", confidence)]
+        check_split(layout, "publish", rows)
+        if confidence is None:
+            return each(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
+        return each(ops.publish)(state, indices, new_seq_lens, confidence)  # type: ignore[no-any-return]
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
         _check_state(layout, state, pool_size)

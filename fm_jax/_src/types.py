@@ -44,6 +44,10 @@ class SpecConfig(NamedTuple):
         protocol, the lengths read at the draft slots), as SGLang's Triton kernels move
         its spec extras: Triton on a GPU, Pallas's interpreter on CPU (for tests), no TPU.
         Every field's dtype a real number or an int (no bool, no complex).
+      confidence: gamma, the width of each slot's confidence row (DSpark): `publish` then
+        takes `confidence=` rows [B, gamma] float32 with the lengths and starts their host
+        copy into a ring the host reads without waiting (`FutureMap.resolve_confidence_cpu`);
+        0 (default): no confidence relay.
     """
 
     topk: int
@@ -53,6 +57,7 @@ class SpecConfig(NamedTuple):
     extra: tuple[RelayField, ...] = ()
     bonus_tokens: bool = True
     kernel: str = "xla"
+    confidence: int = 0
 
     def fields(self) -> tuple[RelayField, ...]:
         """Every relayed field, in stash order (`relay_fields.standard_fields`, then extra)."""
@@ -71,6 +76,8 @@ def check_spec(spec: Any) -> SpecConfig:
         raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
     if not rf.count_at_least(spec.topk, 0) or not rf.count_at_least(spec.hidden, 0):
         raise FutureMapError(f"spec needs topk >= 0 and hidden >= 0 (ints), got {spec}")
+    if not rf.count_at_least(spec.confidence, 0):
+        raise FutureMapError(f"spec.confidence must be an int >= 0, got {spec.confidence!r}")
     try:
         hidden_dtype = np.dtype(spec.hidden_dtype)
     except TypeError:
@@ -94,6 +101,7 @@ def check_spec(spec: Any) -> SpecConfig:
         bonus_tokens=bool(spec.bonus_tokens),
         extra=rf.check_extra(tuple(spec.extra)),
         kernel=row_kernel.check_kernel(spec.kernel),
+        confidence=int(spec.confidence),
     )
     if not out.fields():
         raise FutureMapError(f"spec declares no field to relay: {spec}")
@@ -123,6 +131,7 @@ class FutureMapState(NamedTuple):
     hidden_states: jax.Array | None = None  # [R, H] the declared dtype, as its bits
     verified_id: jax.Array | None = None  # [R] int, when declared
     extras: dict[str, jax.Array] | None = None  # the engine's own fields by name, [R, ...]
+    confidence: jax.Array | None = None  # [R, gamma] float32 as its bits, `SpecConfig.confidence`
 
 
 Rows = jax.Array | np.ndarray

@@ -46,6 +46,7 @@ class EmptyTail(NamedTuple):
     lens: Any
     payload: Any
     rows: int
+    confidence: Any = None
 
 
 def empty_tails(
@@ -59,6 +60,10 @@ def empty_tails(
         yield EmptyTail("publish", zeros, zeros, None, b)
         yield EmptyTail("stash", zeros, None, payload, b)
         yield EmptyTail("finish", zeros, zeros, payload, b)
+        if spec is not None and spec.confidence:  # publish and finish with confidence rows
+            rows = np.zeros((dp * b, spec.confidence), np.float32)
+            yield EmptyTail("publish", zeros, zeros, None, b, rows)
+            yield EmptyTail("finish", zeros, zeros, payload, b, rows)
         if protocol.invalidates:
             yield EmptyTail("sentinels", zeros, None, None, b)
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
@@ -149,7 +154,9 @@ def class_calls(placement: Any, state: Any, *, debug: bool, traced_modes: bool) 
         if t.op in ("sentinels", "seq_lens_at"):
             p = placement.slots_op(t.op, t.indices, t.rows, pack=False)
         else:
-            p = placement.tail(t.op, t.indices, t.lens, t.payload, t.rows, pack=False)
+            p = placement.tail(
+                t.op, t.indices, t.lens, t.payload, t.rows, pack=False, confidence=t.confidence
+            )
         both = debug and t.op != "seq_lens_at"
         placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
