@@ -211,3 +211,39 @@ def test_warm_up_compiles_the_publishes_with_confidence():
     got = fm.resolve_confidence_cpu(SLOTS, wait=True)
     assert got is not None
     np.testing.assert_array_equal(_bits(got.confidence), _bits(_rows(0)))
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_forward_owning_the_lengths_still_publishes_its_confidence(debug):
+    """Owning `new_seq_lens` (StepInput per='slot') and publishing confidence rows in one
+    step: the confidence rows reach the ring and the lengths are the forward's, the same
+    bytes as the step whose tail publishes both."""
+
+    def run(owned: bool):
+        fm = FutureMap(R, spec=SPEC, batch_buckets=(2,), token_buckets=(2,), debug=debug)
+
+        def forward(res, batch, inputs, conf):
+            ones = jnp.ones((2, 1), jnp.float32)
+            draft = DraftPayload(res.input_ids, ones, ones.astype(jnp.int32))
+            lens = res.seq_lens + 1
+            if owned:
+                lens = inputs["new_seq_lens"].at[batch.req_pool_indices].set(lens)
+            return StepOutput(lens, draft, None, confidence=conf)
+
+        own = (fm_jax.StepInput("new_seq_lens", "slot"),) if owned else ()
+        step = fm.engine_step(forward, inputs=own)
+        gen = np.arange(R, dtype=np.int64)
+        batch = Batch(ForwardMode.EXTEND, SLOTS, np.array([3, 4]), np.array([1, 1]))
+        for s in range(3):
+            step(batch, jnp.asarray(_rows(s)), generation=gen)
+        got = fm.resolve_confidence_cpu(SLOTS, wait=True)
+        fm.check()
+        return got, np.asarray(fm.resolve_seq_lens_cpu(SLOTS))
+
+    (conf_t, lens_t), (conf_o, lens_o) = run(False), run(True)
+    assert conf_o is not None and conf_t is not None
+    np.testing.assert_array_equal(_bits(conf_o.confidence), _bits(_rows(1)))
+    np.testing.assert_array_equal(_bits(conf_o.confidence), _bits(conf_t.confidence))
+    np.testing.assert_array_equal(conf_o.generation, conf_t.generation)
+    np.testing.assert_array_equal(lens_o, lens_t)
+    np.testing.assert_array_equal(lens_o, [2, 2])
