@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from fm_jax._src import buckets as bk
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.entry_points import entry_points
@@ -117,7 +118,8 @@ def assemble(
         raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
     # The last publish's lengths on their way to the host (one process only).
     lengths = HostLengths() if needs_cpu_seq_lens and inputs.single_process else None
-    runtime = MapRuntime(fresh, state, debug_channel, lengths)
+    optional = rf.optional(local.spec.fields()) if local.spec is not None else ()
+    runtime = MapRuntime(fresh, state, debug_channel, lengths, optional, layout.dp)
     placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
     placement.last_checked = runtime.last_checked
     # Debug: the tail ops' only checks are slot checks; slots already checked take

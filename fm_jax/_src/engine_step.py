@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.entry_points import tail
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import StepInput
@@ -146,6 +147,9 @@ class EngineStep:
         self._options = dict(options)
         self._tail = tail(ops, protocol, what="")
         self._registry = Registry(self._build, self._not_warmed, packed_names=False)
+        # The declared fields each executable family's forward leaves out of its payload
+        # (recorded when traced: a payload's fields are its pytree structure).
+        self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
 
     @property
     def inputs(self) -> tuple[StepInput, ...]:
@@ -197,6 +201,9 @@ class EngineStep:
                 runtime.resolved(placed.idx)
             runtime.state, result, sentinels, lens = out
             runtime.published(placed.idx, lens)
+            if runtime.unstashed is not None:
+                family = (placed.key.mode, placed.pack, len(args))
+                runtime.stashed(placed.idx, self._omits.get(family, ()))
         if sentinels is None:
             return StepResult(result, batch)
         if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
@@ -224,16 +231,27 @@ class EngineStep:
                 f"donate_argnums {bad} name no argument: the step got {nargs} args"
             )
         assert pack is not None  # a step is always packed
+
+        def record(omits: tuple[str, ...]) -> None:
+            self._omits[(key.mode, pack, nargs)] = omits
+
         return jax.jit(
-            self._body(FIXED_MODES.get(key.mode), pack),
+            self._body(FIXED_MODES.get(key.mode), pack, record),
             donate_argnums=(0, *(3 + i for i in self._donate)),
             compiler_options=self._options,
         )
 
-    def _body(self, fixed: ForwardMode | None, spec: PackSpec) -> Callable[..., Any]:
+    def _body(
+        self,
+        fixed: ForwardMode | None,
+        spec: PackSpec,
+        record: Callable[[tuple[str, ...]], None],
+    ) -> Callable[..., Any]:
         """(state, packed, device leaves, *args) -> (state, out, sentinels, lengths); with
-        debug ((resolve's packed error, the tail's), that)."""
+        debug ((resolve's packed error, the tail's), that). `record` is told, when traced,
+        which declared fields the forward's payload leaves out (a partial stash)."""
         forward, tail_fn, ops = self._forward, self._tail, self._ops
+        fields = self._placement.fields
         debug, dtype = self._runtime.debug, ops.local.dtype
         copies_lengths = self._runtime.host_lengths is not None
 
@@ -263,6 +281,8 @@ class EngineStep:
                 raise FutureMapError(
                     f"the engine's forward returned a StepOutput the map cannot relay: {e}"
                 ) from None
+            if fields:
+                record(tuple(f.name for f in fields if rf.get(got.payload, f.name) is None))
             # The published lengths leave the step only when the host reads them.
             lens = jnp.asarray(got.new_seq_lens, dtype) if copies_lengths else None
             out = (state, got.out, sentinels, lens)

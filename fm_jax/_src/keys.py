@@ -38,6 +38,8 @@ class Key(NamedTuple):
         on the host or by the last resolve).
       ids: a resolve that places input ids (False: a gather-protocol DECODE whose ids are
         gathered, T = B); a spec DECODE at the same sizes may come either way.
+      omits: a partial stash's (or finish's) declared fields left out, in stash order; ()
+        for a full one. Which fields a draft carries is its pytree structure: static.
     """
 
     op: str
@@ -48,6 +50,7 @@ class Key(NamedTuple):
     mode: str = ""
     checked: bool = True
     ids: bool = True
+    omits: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -60,7 +63,8 @@ class Key(NamedTuple):
     def describe(self) -> str:
         """The key in words: the op and its per-rank sizes."""
         if not self.tokens:
-            return f"{self.name} at {self.rows} rows per rank"
+            partial = f" without {', '.join(self.omits)}" if self.omits else ""
+            return f"{self.name} at {self.rows} rows per rank{partial}"
         return (
             f"{self.name} at {self.rows} rows x {self.tokens} tokens per rank"
             f"{' with a draft' if self.draft else ''}{' with token slots' if self.slots else ''}"

@@ -190,15 +190,15 @@ def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]
     return [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields]
 
 
-def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
-    """Every declared field present, [rows, *shape] (its kind and undeclared fields
-    checked by `payload_rows`). An int field's rows may be of any int dtype whose every
-    value fits its buffer (they are cast); any other field's are of its own dtype."""
-    for f in cfg.fields:
+def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> tuple[rf.RelayField, ...]:
+    """The fields the draft writes (`relay_fields.carried`: every consume-tracked one, any
+    others), each [rows, *shape] (its kind and undeclared fields checked by
+    `payload_rows`). An int field's rows may be of any int dtype whose every value fits
+    its buffer (they are cast); any other field's are of its own dtype."""
+    present = rf.carried(cfg.fields, draft)
+    for f in present:
         name, v = f"draft.{f.name}", rf.get(draft, f.name)
         dt = rf.element_dtype(f, cfg.dtype)
-        if v is None:
-            raise FutureMapError(f"{name} is missing")
         ints = dt.kind in "iu"
         if ints and not f.shape:  # one int per row
             s.check_1d_int(name, v, dt)
@@ -209,10 +209,14 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
             s.check_ints(name, v, dt)
         else:
             s.check_declared_dtype(name, v, dt)
+    return present
 
 
 def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
-    """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op."""
+    """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op.
+
+    A draft writes the fields it gives and keeps the others' rows (a partial stash; every
+    consume-tracked field is required: `relay_fields.carried`)."""
     dt, fields = cfg.dtype, cfg.fields
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
@@ -222,7 +226,7 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
         s.check_1d_int("tokens", payload, dt)
         s.check_rows("tokens", payload, rows)
     else:
-        _check_draft(cfg, payload, rows)
+        fields = _check_draft(cfg, payload, rows)
     if chk is not None:
         # Consumed fields must not be stashed negative: a -1 would read as the poison.
         relayed = (
