@@ -91,7 +91,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     under its own protocol; none may be null, and parity must be among them (fm_jax
     differs from fm_torch), or for a resolve that syncs the 'sync' check. The gather
     protocol's MIXED and spec mistakes need a MIXED and a spec scenario (spec MIXED: a
-    gather-only one), a lost verified id a spec scenario relaying them."""
+    gather-only one), a lost verified id a spec scenario relaying them, zeroed kept rows
+    a scenario of partial stashes."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
@@ -105,6 +106,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
             "spec_verified",
             "--scenario",
             "spec_mixed",
+            "--scenario",
+            "spec_partial",
             "--dtype",
             "int32",
             "--debug",

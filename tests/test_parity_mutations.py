@@ -14,10 +14,18 @@ from fm_parity.suite import Job, check_mutation
 # MIXED and a spec scenario, a lost verified id a spec scenario relaying them
 # (spec_verified), lengths left unbound in a spec MIXED batch spec_mixed (gather only);
 # check_mutation stops at the first scenario that catches, and runs each mutation under
-# its own protocol (skipping scenarios that do not run under it). Debug off: the oracle
+# its own protocol (skipping scenarios that do not run under it); partial stashes that
+# zero the rows they should keep need one that stashes partially (spec_partial). Debug off: the oracle
 # (and input checks) must catch each bug without help from consume tracking. fm_jax-only
 # mutations (parity catching) run in test_parity_cli.
-SCENARIOS = ("retire_reuse", "mixed_batches", "spec_decode", "spec_verified", "spec_mixed")
+SCENARIOS = (
+    "retire_reuse",
+    "mixed_batches",
+    "spec_decode",
+    "spec_verified",
+    "spec_mixed",
+    "spec_partial",
+)
 SUITE = [Job(n, "int32", False) for n in SCENARIOS]
 
 
