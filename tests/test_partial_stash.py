@@ -263,3 +263,21 @@ def test_an_engine_forward_may_stash_part_of_its_draft() -> None:
     step(fj.Batch(ForwardMode.EXTEND, SLOTS, SLOTS, lens))
     assert np.asarray(fm.state.topk_index)[SLOTS].tobytes() == full(5)["topk_index"].tobytes()
     assert np.asarray(fm.state.output_tokens)[SLOTS].tolist() == (lens + 7).tolist()
+
+
+def test_a_field_is_relayed_per_rank_once_a_stash_there_carried_it() -> None:
+    """Per DP rank, as each SGLang rank's own map makes its buffers: a stash with no row on
+    a rank (its count 0) relays nothing there; a field left out stays unrelayed; once
+    every rank has every optional field the record is dropped (one check per call)."""
+    from fm_jax._src.host_inputs import Rows
+    from fm_jax._src.runtime import MapRuntime
+
+    rt = MapRuntime(lambda: None, None, None, None, ("topk_p", "dsa"), dp=2)  # type: ignore[arg-type]
+    rt.stashed(Rows(None, 2, (2, 0), True), ("dsa",))
+    assert rt.relayed(0) == ("topk_p",) and rt.relayed(1) == ()
+    rt.stashed(Rows(None, 2, (0, 1), True), ())
+    assert rt.relayed(1) == ("topk_p", "dsa") and rt.unstashed is not None
+    rt.stashed(Rows(None, 2, None, False), ())  # jax-array slots: every rank
+    assert rt.unstashed is None and rt.relayed(0) == ("topk_p", "dsa")
+    rt.reset()
+    assert rt.relayed(0) == rt.relayed(1) == ()

@@ -60,8 +60,11 @@ class FutureMapOps(NamedTuple):
     Attributes:
       init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
       publish: (state, indices, new_seq_lens) -> state.
-      stash: (state, indices, tokens | DraftPayload) -> state.
+      stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields it
+        gives (every consume-tracked one) and keeps the others' rows.
       resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
+        A draft gather gives every declared field (a row never stashed reads 0): which
+        fields were ever stashed is known on the host only (the class tracks it).
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
         (the sentinel protocol only).
       seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
