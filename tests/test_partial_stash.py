@@ -281,3 +281,20 @@ def test_a_field_is_relayed_per_rank_once_a_stash_there_carried_it() -> None:
     assert rt.unstashed is None and rt.relayed(0) == ("topk_p", "dsa")
     rt.reset()
     assert rt.relayed(0) == rt.relayed(1) == ()
+
+
+def test_fm_torch_makes_an_engine_field_buffer_when_a_draft_first_carries_it() -> None:
+    """As SGLang makes `draft_probs_buf` and `dsa_topk_indices_buf`: an untracked engine
+    field first carried by a later draft gets its buffer then (zeros elsewhere), which
+    fixes its shape and dtype; fm_jax declares every field up front instead."""
+    tm = fresh_torch()
+    s = torch.from_numpy(SLOTS)
+    tm.stash(s, torch_draft(full(1), BONUS_ONLY))
+    assert tm.extras == {}
+    tm.stash(s, torch_draft(full(2), (*BONUS_ONLY, "dsa")))
+    assert tm.extras["dsa"].shape == (R, 2) and tm.extras["dsa"].dtype == torch.int32
+    assert tm.extras["dsa"][s].numpy().tobytes() == full(2)["dsa"].tobytes()
+    assert not tm.extras["dsa"][torch.tensor([1, 3, 5])].any()
+    wide = {**full(3), "dsa": np.zeros((2, 3), np.int32)}
+    with pytest.raises(ft.FutureMapError, match="draft.dsa must have shape"):
+        tm.stash(s, torch_draft(wide, (*BONUS_ONLY, "dsa")))

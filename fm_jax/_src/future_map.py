@@ -340,6 +340,7 @@ class FutureMap:
             {f: v for f, v in fields.items() if f in relayed or f not in self._optional}
         )
 
+    @_serialized
     def relayed_fields(self, rank: int = 0) -> tuple[str, ...]:
         """The draft fields a resolve gathers on DP rank `rank`, in stash order: every
         consume-tracked field (each stash writes them), and each other field once a stash
