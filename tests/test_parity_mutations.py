@@ -15,8 +15,9 @@ from fm_parity.suite import Job, check_mutation
 # (spec_verified), lengths left unbound in a spec MIXED batch spec_mixed (gather only);
 # check_mutation stops at the first scenario that catches, and runs each mutation under
 # its own protocol (skipping scenarios that do not run under it); partial stashes that
-# zero the rows they should keep need one that stashes partially (spec_partial). Debug off: the oracle
-# (and input checks) must catch each bug without help from consume tracking. fm_jax-only
+# zero the rows they should keep need one that stashes partially (spec_partial). Debug
+# off: the oracle (and input checks) must catch each bug without help from consume
+# tracking. fm_jax-only
 # mutations (parity catching) run in test_parity_cli.
 SCENARIOS = (
     "retire_reuse",
