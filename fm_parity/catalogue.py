@@ -210,6 +210,21 @@ def spec_sglang_eagle(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def spec_partial(size: int = 1, seed: int = 0) -> Scenario:
+    """Partial stashes (SGLang's `stash` keeping the rows a payload leaves out) between
+    full ones: SGLang's EAGLE payload with verified ids, where every third DECODE stash
+    carries only the bonus token (`stash_bonus_tokens`), the one after leaves out hidden
+    states and draft probabilities, and no stash carries the DSA indices (a resolve gathers
+    them as None in both twins). The verify hashes what it gathers, kept rows included.
+    Spec prefill, PREBUILT bootstrap and slot reuse."""
+    reqs = tuple(
+        Request(i, 2 + i % 5, 7 + 2 * (i % 3), arrival=i, prebuilt=i % 4 == 2)
+        for i in range(6 * size)
+    )
+    spec = SpecShape(topk=2, hidden=4, verified_id=True, payload="sglang_eagle", stashes="partial")
+    return _small_spec("spec_partial", "spec decode with partial stashes", reqs, spec)
+
+
 def spec_ngram(size: int = 1, seed: int = 0) -> Scenario:
     """SGLang's n-gram relay payload: no bonus token and no top-k relayed, only each row's
     accepted tokens and accept length (zero-filled: a row never stashed reads length 0).
@@ -442,6 +457,7 @@ CATALOGUE: dict[str, Builder] = {
     "spec_decode": spec_decode,
     "spec_verified": spec_verified,
     "spec_sglang_eagle": spec_sglang_eagle,
+    "spec_partial": spec_partial,
     "spec_ngram": spec_ngram,
     "spec_confidence": spec_confidence,
     "spec_mixed": spec_mixed,

@@ -177,16 +177,22 @@ def _mesh_device_description(device: str, dp: int, tp: int, processes: int) -> s
     return f"cuda ({n} x {gpus[0].device_kind})"
 
 
-def _mesh_unfit(names: Sequence[str], dp: int, seed: int) -> dict[str, str]:
-    """Scenarios that cannot run on dp ranks of one sharded map, and why."""
+def _mesh_unfit(names: Sequence[str], dp: int, seed: int, processes: int = 1) -> dict[str, str]:
+    """Scenarios that cannot run on dp ranks of one sharded map (over `processes`), and
+    why."""
     from fm_parity import catalogue
 
     out = {}
     for name in names:
+        scenario = catalogue.build(name, seed=seed)
         pools = {catalogue.build(name, seed=seed + d).pool_size for d in range(dp)}
         if len(pools) > 1:
             seeds = f"seeds {seed}..{seed + dp - 1}"
             out[name] = f"pool size depends on the seed ({sorted(pools)} over {seeds})"
+        elif processes > 1 and scenario.spec is not None and scenario.spec.stashes != "full":
+            # One stash writes the same fields on every rank it feeds; ranks stashing other
+            # fields take calls of their own, which processes would not agree on.
+            out[name] = "partial stashes differ by rank (one stash call per field set)"
     return out
 
 
@@ -229,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mutations:
             print("fm-parity: --mutations runs unsharded; not with --dp/--tp", file=sys.stderr)
             return EXIT_USAGE
-        skipped = _mesh_unfit(names, args.dp, args.seed)
+        skipped = _mesh_unfit(names, args.dp, args.seed, args.processes)
         if skipped and args.scenario:
             why = "; ".join(f"{n}: {w}" for n, w in skipped.items())
             print(

@@ -54,7 +54,9 @@ class _Lane:
     scenario: Scenario
     sched: Scheduler
     sentinel: dict[int, tuple[int, int]] = field(default_factory=dict)
-    extras: bool = False  # spec buffers are shaped (recorded from the first draft stash on)
+    # The spec fields a stash has written on this rank: each one's buffer is recorded from
+    # then on (fm_torch makes it there).
+    stashed: frozenset[str] = frozenset()
     done: bool = False
 
     def plan(self) -> StepPlan | None:
@@ -135,7 +137,7 @@ class _Recorder:
     def op(self, step: int, op: str, fields: Mapping[int, Fields], buffers: bool = True) -> None:
         if not fields:
             return
-        bufs = self.twin.buffers({r: self.lanes[r].extras for r in fields}) if buffers else {}
+        bufs = self.twin.buffers({r: self.lanes[r].stashed for r in fields}) if buffers else {}
         for rank, fs in fields.items():
             rec = {k: Field(v, s) for k, (v, s) in fs.items()}
             for k, v in bufs.get(rank, {}).items():
@@ -189,9 +191,9 @@ def run_overlap(
       sync: agrees sizes across processes (see `Sync`); None: this process alone.
 
     Returns:
-      The trace and streams of every rank. Spec buffers (top-k, hidden, verified ids) are
-      recorded from a rank's first non-empty draft stash on (the torch twin shapes them
-      lazily there).
+      The trace and streams of every rank. Each spec buffer (top-k, hidden, verified ids,
+      an engine's own) is recorded from the first non-empty draft stash on a rank that
+      carries its field on (the torch twin makes it there).
       A FutureMap error (debug violation or rejected input) stops the run and is kept.
       The device-to-host transfers the twin saw inside its map ops (`Twin.transfers`: the
       'sync' check) are kept in `syncs`; they do not stop the run.
@@ -280,14 +282,18 @@ def _step(
     lens: dict[int, Any] = {}
     payload: dict[int, Any] = {}
     for r, hb in hbs.items():
+        spec = lanes[r].scenario.spec
+        omit = () if spec is None else payloads.omitted(spec, kind[r], plans[r].step)
         if r in outs:
             lens[r], payload[r] = outs[r].new_lens, outs[r].payload
+            if spec is not None:  # a partial stash leaves fields out
+                payload[r] = payloads.without(payload[r], omit)
         elif kind[r] is Kind.PREBUILT:
             ln = lanes[r]
             lens[r], toks, d = bootstrap_rows(
                 plans[r], ln.sched, ln.scenario, npdt, offset, len(hb.slots)
             )
-            payload[r] = toks if d is None else twin.draft_payload(toks, d)
+            payload[r] = toks if d is None else payloads.without(twin.draft_payload(toks, d), omit)
             append_streams(streams, r, plans[r], toks, None)
         else:  # IDLE: empty indices, nothing to relay
             none = np.zeros(0, dtype=npdt)
@@ -297,7 +303,7 @@ def _step(
                 vid = none if spec.verified_id else None  # every declared field, no rows
                 layout = payloads.layout(spec)
                 draft = tm.make_draft(tm.NUMPY, none, none, none, layout, offset, vid)
-                payload[r] = twin.draft_payload(none, draft)
+                payload[r] = payloads.without(twin.draft_payload(none, draft), omit)
     slots = {r: hb.slots for r, hb in hbs.items()}
     conf, gens = {}, {}
     for r in running:
@@ -313,9 +319,10 @@ def _step(
         twin.publish(slots, lens, sizes)
     rec.op(step, "publish", {r: {} for r in hbs})
     twin.stash(slots, payload, sizes)
-    for r in hbs:  # a spec rank's first draft stash shapes its extras
+    for r in hbs:  # the fields a rank's draft stashes write: their buffers exist from now
         ln = lanes[r]
-        ln.extras = ln.extras or (ln.scenario.spec is not None and kind[r] is not Kind.IDLE)
+        if ln.scenario.spec is not None and kind[r] is not Kind.IDLE:
+            ln.stashed |= set(payloads.fields(payload[r])) - {"bonus_tokens"}
     rec.op(step, "stash", {r: {} for r in hbs})
     for r in running:
         acc = outs[r].accept

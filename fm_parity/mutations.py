@@ -247,6 +247,53 @@ class SkipVerifiedIdStash(Mutant):
         self.inner.stash(slots, changed, sizes)
 
 
+class PartialStashZeroesKeptRows(Mutant):
+    """A partial stash writes zeros into the fields its draft leaves out, instead of keeping
+    their rows (as a stash that writes every buffer from a payload padded with zeros would):
+    the next verify reads zero top-k, hidden states or draft probabilities, and a field no
+    stash carried reads as relayed. Relay fields are the same in both protocols: judged
+    under the sentinel one."""
+
+    def stash(self, slots: Slots, payload: Mapping[int, Any], sizes: Sizes) -> None:
+        spec = getattr(self.inner, "spec", None)
+        changed = dict(payload)
+        for r, p in payload.items():
+            if spec is not None and len(slots[r]) and hasattr(p, "topk_p"):
+                changed[r] = _zeros_for_omitted(p, spec, len(slots[r]))
+        self.inner.stash(slots, changed, sizes)
+
+
+def _zeros_for_omitted(payload: Any, spec: Any, rows: int) -> Any:
+    """`payload` (either twin's DraftPayload) with every field of the layout `spec` it
+    leaves out given as zero host rows."""
+    import ml_dtypes
+
+    ints = np.asarray(_host(payload.bonus_tokens)).dtype
+    zeros = {
+        "topk_p": np.zeros((rows, spec.topk), np.float32),
+        "topk_index": np.zeros((rows, spec.topk), ints),
+        "hidden_states": np.zeros((rows, spec.hidden), ml_dtypes.bfloat16) if spec.hidden else None,
+    }
+    kw = {
+        k: getattr(payload, k) if getattr(payload, k) is not None else v for k, v in zeros.items()
+    }
+    extras = dict(payload.extras or {})
+    for e in spec.extras:
+        if e.name not in extras:
+            dtype = np.float32 if e.kind == "f32" else ints
+            extras[e.name] = np.zeros((rows, e.width) if e.width else (rows,), dtype)
+    if hasattr(payload, "_replace"):  # fm_jax's NamedTuple
+        return payload._replace(**kw, extras=extras or None)
+    return dataclasses.replace(payload, **kw, extras=extras or None)
+
+
+def _host(x: Any) -> Any:
+    """`x` (a torch tensor or a jax array) as numpy."""
+    if type(x).__module__.startswith("torch"):
+        return x.cpu().numpy()
+    return np.asarray(x)
+
+
 class HostCopySyncs(Mutant):
     """Gather protocol: resolve reads the lengths it resolved back to the host, as a host
     length copy that was switched off yet still syncs would (the engine never called
@@ -303,7 +350,7 @@ class OneRowAliases(Mutant):
         ]
         if not one:
             return out
-        bufs = self.inner.buffers({r: False for r in one})
+        bufs = self.inner.buffers({r: () for r in one})
         for r in one:
             slot = int(batches[r].slots[0])
             if slot == 0:
@@ -405,6 +452,7 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "mixed_spec_keeps_host_lengths": MixedSpecKeepsHostLengths,
     "skip_stash_rows": SkipStashRows,
     "skip_verified_id_stash": SkipVerifiedIdStash,
+    "partial_stash_zeroes_kept_rows": PartialStashZeroesKeptRows,
     "host_copy_syncs": HostCopySyncs,
     "one_row_aliases": OneRowAliases,
     "owned_relay_unwritten": OwnedRelayUnwritten,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fm_parity import toy_model as tm
-from fm_parity.scenario import SpecShape
+from fm_parity.scenario import Kind, SpecShape
 
 DSA_TOPK = 4
 """Width of the toy's DSA top-k indices (SGLang's index top-k, scaled down)."""
@@ -44,6 +44,36 @@ def layout(spec: SpecShape) -> tm.Layout:
         )
         return tm.Layout(k, 0, extras, relays_standard=False)
     raise ValueError(f"unknown spec payload {spec.payload!r}")
+
+
+NEVER_STASHED = ("dsa_topk_indices",)
+"""A partial scenario's fields no stash carries (a model without DSA relays no DSA
+indices): every resolve gathers them as None (SGLang's DSA availability flag)."""
+
+
+def omitted(spec: SpecShape, kind: Kind, step: int) -> tuple[str, ...]:
+    """The fields a stash of a `kind` batch at scheduler step `step` leaves out (its rows
+    keep what the slot held): none for full stashes. Partial ones: never the DSA indices;
+    a DECODE batch's at every third step only its bonus token (and verified id: every
+    consume-tracked field is in every stash), at the step after those no hidden states
+    and draft probabilities. A prefill's (and a bootstrap's) carries the rest, so every
+    field a verify reads was written by its own request."""
+    if spec.stashes == "full":
+        return ()
+    if kind is not Kind.DECODE or step % 3 == 2:
+        return NEVER_STASHED
+    if step % 3 == 0:
+        return ("topk_p", "topk_index", "hidden_states", "draft_probs", *NEVER_STASHED)
+    return ("hidden_states", "draft_probs", *NEVER_STASHED)
+
+
+def without(payload: Any, names: tuple[str, ...]) -> Any:
+    """`payload` (a twin's DraftPayload) with the fields `names` left out (None)."""
+    if not names:
+        return payload
+    kw = {k: None if k in names else getattr(payload, k) for k in STANDARD}
+    extras = {k: v for k, v in (payload.extras or {}).items() if k not in names} or None
+    return type(payload)(**kw, extras=extras)
 
 
 def to_payload(payload_type: Any, draft: tm.Draft, spec: tm.Layout) -> Any:

@@ -14,7 +14,7 @@ import numpy as np
 
 from fm_parity import confidence, payloads
 from fm_parity import toy_model as tm
-from fm_parity.scenario import Kind, Scenario, Scheduler
+from fm_parity.scenario import Kind, Scenario, Scheduler, StepPlan
 
 Streams = dict[int, list[int]]
 """Request id -> non-spec: its tokens; spec: its first token, then accept length and bonus
@@ -34,6 +34,11 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
     gamma = 0 if scenario.spec is None else scenario.spec.confidence
     ring = confidence.Ring(scenario.pool_size, gamma) if gamma else None
 
+    def omitted(plan: StepPlan) -> tuple[str, ...]:
+        """The fields the step's stash leaves out (the request keeps its earlier rows)."""
+        assert scenario.spec is not None
+        return payloads.omitted(scenario.spec, plan.kind, plan.step)
+
     while (plan := sched.next_step()) is not None:
         if plan.kind is Kind.IDLE:
             continue
@@ -46,7 +51,7 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
                 )
                 last[row.rid], length[row.rid] = tok, row.seq_len
                 if d is not None:
-                    drafts[row.rid] = d
+                    drafts[row.rid] = _kept(drafts.get(row.rid), d, omitted(plan))
                 streams.setdefault(row.rid, []).append(tok)
             continue
         ids, lens = [], []
@@ -92,8 +97,8 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
             if row.phase == "prefill" and not row.final:
                 continue  # an intermediate chunk's token is never read
             last[row.rid], length[row.rid] = int(token[i]), int(new_lens[i])
-            if draft is not None:  # the request's own row of every draft field
-                drafts[row.rid] = _row(draft, i)
+            if draft is not None:  # the request's own row of every draft field it stashes
+                drafts[row.rid] = _kept(drafts.get(row.rid), _row(draft, i), omitted(plan))
             s = streams.setdefault(row.rid, [])
             if seen is not None and row.phase == "decode":
                 s.extend(seen[i])
@@ -113,6 +118,28 @@ class _Relayed(NamedTuple):
     hidden_states: Any = None
     verified_id: Any = None
     extras: dict[str, Any] | None = None
+
+
+_DRAFT_NAMES = {"topk_p": "topk_p", "topk_index": "topk_index", "hidden_states": "hidden"}
+"""A relayed standard field's name in the toy model's Draft, where the stash can omit it."""
+
+
+def _kept(held: tm.Draft | None, new: tm.Draft, omit: tuple[str, ...]) -> tm.Draft:
+    """`new` with each field in `omit` as `held` has it (None when it has none): what a
+    stash leaving those fields out keeps of the request's draft."""
+    if not omit:
+        return new
+    std = {
+        _DRAFT_NAMES[k]: None if held is None else getattr(held, _DRAFT_NAMES[k])
+        for k in omit
+        if k in _DRAFT_NAMES
+    }
+    extras = {k: v for k, v in (new.extras or {}).items() if k not in omit}
+    for k in omit:
+        old = None if held is None else (held.extras or {}).get(k)
+        if old is not None:
+            extras[k] = old
+    return new._replace(**std, extras=extras or None)
 
 
 def _row(draft: tm.Draft, i: int) -> tm.Draft:

@@ -46,18 +46,27 @@ class Request:
 class SpecShape:
     """Speculative extras: top-k width (also the draft count), hidden width (bf16), whether
     each draft relays a verified id (docs/CONTRACT.md, 'Relay fields'), which payload
-    the drafts relay (fm_parity.payloads: 'eagle', 'sglang_eagle' or 'ngram'), and the
-    width of the confidence rows spec DECODE steps publish (0: none; fm_parity.confidence)."""
+    the drafts relay (fm_parity.payloads: 'eagle', 'sglang_eagle' or 'ngram'), the width
+    of the confidence rows spec DECODE steps publish (0: none; fm_parity.confidence), and
+    which stashes carry what: 'full' (every stash every field) or 'partial' (an SGLang
+    EAGLE payload's stashes leave fields out by step, `payloads.omitted`)."""
 
     topk: int
     hidden: int
     verified_id: bool = False
     payload: str = "eagle"
     confidence: int = 0
+    stashes: str = "full"
 
     def __post_init__(self) -> None:
         if self.payload not in ("eagle", "sglang_eagle", "ngram"):
             raise ValueError(f"unknown spec payload {self.payload!r}")
+        if self.stashes not in ("full", "partial"):
+            raise ValueError(f"unknown stash pattern {self.stashes!r}")
+        if self.stashes == "partial" and self.payload != "sglang_eagle":
+            raise ValueError(
+                "partial stashes leave out SGLang EAGLE fields (payload='sglang_eagle')"
+            )
         if self.payload == "ngram" and (self.hidden or self.verified_id):
             raise ValueError("an n-gram draft relays no hidden states and no verified ids")
 

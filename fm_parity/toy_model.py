@@ -12,7 +12,8 @@ int32 and int64 give the same numbers and no framework's overflow rule matters.
   payloads, -0.0, +-inf and denormals, so both frameworks produce identical bytes.
 - Spec with an engine's own fields (`Layout.extras`, SGLang's payloads as
   fm_parity.payloads declares them): each is built from the draft's hash (floats through
-  bitcasts of the same special table) and the verify hashes every value gathered. An
+  bitcasts of the same special table) and the verify hashes every value gathered (a
+  field the map gathers as None, never stashed, is left out). An
   n-gram draft relays no bonus token: its accepted tokens (`accepted` columns, the bonus
   token last, 0 after) and its accept length (`accept_len`); the verify takes its last
   token from them.
@@ -271,7 +272,9 @@ def forward_spec_decode(
             for j in range(h_width):
                 h = mix(h, b.column(h_bits, j))
     for e in spec.extras:
-        v = (draft.extras or {})[e.name]
+        v = (draft.extras or {}).get(e.name)
+        if v is None:  # a field no stash has written: the map gathers none
+            continue
         bits = b.bits_of_f32(v, h) if e.kind == "f32" else v
         for j in range(e.width):
             h = mix(h, b.column(bits, j))

@@ -11,7 +11,7 @@ rank's devices), on which the JAX toy model runs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -192,8 +192,9 @@ class JaxTwin:
         when no rank has any."""
         return sizes.rows or self.fm.batch_buckets[0], sizes.tokens or self.fm.token_buckets[0]
 
-    def buffers(self, extras: Mapping[int, bool]) -> dict[int, dict[str, Any]]:
-        """Each rank's buffer snapshots, slots 1..R-1 (slot 0 is padding garbage)."""
+    def buffers(self, extras: Mapping[int, Collection[str]]) -> dict[int, dict[str, Any]]:
+        """Each rank's buffer snapshots, slots 1..R-1 (slot 0 is padding garbage): the
+        spec buffers of the fields in `extras[rank]` only."""
         st = self.fm.state
         out: dict[int, dict[str, Any]] = {}
         for rank, spec in extras.items():
@@ -203,8 +204,8 @@ class JaxTwin:
             views: dict[str, Any] = {}
             if spec and self.fm.spec is not None:
                 for f in self.fm.spec.fields():
-                    if f.name == "bonus_tokens":
-                        continue  # output_tokens holds bonus tokens
+                    if f.name not in spec:
+                        continue  # output_tokens holds bonus tokens; the rest once stashed
                     bufs[f.name] = (
                         getattr(st, f.name)
                         if f.name in payloads.STANDARD
@@ -343,8 +344,24 @@ class JaxTwin:
                 host[r] = payloads.convert(p, self.host)
             else:
                 host[r] = self.host(p)
-        key = ("stash", rows) if any(len(s) for s in slots.values()) else None
-        self._call(key, sizes, self._watched("stash", self.fm.stash), dict(slots), host, rows=rows)
+        # One stash writes the same fields on every rank it feeds: ranks whose drafts carry
+        # different fields (partial stashes) take one call each set, idle ranks none.
+        groups: dict[Any, list[int]] = {}
+        for r, p in host.items():
+            if len(slots[r]) or all(not len(s) for s in slots.values()):
+                carried = tuple(payloads.fields(p)) if isinstance(p, fm_jax.DraftPayload) else ()
+                groups.setdefault(carried, []).append(r)
+        for carried, ranks in groups.items():
+            busy = any(len(slots[r]) for r in ranks)
+            key = ("stash", rows, carried) if busy else None
+            self._call(
+                key,
+                sizes,
+                self._watched("stash", self.fm.stash),
+                {r: slots[r] for r in ranks},
+                {r: host[r] for r in ranks},
+                rows=rows,
+            )
 
     def draft_payload(self, bonus: np.ndarray, draft: tm.Draft) -> Any:
         """A host draft (toy_model.Draft of numpy rows) as the map's DraftPayload."""

@@ -7,7 +7,7 @@ GPU, as in SGLang); invalidate (sentinel protocol only) runs on the schedule str
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -114,8 +114,9 @@ class TorchTwin:
         """`x` on the host."""
         return exchange.to_numpy(x)
 
-    def buffers(self, extras: Mapping[int, bool]) -> dict[int, dict[str, Any]]:
-        """Each rank's buffer snapshots, slots 1..R-1 (slot 0 is padding garbage)."""
+    def buffers(self, extras: Mapping[int, Collection[str]]) -> dict[int, dict[str, Any]]:
+        """Each rank's buffer snapshots, slots 1..R-1 (slot 0 is padding garbage): the
+        spec buffers of the fields in `extras[rank]` only (a stash has made each)."""
         out: dict[int, dict[str, Any]] = {}
         for rank, spec in extras.items():
             fm = self.fms[rank]
@@ -130,7 +131,9 @@ class TorchTwin:
                     "hidden_states": fm.hidden_states,
                     "verified_id": fm.verified_id,
                 }
-                bufs.update({k: v for k, v in kept.items() if v is not None} | fm.extras)
+                bufs.update(
+                    {k: v for k, v in (kept | fm.extras).items() if v is not None and k in spec}
+                )
             out[rank] = {k: self.snap(v[1:]) for k, v in bufs.items()}
         return out
 

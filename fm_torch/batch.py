@@ -23,8 +23,10 @@ class DraftPayload:
     """Speculative draft state relayed from one step to the next.
 
     `stash` takes it as written by a forward; `resolve` fills it from the buffers.
-    Each field is relayed when the first draft stashed has it (as SGLang shapes its
-    buffers) and is None otherwise: an EAGLE draft brings bonus tokens and top-k, an
+    A stash writes the fields given and keeps the others' rows (a partial stash; the
+    consume-tracked fields, fixed by the first draft, are in every one). A field's buffer
+    is made by the first draft that has it (as SGLang makes its buffers); a resolve gives
+    None for a field with no buffer yet: an EAGLE draft brings bonus tokens and top-k, an
     n-gram draft only its `extras` (SGLang's accept tokens and lengths).
     """
 

@@ -62,8 +62,10 @@ class FutureMap:
       device: where the buffers live ('cpu', 'cuda', 'cuda:1', ...).
       dtype: int dtype of token and length buffers: torch.int64 (SGLang's) or torch.int32.
       spec: relay speculative-decoding extras (bonus tokens, topk_p, topk_index,
-        hidden_states, verified ids and the engine's own fields); which are relayed, and
-        their K, H and dtypes, are fixed by the first non-empty `stash` of a draft.
+        hidden_states, verified ids and the engine's own fields). The first non-empty
+        draft `stash` fixes the consume-tracked ones (every draft carries them); each
+        other field's buffer, its K, H or shape and dtype, is made by the first draft that
+        carries it (SGLang's buffers created on first use).
       debug: consume tracking and invariant checks; None reads FM_DEBUG.
       consumed: the engine's own draft fields (`DraftPayload.extras` names) that debug
         consume-tracks, as it does the bonus tokens and verified ids.
@@ -117,7 +119,8 @@ class FutureMap:
         self._relay: RelayBuffers | None = None
         if relay is not None:
             self._adopt(relay)
-        # Spec extras are shaped by the first draft stashed (K, H unknown until then).
+        # Each spec buffer is made by the first draft that carries its field (K, H unknown
+        # until then); a resolve before that gathers None for it.
         self.bonus_tokens = True  # whether drafts relay bonus tokens (in output_tokens)
         self.topk_p: torch.Tensor | None = None
         self.topk_index: torch.Tensor | None = None
@@ -245,8 +248,9 @@ class FutureMap:
 
         Non-spec: `payload` is the sampled tokens, `output_tokens[indices] := tokens`.
         Spec: `payload` is a DraftPayload; bonus tokens (when relayed) go to `output_tokens`,
-        the extras to their buffers (shaped by the first non-empty draft). Empty `indices`
-        is a no-op.
+        the extras it carries to their buffers (each made by the first draft carrying it);
+        a field it leaves out keeps its rows (a partial stash: a draft of bonus tokens
+        alone is SGLang's `stash_bonus_tokens`). Empty `indices` is a no-op.
         """
         indices = v.check_1d_int("indices", indices, self.device)
         if indices.numel() == 0:
@@ -289,13 +293,18 @@ class FutureMap:
             self._stash_extras(indices, payload)
 
     def _check_draft(self, draft: DraftPayload, rows: int) -> torch.Tensor | None:
-        """Check a draft's structure against the buffers (or fix their shapes); return its
-        bonus tokens (None when drafts relay none)."""
+        """Check a draft's structure against the buffers; return its bonus tokens (None
+        when drafts relay none).
+
+        A draft writes the fields it carries; the others keep their rows (SGLang's partial
+        stash). The consume-tracked fields (bonus tokens, verified ids, the tracked
+        extras) are fixed by the first draft stashed and carried by every one: each draft
+        gather consumes them. Any other field may be left out; its buffer is made by the
+        first draft that carries it, which fixes its shape and dtype."""
         if self._spec_shaped:
             for name, kept in (
                 ("bonus_tokens", self.bonus_tokens),
-                ("topk_p", self.topk_p is not None),
-                ("topk_index", self.topk_index is not None),
+                ("verified_id", self.verified_id is not None),
             ):
                 if (getattr(draft, name) is not None) != kept:
                     want = name if kept else f"no {name}"
@@ -307,7 +316,12 @@ class FutureMap:
             tokens = v.check_1d_int("draft.bonus_tokens", draft.bonus_tokens, self.device)
             v.check_rows("draft.bonus_tokens", tokens, rows)
         topk_p = draft.topk_p
-        if topk_p is not None or draft.topk_index is not None:
+        for given, missing in (("topk_p", "topk_index"), ("topk_index", "topk_p")):
+            if getattr(draft, given) is not None and getattr(draft, missing) is None:
+                raise FutureMapError(
+                    f"draft.{given} given without draft.{missing}: top-k comes whole"
+                )
+        if topk_p is not None:
             if not isinstance(topk_p, torch.Tensor) or topk_p.dim() != 2:
                 raise FutureMapError("draft.topk_p must be a 2-D tensor [B, K]")
             k = topk_p.shape[1] if self.topk_p is None else self.topk_p.shape[1]
@@ -316,20 +330,14 @@ class FutureMap:
                 "draft.topk_index", draft.topk_index, self.device, (rows, k), v.INT_DTYPES
             )
         hidden = draft.hidden_states
-        if self._spec_shaped:
-            if (hidden is None) != (self.hidden_states is None):
-                want = "no hidden_states" if self.hidden_states is None else "hidden_states"
-                raise FutureMapError(
-                    f"draft does not match the first draft stashed: expected {want}"
-                )
-            if hidden is not None and self.hidden_states is not None:
-                v.check_tensor(
-                    "draft.hidden_states",
-                    hidden,
-                    self.device,
-                    (rows, self.hidden_states.shape[1]),
-                    (self.hidden_states.dtype,),
-                )
+        if hidden is not None and self.hidden_states is not None:
+            v.check_tensor(
+                "draft.hidden_states",
+                hidden,
+                self.device,
+                (rows, self.hidden_states.shape[1]),
+                (self.hidden_states.dtype,),
+            )
         elif hidden is not None:
             if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
                 raise FutureMapError("draft.hidden_states must be a 2-D tensor [B, H]")
@@ -337,29 +345,22 @@ class FutureMap:
                 "draft.hidden_states", hidden, self.device, (rows, hidden.shape[1]), v.HIDDEN_DTYPES
             )
         self._check_declared_fields(draft, rows)
-        given = (draft.bonus_tokens, draft.topk_p, draft.hidden_states, draft.verified_id)
-        if not self._spec_shaped and all(x is None for x in given) and not draft.extras:
-            raise FutureMapError("the first draft stashed relays no field")
+        carried = (draft.bonus_tokens, draft.topk_p, draft.hidden_states, draft.verified_id)
+        if all(x is None for x in carried) and not draft.extras:
+            raise FutureMapError("the draft stashed relays no field")
         return tokens
 
     def _check_declared_fields(self, draft: DraftPayload, rows: int) -> None:
-        """Verified ids and the engine's own fields: those of the first draft stashed (which
-        fixes which are relayed, and their shapes and dtypes), [rows, ...] each."""
+        """Verified ids and the engine's own fields, [rows, ...] each: a field with a buffer
+        in its shape and dtype, a field first carried now in its own (which then fixes
+        them); every tracked extra in every draft."""
         vid = draft.verified_id
         extras = draft.extras or {}
         if not isinstance(extras, dict) or not all(isinstance(k, str) for k in extras):
             raise FutureMapError("draft.extras must be a dict of name -> tensor")
-        if self._spec_shaped and (vid is None) != (self.verified_id is None):
-            want = "no verified_id" if self.verified_id is None else "verified_id"
-            raise FutureMapError(f"draft does not match the first draft stashed: expected {want}")
         if vid is not None:
             v.check_rows(
                 "draft.verified_id", v.check_1d_int("draft.verified_id", vid, self.device), rows
-            )
-        if self._spec_shaped and set(extras) != set(self.extras):
-            raise FutureMapError(
-                f"draft.extras has fields {sorted(extras)}, the first draft stashed "
-                f"{sorted(self.extras)}"
             )
         for name, x in extras.items():
             where = f"draft.{name}"
@@ -369,52 +370,50 @@ class FutureMap:
                 buf = self.extras[name]
                 allowed = v.field_dtypes(buf.dtype)
                 v.check_tensor(where, x, self.device, (rows, *buf.shape[1:]), allowed)
-            else:  # the first draft: its rows fix the field's dtype
+            else:  # its first draft: its rows fix the field's shape and dtype
                 v.check_tensor(where, x, self.device, (rows, *x.shape[1:]), (x.dtype,))
                 if name in self.consumed and x.dtype not in v.INT_DTYPES:
                     raise FutureMapError(
                         f"{where} is consume-tracked: an int tensor, got {x.dtype}"
                     )
-        if not self._spec_shaped and not self.consumed <= set(extras):
+        if not self.consumed <= set(extras):
             raise FutureMapError(
                 f"consume-tracked fields {sorted(self.consumed - set(extras))} missing from the "
-                "first draft"
+                "draft: every draft stash writes them (each draft gather consumes them)"
             )
 
     def _stash_extras(self, indices: torch.Tensor, draft: DraftPayload) -> None:
+        """Write the draft's fields but the bonus tokens; a field's buffer is made by the
+        first draft that carries it (zeros; a consume-tracked one poisoned in debug)."""
+        r = self.pool_size
+        fill = POISON if self.debug else 0  # consume-tracked fields start as output_tokens
         if not self._spec_shaped:
-            r = self.pool_size
             self.bonus_tokens = draft.bonus_tokens is not None
-            if draft.topk_p is not None:
+            if draft.verified_id is not None:
+                self.verified_id = torch.full((r,), fill, dtype=self.dtype, device=self.device)
+            self._spec_shaped = True
+        if draft.topk_p is not None and draft.topk_index is not None:
+            if self.topk_p is None or self.topk_index is None:
                 k = draft.topk_p.shape[1]
                 self.topk_p = torch.zeros((r, k), dtype=torch.float32, device=self.device)
                 self.topk_index = torch.zeros((r, k), dtype=self.dtype, device=self.device)
-            if draft.hidden_states is not None:
-                h = draft.hidden_states.shape[1]
-                self.hidden_states = torch.zeros(
-                    (r, h), dtype=draft.hidden_states.dtype, device=self.device
-                )
-            # Consume-tracked fields start poisoned in debug, like output_tokens.
-            fill = POISON if self.debug else 0
-            if draft.verified_id is not None:
-                self.verified_id = torch.full((r,), fill, dtype=self.dtype, device=self.device)
-            for name, x in (draft.extras or {}).items():
+            self.topk_p[indices] = draft.topk_p
+            self.topk_index[indices] = draft.topk_index.to(self.dtype)
+        if draft.hidden_states is not None:
+            if self.hidden_states is None:
+                h, dt = draft.hidden_states.shape[1], draft.hidden_states.dtype
+                self.hidden_states = torch.zeros((r, h), dtype=dt, device=self.device)
+            self.hidden_states[indices] = draft.hidden_states
+        if self.verified_id is not None and draft.verified_id is not None:
+            self.verified_id[indices] = draft.verified_id.to(self.dtype)
+        for name, x in (draft.extras or {}).items():
+            if name not in self.extras:
                 self.extras[name] = torch.full(
                     (r, *x.shape[1:]),
                     fill if name in self.consumed else 0,
                     dtype=x.dtype,
                     device=self.device,
                 )
-            self._spec_shaped = True
-        if self.topk_p is not None and self.topk_index is not None:
-            assert draft.topk_p is not None and draft.topk_index is not None
-            self.topk_p[indices] = draft.topk_p
-            self.topk_index[indices] = draft.topk_index.to(self.dtype)
-        if self.hidden_states is not None and draft.hidden_states is not None:
-            self.hidden_states[indices] = draft.hidden_states
-        if self.verified_id is not None and draft.verified_id is not None:
-            self.verified_id[indices] = draft.verified_id.to(self.dtype)
-        for name, x in (draft.extras or {}).items():
             self.extras[name][indices] = x.to(self.extras[name].dtype)
 
     # ------------------------------------------------------------------------------ reads

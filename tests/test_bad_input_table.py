@@ -185,9 +185,8 @@ CASES: dict[str, Bad] = {
     "hidden_wrong_width": Bad(
         "stash", "hidden_states", draft(hidden_states=bf16(2, H + 1)), spec=True, trace=True
     ),
-    "hidden_missing": Bad(
-        "stash", "hidden_states", draft(hidden_states=None), spec=True, trace=True
-    ),
+    "bonus_missing": Bad("stash", "bonus_tokens", draft(bonus_tokens=None), spec=True, trace=True),
+    "topk_index_missing": Bad("stash", "topk_index", draft(topk_index=None), spec=True, trace=True),
     "bonus_rows": Bad(
         "stash", "bonus_tokens", draft(bonus_tokens=a(1, 2, 3)), spec=True, trace=True
     ),

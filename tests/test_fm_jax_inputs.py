@@ -150,9 +150,13 @@ SPEC_CASES = {
         lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=np.zeros((1, 4), jnp.bfloat16))),
         r"hidden_states must have shape \(2, 3\)",
     ),
-    "hidden_missing": (
-        lambda fm: fm.stash(np.array([1]), draft(1, hidden_states=None)),
-        "hidden_states is missing",
+    "bonus_missing": (
+        lambda fm: fm.stash(np.array([1]), draft(1, bonus_tokens=None)),
+        "bonus_tokens is missing: a consume-tracked field",
+    ),
+    "topk_half": (
+        lambda fm: fm.stash(np.array([1]), draft(1, topk_p=None)),
+        "topk_index given without draft.topk_p",
     ),
     "bonus_rows": (
         lambda fm: fm.stash(np.array([1]), draft(1, bonus_tokens=np.array([1, 2], np.int32))),

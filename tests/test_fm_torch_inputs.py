@@ -319,7 +319,6 @@ MISMATCHED = [
         "hidden_states must have dtype in \\(torch.bfloat16\\)",
         id="other-hidden-dtype",
     ),
-    pytest.param(lambda: draft(2, h=None), "expected hidden_states", id="hidden-dropped"),
 ]
 
 
@@ -330,11 +329,18 @@ def test_draft_mismatching_the_first_draft_is_rejected(make: Callable[[], DraftP
     assert_rejected(fm, lambda: fm.stash(t([1, 2]), make()), match)
 
 
-def test_hidden_states_appearing_after_a_first_draft_without_them_is_rejected():
-    """Pins: hidden states silently dropped because the first draft had none."""
+def test_hidden_states_first_carried_by_a_later_draft_make_their_buffer_then():
+    """Buffers made on first use (SGLang): hidden states a later draft first carries are
+    relayed (not dropped because the first draft had none), and fix H from then on."""
     fm = FutureMap(R, spec=True, debug=False)
     fm.stash(t([1]), draft(1, h=None))
-    assert_rejected(fm, lambda: fm.stash(t([2]), draft(1, h=3)), "expected no hidden_states")
+    assert fm.hidden_states is None
+    later = draft(1, h=3)
+    fm.stash(t([2]), later)
+    assert fm.hidden_states is not None and fm.hidden_states.shape == (R, 3)
+    assert later.hidden_states is not None
+    assert torch.equal(fm.hidden_states[2], later.hidden_states[0])
+    assert_rejected(fm, lambda: fm.stash(t([2]), draft(1, h=4)), "hidden_states must have shape")
 
 
 def test_spec_resolve_before_any_draft_was_stashed_is_rejected():

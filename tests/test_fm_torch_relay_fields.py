@@ -127,8 +127,8 @@ def test_a_bad_first_draft_is_refused_and_writes_nothing(case: str) -> None:
     [
         (lambda d: d.__class__(**{**d.__dict__, "verified_id": None}), "expected verified_id"),
         (
-            lambda d: d.__class__(**{**d.__dict__, "extras": {"steps": t(1, 2)}}),
-            "the first draft stashed",
+            lambda d: d.__class__(**{**d.__dict__, "extras": {"score": SCORES}}),
+            r"consume-tracked fields \['steps'\] missing from the draft",
         ),
         (
             lambda d: d.__class__(
@@ -139,8 +139,8 @@ def test_a_bad_first_draft_is_refused_and_writes_nothing(case: str) -> None:
     ],
 )
 def test_a_later_draft_must_match_the_first(change: Any, message: str) -> None:
-    """The first draft fixes which fields are relayed and their dtypes: a later one that
-    drops a field or changes a dtype is refused, nothing written."""
+    """The first draft fixes the consume-tracked fields and each field's dtype: a later
+    one that drops a tracked field or changes a dtype is refused, nothing written."""
     fm = FutureMap(R, spec=True, consumed=("steps",))
     fm.stash(t(3, 5), draft())
     before = snapshot(fm)
@@ -259,7 +259,7 @@ def test_an_ngram_first_draft_fixes_a_relay_without_bonus_tokens(
     with pytest.raises(FutureMapError, match="bonus_tokens"):
         fm.stash(t(3), DraftPayload(bonus_tokens=t(1), extras=ngram(1, 2).extras))
     with pytest.raises(FutureMapError, match="relays no field"):
-        FutureMap(R, spec=True).stash(t(3), DraftPayload())
+        fm.stash(t(3), DraftPayload())
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -302,9 +302,10 @@ def test_both_twins_relay_an_ngram_payload_to_the_same_bytes(protocol: str, debu
 
 
 def test_a_draft_without_what_the_first_relayed_is_named_and_top_k_comes_whole() -> None:
-    """A later draft that lacks a field the first draft relayed is refused naming it (and
-    one that brings a field the first did not, naming its absence); a first draft with
-    top-k probabilities but no top-k ids is refused; a first draft relaying nothing too."""
+    """A later draft that lacks the bonus tokens the first draft relayed (a consume-tracked
+    field, in every draft) is refused naming them (and one that brings them where the
+    first did not, naming their absence); top-k probabilities without top-k ids are
+    refused; a draft relaying nothing too, first or later."""
     fm = FutureMap(R, spec=True)
     fm.stash(t(3), DraftPayload(t(30), torch.ones(1, 2), t(0, 1).reshape(1, 2)))
     with pytest.raises(FutureMapError, match="expected bonus_tokens$"):
@@ -317,8 +318,10 @@ def test_a_draft_without_what_the_first_relayed_is_named_and_top_k_comes_whole()
     with pytest.raises(FutureMapError, match="topk_index"):
         half.stash(t(3), DraftPayload(t(30), torch.ones(1, 2), None))
     assert half.topk_p is None and not half._spec_shaped
-    with pytest.raises(FutureMapError, match="^the first draft stashed relays no field$"):
+    with pytest.raises(FutureMapError, match="^the draft stashed relays no field$"):
         FutureMap(R, spec=True).stash(t(3), DraftPayload())
+    with pytest.raises(FutureMapError, match="^the draft stashed relays no field$"):
+        ng.stash(t(3), DraftPayload())
 
 
 def test_an_int_field_takes_rows_of_any_int_dtype_whose_values_fit() -> None:

@@ -93,7 +93,8 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     protocol's MIXED and spec mistakes need a MIXED and a spec scenario (spec MIXED: a
     gather-only one), a lost verified id a spec scenario relaying them, a one-row view
     batches of one row (in debug mode, the only one where it shows), a confidence
-    generation not snapshotted the confidence relay's scenario."""
+    generation not snapshotted the confidence relay's scenario, zeroed kept rows a
+    scenario of partial stashes."""
     out = tmp_path / "m.json"
     code = cli.main(
         [
@@ -109,7 +110,10 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
             "spec_mixed",
             "--scenario",
             "one_row",
+            "--scenario",
             "spec_confidence",
+            "--scenario",
+            "spec_partial",
             "--dtype",
             "int32",
             "--debug",

@@ -16,7 +16,9 @@ from fm_parity.suite import Job, check_mutation
 # check_mutation stops at the first scenario that catches, and runs each mutation under
 # its own protocol (skipping scenarios that do not run under it); a confidence read's
 # generation not snapshotted needs the confidence relay (spec_confidence, whose reads go
-# into the streams the oracle checks; small and first: most mutations stop there). Debug
+# into the streams the oracle checks; small and first: most mutations stop there);
+# partial stashes that zero the rows they should keep need one that stashes partially
+# (spec_partial). Debug
 # off: the oracle (and input checks) must catch each bug without help from consume
 # tracking. fm_jax-only
 # mutations (parity catching) run in test_parity_cli.
@@ -27,6 +29,7 @@ SCENARIOS = (
     "spec_decode",
     "spec_verified",
     "spec_mixed",
+    "spec_partial",
 )
 SUITE = [Job(n, "int32", False) for n in SCENARIOS]
 

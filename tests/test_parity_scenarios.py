@@ -76,6 +76,27 @@ def test_scenarios_contain_the_batch_kinds_they_name(name, kinds):
     assert kinds <= seen
 
 
+def test_spec_partial_stashes_bonus_only_and_partial_drafts_between_full_ones():
+    """spec_partial would test nothing without its partial stashes: bonus-only DECODE
+    stashes, ones without hidden states, full ones between, and the DSA indices in none
+    (every resolve gathers them as None)."""
+    scenario = catalogue.build("spec_partial")
+    assert scenario.spec is not None
+    sched = Scheduler(scenario)
+    seen = set()
+    while (plan := sched.next_step()) is not None:
+        if plan.kind is not Kind.IDLE:
+            seen.add(payloads.omitted(scenario.spec, plan.kind, plan.step))
+    never = payloads.NEVER_STASHED
+    assert seen == {
+        never,
+        ("topk_p", "topk_index", "hidden_states", "draft_probs", *never),
+        ("hidden_states", "draft_probs", *never),
+    }
+    assert never == ("dsa_topk_indices",)
+    assert [e.name for e in payloads.layout(scenario.spec).extras][-1] == never[0]
+
+
 def test_burst_puts_100_prefill_batches_before_the_first_decode():
     """The burst scenario must keep request 0 waiting through 100 EXTEND batches."""
     sched = Scheduler(catalogue.build("prefill_burst"))

@@ -461,7 +461,10 @@ STASHED = "stashed tokens >= 0"
 # A stash fault in the draft's shape: (fm_jax's message, fm_torch's).
 DRAFT_SHAPE_FAULTS = {
     "no_vid": (r"draft.verified_id (is missing|given on some ranks only)", r"expected verified_id"),
-    "bogus": (r"draft.extras\['bogus'\] is not a field", r"draft.extras has fields"),
+    "topk_half": (
+        r"draft.topk_(p given without draft.topk_index|index given on some ranks only)",
+        r"draft.topk_p given without draft.topk_index",
+    ),
     "hidden_f16": (r"draft.hidden_states", r"draft.hidden_states must have dtype"),
     "score_shape": (r"draft.score", r"draft.score must have shape"),
     "topk_width": (r"draft.topk_p", r"draft.topk_p must have shape"),
@@ -574,8 +577,8 @@ def _draft_arrays(d: Draft, fault: str | None, pad: int | None = None) -> dict[s
         "score": score,
         "steps": np.array(d.steps, np.int32),  # fm_torch's buffer takes the first's dtype
     }
-    if fault == "bogus":
-        out["bogus"] = np.zeros(len(d.bonus), np.float32)
+    if fault == "topk_half":
+        out["topk_index"] = None
     if pad is not None:
         out = {k: None if v is None else _pad(v, pad) for k, v in out.items()}
     return out

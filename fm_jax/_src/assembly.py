@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from fm_jax._src import buckets as bk
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.compile_options import compiler_options
 from fm_jax._src.confidence import ConfidenceRing
 from fm_jax._src.debug_channel import DebugChannel
@@ -121,7 +122,8 @@ def assemble(
     ring = None
     if local.spec is not None and local.spec.confidence:
         ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
-    runtime = MapRuntime(fresh, state, debug_channel, lengths, ring)
+    optional = rf.optional(local.spec.fields()) if local.spec is not None else ()
+    runtime = MapRuntime(fresh, state, debug_channel, lengths, ring, optional, layout.dp)
     placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
     placement.last_checked = runtime.last_checked
     # Debug: the tail ops' only checks are slot checks; slots already checked take

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.entry_points import tail
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import StepInput
@@ -179,6 +180,9 @@ class EngineStep:
         self._options = dict(options)
         self._tail = tail(ops, protocol, what="", owned=self._owned)
         self._registry = Registry(self._build, self._not_warmed, packed_names=False)
+        # The declared fields each executable family's forward leaves out of its payload
+        # (recorded when traced: a payload's fields are its pytree structure).
+        self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
 
     @property
     def inputs(self) -> tuple[StepInput, ...]:
@@ -238,6 +242,9 @@ class EngineStep:
                 assert ring is not None and gens is not None
                 ring.issue(copied, gens, placed.idx)
             runtime.published(placed.idx, lens)
+            if runtime.unstashed is not None:
+                family = (placed.key.mode, placed.pack, len(args))
+                runtime.stashed(placed.idx, self._omits.get(family, ()))
         if sentinels is None:
             return StepResult(result, batch)
         if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
@@ -265,17 +272,28 @@ class EngineStep:
                 f"donate_argnums {bad} name no argument: the step got {nargs} args"
             )
         assert pack is not None  # a step is always packed
+
+        def record(omits: tuple[str, ...]) -> None:
+            self._omits[(key.mode, pack, nargs)] = omits
+
         return jax.jit(
-            self._body(FIXED_MODES.get(key.mode), pack),
+            self._body(FIXED_MODES.get(key.mode), pack, record),
             donate_argnums=(0, *(3 + i for i in self._donate)),
             compiler_options=self._options,
         )
 
-    def _body(self, fixed: ForwardMode | None, spec: PackSpec) -> Callable[..., Any]:
+    def _body(
+        self,
+        fixed: ForwardMode | None,
+        spec: PackSpec,
+        record: Callable[[tuple[str, ...]], None],
+    ) -> Callable[..., Any]:
         """(state, packed, device leaves, *args) -> (state, out, sentinels, lengths, a copy
         of the confidence buffer when the forward published confidence rows); with debug
-        ((resolve's packed error, the tail's), that)."""
+        ((resolve's packed error, the tail's), that). `record` is told, when traced, which
+        declared fields the forward's payload leaves out (a partial stash)."""
         forward, tail_fn, ops, owned = self._forward, self._tail, self._ops, self._owned
+        fields = self._placement.fields
         debug, dtype = self._runtime.debug, ops.local.dtype
         copies_lengths = self._runtime.host_lengths is not None
         rows_of = ops.map_ranks(gather)  # each rank's buffer rows at its slots
@@ -308,6 +326,8 @@ class EngineStep:
                 raise FutureMapError(
                     f"the engine's forward returned a StepOutput the map cannot relay: {e}"
                 ) from None
+            if fields:
+                record(tuple(f.name for f in fields if rf.get(got.payload, f.name) is None))
             # The published lengths leave the step only when the host reads them.
             lens = None
             if copies_lengths:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fm_jax._src import refusals
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.assembly import assemble
 from fm_jax._src.confidence import ResolvedConfidence
 from fm_jax._src.engine_step import EngineStep, Forward
@@ -34,7 +35,15 @@ from fm_jax._src.plans import Placed
 from fm_jax._src.registry import Registry, WarmUpReport
 from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import MeshLayout, per_rank
-from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, RowsInput, SpecConfig
+from fm_jax._src.types import (
+    Batch,
+    DraftPayload,
+    FutureMapState,
+    Resolved,
+    RowsInput,
+    SpecConfig,
+    draft_payload,
+)
 from fm_jax._src.warm_up import class_calls
 
 _log = logging.getLogger("fm_jax")
@@ -157,6 +166,7 @@ class FutureMap:
         self.pack_inputs: bool = parts.placement.pack_inputs
         self._options = parts.options
         self._placement: Placement = parts.placement
+        self._optional = frozenset(rf.optional(self.spec.fields())) if self.spec else frozenset()
         self._runtime: MapRuntime = parts.runtime
         self._registry: Registry = parts.registry
 
@@ -327,6 +337,8 @@ class FutureMap:
         if placed.idx.empty:
             return  # DP idle: nothing ran, nothing to relay
         self._runtime.state = self._run(placed, "stash")
+        if self._runtime.unstashed is not None:
+            self._runtime.stashed(placed.idx, placed.key.omits)
 
     @_serialized
     def finish(
@@ -361,6 +373,8 @@ class FutureMap:
             self._confidence_published(copied, gens, placed)
         self._runtime.state, sentinels = out
         self._runtime.published(placed.idx, placed.lens)
+        if self._runtime.unstashed is not None:
+            self._runtime.stashed(placed.idx, placed.key.omits)
         return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
 
     @_serialized
@@ -393,7 +407,32 @@ class FutureMap:
         if self.debug:
             self._runtime.state, out = out  # debug: the consume poison was written
             self._runtime.resolved(placed.idx)
+        if self._runtime.unstashed is not None and out.draft is not None:
+            out = out._replace(draft=self._without_unstashed(out.draft))
         return out  # type: ignore[no-any-return]
+
+    def _without_unstashed(self, draft: DraftPayload) -> DraftPayload:
+        """`draft` with None for each optional field no stash has written on any of this
+        process's ranks (its rows would be the buffer's initial zeros)."""
+        relayed = {f for d in self.local_ranks for f in self._runtime.relayed(d)}
+        fields = {f: v for f, v in draft._asdict().items() if f != "extras"}
+        fields.update(draft.extras or {})
+        return draft_payload(
+            {f: v for f, v in fields.items() if f in relayed or f not in self._optional}
+        )
+
+    @_serialized
+    def relayed_fields(self, rank: int = 0) -> tuple[str, ...]:
+        """The draft fields a resolve gathers on DP rank `rank`, in stash order: every
+        consume-tracked field (each stash writes them), and each other field once a stash
+        wrote it on that rank since the map was made or `reset` (before, a resolve's draft
+        has it None: SGLang's DSA availability flag). () without spec."""
+        if self.spec is None:
+            return ()
+        if not 0 <= rank < self.layout.dp:
+            raise FutureMapError(f"rank must be a DP rank in [0, {self.layout.dp}), got {rank}")
+        relayed = set(self._runtime.relayed(rank))
+        return tuple(f.name for f in self.spec.fields() if f.consumed or f.name in relayed)
 
     @_serialized
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
@@ -499,7 +538,12 @@ class FutureMap:
     # ---------------------------------------------------------------------------- warm-up
     @_serialized
     def warm_up(
-        self, *, guard: bool = False, traced_modes: bool = True, threads: int | None = None
+        self,
+        *,
+        guard: bool = False,
+        traced_modes: bool = True,
+        threads: int | None = None,
+        partial_stashes: Sequence[Collection[str]] = (),
     ) -> WarmUpReport:
         """Compile every executable serving calls, for every bucket, ahead of time.
 
@@ -520,12 +564,20 @@ class FutureMap:
             mesh's ranks in different kinds); False for an engine that gives every batch
             a host ForwardMode on one device.
           threads: compile threads; default min(8, CPU count).
+          partial_stashes: spec: the partial stashes the engine makes, each the names of
+            the fields its drafts give (e.g. `[("bonus_tokens",)]` for a bonus-only
+            stash): stash and finish are warmed for each too (a partial stash is an
+            executable of its own). A set a stash would refuse is refused here.
 
         Returns:
           What was compiled, what came from JAX's persistent cache, and the time.
         """
         calls = class_calls(
-            self._placement, self._runtime.state, debug=self.debug, traced_modes=traced_modes
+            self._placement,
+            self._runtime.state,
+            debug=self.debug,
+            traced_modes=traced_modes,
+            partial=partial_stashes,
         )
         summary = self._registry.warm_up(calls, guard=guard, threads=threads)
         _log.info("%s", summary)

@@ -40,6 +40,8 @@ class Key(NamedTuple):
         gathered, T = B); a spec DECODE at the same sizes may come either way.
       confidence: a publish or finish that also writes confidence rows (and returns a copy
         of the confidence buffer for its host ring).
+      omits: a partial stash's (or finish's) declared fields left out, in stash order; ()
+        for a full one. Which fields a draft carries is its pytree structure: static.
     """
 
     op: str
@@ -51,6 +53,7 @@ class Key(NamedTuple):
     checked: bool = True
     ids: bool = True
     confidence: bool = False
+    omits: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -64,7 +67,8 @@ class Key(NamedTuple):
     def describe(self) -> str:
         """The key in words: the op and its per-rank sizes."""
         if not self.tokens:
-            return f"{self.name} at {self.rows} rows per rank"
+            partial = f" without {', '.join(self.omits)}" if self.omits else ""
+            return f"{self.name} at {self.rows} rows per rank{partial}"
         return (
             f"{self.name} at {self.rows} rows x {self.tokens} tokens per rank"
             f"{' with a draft' if self.draft else ''}{' with token slots' if self.slots else ''}"

@@ -61,8 +61,11 @@ class FutureMapOps(NamedTuple):
       init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
       publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
         ([B, gamma] float32) only on a map whose spec declares `confidence` (gamma).
-      stash: (state, indices, tokens | DraftPayload) -> state.
+      stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields it
+        gives (every consume-tracked one) and keeps the others' rows.
       resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
+        A draft gather gives every declared field (a row never stashed reads 0): which
+        fields were ever stashed is known on the host only (the class tracks it).
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
         (the sentinel protocol only).
       seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
@@ -228,15 +231,15 @@ def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]
     return [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields]
 
 
-def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
-    """Every declared field present, [rows, *shape] (its kind and undeclared fields
-    checked by `payload_rows`). An int field's rows may be of any int dtype whose every
-    value fits its buffer (they are cast); any other field's are of its own dtype."""
-    for f in cfg.fields:
+def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> tuple[rf.RelayField, ...]:
+    """The fields the draft writes (`relay_fields.carried`: every consume-tracked one, any
+    others), each [rows, *shape] (its kind and undeclared fields checked by
+    `payload_rows`). An int field's rows may be of any int dtype whose every value fits
+    its buffer (they are cast); any other field's are of its own dtype."""
+    present = rf.carried(cfg.fields, draft)
+    for f in present:
         name, v = f"draft.{f.name}", rf.get(draft, f.name)
         dt = rf.element_dtype(f, cfg.dtype)
-        if v is None:
-            raise FutureMapError(f"{name} is missing")
         ints = dt.kind in "iu"
         if ints and not f.shape:  # one int per row
             s.check_1d_int(name, v, dt)
@@ -247,10 +250,14 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> None:
             s.check_ints(name, v, dt)
         else:
             s.check_declared_dtype(name, v, dt)
+    return present
 
 
 def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
-    """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op."""
+    """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op.
+
+    A draft writes the fields it gives and keeps the others' rows (a partial stash; every
+    consume-tracked field is required: `relay_fields.carried`)."""
     dt, fields = cfg.dtype, cfg.fields
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
@@ -260,7 +267,7 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
         s.check_1d_int("tokens", payload, dt)
         s.check_rows("tokens", payload, rows)
     else:
-        _check_draft(cfg, payload, rows)
+        fields = _check_draft(cfg, payload, rows)
     if chk is not None:
         # Consumed fields must not be stashed negative: a -1 would read as the poison.
         relayed = (

@@ -186,8 +186,12 @@ class Placement:
         if op != "stash":
             placed_lens = inputs.matched("new_seq_lens", lens, idx, relayed=True)
             args.append(placed_lens)
+        omits: tuple[str, ...] = ()
         if op != "publish":
-            args.append(self._payload(payload, idx))
+            placed = self._payload(payload, idx)
+            args.append(placed)
+            if self.spec is not None:  # a partial stash: its own executable
+                omits = tuple(f.name for f in self.fields if rf.get(placed, f.name) is None)
         if confidence is not None:
             args.append(inputs.matched("confidence", confidence, idx, CONFIDENCE_DTYPE))
         given = (lens, payload) if op == "finish" else lens if op == "publish" else payload
@@ -197,6 +201,7 @@ class Placement:
             idx.size,
             checked=self._checked(idx, on_device(given)),
             confidence=confidence is not None,
+            omits=omits,
         )
         return self._packed(key, tuple(args), idx, placed_lens, pack)
 
@@ -210,6 +215,8 @@ class Placement:
             payload_rows(self.spec, p)
         if self.spec is None:
             return inputs.matched("tokens", payload, idx, relayed=True)
+        for p in drafts:  # the fields each rank's draft writes (rf.carried)
+            rf.carried(self.fields, p)
 
         def field(f: rf.RelayField) -> Any:
             """The field's rows placed like `idx` (None where no rank gives it)."""

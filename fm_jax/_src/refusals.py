@@ -102,3 +102,22 @@ def confidence_not_declared() -> FutureMapError:
         "confidence given but the map relays none: declare its width, "
         "SpecConfig(..., confidence=gamma)"
     )
+
+
+def tracked_field_missing(name: str) -> FutureMapError:
+    """A draft stash leaves out a consume-tracked field, which every stash writes: every
+    draft gather reads and consumes it."""
+    return FutureMapError(
+        f"draft.{name} is missing: a consume-tracked field, which every draft stash writes "
+        "(each draft gather consumes it)"
+    )
+
+
+def topk_half(given: str, missing: str) -> FutureMapError:
+    """A draft stash gives one of the two top-k fields without the other."""
+    return FutureMapError(f"draft.{given} given without draft.{missing}: top-k comes whole")
+
+
+def empty_draft() -> FutureMapError:
+    """A draft stash that writes no field."""
+    return FutureMapError("the draft stashed relays no field")

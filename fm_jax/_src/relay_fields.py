@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fm_jax._src import refusals
 from fm_jax._src.errors import FutureMapError
 
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -203,3 +204,28 @@ def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
     for name in draft.extras or {}:
         if name not in names or name in STANDARD:
             raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")
+
+
+def carried(fields: tuple[RelayField, ...], draft: Any) -> tuple[RelayField, ...]:
+    """The declared fields a draft stash writes: those `draft` gives, in stash order (a
+    partial stash keeps the others' rows as they were). FutureMapError if it leaves out a
+    consume-tracked field (every draft gather consumes each), gives one of `topk_p` and
+    `topk_index` without the other, or gives no field at all."""
+    out = []
+    for f in fields:
+        if get(draft, f.name) is not None:
+            out.append(f)
+        elif f.consumed:
+            raise refusals.tracked_field_missing(f.name)
+    for given, missing in (("topk_p", "topk_index"), ("topk_index", "topk_p")):
+        if getattr(draft, given) is not None and getattr(draft, missing) is None:
+            raise refusals.topk_half(given, missing)
+    if not out:
+        raise refusals.empty_draft()
+    return tuple(out)
+
+
+def optional(fields: tuple[RelayField, ...]) -> tuple[str, ...]:
+    """The names of the fields a draft stash may leave out: every field not
+    consume-tracked."""
+    return tuple(f.name for f in fields if not f.consumed)

@@ -43,6 +43,9 @@ class MapRuntime:
       confidence: the confidence relay's host ring, or None (no relay declared).
       lost: the StateLost of the call that consumed the state, or None (the state is
         whole). While set, every op is refused with it (`refuse_if_lost`).
+      unstashed: per DP rank, the optional draft fields (`relay_fields.optional`) no
+        stash has written there since the state was made; None once every rank has had
+        every one (the steady state: one check per call).
     """
 
     def __init__(
@@ -52,10 +55,16 @@ class MapRuntime:
         debug: DebugChannel | None,
         host_lengths: HostLengths | None,
         confidence: ConfidenceRing | None = None,
+        optional: tuple[str, ...] = (),
+        dp: int = 1,
     ) -> None:
         self.lock = threading.RLock()
         self.confidence = confidence
         self._fresh = fresh
+        self._optional = optional
+        self._dp = dp
+        self.unstashed: list[set[str]] | None = None
+        self._unstash()
         self.state = state
         self.lost: StateLost | None = None
         self.step = 0
@@ -79,6 +88,7 @@ class MapRuntime:
         pending debug errors are kept."""
         self.state = self._fresh()
         self.lost = None
+        self._unstash()
         if self.host_lengths is not None:
             self.host_lengths = HostLengths()
         ring = self.confidence
@@ -86,6 +96,28 @@ class MapRuntime:
             self.confidence = ConfidenceRing(
                 ring.pool_size, ring.dp, ring.rank_of, tuple(ring.ranks)
             )
+
+    def _unstash(self) -> None:
+        """No optional field stashed yet, on any rank."""
+        self.unstashed = [set(self._optional) for _ in range(self._dp)] if self._optional else None
+
+    def stashed(self, idx: Rows, omits: Sequence[str]) -> None:
+        """A stash at `idx` (as placed) wrote every optional field but `omits` on each rank
+        with a row there (every rank for jax-array slots, whose rows are not read)."""
+        pending = self.unstashed
+        if pending is None:
+            return
+        counts = idx.counts
+        for d, left in enumerate(pending):
+            if counts is None or counts[d]:
+                left.intersection_update(omits)
+        if not any(pending):
+            self.unstashed = None
+
+    def relayed(self, rank: int) -> tuple[str, ...]:
+        """The optional fields a stash has written on DP rank `rank`, in declared order."""
+        left = self.unstashed[rank] if self.unstashed is not None else ()
+        return tuple(f for f in self._optional if f not in left)
 
     def last_checked(self) -> jax.Array | None:
         """The slots (a jax array) the last debug resolve checked, if still alive."""

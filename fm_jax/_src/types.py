@@ -144,7 +144,9 @@ a list), or a mapping DP rank -> host rows."""
 
 class DraftPayload(NamedTuple):
     """Speculative draft state: what `stash` writes and what `resolve` gathers. A field the
-    spec does not declare is None."""
+    spec does not declare is None. A stash writes the fields given and keeps the others'
+    rows (a partial stash: every consume-tracked field given); the class's resolve gives
+    None for a field no stash has written (`FutureMap.relayed_fields`)."""
 
     bonus_tokens: Rows | None = None  # [B] int
     topk_p: Rows | None = None  # [B, K] float32

@@ -12,7 +12,7 @@ so the keys and packing layouts warmed are the ones serving's calls of those siz
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax._src.buckets import resolve_sizes
+from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs
 from fm_jax._src.keys import FIXED_MODES, takes_state
 from fm_jax._src.packing import pack_host
@@ -50,9 +51,13 @@ class EmptyTail(NamedTuple):
 
 
 def empty_tails(
-    inputs: HostInputs, protocol: Protocol, spec: SpecConfig | None
+    inputs: HostInputs,
+    protocol: Protocol,
+    spec: SpecConfig | None,
+    partial: Sequence[Collection[str]] = (),
 ) -> Iterator[EmptyTail]:
-    """The class's tail ops at every batch bucket."""
+    """The class's tail ops at every batch bucket; stash and finish also once per partial
+    stash in `partial` (the field names its drafts give)."""
     dp, dt = inputs.dp, inputs.dtype
     for b in inputs.batch_buckets:
         zeros = np.zeros(dp * b, dt)
@@ -64,6 +69,14 @@ def empty_tails(
             rows = np.zeros((dp * b, spec.confidence), np.float32)
             yield EmptyTail("publish", zeros, zeros, None, b, rows)
             yield EmptyTail("finish", zeros, zeros, payload, b, rows)
+        for names in partial:
+            assert spec is not None  # class_calls refuses partial stashes without spec
+            part = _empty_draft(dp * b, spec, dt, names)
+            yield EmptyTail("stash", zeros, None, part, b)
+            yield EmptyTail("finish", zeros, zeros, part, b)
+            if spec.confidence:
+                rows = np.zeros((dp * b, spec.confidence), np.float32)
+                yield EmptyTail("finish", zeros, zeros, part, b, rows)
         if protocol.invalidates:
             yield EmptyTail("sentinels", zeros, None, None, b)
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
@@ -144,13 +157,27 @@ def on_device(tree: Any, sharding: Any) -> Any:
     )
 
 
-def class_calls(placement: Any, state: Any, *, debug: bool, traced_modes: bool) -> list[Any]:
+def class_calls(
+    placement: Any,
+    state: Any,
+    *,
+    debug: bool,
+    traced_modes: bool,
+    partial: Sequence[Collection[str]] = (),
+) -> list[Any]:
     """The class's warm-up: every empty tail and batch placed through `placement` as
     serving places its calls (a debug map's tail ops both checked and not; each call also
-    packed where the map packs). Returns registry calls (key, packing, arguments, 0)."""
+    packed where the map packs), the partial stashes in `partial` too. Returns registry
+    calls (key, packing, arguments, 0)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
+    if partial and spec is None:
+        raise FutureMapError("partial_stashes: a map without spec stashes tokens only")
+    if isinstance(partial, str) or any(isinstance(n, str) for n in partial):
+        raise FutureMapError(
+            f"partial_stashes must be a sequence of field-name collections, got {partial!r}"
+        )
     placed = []
-    for t in empty_tails(inputs, protocol, spec):
+    for t in empty_tails(inputs, protocol, spec, partial):
         if t.op in ("sentinels", "seq_lens_at"):
             p = placement.slots_op(t.op, t.indices, t.rows, pack=False)
         else:
@@ -171,7 +198,15 @@ def class_calls(placement: Any, state: Any, *, debug: bool, traced_modes: bool) 
     return calls
 
 
-def _empty_draft(n: int, spec: SpecConfig, dt: np.dtype) -> Any:
-    return draft_payload(
-        {f.name: np.zeros((n, *f.shape), element_dtype(f, dt)) for f in spec.fields()}
-    )
+def _empty_draft(
+    n: int, spec: SpecConfig, dt: np.dtype, names: Collection[str] | None = None
+) -> Any:
+    """A draft of zeros giving the fields `names` (None: every declared field); a name the
+    spec does not declare is given too, for placement to refuse by name."""
+    fields = {f.name: f for f in spec.fields()}
+    given = fields if names is None else names
+    out: dict[str, Any] = {}
+    for name in given:
+        f = fields.get(name)
+        out[name] = np.zeros(n, dt) if f is None else np.zeros((n, *f.shape), element_dtype(f, dt))
+    return draft_payload(out)
