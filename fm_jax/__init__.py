@@ -26,6 +26,7 @@ from fm_jax._src.types import (
     DraftPayload,
     ForwardMode,
     FutureMapState,
+    MixedTails,
     Resolved,
     SpecConfig,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "FutureMapState",
     "InvariantViolation",
     "MeshLayout",
+    "MixedTails",
     "RelayField",
     "Resolved",
     "ShardedFutureMapOps",

@@ -62,6 +62,9 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
         slots = np.array([row.slot for row in rows], npdt)
         every = np.arange(len(rows))
         accept = None
+        if spec is not None and plan.kind is Kind.MIXED:
+            # The host rebinds its running rows from the published lengths (their prefix).
+            sched.observe({row.rid: length[row.rid] for row in rows if row.phase == "decode"})
         if spec is None:
             token, new_lens = tm.forward_tokens(ids_a, lens_a, slots, every, tm.NUMPY, offset)
             draft = None

@@ -311,16 +311,18 @@ def check_mutation(
     """Run the mutated twins through `jobs` in order until some detector fires.
 
     Every job runs under the mutation's own protocol (`Mutant.judged_under`: the relay
-    protocol whose mistake it makes), whatever protocol it names. Returns the detectors
+    protocol whose mistake it makes), whatever protocol it names; a mistake of debug
+    mode's own bookkeeping (`Mutant.debug_only`) runs in debug mode. Returns the detectors
     that fired in the first scenario that caught it (both debug modes of that scenario
     are run, so 'debug' shows where it applies).
     """
     protocol = MUTATIONS[name].judged_under
+    debug_only = MUTATIONS[name].debug_only
     by_scenario: dict[tuple[str, int, int | None, int], list[Job]] = {}
     for job in jobs:
         key = (job.scenario, job.seed, job.steps, job.size)
         group = by_scenario.setdefault(key, [])
-        mine = replace(job, protocol=protocol)
+        mine = replace(job, protocol=protocol, debug=job.debug or debug_only)
         if mine not in group and catalogue.runs_under(job.scenario, protocol):
             group.append(mine)  # one run per debug mode, whatever protocols `jobs` name
     for group in by_scenario.values():

@@ -86,7 +86,9 @@ def test_every_consumed_field_is_poisoned_and_checked(field: str, protocol: str)
     assert np.asarray(get(st))[3] == -1
     assert bits(np.asarray(st.extras["score"])[3]) == bits(SCORES[0].view(np.uint16))
     # Every consumed buffer but `field` written again at slot 3: only `field` reads -1.
-    restored = st._replace(output_tokens=st.output_tokens.at[3].set(32))
+    restored = st._replace(
+        output_tokens=st.output_tokens.at[3].set(32), new_seq_lens=st.new_seq_lens.at[3].set(4)
+    )
     if field == "verified_id":
         restored = restored._replace(extras={**st.extras, "steps": st.extras["steps"].at[3].set(8)})
     else:

@@ -17,8 +17,19 @@ from fm_parity.suite import Job, check_mutation
 # its own protocol (skipping scenarios that do not run under it). Debug off: the oracle
 # (and input checks) must catch each bug without help from consume tracking. fm_jax-only
 # mutations (parity catching) run in test_parity_cli.
-SCENARIOS = ("retire_reuse", "mixed_batches", "spec_decode", "spec_verified", "spec_mixed")
+SCENARIOS = (
+    "retire_reuse",
+    "mixed_batches",
+    "spec_decode",
+    "spec_verified",
+    "spec_mixed",
+    "spec_mixed_reuse",  # host tails one short: the host's view of the lengths retires late
+)
 SUITE = [Job(n, "int32", False) for n in SCENARIOS]
+# Seen by parity alone: a spec resolve that leaves the lengths it read unconsumed changes
+# no value, only the poison in fm_jax's buffers (debug mode); the same bug in both twins
+# leaves the buffers alike (no scenario reads a length twice).
+PARITY_ONLY = ("lengths_not_consumed",)
 
 
 def test_there_are_mutations_of_both_protocols():
@@ -32,7 +43,7 @@ def test_there_are_mutations_of_both_protocols():
     assert MUTATIONS["host_copy_syncs"].judged_under == "gather"
 
 
-@pytest.mark.parametrize("name", list(MUTATIONS))
+@pytest.mark.parametrize("name", [m for m in MUTATIONS if m not in PARITY_ONLY])
 def test_mutation_in_both_twins_is_caught_without_parity(name):
     """With the same bug in fm_jax and fm_torch, parity is blind (the traces agree); the
     oracle, the debug checks or the input checks must still catch it."""
@@ -48,3 +59,18 @@ def test_debug_checks_catch_relay_bugs_in_both_twins(name):
     compare against."""
     m = check_mutation(name, [Job("retire_reuse", "int32", True)], mutate=("jax", "torch"))
     assert m.caught_by is not None and "debug" in m.caught_by.split("+")
+
+
+def test_unconsumed_lengths_are_caught_by_parity_in_debug_mode():
+    """A spec resolve that does not consume the verified lengths it read: fm_jax's buffers
+    keep them where fm_torch's hold the poison, run in debug mode (`debug_only`) whatever
+    the job says."""
+    m = check_mutation("lengths_not_consumed", [Job("spec_decode", "int32", False)])
+    assert m.caught_by == "parity", m
+
+
+def test_a_read_of_lengths_waiting_twice_is_caught_by_debug_in_both_twins():
+    """resolve_seq_lens_cpu waiting twice for one publish: every value is right, so only
+    the debug 'fresh publish' check (both twins) sees it."""
+    m = check_mutation("reads_lengths_twice", [Job("spec_decode", "int32", True)], ("jax", "torch"))
+    assert m.caught_by == "debug", m

@@ -117,7 +117,7 @@ def assemble(
         raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
     # The last publish's lengths on their way to the host (one process only).
     lengths = HostLengths() if needs_cpu_seq_lens and inputs.single_process else None
-    runtime = MapRuntime(fresh, state, debug_channel, lengths)
+    runtime = MapRuntime(fresh, state, debug_channel, lengths, spec=local.spec is not None)
     placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
     placement.last_checked = runtime.last_checked
     # Debug: the tail ops' only checks are slot checks; slots already checked take

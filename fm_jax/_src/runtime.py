@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from fm_jax._src.checks import FRESH_PUBLISH
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.errors import FutureMapError, StateLost
 from fm_jax._src.host_inputs import Rows
@@ -41,6 +42,8 @@ class MapRuntime:
       host_lengths: the last publish's lengths on their way to the host, or None.
       lost: the StateLost of the call that consumed the state, or None (the state is
         whole). While set, every op is refused with it (`refuse_if_lost`).
+      armed: debug, spec: per DP rank, whether a publish came since the last read of
+        lengths (`resolve_seq_lens_cpu`), which consumes it; None otherwise.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class MapRuntime:
         state: FutureMapState,
         debug: DebugChannel | None,
         host_lengths: HostLengths | None,
+        spec: bool = False,
     ) -> None:
         self.lock = threading.RLock()
         self._fresh = fresh
@@ -57,6 +61,11 @@ class MapRuntime:
         self.step = 0
         self.debug = debug
         self.host_lengths = host_lengths
+        # Debug, spec: a resolve consumes the lengths it reads (the host copy of a publish
+        # is then stale), and a read of lengths waits for a fresh publish.
+        self.armed: list[bool] | None = None
+        if debug is not None and spec:
+            self.armed = [False] * debug.layout.dp
         # The jax array of slots the last debug resolve checked on the device, weakly
         # (holding it would keep it alive). jax arrays are immutable: a second check of
         # the same array would find the same.
@@ -77,6 +86,8 @@ class MapRuntime:
         self.lost = None
         if self.host_lengths is not None:
             self.host_lengths = HostLengths()
+        if self.armed is not None:
+            self.armed = [False] * len(self.armed)  # as at construction: no publish yet
 
     def last_checked(self) -> jax.Array | None:
         """The slots (a jax array) the last debug resolve checked, if still alive."""
@@ -167,13 +178,47 @@ class MapRuntime:
         return None
 
     def resolved(self, idx: Rows) -> None:
-        """Debug, after a resolve ran: its slots were checked on the device (only now)."""
+        """Debug, after a resolve ran: its slots were checked on the device (only now);
+        a spec map's resolve may have consumed the lengths last published (their host
+        copy is then not the buffer's: a read gathers, and finds the poison)."""
         self._checked = weakref.ref(idx.array) if idx.counts is None else None
+        if self.armed is not None and self.host_lengths is not None:
+            self.host_lengths.forget()
 
     def published(self, idx: Rows, lens: Any) -> None:
-        """A publish wrote `lens` at `idx` (as placed): start their copy to the host."""
+        """A publish wrote `lens` at `idx` (as placed): start their copy to the host
+        (debug, spec: and arm the ranks it wrote)."""
         if self.host_lengths is not None:
             self.host_lengths.published(idx, lens)
+        if self.armed is not None:
+            for d in _ranks_with_rows(idx, len(self.armed)):
+                self.armed[d] = True
+
+    def read_lengths(self, idx: Rows) -> None:
+        """Debug, spec: a read of lengths at `idx` waits for each rank's last publish,
+        which no read may have consumed before ('fresh publish', SGLang's consume-once
+        wait); it consumes them. A violation goes to the debug channel (`check()`)."""
+        armed, debug = self.armed, self.debug
+        if armed is None or debug is None:
+            return
+        for d in _ranks_with_rows(idx, len(armed)):
+            if not armed[d]:
+                debug.host_violation(
+                    self.step,
+                    "resolve_seq_lens_cpu",
+                    FRESH_PUBLISH,
+                    "a read of lengths waited for a publish that an earlier read already "
+                    "consumed, or that never came",
+                    d,
+                )
+            armed[d] = False
+
+
+def _ranks_with_rows(idx: Rows, dp: int) -> range | list[int]:
+    """The DP ranks given rows in `idx` (every rank for a jax array: not read)."""
+    if idx.counts is None:
+        return range(dp)
+    return [d for d, n in enumerate(idx.counts) if n]
 
 
 def _deleted(x: Any) -> bool:
