@@ -535,12 +535,12 @@ class FutureMap:
             reads.append((new_ids, indices))
         elif mix is not None:
             assert ids is not None
-            running = self.output_tokens[mix]
-            reads.append((running, mix))
-            new_ids = torch.cat([ids.to(self.dtype), running])
+            running_ids = self.output_tokens[mix]
+            reads.append((running_ids, mix))
+            new_ids = torch.cat([ids.to(self.dtype), running_ids])
         seq_lens: torch.Tensor | None = None
         fresh: torch.Tensor | None = None
-        running: torch.Tensor | None = None
+        running: torch.Tensor | None = None  # spec MIXED: the running rows' mask
         if mix is not None and self.spec and mix.numel():
             # Spec MIXED (SGLang's late binding): the host planned this batch before the last
             # verify's accept lengths landed; its running rows (the last len(mix) live rows;
@@ -604,7 +604,9 @@ class FutureMap:
         tensor and `prefix_lens` a list of ints, one per row. Whether there are any."""
         cpu = torch.device("cpu")
         if batch.seq_lens_cpu is not None:
-            v.check_rows("seq_lens_cpu", v.check_1d_int("seq_lens_cpu", batch.seq_lens_cpu, cpu), rows)
+            v.check_rows(
+                "seq_lens_cpu", v.check_1d_int("seq_lens_cpu", batch.seq_lens_cpu, cpu), rows
+            )
         prefix = batch.prefix_lens
         if prefix is not None and (
             not isinstance(prefix, list)

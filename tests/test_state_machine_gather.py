@@ -525,8 +525,10 @@ def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> fj.St
     draft = fj.DraftPayload(**{k: inputs[k] for k in STANDARD_FIELDS}, extras=extras)
     lens = res.seq_lens
     if batch.draft_indices is not None:
-        garbage = (jnp.asarray(batch.forward_mode) == DECODE) & (batch.draft_indices == 0)
-        lens = jnp.where(garbage, 0, lens)
+        didx, mode = jnp.asarray(batch.draft_indices), jnp.asarray(batch.forward_mode)
+        if mode.ndim:  # a mesh: one mode per rank, each rank's rows in turn
+            mode = jnp.repeat(mode, didx.shape[0] // mode.shape[0])
+        lens = jnp.where((mode == DECODE) & (didx == 0), 0, lens)
     return fj.StepOutput(lens + 1, draft, res)
 
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from fm_jax._src import refusals
 from fm_jax._src.assembly import assemble
 from fm_jax._src.engine_step import EngineStep, Forward
+from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import Key, takes_state
 from fm_jax._src.placement import Placement
@@ -77,7 +78,7 @@ def _mixed_rows(
         raise FutureMapError(f"{where[:-1]} must be a Batch, got {type(batch).__name__}")
     if host_mode(batch.forward_mode, f"{where}forward_mode") != ForwardMode.MIXED:
         raise FutureMapError(f"{where}forward_mode must be MIXED: only it has running rows")
-    out = []
+    out: list[np.ndarray | None] = []
     for name, x in (
         ("req_pool_indices", batch.req_pool_indices),
         ("seq_lens", batch.seq_lens),

@@ -77,13 +77,16 @@ class HostLengths:
     def _among(last: _Published, idx: Rows) -> np.ndarray | None:
         """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
         slots too); None when one is not there or the lengths were donated since."""
-        if last.idx.counts is None or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
+        counts = last.idx.counts
+        if counts is None or idx.counts is None:
+            return None
+        if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
             return None
         have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
         want = np.asarray(idx.array)
         out = np.zeros(want.shape, lens.dtype)
         s0, s1 = last.idx.size, idx.size
-        for d, (n0, n1) in enumerate(zip(last.idx.counts, idx.counts, strict=True)):
+        for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
             if not n1:
                 continue
             if not n0:
