@@ -1104,7 +1104,9 @@ class GatherMachine(RuleBasedStateMachine):
     def read_step(self, slots: list[list[int]]) -> None:
         """resolve_seq_lens_cpu: the model's lengths, each array returned the caller's own
         (fresh, writable), updated in place by the caller afterwards."""
+        saved = copy.deepcopy(self.models)
         wants = [m.read_lengths(s) for m, s in zip(self.models, slots, strict=True)]
+        self.undo_if_refused(saved, wants)  # a refused read consumes no publish
 
         def on_ops(good: bool) -> Any:
             assert self.pure is not None
