@@ -27,6 +27,7 @@ from fm_jax._src.types import (
     DraftPayload,
     ForwardMode,
     FutureMapState,
+    MixedTails,
     Resolved,
     SpecConfig,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "FutureMapState",
     "InvariantViolation",
     "MeshLayout",
+    "MixedTails",
     "RelayField",
     "Resolved",
     "ResolvedConfidence",

@@ -275,6 +275,32 @@ def spec_mixed(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def spec_mixed_reuse(size: int = 1, seed: int = 0) -> Scenario:
+    """Spec MIXED batches through a tiny pool (gather protocol): each retirement's slot is
+    reused at once, PREBUILT bootstraps and idle steps come between. Debug consumes every
+    verified length a spec DECODE reads and holds each host read of lengths to a fresh
+    publish; the host rebinds each MIXED batch's running rows (seq_lens_cpu, seq_lens_sum,
+    prefix_lens) and learns their lengths from it."""
+    reqs = tuple(
+        Request(i, 3 + (3 * i) % 5, 4 + 2 * (i % 3), arrival=i, prebuilt=i % 5 == 3)
+        for i in range(7 * size)
+    )
+    pol = Policy(
+        mixed=True, chunk=2, max_prefill_rows=1, max_prefill_tokens=4, max_running=3, idle_every=6
+    )
+    return Scenario(
+        "spec_mixed_reuse",
+        "spec MIXED batches, slot reuse, bootstraps and idle steps (gather protocol)",
+        reqs,
+        4,
+        pol,
+        spec=SpecShape(topk=2, hidden=0, verified_id=True),
+        batch_buckets=(4,),
+        token_buckets=(8,),
+        protocols=("gather",),
+    )
+
+
 def random_mix(size: int = 1, seed: int = 0) -> Scenario:
     """A seeded random mix of every feature above (non-spec)."""
     rng = random.Random(seed)
@@ -461,6 +487,7 @@ CATALOGUE: dict[str, Builder] = {
     "spec_ngram": spec_ngram,
     "spec_confidence": spec_confidence,
     "spec_mixed": spec_mixed,
+    "spec_mixed_reuse": spec_mixed_reuse,
     "random_mix": random_mix,
     "random_spec_mix": random_spec_mix,
     "dp_overlap": dp_overlap,

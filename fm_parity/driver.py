@@ -154,6 +154,11 @@ def _resolved_fields(twin: Twin, res: ResolvedOut, hb: HostBatch) -> Fields:
     if res.draft is not None:
         for k, v in payloads.fields(res.draft).items():
             f[f"draft.{k}"] = (twin.snap(v, n), hb.live_slots)
+    if res.tails is not None:  # a spec MIXED batch's host fields, running rows rebound
+        seq, total, prefix = res.tails
+        f["host.seq_lens_cpu"] = (np.array(seq[:n], np.int64), hb.live_slots)
+        f["host.seq_lens_sum"] = (np.array([total], np.int64), hb.live_slots[:1])
+        f["host.prefix_lens"] = (np.array(prefix[:n], np.int64), hb.live_slots)
     return f
 
 
@@ -275,6 +280,13 @@ def _step(
 
     res = twin.resolve(resolving, sizes) if resolving else {}
     rec.op(step, "resolve", {r: _resolved_fields(twin, res[r], hbs[r]) for r in resolving})
+    for r, got in res.items():  # spec MIXED: the host learns its running rows' lengths
+        if got.tails is not None:
+            prefix = got.tails[2]
+            rows = plans[r].rows
+            lanes[r].sched.observe(
+                {row.rid: int(prefix[i]) for i, row in enumerate(rows) if row.phase == "decode"}
+            )
 
     outs = {r: twin.forward(r, res[r], hbs[r], offset) for r in running}
     rec.op(step, "forward", {r: _forward_fields(twin, outs[r], hbs[r]) for r in running}, False)

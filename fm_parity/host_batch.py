@@ -34,6 +34,9 @@ class HostBatch:
       running: [M] a MIXED batch's running (decode) rows' slots, in row order; their
         tokens are the last M of the live tokens (gather protocol: the slots resolve
         gathers them at). Empty for other kinds.
+      prefix_lens: [B] the host's prefix lengths (tokens already cached): a prefill
+        row's chunk start, a decode row's host length - 1 (spec: a step old), a bootstrap
+        row's length; padding rows 0. A spec MIXED resolve rebinds its running rows'.
     """
 
     plan: StepPlan
@@ -47,6 +50,7 @@ class HostBatch:
     n_tokens: int
     spec_decode: bool
     running: np.ndarray
+    prefix_lens: np.ndarray
 
     @property
     def live_slots(self) -> np.ndarray:
@@ -92,20 +96,24 @@ def build(
         lens = [h[1] for h in held]
         tok_slots = [row.slot for row in plan.rows]
         last = list(range(len(ids)))
+        prefix = [row.seq_len - 1 for row in plan.rows]
     else:
-        ids, lens, last, tok_slots = [], [], [], []
+        ids, lens, last, tok_slots, prefix = [], [], [], [], []
         for row in plan.rows:
             if row.phase == "prefill":
                 ids += prompt_tokens(row.rid, row.start, row.end, offset)
                 tok_slots += [row.slot] * (row.end - row.start)
                 lens.append(row.end)
+                prefix.append(row.start)
             elif row.phase == "decode":
                 tok, n = placeholder(row)
                 ids.append(tok)
                 tok_slots.append(row.slot)
                 lens.append(n)
+                prefix.append(row.seq_len - 1)
             else:  # bootstrap: no forward, no tokens
                 lens.append(row.seq_len)
+                prefix.append(row.seq_len)
             last.append(len(ids) - 1)
     n_rows, n_tokens = len(plan.rows), len(ids)
     rows = bucket(n_rows, scenario.batch_buckets, "batch rows")
@@ -131,4 +139,5 @@ def build(
             [r.slot for r in plan.rows if r.phase == "decode" and plan.kind is Kind.MIXED],
             dtype=dtype,
         ),
+        prefix_lens=np.array(prefix + [0] * pad_r, dtype=np.int64),
     )

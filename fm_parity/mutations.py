@@ -31,7 +31,9 @@ class Mutant:
     """
 
     judged_under = "sentinel"
-    debug_only = False  # a mistake only debug mode's writes make visible: judged in it
+    # a mistake only debug mode's writes make visible, or one of debug mode's own
+    # bookkeeping: judged in debug mode
+    debug_only = False
 
     def __init__(self, inner: Twin) -> None:
         self.inner = inner
@@ -420,6 +422,61 @@ class ConfidenceGenerationNotSnapshotted(Mutant):
         return out
 
 
+class LengthsNotConsumed(Mutant):
+    """Debug, spec: a DECODE resolve leaves the verified lengths it read in the buffer
+    instead of consuming them (written back as they were read), so a second read with no
+    publish between would find a length. Only the buffers show it: parity (debug mode)."""
+
+    debug_only = True
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = self.inner.resolve(batches, sizes)
+        read = {r: hb for r, hb in batches.items() if hb.spec_decode}
+        if read:
+            lens = {
+                r: np.where(hb.slots != 0, self.inner.host(out[r].seq_lens), 0).astype(
+                    hb.slots.dtype
+                )
+                for r, hb in read.items()
+            }
+            self.inner.publish({r: hb.slots for r, hb in read.items()}, lens, sizes)
+        return out
+
+
+class ReadsLengthsTwice(Mutant):
+    """resolve_seq_lens_cpu waits for the publish twice per read (as a retry would): the
+    second wait has no fresh publish behind it. Every value is as it should be: only the
+    debug 'fresh publish' check can see it."""
+
+    debug_only = True
+
+    def resolve_seq_lens_cpu(self, slots: Slots, sizes: Sizes) -> dict[int, np.ndarray]:
+        self.inner.resolve_seq_lens_cpu(slots, sizes)
+        return self.inner.resolve_seq_lens_cpu(slots, sizes)
+
+
+class MixedTailsOffByOne(Mutant):
+    """Gather protocol, spec MIXED: the host's rebound running rows are one short
+    (`seq_lens_cpu` the published length, not + 1; `prefix_lens` one below it), and so is
+    what the host learns of their lengths."""
+
+    judged_under = "gather"
+
+    def resolve(self, batches: Mapping[int, HostBatch], sizes: Sizes) -> dict[int, ResolvedOut]:
+        out = self.inner.resolve(batches, sizes)
+        for r, res in out.items():
+            if res.tails is None:
+                continue
+            seq, total, prefix = (np.array(x, np.int64) for x in res.tails)
+            m = len(batches[r].running)
+            if m:
+                live = np.flatnonzero(batches[r].slots != 0)[-m:]
+                seq[live] -= 1
+                prefix[live] -= 1
+            out[r] = res._replace(tails=(seq, int(total) - m, prefix))
+        return out
+
+
 def _with_verified_id(payload: Any, vid: np.ndarray) -> Any:
     """`payload` (either twin's DraftPayload: a NamedTuple or a dataclass) with host verified
     ids `vid`; both twins take host rows in a stash."""
@@ -457,6 +514,9 @@ MUTATIONS: dict[str, type[Mutant]] = {
     "one_row_aliases": OneRowAliases,
     "owned_relay_unwritten": OwnedRelayUnwritten,
     "confidence_generation_not_snapshotted": ConfidenceGenerationNotSnapshotted,
+    "lengths_not_consumed": LengthsNotConsumed,
+    "reads_lengths_twice": ReadsLengthsTwice,
+    "mixed_tails_off_by_one": MixedTailsOffByOne,
 }
 """Mutation name -> wrapper class (`judged_under`: the protocol it is judged under)."""
 

@@ -73,6 +73,9 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
         if ring is not None and plan.kind is Kind.DECODE:  # a verify reads, then publishes
             gen = np.array(sched.generation, np.int64)
             seen = confidence.digest(ring.read(slots.astype(np.int64)), gen[slots])
+        if spec is not None and plan.kind is Kind.MIXED:
+            # The host rebinds its running rows from the published lengths (their prefix).
+            sched.observe({row.rid: length[row.rid] for row in rows if row.phase == "decode"})
         if spec is None:
             token, new_lens = tm.forward_tokens(ids_a, lens_a, slots, every, tm.NUMPY, offset)
             draft = None

@@ -312,7 +312,8 @@ def check_mutation(
 
     Every job runs under the mutation's own protocol (`Mutant.judged_under`: the relay
     protocol whose mistake it makes), whatever protocol it names, and in debug mode if
-    the mutation shows only there (`Mutant.debug_only`). Returns the detectors
+    the mutation shows only there, or is a mistake of debug mode's own bookkeeping
+    (`Mutant.debug_only`). Returns the detectors
     that fired in the first scenario that caught it (both debug modes of that scenario
     are run, so 'debug' shows where it applies).
     """

@@ -50,6 +50,9 @@ class ResolvedOut(NamedTuple):
     seq_lens: Any  # [B]
     draft: Any  # the twin's DraftPayload gathered for a spec DECODE batch, else None
     batch: Any  # the twin's batch object where it resolves in place (torch), else None
+    # A spec MIXED batch's host fields with its running rows rebound (gather protocol):
+    # (seq_lens_cpu [B], seq_lens_sum, prefix_lens [B]) as host int64; else None.
+    tails: Any = None
 
 
 class ForwardOut(NamedTuple):

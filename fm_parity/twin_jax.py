@@ -264,6 +264,7 @@ class JaxTwin:
         key = ("resolve", rows, tokens, kinds, spec_decode, mixed)
         resolve = self._watched("resolve", self.fm.resolve)
         out = self._call(key, sizes, resolve, bs, rows=rows, tokens=tokens)
+        tails = self._mixed_tails(batches, bs)
         res = {}
         for r, hb in batches.items():
             n, t = len(hb.slots), len(hb.input_ids)
@@ -271,8 +272,23 @@ class JaxTwin:
             if out.draft is not None and hb.spec_decode:
                 draft = payloads.convert(out.draft, functools.partial(self._rows, rank=r, n=n))
             ids, lens = self._rows(out.input_ids, r, t), self._rows(out.seq_lens, r, n)
-            res[r] = ResolvedOut(ids, lens, draft, None)
+            res[r] = ResolvedOut(ids, lens, draft, None, tails.get(r))
         return res
+
+    def _mixed_tails(
+        self, batches: Mapping[int, HostBatch], bs: Mapping[int, fm_jax.Batch]
+    ) -> dict[int, Any]:
+        """Spec MIXED ranks (gather protocol): their host fields with the running rows
+        rebound (`FutureMap.resolve_mixed_tails_cpu`, a host read like
+        resolve_seq_lens_cpu: not watched by the 'sync' check)."""
+        mixed = [r for r, hb in batches.items() if hb.mode == fm_jax.ForwardMode.MIXED]
+        if self.spec is None or self.protocol != "gather" or not mixed:
+            return {}
+        got = self.fm.resolve_mixed_tails_cpu(
+            {r: bs[r] for r in mixed}, prefix_lens={r: batches[r].prefix_lens for r in mixed}
+        )
+        assert isinstance(got, dict)
+        return {r: (t.seq_lens_cpu, t.seq_lens_sum, t.prefix_lens) for r, t in got.items()}
 
     def _gathers_ids(self, hb: HostBatch) -> bool:
         """Gather protocol: a non-spec DECODE batch brings no ids (resolve gathers them at

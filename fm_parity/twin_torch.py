@@ -177,7 +177,12 @@ class TorchTwin:
             with self.fms[r].forward_stream():
                 self.fms[r].resolve(batch)
             draft = None if batch.draft is None else batch.draft.payload
-            out[r] = ResolvedOut(batch.input_ids, batch.seq_lens, draft, batch)
+            tails = None
+            if batch.seq_lens_cpu is not None:
+                assert batch.prefix_lens is not None and batch.seq_lens_sum is not None
+                prefix = np.array(batch.prefix_lens, np.int64)
+                tails = (batch.seq_lens_cpu.numpy(), batch.seq_lens_sum, prefix)
+            out[r] = ResolvedOut(batch.input_ids, batch.seq_lens, draft, batch, tails)
         return out
 
     def _gather_layout(self, batch: Any, hb: HostBatch) -> None:
@@ -189,6 +194,9 @@ class TorchTwin:
         elif hb.mode == fm_torch.ForwardMode.MIXED:
             batch.input_ids = self._t(hb.input_ids[: hb.n_prefill_tokens])
             batch.mix_running_indices = self._t(hb.running)
+            if self.spec is not None:  # the host's fields, rebound by resolve (as SGLang's)
+                batch.seq_lens_cpu = torch.from_numpy(hb.seq_lens.astype(np.int64))
+                batch.prefix_lens = hb.prefix_lens.tolist()
 
     def forward(self, rank: int, res: ResolvedOut, hb: HostBatch, offset: int) -> ForwardOut:
         slots, last = self._t(hb.slots), self._t(hb.last_index)

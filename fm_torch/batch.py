@@ -60,6 +60,11 @@ class ScheduleBatch:
     `mix_running_indices` is not read. Gather protocol: `input_ids` is None for a DECODE
     batch (resolve gathers its ids), a MIXED batch's `input_ids` holds only its prefill ids
     and `mix_running_indices` the slots of its running rows, whose tokens resolve appends.
+
+    The host's own fields (SGLang's `seq_lens_cpu`, `seq_lens_sum`, `prefix_lens`), one
+    entry per row where given: a spec MIXED batch's resolve rebinds its running rows'
+    (`seq_lens_cpu` the bound length, `prefix_lens` the published one, `seq_lens_sum`
+    over the live rows); any other batch's are not read.
     """
 
     forward_mode: ForwardMode
@@ -68,3 +73,6 @@ class ScheduleBatch:
     seq_lens: torch.Tensor  # [B]
     draft: DraftInput | None = None
     mix_running_indices: torch.Tensor | None = None  # [M] gather protocol, MIXED only
+    seq_lens_cpu: torch.Tensor | None = None  # [B] int, on the CPU
+    seq_lens_sum: int | None = None
+    prefix_lens: list[int] | None = None  # [B]

@@ -115,7 +115,8 @@ class FutureMap:
         # Slot 0 mirrors the KV pool's padding row: padded batch rows write garbage there.
         fill = POISON if self.debug else 0
         self.output_tokens = torch.full((pool_size,), fill, dtype=dtype, device=self.device)
-        self.new_seq_lens = torch.zeros(pool_size, dtype=dtype, device=self.device)
+        # Debug: a length with no unread publish is POISON too (SGLang's poisoned init).
+        self.new_seq_lens = torch.full((pool_size,), fill, dtype=dtype, device=self.device)
         self._relay: RelayBuffers | None = None
         if relay is not None:
             self._adopt(relay)
@@ -131,6 +132,9 @@ class FutureMap:
         self._spec_shaped = False
         # Recorded after each spec publish on accelerators; resolve_seq_lens_cpu waits on it.
         self.publish_ready: torch.Event | None = None
+        # Spec: armed by a publish, consumed by the resolve_seq_lens_cpu that waits for it
+        # (debug: a wait with no fresh publish behind it is a violation).
+        self._publish_fresh = False
         self._forward_stream = self._make_forward_stream()
         self.needs_confidence_relay = needs_confidence_relay
         self.confidence_relay = ConfidenceRelay(pool_size, self.device)
@@ -220,10 +224,12 @@ class FutureMap:
             self.new_seq_lens[indices] = new_seq_lens.to(self.dtype)
         if confidence is not None:
             self.confidence_relay.scatter(indices, confidence)
-        if self.spec and self.device.type != "cpu":
-            if self.publish_ready is None:
-                self.publish_ready = torch.Event(device=self.device)
-            self.publish_ready.record()
+        if self.spec:
+            self._publish_fresh = True
+            if self.device.type != "cpu":
+                if self.publish_ready is None:
+                    self.publish_ready = torch.Event(device=self.device)
+                self.publish_ready.record()
         if gen is not None:
             self.confidence_relay.issue_ring_copy(gen, self.publish_ready)
 
@@ -498,6 +504,8 @@ class FutureMap:
         elif draft_indices is not None:
             assert batch.draft is not None
             batch.draft.payload = self._gather_extras(draft_indices)
+        if seq_lens is not None and self.spec and self.debug:
+            self._consume_lengths(indices)
         if seq_lens is not None:
             batch.seq_lens = seq_lens
 
@@ -586,9 +594,11 @@ class FutureMap:
             v.check_rows("draft.indices", draft_indices, indices.shape[0])
             if not self._spec_shaped:
                 raise FutureMapError("resolve of spec extras before any draft was stashed")
+        host_tails = False
         if mix is not None and self.spec:
             # Spec MIXED: the running rows are the batch's last rows, in mix order.
             v.check_at_most("mix_running_indices", mix, indices.shape[0])
+            host_tails = self._check_host_fields(batch, indices.shape[0])
         if self._values_checked:
             v.check_slots("req_pool_indices", indices, self.pool_size)
             if mix is not None:
@@ -611,11 +621,12 @@ class FutureMap:
             reads.append((new_ids, indices))
         elif mix is not None:
             assert ids is not None
-            running = self.output_tokens[mix]
-            reads.append((running, mix))
-            new_ids = torch.cat([ids.to(self.dtype), running])
+            running_ids = self.output_tokens[mix]
+            reads.append((running_ids, mix))
+            new_ids = torch.cat([ids.to(self.dtype), running_ids])
         seq_lens: torch.Tensor | None = None
         fresh: torch.Tensor | None = None
+        running: torch.Tensor | None = None  # spec MIXED: the running rows' mask
         if mix is not None and self.spec and mix.numel():
             # Spec MIXED (SGLang's late binding): the host planned this batch before the last
             # verify's accept lengths landed; its running rows (the last len(mix) live rows;
@@ -661,6 +672,8 @@ class FutureMap:
                 self._consume(values, slots, source_slots=slots)
             if payload is not None and draft_indices is not None:
                 self._poison_fields(draft_indices)
+                if mode == ForwardMode.DECODE:  # the verified lengths it read
+                    self._consume_lengths(draft_indices)
         if new_ids is not None:
             batch.input_ids = new_ids
         if seq_lens is not None:
@@ -668,6 +681,49 @@ class FutureMap:
         if payload is not None:
             assert batch.draft is not None
             batch.draft.payload = payload
+        if host_tails and running is not None:
+            assert seq_lens is not None
+            self._rebind_host_tails(batch, indices, running, seq_lens)
+
+    def _check_host_fields(self, batch: ScheduleBatch, rows: int) -> bool:
+        """A spec MIXED batch's host fields (metadata): `seq_lens_cpu` a 1-D int CPU
+        tensor and `prefix_lens` a list of ints, one per row. Whether there are any."""
+        cpu = torch.device("cpu")
+        if batch.seq_lens_cpu is not None:
+            v.check_rows(
+                "seq_lens_cpu", v.check_1d_int("seq_lens_cpu", batch.seq_lens_cpu, cpu), rows
+            )
+        prefix = batch.prefix_lens
+        if prefix is not None and (
+            not isinstance(prefix, list)
+            or len(prefix) != rows
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in prefix)
+        ):
+            raise FutureMapError(f"prefix_lens must be a list of {rows} ints, one per row")
+        return batch.seq_lens_cpu is not None or prefix is not None
+
+    def _rebind_host_tails(
+        self,
+        batch: ScheduleBatch,
+        indices: torch.Tensor,
+        running: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
+        """Spec MIXED, the host's side of the late binding (SGLang's
+        `resolve_mixed_spec_tails`; a host sync): the running rows' `seq_lens_cpu` become
+        their bound lengths, `prefix_lens` the published ones, `seq_lens_sum` the sum
+        over the live rows. `out_cache_loc` (the KV pool's) is the engine's."""
+        run, bound, live = running.cpu(), seq_lens.cpu(), indices.cpu() > 0
+        if batch.seq_lens_cpu is not None:
+            host = torch.where(run, bound.to(batch.seq_lens_cpu.dtype), batch.seq_lens_cpu)
+            batch.seq_lens_cpu = host
+            batch.seq_lens_sum = int(host[live].sum())
+        if batch.prefix_lens is not None:
+            fresh = (bound - 1).tolist()
+            batch.prefix_lens = [
+                fresh[i] if r else p
+                for i, (r, p) in enumerate(zip(run.tolist(), batch.prefix_lens, strict=True))
+            ]
 
     def invalidate(self, batch: ScheduleBatch, indices: torch.Tensor) -> None:
         """Leave sentinels for the next step: `input_ids := -indices`, `seq_lens := -indices`.
@@ -688,15 +744,45 @@ class FutureMap:
         batch.seq_lens = sentinel.clone()
 
     def resolve_seq_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
-        """Host copy of `new_seq_lens[indices]`, after the last spec publish has landed."""
+        """Host copy of `new_seq_lens[indices]`, after the last spec publish has landed.
+
+        Debug: on a spec map a read with rows must follow a publish no earlier read
+        followed ('fresh publish', SGLang's consume-once wait), and every live slot read
+        must hold a length >= 0 ('consume lengths (WRWR)': published, and not consumed by
+        a resolve since). Both raise InvariantViolation here, on any device.
+        """
         indices = v.check_1d_int("indices", indices, self.device)
         if self._values_checked:
             v.check_slots("indices", indices, self.pool_size)
+        if self.debug and self.spec and indices.numel():
+            fresh, self._publish_fresh = self._publish_fresh, False
+            if not fresh:
+                raise InvariantViolation(
+                    "fresh publish",
+                    "resolve_seq_lens_cpu waited for a publish that an earlier read already "
+                    "consumed, or that never came",
+                )
         if self.publish_ready is not None:
             self.publish_ready.synchronize()
-        return self.new_seq_lens[indices].cpu()
+        out = self.new_seq_lens[indices].cpu()
+        if self.debug:
+            bad = (out < 0) & (indices.cpu() != 0)  # slot 0 is padding: never checked
+            if bool(bad.any()):
+                raise InvariantViolation(
+                    "consume lengths (WRWR)",
+                    "read a length never published, or consumed by a resolve since its "
+                    "last publish",
+                    indices.cpu()[bad].tolist(),
+                )
+        return out
 
     # ------------------------------------------------------------------------ debug checks
+    def _consume_lengths(self, indices: torch.Tensor) -> None:
+        """Spec, debug: the verified lengths a resolve read at `indices` (checked > 0
+        already) are consumed: POISON written back, so a second read with no publish
+        between finds it (SGLang poisons them after its `resolve_seq_lens_cpu` read)."""
+        self.new_seq_lens[indices] = POISON
+
     def _check_positive_lengths(self, seq_lens: torch.Tensor, indices: torch.Tensor) -> None:
         """Restored lengths of live rows are > 0; a sentinel there was never published."""
         ok = (seq_lens > 0) | (indices == 0)  # slot 0 is padding: its length is garbage
@@ -708,7 +794,8 @@ class FutureMap:
             raise InvariantViolation(
                 "seq_lens > 0",
                 f"DECODE restored non-positive lengths {seq_lens[~ok].tolist()}: "
-                "the slot's length was never published",
+                "the slot's length was never published (spec: or a resolve read it since "
+                "its last publish)",
                 slots,
             )
 

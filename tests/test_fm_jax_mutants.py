@@ -116,7 +116,8 @@ def test_a_one_row_spec_resolve_consumes_its_slot() -> None:
     err, (st, out) = resolve(st, spec_decode([4]))
     fj.raise_if_violated(err)
     assert out.draft is not None and out.draft.bonus_tokens.tolist() == [8]
-    assert st.output_tokens.tolist()[4] == fj.POISON
+    assert st.output_tokens.tolist()[4] == st.new_seq_lens.tolist()[4] == fj.POISON
+    st = ops.publish(st, i32(4), i32(5))  # its length again: only the token is read twice
     err, _ = resolve(st, spec_decode([4]))
     bad = violation(err)
     assert bad.invariant == "consume (WRWR)" and "slot 4" in str(bad)

@@ -92,11 +92,12 @@ class InitTest(chex.TestCase):
         self.assertEqual(OPS.dtype, np.dtype(np.int32))
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_init_debug_poisons_output_tokens(self):
-        """Debug init must poison output_tokens with -1 (so a read before any write fails)."""
+    def test_init_debug_poisons_output_tokens_and_lengths(self):
+        """Debug init must poison output_tokens and new_seq_lens with -1 (so a read before
+        any write fails; SGLang's poisoned init)."""
         st = self.variant(OPS_DEBUG.init)()
         np.testing.assert_array_equal(st.output_tokens, np.full(R, -1))
-        np.testing.assert_array_equal(st.new_seq_lens, np.zeros(R))
+        np.testing.assert_array_equal(st.new_seq_lens, np.full(R, -1))
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*HIDDEN_CASES)

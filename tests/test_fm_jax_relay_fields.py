@@ -86,7 +86,9 @@ def test_every_consumed_field_is_poisoned_and_checked(field: str, protocol: str)
     assert np.asarray(get(st))[3] == -1
     assert bits(np.asarray(st.extras["score"])[3]) == bits(SCORES[0].view(np.uint16))
     # Every consumed buffer but `field` written again at slot 3: only `field` reads -1.
-    restored = st._replace(output_tokens=st.output_tokens.at[3].set(32))
+    restored = st._replace(
+        output_tokens=st.output_tokens.at[3].set(32), new_seq_lens=st.new_seq_lens.at[3].set(4)
+    )
     if field == "verified_id":
         restored = restored._replace(extras={**st.extras, "steps": st.extras["steps"].at[3].set(8)})
     else:
@@ -244,6 +246,7 @@ def test_a_consumed_field_of_several_values_per_row_is_tracked_row_by_row() -> N
     # Everything read restored but one entry of slot 3's path: that row reads as -1.
     restored = after._replace(
         output_tokens=after.output_tokens.at[jnp.asarray(a(3, 5))].set(1),
+        new_seq_lens=after.new_seq_lens.at[jnp.asarray(a(3, 5))].set(4),  # consumed: again
         extras={"path": after.extras["path"].at[3].set(a(7, -1, 9)).at[5].set(a(1, 1, 1))},
     )
     err, _ = resolve(restored, b)
@@ -254,19 +257,19 @@ def test_a_consumed_field_of_several_values_per_row_is_tracked_row_by_row() -> N
 @pytest.mark.parametrize("debug", [False, True])
 def test_init_fills_only_consumed_fields_with_the_poison_and_only_in_debug(debug: bool) -> None:
     """A new spec map's buffers: the consume-tracked ones (bonus tokens, verified ids, an
-    engine's consumed field) hold -1 in debug mode and 0 otherwise; every other field holds
-    0 (bits included) in both modes."""
+    engine's consumed field) and the lengths hold -1 in debug mode and 0 otherwise; every
+    other field holds 0 (bits included) in both modes."""
     st = fj.future_map(R, spec=SPEC, debug=debug).init()
     poison = -1 if debug else 0
     assert st.verified_id is not None and st.extras is not None
     for name, buf in [
         ("output_tokens", st.output_tokens),
+        ("new_seq_lens", st.new_seq_lens),
         ("verified_id", st.verified_id),
         ("steps", st.extras["steps"]),
     ]:
         assert (np.asarray(buf) == poison).all(), name
     for name, buf in [
-        ("new_seq_lens", st.new_seq_lens),
         ("topk_p", st.topk_p),
         ("topk_index", st.topk_index),
         ("score", st.extras["score"]),
@@ -370,6 +373,7 @@ def test_an_ngram_payload_relays_only_its_own_fields(protocol: str, debug: bool)
     fm.stash(a(3, 5), fj.DraftPayload(extras={"accept_tokens": toks, "accept_lens": a(2, 1)}))
     ids = a(0, 0, 0) if protocol == "gather" else a(-5, -3, -6)
     for _ in range(2):  # nothing is consumed: a second read gives the same
+        fm.publish(a(3, 5, 6), a(4, 6, 2))  # (debug consumes the lengths a read takes)
         r = fm.resolve(fj.Batch(D, a(5, 3, 6), ids, ids, draft_indices=a(5, 3, 6)))
         assert r.draft is not None and r.draft.extras is not None
         assert r.draft.bonus_tokens is None and r.draft.topk_p is None

@@ -362,6 +362,7 @@ def test_debug_spec_read_read_is_caught_and_writes_nothing():
     fm.publish(t([1, 2]), t([5, 6]))
     fm.stash(t([1, 2]), draft([11, 22]))
     fm.resolve(spec_decode([1, 2]))
+    fm.publish(t([1, 2]), t([6, 7]))  # the lengths again: only bonus token 2 is read twice
     fm.stash(t([1]), draft([12]))
     batch = spec_decode([1, 2])
     before, before_batch = snapshot(fm), batch_snapshot(batch)

@@ -60,11 +60,14 @@ def test_default_dtype_is_int64_as_sglang():
     assert fm.output_tokens.dtype == torch.int64 and fm.new_seq_lens.dtype == torch.int64
 
 
-def test_debug_mode_poisons_output_tokens_only():
-    """Pins: debug mode not starting output_tokens at -1, or poisoning new_seq_lens too."""
+def test_debug_mode_poisons_tokens_and_lengths():
+    """Pins: debug mode not starting output_tokens and new_seq_lens at -1 (SGLang's
+    poisoned init), or a map without debug starting anywhere but 0."""
     fm = FutureMap(4, debug=True)
     assert as_list(fm.output_tokens) == [-1, -1, -1, -1]
-    assert as_list(fm.new_seq_lens) == [0, 0, 0, 0]
+    assert as_list(fm.new_seq_lens) == [-1, -1, -1, -1]
+    plain = FutureMap(4, debug=False)
+    assert as_list(plain.output_tokens) == as_list(plain.new_seq_lens) == [0, 0, 0, 0]
 
 
 # ---------------------------------------------------------------------------------- publish

@@ -82,6 +82,7 @@ def test_tracked_fields_are_poisoned_and_a_second_read_is_caught(field: str) -> 
     fm.output_tokens[torch.tensor([3, 5])] = t(32, 52)
     other = fm.extras["steps"] if field == "verified_id" else fm.verified_id
     other[torch.tensor([3, 5])] = t(7, 7)
+    fm.new_seq_lens[torch.tensor([3, 5])] = t(4, 6)  # and the lengths the resolve consumed
     before = snapshot(fm)
     with pytest.raises(InvariantViolation, match=r"consume \(WRWR\)"):
         fm.resolve(batch("sentinel", t(3, 5)))
@@ -248,6 +249,7 @@ def test_an_ngram_first_draft_fixes_a_relay_without_bonus_tokens(
     assert fm.topk_p is None and fm.topk_index is None and not fm.bonus_tokens
     assert torch.equal(fm.output_tokens, tokens_before)
     for _ in range(2):  # nothing is consume-tracked: a second read gives the same
+        fm.publish(t(3, 5, 6), t(4, 6, 2))  # (debug consumes the lengths a read takes)
         b = batch(protocol, t(5, 3, 6))
         fm.resolve(b)
         assert b.draft is not None and b.draft.payload is not None
@@ -283,6 +285,8 @@ def test_both_twins_relay_an_ngram_payload_to_the_same_bytes(protocol: str, debu
         td = ngram(len(s), step)
         td.extras = {k: v.to(torch.int32) for k, v in (td.extras or {}).items()}
         jd = fj.DraftPayload(extras={k: v.numpy() for k, v in (td.extras or {}).items()})
+        jm.publish(live, live)  # debug: a spec DECODE consumes the lengths it reads
+        tm.publish(torch.from_numpy(live), torch.from_numpy(live))
         jm.publish(s, s + step)
         tm.publish(ts, ts + step)
         jm.stash(s, jd)

@@ -130,8 +130,9 @@ def test_cli_mutations_are_all_caught(tmp_path, capsys):
     for m in doc["mutations"]:
         assert set(m) == {"name", "protocol", "caught_by"} and m["caught_by"], m
         assert m["protocol"] == MUTATIONS[m["name"]].judged_under
-        # A resolve that syncs changes no value: the 'sync' check alone sees it.
-        want = "sync" if m["name"] == "host_copy_syncs" else "parity"
+        # A resolve that syncs changes no value: the 'sync' check alone sees it; a read of
+        # lengths waiting twice neither: the debug 'fresh publish' check alone.
+        want = {"host_copy_syncs": "sync", "reads_lengths_twice": "debug"}.get(m["name"], "parity")
         assert want in m["caught_by"].split("+"), m
     assert {m["protocol"] for m in doc["mutations"]} == {"sentinel", "gather"}
     assert "caught by" in capsys.readouterr().out

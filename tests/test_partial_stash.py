@@ -145,11 +145,12 @@ def test_partial_stashes_keep_the_rows_they_leave_out_in_both_twins(jmap: fj.Fut
     stash has written (`dsa`, never carried here) is gathered as None by both."""
     jm, tm = jmap, fresh_torch()
     jm.reset()
-    jm.publish(SLOTS, SLOTS + 3)
-    tm.publish(torch.from_numpy(SLOTS), torch.from_numpy(SLOTS + 3))
     first = full(1)
     no_dsa = tuple(k for k in first if k != "dsa")
     for values, names in ((first, no_dsa), (full(2), BONUS_ONLY), (full(3), NO_HIDDEN)):
+        # each step publishes before it resolves: a spec resolve consumes the lengths
+        jm.publish(SLOTS, SLOTS + 3)
+        tm.publish(torch.from_numpy(SLOTS), torch.from_numpy(SLOTS + 3))
         jm.stash(SLOTS, jax_draft(values, names))
         tm.stash(torch.from_numpy(SLOTS), torch_draft(values, names))
         tb = torch_bytes(tm)
@@ -183,6 +184,8 @@ def test_a_field_first_stashed_late_is_gathered_from_then_on_and_reset_forgets(
     jd, td = resolve_both(jm, tm)
     assert jd.topk_p is None and jd.extras is None and td.topk_p is None and td.extras is None
     with_dsa = (*BONUS_ONLY, "dsa")
+    jm.publish(SLOTS, SLOTS + 3)  # a spec resolve consumed the lengths: publish again
+    tm.publish(torch.from_numpy(SLOTS), torch.from_numpy(SLOTS + 3))
     jm.stash(SLOTS, jax_draft(full(2), with_dsa))
     tm.stash(torch.from_numpy(SLOTS), torch_draft(full(2), with_dsa))
     assert jm.relayed_fields() == with_dsa

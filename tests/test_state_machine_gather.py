@@ -186,6 +186,9 @@ class Expect(Outcome):
       draft: resolve's gathered draft rows by field (bytes; None for padding rows).
       poisoned_draft: slots whose tracked draft fields (verified ids, steps) a resolve
         poisons; `poisoned` (Outcome's) are output_tokens'.
+      poisoned_lens: slots whose length a spec DECODE resolve consumes (poisons).
+      ops_violation: what the pure ops report instead of `violation` (None: the same; ''
+        nothing): they have no host read, so no fresh-publish check.
     """
 
     torch_refused: str = ""
@@ -193,6 +196,8 @@ class Expect(Outcome):
     bad: list[int] = field(default_factory=list)
     draft: dict[str, list[bytes | None]] | None = None
     poisoned_draft: list[int] = field(default_factory=list)
+    poisoned_lens: list[int] = field(default_factory=list)
+    ops_violation: str | None = None  # the pure ops' report, where it differs ('': none)
 
 
 def refuse(jax_re: str, torch_re: str | None = None, ops: tuple[str, str] | None = None) -> Expect:
@@ -275,6 +280,7 @@ class GatherModel(Model):
     publish / stash / read rules), and the gather protocol's resolve."""
 
     spec: bool = False
+    armed: bool = False  # spec: a publish came since the last read of lengths
     vid: dict[int, int] = field(default_factory=lambda: dict.fromkeys(LIVE, POISON))
     steps: dict[int, int] = field(default_factory=lambda: dict.fromkeys(LIVE, POISON))
     rows: dict[str, dict[int, bytes]] = field(default_factory=dict)
@@ -304,13 +310,25 @@ class GatherModel(Model):
         if got.refused:
             field_re = _rank("indices") if got.refused == "indices" else _rank(name)
             return refuse(rf"^{field_re} holds", ops=("inv", got.traced or ""))
+        if op == "publish" and slots:
+            self.armed = True
         return Expect()
 
     def read_lengths(self, slots: list[int]) -> Expect:
+        """resolve_seq_lens_cpu: `Model.read` (a live length read back must not be the
+        poison), and on a spec map a read with rows consumes the last publish, which no
+        read may have consumed before ('fresh publish', reported first; the pure ops have
+        no such host read)."""
         got = self.read(slots)
         if got.refused:
             return refuse(rf"^{_rank('indices')} holds", ops=("inv", got.traced or ""))
-        return Expect(out=got.out)
+        want = Expect(out=got.out, violation=got.violation)
+        want.bad = [s for s in slots if s and self.lens[s] < 0]
+        if self.spec and slots:
+            if not self.armed:
+                want.ops_violation, want.violation = want.violation, "fresh publish"
+            self.armed = False
+        return want
 
     def stash_draft(self, slots: list[int], d: Draft, fault: str | None) -> Expect:
         """Spec stash: every declared field written at the live slots, or one refusal."""
@@ -434,6 +452,7 @@ class GatherModel(Model):
                 short = [s for s in drafted if self.lens[s] <= 0]
                 if short:
                     got.violation, got.bad = "seq_lens > 0", short
+                got.poisoned_lens = sorted(set(drafted))  # consumed (debug)
         if not got.violation:
             # Each read in order: a slot read twice with no write between finds the poison
             # (a spec MIXED batch's running rows, then its draft).
@@ -453,6 +472,8 @@ class GatherModel(Model):
             self.tokens[s] = POISON
         for s in got.poisoned_draft:
             self.vid[s] = self.steps[s] = POISON
+        for s in got.poisoned_lens:
+            self.lens[s] = POISON
         return got
 
 
@@ -498,12 +519,20 @@ def _class_map(spec: bool, dp: int, pack: bool = False) -> fj.FutureMap:
 def _forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, Any]) -> fj.StepOutput:
     """The engine's forward: each row's resolved length + 1, and as its payload the host's
     tokens (non-spec) or draft (spec: every declared field from the host); it hands back
-    what it resolved."""
+    what it resolved. A spec DECODE row whose draft reads padding slot 0 has no length of
+    its own (slot 0's garbage, in debug at first the poison): it publishes 0 + 1, as the
+    model's tail does for a row without one."""
     if "tokens" in inputs:
         return fj.StepOutput(res.seq_lens + 1, inputs["tokens"], res)
     extras = {k: v for k, v in inputs.items() if k not in STANDARD_FIELDS}
     draft = fj.DraftPayload(**{k: inputs[k] for k in STANDARD_FIELDS}, extras=extras)
-    return fj.StepOutput(res.seq_lens + 1, draft, res)
+    lens = res.seq_lens
+    if batch.draft_indices is not None:
+        didx, mode = jnp.asarray(batch.draft_indices), jnp.asarray(batch.forward_mode)
+        if mode.ndim:  # a mesh: one mode per rank, each rank's rows in turn
+            mode = jnp.repeat(mode, didx.shape[0] // mode.shape[0])
+        lens = jnp.where((mode == DECODE) & (didx == 0), 0, lens)
+    return fj.StepOutput(lens + 1, draft, res)
 
 
 STANDARD_FIELDS = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
@@ -788,6 +817,7 @@ class GatherMachine(RuleBasedStateMachine):
         for m, tm in zip(self.models, self.tms, strict=True):
             tm.publish(t(LIVE), t(lens))
             m.lens.update(zip(LIVE, lens, strict=True))
+            m.armed = True
         if self.SPEC:
             d = init_draft()
             arrays = _draft_arrays(d, None)
@@ -891,16 +921,20 @@ class GatherMachine(RuleBasedStateMachine):
             self.fm.check()  # a refused call records nothing
             assert self.fm.step == step
             return None
-        outs: dict[Any, Any] = {"class": on_class()}
+        outs: dict[Any, Any] = {"class": None}
         violated = {d: w.violation for d, w in enumerate(wants) if w.violation}
         if violated:
             with pytest.raises(fj.InvariantViolation) as info:
+                outs["class"] = on_class()  # a read raises its violations itself
                 self.fm.check()
-            found = {(v.rank or 0, v.invariant) for v in info.value.violations}
-            assert found == set(violated.items()), info.value
+            first: dict[int, str] = {}  # a rank's later reports follow from its first
+            for v in info.value.violations:
+                first.setdefault(v.rank or 0, v.invariant)
+            assert first == violated, info.value
             for v in info.value.violations:
                 assert set(v.slots) <= set(wants[v.rank or 0].bad), (v, wants[v.rank or 0].bad)
         else:
+            outs["class"] = on_class()
             self.fm.check()
         for d, want in enumerate(wants):
             call, tb = on_torch(d)
@@ -911,7 +945,8 @@ class GatherMachine(RuleBasedStateMachine):
             with pytest.raises(ft.InvariantViolation) as tinfo:
                 call()
             assert tinfo.value.invariant == want.violation, tinfo.value
-            assert tinfo.value.slots and set(tinfo.value.slots) <= set(want.bad), tinfo.value
+            named = tinfo.value.slots or want.violation == "fresh publish"  # names no slot
+            assert named and set(tinfo.value.slots) <= set(want.bad), tinfo.value
             if tb is not None:
                 assert before == (tb.input_ids, tb.seq_lens, tb.draft)
                 assert tb.draft is None or tb.draft.payload is None
@@ -919,16 +954,19 @@ class GatherMachine(RuleBasedStateMachine):
             tm = self.tms[d]
             if want.poisoned:
                 tm.output_tokens[t(want.poisoned)] = POISON
+            if want.poisoned_lens:
+                tm.new_seq_lens[t(want.poisoned_lens)] = POISON
             if want.poisoned_draft:
                 assert tm.verified_id is not None
                 tm.verified_id[t(want.poisoned_draft)] = POISON
                 tm.extras["steps"][t(want.poisoned_draft)] = POISON
         if on_ops is not None:
             err, outs["ops"] = on_ops(True)
-            if wants[0].violation:
+            seen = wants[0].violation if wants[0].ops_violation is None else wants[0].ops_violation
+            if seen:
                 with pytest.raises(fj.InvariantViolation) as info:
                     fj.raise_if_violated(err)
-                assert info.value.invariant == wants[0].violation, info.value
+                assert info.value.invariant == seen, info.value
             else:
                 fj.raise_if_violated(err)
         return outs
@@ -1069,7 +1107,9 @@ class GatherMachine(RuleBasedStateMachine):
     def read_step(self, slots: list[list[int]]) -> None:
         """resolve_seq_lens_cpu: the model's lengths, each array returned the caller's own
         (fresh, writable), updated in place by the caller afterwards."""
+        saved = copy.deepcopy(self.models)
         wants = [m.read_lengths(s) for m, s in zip(self.models, slots, strict=True)]
+        self.undo_if_refused(saved, wants)  # a refused read consumes no publish
 
         def on_ops(good: bool) -> Any:
             assert self.pure is not None
@@ -1082,7 +1122,7 @@ class GatherMachine(RuleBasedStateMachine):
             lambda d: (lambda: self.tms[d].resolve_seq_lens_cpu(t(slots[d])), None),
             on_ops if self.pure is not None else None,
         )
-        if outs is not None:
+        if outs is not None and not any(w.violation for w in wants):
             got = outs["class"] if self.DP > 1 else {0: outs["class"]}
             for d, want in enumerate(wants):
                 live = [i for i, s in enumerate(slots[d]) if s]

@@ -123,7 +123,16 @@ def assemble(
     if local.spec is not None and local.spec.confidence:
         ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
     optional = rf.optional(local.spec.fields()) if local.spec is not None else ()
-    runtime = MapRuntime(fresh, state, debug_channel, lengths, ring, optional, layout.dp)
+    runtime = MapRuntime(
+        fresh,
+        state,
+        debug_channel,
+        lengths,
+        ring,
+        optional,
+        layout.dp,
+        spec=local.spec is not None,
+    )
     placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
     placement.last_checked = runtime.last_checked
     # Debug: the tail ops' only checks are slot checks; slots already checked take

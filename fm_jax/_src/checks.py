@@ -35,6 +35,8 @@ DUPLICATE_SLOT = "duplicate live slot"
 SENTINEL_RANGE = "sentinel range"
 POSITIVE_LENGTHS = "seq_lens > 0"
 CONSUME = "consume (WRWR)"
+CONSUME_LENGTHS = "consume lengths (WRWR)"
+FRESH_PUBLISH = "fresh publish"
 FORWARD_MODE = "forward mode"
 PUBLISHED_LENGTHS = "published lengths >= 0"
 STASHED_TOKENS = "stashed tokens >= 0"
@@ -267,22 +269,43 @@ def relayed_values(
 
 def positive_lengths(
     is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Array, into: OpChecks
-) -> None:
-    """After a DECODE restore, every live row's length is > 0 (it was published).
+) -> int | None:
+    """After a DECODE restore, every live row's length is > 0 (it was published, and a
+    spec map: not consumed since). Returns the position of its witness in `into.run()`'s
+    result (None without rows): the spec lengths' poison is ordered after it.
 
     Assumes `indices` >= 0 (checked first). Slot 0 is padding: its length is garbage. The
     message names the slot, not its length: reading the length buffer at the slot would
     not be ordered before a later in-place publish in a fused step (a whole-buffer copy).
     """
     if indices.shape[0] == 0:
-        return
-    into.add(
+        return None
+    return into.add(
         _witness(seq_lens <= 0, indices),  # max 0: none (or only padding rows)
         lambda slot: _check(
             ~is_decode | (slot == 0),
             f"[{POSITIVE_LENGTHS}] resolve restored a length <= 0 for slot {{value}}: "
-            "the slot's length was never published",
+            "the slot's length was never published (spec: or a resolve read it since its "
+            "last publish)",
             seq_lens.dtype,
+            slot,
+        ),
+    )
+
+
+def lengths_unconsumed(lengths: jax.Array, indices: jax.Array, into: OpChecks) -> None:
+    """A length read back (`resolve_seq_lens_cpu`) at a live slot is >= 0: not the poison
+    of a length never published, or consumed by a spec resolve since its last publish.
+    Assumes `indices` >= 0 (checked first)."""
+    if indices.shape[0] == 0:
+        return
+    into.add(
+        _witness(lengths < 0, indices),
+        lambda slot: _check(
+            slot == 0,
+            f"[{CONSUME_LENGTHS}] resolve_seq_lens_cpu read slot {{value}}, whose length was "
+            "never published or was read by a resolve since its last publish",
+            lengths.dtype,
             slot,
         ),
     )

@@ -142,8 +142,8 @@ class DebugChannel:
         self._layouts: list[tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]] = []
         # (step, op, packed error): on device, or on the host once fetched by a flush.
         self._pending: list[tuple[int, str, Any]] = []
-        # Failures already fetched by a flush, (step, op, message), in op order.
-        self._failed: list[tuple[int, str, str]] = []
+        # Failures already fetched by a flush (or found on the host), in op order.
+        self._failed: list[InvariantViolation] = []
 
     # ------------------------------------------------------------------ inside jit
     def checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -217,8 +217,30 @@ class DebugChannel:
             failed = self._failures()
         except Exception:  # noqa: BLE001  # reported by check(), not by this op
             return
-        self._failed += [(step, op, msg) for step, op, _, msg in failed]
+        self._failed += [
+            v for step, op, _, msg in failed for v in _violations(msg, step, op, self.layout)
+        ]
         self._pending = []
+
+    def host_violation(
+        self, step: int, op: str, invariant: str, text: str, rank: int | None = None
+    ) -> None:
+        """Record a violation found on the host (a rule of host calls, such as the fresh
+        publish a read waits for), after every op error pending before it (a host sync:
+        the pending errors are fetched, as `check()` would), to be raised by `check()`
+        in op order."""
+        self._flush()
+        named = rank if self.layout.dp > 1 else None
+        where = f"DP rank {named}, " if named is not None else ""
+        self._failed.append(
+            InvariantViolation(
+                f"FutureMap invariant violated at {where}step {step}, {op}: [{invariant}] {text}",
+                invariant=invariant,
+                step=step,
+                op=op,
+                rank=named,
+            )
+        )
 
     def check(self) -> None:
         """Raise InvariantViolation listing every failed check since the last call.
@@ -228,7 +250,10 @@ class DebugChannel:
         """
         if not self._pending and not self._failed:
             return
-        failed = self._failed + [(step, op, msg) for step, op, _, msg in self._failures()]
-        found = [v for step, op, msg in failed for v in _violations(msg, step, op, self.layout)]
+        found = self._failed + [
+            v
+            for step, op, _, msg in self._failures()
+            for v in _violations(msg, step, op, self.layout)
+        ]
         self._pending, self._failed = [], []
         _raise_all(found)

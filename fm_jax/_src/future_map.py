@@ -38,11 +38,14 @@ from fm_jax._src.sharding import MeshLayout, per_rank
 from fm_jax._src.types import (
     Batch,
     DraftPayload,
+    ForwardMode,
     FutureMapState,
+    MixedTails,
     Resolved,
     RowsInput,
     SpecConfig,
     draft_payload,
+    host_mode,
 )
 from fm_jax._src.warm_up import class_calls
 
@@ -68,6 +71,56 @@ def _serialized(method: _M) -> _M:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
+
+
+def _mixed_rows(
+    batch: Batch, where: str, prefix: Any, prefixed: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A host spec MIXED batch's (slots, host lengths, token slots, prefix lengths)."""
+    if not isinstance(batch, Batch):
+        raise FutureMapError(f"{where[:-1]} must be a Batch, got {type(batch).__name__}")
+    if host_mode(batch.forward_mode, f"{where}forward_mode") != ForwardMode.MIXED:
+        raise FutureMapError(f"{where}forward_mode must be MIXED: only it has running rows")
+    out: list[np.ndarray | None] = []
+    for name, x in (
+        ("req_pool_indices", batch.req_pool_indices),
+        ("seq_lens", batch.seq_lens),
+        ("token_slots", batch.token_slots),
+        ("prefix_lens", prefix),
+    ):
+        if x is None and name == "prefix_lens" and not prefixed:
+            out.append(None)
+            continue
+        a = np.asarray(x) if isinstance(x, np.ndarray | list | tuple) else None
+        if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            got = type(x).__name__
+            raise FutureMapError(f"{where}{name} must be 1-D host ints (numpy), got {got}")
+        out.append(a.astype(np.int64))
+    idx, lens, ts, pre = out
+    assert idx is not None and lens is not None and ts is not None
+    for name, x in (("seq_lens", lens), ("prefix_lens", pre)):
+        if x is not None and len(x) != len(idx):
+            raise FutureMapError(f"{where}{name} has {len(x)} rows, req_pool_indices {len(idx)}")
+    return idx, lens, ts, pre
+
+
+def _rebind(
+    idx: np.ndarray, lens: np.ndarray, ts: np.ndarray, prefix: np.ndarray | None, fresh: Any
+) -> MixedTails:
+    """The running rows (the last live rows, one per nonzero token slot, in order) take
+    their published lengths `fresh` (in token-slot order): + 1 in seq_lens_cpu, as they are
+    in prefix_lens; the sum is over the live rows."""
+    live = idx > 0
+    n = int(np.count_nonzero(ts))
+    seq = lens.copy()
+    pre = None if prefix is None else prefix.copy()
+    if n:
+        rows = np.flatnonzero(live)[-n:]
+        published = np.asarray(fresh, np.int64)[:n]
+        seq[rows] = published + 1
+        if pre is not None:
+            pre[rows] = published
+    return MixedTails(seq, int(seq[live].sum()), pre)
 
 
 class FutureMap:
@@ -463,12 +516,25 @@ class FutureMap:
         queued after it (`needs_cpu_seq_lens`). Other slots are gathered from the buffer:
         a sync behind everything queued.
 
+        Debug: every live slot read must hold a length >= 0 (published, and not consumed
+        by a spec resolve since: 'consume lengths (WRWR)'); on a spec map each rank read
+        must have published since its last read ('fresh publish').
+
         Returns the lengths in the form `indices` was given: [B] host rows (global, padding
         removed for host input), or a mapping DP rank -> lengths.
         """
         placed = self._placement.slots_op("seq_lens_at", indices, rows)
+        if self._runtime.armed is not None:  # debug, spec: it waits for a fresh publish
+            self._runtime.read_lengths(placed.idx)
+        return self._read_lengths(placed)
+
+    def _read_lengths(
+        self, placed: Placed, subset: bool = False
+    ) -> np.ndarray | dict[int, np.ndarray]:
+        """`new_seq_lens` at the placed slots, on the host: the last publish's copy at
+        exactly its slots (`subset`: at slots among them), else gathered; then `check()`."""
         inputs, lengths = self._placement.inputs, self._runtime.host_lengths
-        copied = None if lengths is None else lengths.read(placed.idx)
+        copied = None if lengths is None else lengths.read(placed.idx, subset)
         if copied is not None:  # the slots last published: their copy, no gather
             self.check()
             return inputs.unpad(copied, placed.idx)
@@ -483,6 +549,69 @@ class FutureMap:
             )
         self.check()
         return inputs.unpad(host, placed.idx)
+
+    @_serialized
+    def resolve_mixed_tails_cpu(
+        self,
+        batch: Batch | Mapping[int, Batch],
+        *,
+        prefix_lens: RowsInput | Mapping[int, RowsInput] | None = None,
+    ) -> MixedTails | dict[int, MixedTails]:
+        """A spec MIXED batch's host lengths, its running rows rebound (gather protocol).
+
+        The host side of the late binding whose device side `resolve` does (SGLang's
+        `resolve_mixed_spec_tails` rewrites `seq_lens_cpu`, `seq_lens_sum` and
+        `prefix_lens` too): each running row's length becomes its published length + 1,
+        its prefix length the published one. Reads the lengths the last publish wrote
+        (its host copy where the running slots are among its slots, else a gather, as
+        `resolve_seq_lens_cpu`; the fresh publish is not consumed): call it after that
+        publish and before the next (before the engine step that runs the batch).
+        The KV pool's `out_cache_loc` stays the engine's.
+
+        Args:
+          batch: the MIXED Batch of host arrays (`req_pool_indices`, `seq_lens`,
+            `token_slots`), as `resolve` takes it; or a mapping DP rank -> such a Batch.
+          prefix_lens: the host's prefix lengths, one per row (a mapping, with one); None:
+            none rebound.
+
+        Returns:
+          MixedTails (a mapping DP rank -> MixedTails for a mapping).
+        """
+        if self.spec is None or not self._protocol.serves_spec_mixed:
+            raise FutureMapError(
+                "resolve_mixed_tails_cpu: a spec MIXED batch is a feature of a spec map of "
+                "the gather protocol"
+            )
+        by_rank = isinstance(batch, Mapping)
+        batches = dict(batch) if isinstance(batch, Mapping) else {0: batch}
+        if not by_rank and self.layout.dp > 1:
+            raise FutureMapError(
+                "resolve_mixed_tails_cpu: a map of several DP ranks takes a mapping DP rank "
+                "-> Batch"
+            )
+        if prefix_lens is None:
+            prefixes: Mapping[int, Any] = {}
+        elif isinstance(prefix_lens, Mapping) == by_rank:
+            prefixes = prefix_lens if isinstance(prefix_lens, Mapping) else {0: prefix_lens}
+        else:
+            raise FutureMapError("prefix_lens must be given in the form of the batch")
+        rows, running = {}, {}
+        for d, b in batches.items():
+            where = f"batch[rank {d}]." if by_rank else "batch."
+            rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
+            idx, _, ts, _ = rows[d]
+            self._protocol.check_spec_mixed(self.spec, [ForwardMode.MIXED], idx, ts)
+            running[d] = ts[ts > 0]
+        got: Any = {}
+        if any(len(x) for x in running.values()):
+            placed = self._placement.slots_op(
+                "seq_lens_at", running if by_rank else running[0], None
+            )
+            got = self._read_lengths(placed, subset=True)
+        if not by_rank:
+            got = {0: got}
+        out = {d: _rebind(*rows[d], got.get(d)) for d in batches}
+        return out if by_rank else out[0]
 
     @_serialized
     def check(self) -> None:

@@ -51,10 +51,18 @@ class HostLengths:
             idx = idx._replace(array=np.array(idx.array))
         self._last = _Published(idx, lens)
 
-    def read(self, idx: Rows) -> np.ndarray | None:
+    def forget(self) -> None:
+        """The buffer may no longer hold what was last published (a debug resolve
+        consumed it): the next read gathers from the buffer."""
+        self._last = None
+
+    def read(self, idx: Rows, subset: bool = False) -> np.ndarray | None:
         """The lengths last published at exactly the slots `idx` (as placed, padded), or
-        None when the last publish was at other slots (or there was none)."""
+        None when the last publish was at other slots (or there was none). `subset`: host
+        slots each among the last publish's (of its rank) do too."""
         last = self._last
+        if subset and last is not None and idx.counts is not None:
+            return self._among(last, idx)
         if last is None or last.idx.size != idx.size:
             return None
         if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
@@ -64,3 +72,30 @@ class HostLengths:
         if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
             return None  # other slots, or the caller's array donated since: the buffer
         return np.asarray(last.lens)
+
+    @staticmethod
+    def _among(last: _Published, idx: Rows) -> np.ndarray | None:
+        """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
+        slots too); None when one is not there or the lengths were donated since."""
+        counts = last.idx.counts
+        if counts is None or idx.counts is None:
+            return None
+        if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
+            return None
+        have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
+        want = np.asarray(idx.array)
+        out = np.zeros(want.shape, lens.dtype)
+        s0, s1 = last.idx.size, idx.size
+        for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
+            if not n1:
+                continue
+            if not n0:
+                return None
+            slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
+            w = want[d * s1 : d * s1 + n1]
+            order = np.argsort(slots, kind="stable")
+            at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
+            if not np.array_equal(slots[order[at]], w):
+                return None
+            out[d * s1 : d * s1 + n1] = got[order[at]]
+        return out

@@ -69,7 +69,7 @@ class FutureMapOps(NamedTuple):
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
         (the sentinel protocol only).
       seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
-        `resolve_seq_lens_cpu` (debug: slot checks).
+        `resolve_seq_lens_cpu` (debug: slot checks, and lengths not poisoned).
       pool_size, dtype, spec, debug, protocol: the static configuration.
     """
 
@@ -100,7 +100,8 @@ def future_map(
       pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
       dtype: int32 (default) or int64 (needs JAX's x64 mode) for tokens, lengths, top-k ids.
       spec: the spec extras' static shapes, or None for non-spec decoding.
-      debug: poison `output_tokens` with -1 and add the checkify invariant checks.
+      debug: poison `output_tokens` and `new_seq_lens` with -1 and add the checkify
+        invariant checks (a spec resolve consumes the lengths it reads).
       protocol: 'sentinel' (the host leaves -slot placeholders that resolve fills) or
         'gather' (resolve gathers decode ids and spec lengths at forward entry; no
         invalidate). docs/CONTRACT.md, 'Two protocols'.
@@ -140,10 +141,10 @@ def future_map(
 
 
 def init(cfg: OpsConfig) -> FutureMapState:
-    """The zeroed buffers (debug: the consume-tracked ones poisoned)."""
+    """The zeroed buffers (debug: the consume-tracked ones and the lengths poisoned)."""
     r, dt = cfg.pool_size, cfg.dtype
-    tokens = jnp.full((r,), POISON if cfg.debug else 0, dtype=dt)
-    state = FutureMapState(tokens, jnp.zeros((r,), dtype=dt))
+    fill = POISON if cfg.debug else 0
+    state = FutureMapState(jnp.full((r,), fill, dtype=dt), jnp.full((r,), fill, dtype=dt))
     for f in cfg.fields:
         if f.name != "bonus_tokens":
             fill = POISON if cfg.debug and f.consumed else 0
@@ -339,6 +340,12 @@ def invalidate(cfg: OpsConfig, batch: Batch, indices: Any) -> Batch:
 
 
 def seq_lens_at(cfg: OpsConfig, state: FutureMapState, indices: Any) -> jax.Array:
-    """`new_seq_lens[indices]`; an out-of-range slot clips (never wraps to another)."""
-    check_indices(cfg, "indices", indices)
-    return gather(state.new_seq_lens, indices)
+    """`new_seq_lens[indices]`; an out-of-range slot clips (never wraps to another).
+    Debug: every live slot read holds a length >= 0 (published, not consumed since)."""
+    chk = checks.OpChecks() if cfg.debug else None
+    check_indices(cfg, "indices", indices, chk)
+    got = gather(state.new_seq_lens, indices)
+    if chk is not None:
+        checks.lengths_unconsumed(got, jnp.asarray(indices), chk)
+        chk.run()
+    return got

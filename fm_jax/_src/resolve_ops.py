@@ -26,6 +26,7 @@ from fm_jax._src.rows import (
     gather,
     gather_draft,
     poison,
+    poison_lengths,
 )
 from fm_jax._src.types import Batch, ForwardMode, FutureMapState, Resolved
 
@@ -57,6 +58,7 @@ def resolve_sentinel(
         is_decode: jax.Array = jnp.asarray(decode)
         seq_lens = gather(state.new_seq_lens, idx) if decode else jnp.asarray(batch.seq_lens, dt)
     else:
+        decode = True  # may be: the branch below decides on the device
         is_decode = jnp.asarray(mode == ForwardMode.DECODE)
         # A branch, not a per-row select: only DECODE gathers, and the op stays a few
         # flops per row (XLA:CPU runs computations under ~1000 flops inline).
@@ -65,15 +67,21 @@ def resolve_sentinel(
             lambda: gather(state.new_seq_lens, idx),
             lambda: jnp.asarray(batch.seq_lens, dt),
         )
+    k_len = None
     if chk is not None:
-        checks.positive_lengths(is_decode, seq_lens, idx, chk)
+        k_len = checks.positive_lengths(is_decode, seq_lens, idx, chk)
     if spec is None:
         return _fill_sentinels(cfg, state, batch, idx, seq_lens, chk)
+    # Spec, debug: a DECODE consumes the lengths it restored (-1 written back at its live
+    # slots; another kind's rows aim at slot R, dropped).
+    restored = jnp.where(is_decode & (idx > 0), idx, r) if chk is not None and decode else None
     if chk is not None:
         checks.sentinels_in_range(jnp.asarray(batch.input_ids, dt), r, chk)
     if batch.draft_indices is None:
         if chk is not None:
-            chk.run()
+            maxima = chk.run()
+            if restored is not None:
+                state = poison_lengths(state, restored, maxima, k_len)
         # A prefill batch: no draft input.
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
     didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
@@ -90,6 +98,8 @@ def resolve_sentinel(
         maxima = chk.run()
         for f in cfg.consumed:
             state = poison(state, didx, maxima, k, f)
+        if restored is not None:
+            state = poison_lengths(state, restored, maxima, k_len)
     return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
 
@@ -185,6 +195,7 @@ def resolve_gather(
         got = jnp.where(idx > 0, got, 0)
         out = jnp.where(is_decode, jnp.pad(got, (0, t - b)), out)
     seq_lens = jnp.asarray(batch.seq_lens, dt)
+    consumed: tuple[jax.Array, int | None] | None = None  # spec DECODE lengths read (debug)
     if spec is not None and ts_read is not None:
         seq_lens = _bind_running_lengths(cfg, state, idx, ts_read, takes_slots, seq_lens, chk)
     draft = None
@@ -197,10 +208,14 @@ def resolve_gather(
         draft, (got,) = gather_draft(cfg, state, didx, state.new_seq_lens)
         seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
         if chk is not None:
-            checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
+            k_len = checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
             reads += _draft_reads(cfg, draft, didx, ts_read, takes_slots)
+            if not known or is_decode:  # the verified lengths it read are consumed
+                consumed = (jnp.where(is_decode & (didx > 0), didx, r), k_len)
     if chk is not None:
-        state = _consume_reads(cfg, state, reads, chk)
+        state, maxima = _consume_reads(cfg, state, reads, chk)
+        if consumed is not None:
+            state = poison_lengths(state, consumed[0], maxima, consumed[1])
     return state, Resolved(out, seq_lens, draft)
 
 
@@ -245,9 +260,11 @@ def _draft_reads(
     return [(name, v, sl, True) for name, (v, sl) in zip(consumed, drafted, strict=True)]
 
 
-def _consume_reads(cfg: OpsConfig, state: FutureMapState, reads: Reads, chk: Any) -> FutureMapState:
+def _consume_reads(
+    cfg: OpsConfig, state: FutureMapState, reads: Reads, chk: Any
+) -> tuple[FutureMapState, jax.Array | None]:
     """Debug: the consume check over every read, then -1 at the live slots read (a read
-    not done aims at slot R, dropped)."""
+    not done aims at slot R, dropped). Returns the state and the op's check maxima."""
     k = None
     if reads:
         # A read this batch does not do (a traced mode's other kind) names slot 0.
@@ -258,4 +275,4 @@ def _consume_reads(cfg: OpsConfig, state: FutureMapState, reads: Reads, chk: Any
     for name in dict.fromkeys(f for f, _, _, _ in reads):
         hit = [jnp.where(a & (sl > 0), sl, cfg.pool_size) for f, _, sl, a in reads if f == name]
         state = poison(state, jnp.concatenate(hit), maxima, k, name)
-    return state
+    return state, maxima

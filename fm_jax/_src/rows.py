@@ -141,6 +141,19 @@ def poison(
     return rf.put(state, field, scatter(buf, slots, values))
 
 
+def poison_lengths(
+    state: FutureMapState, slots: jax.Array, maxima: jax.Array | None, k: int | None
+) -> FutureMapState:
+    """Spec, debug: POISON written to `new_seq_lens` at `slots` (slot R: dropped), the
+    lengths a resolve consumed, ordered after the read that `maxima[k]` (the positive
+    lengths check's witness) was reduced from."""
+    if maxima is None or k is None or slots.shape[0] == 0:
+        return state
+    lens = state.new_seq_lens
+    values = poison_after(maxima[k], slots.shape[0], lens.dtype)
+    return state._replace(new_seq_lens=scatter(lens, slots, values))
+
+
 def check_indices(
     cfg: OpsConfig, name: str, indices: Any, into: checks.OpChecks | None = None
 ) -> None:

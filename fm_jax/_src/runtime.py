@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from fm_jax._src.checks import FRESH_PUBLISH
 from fm_jax._src.confidence import ConfidenceRing
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.errors import FutureMapError, StateLost
@@ -46,6 +47,8 @@ class MapRuntime:
       unstashed: per DP rank, the optional draft fields (`relay_fields.optional`) no
         stash has written there since the state was made; None once every rank has had
         every one (the steady state: one check per call).
+      armed: debug, spec: per DP rank, whether a publish came since the last read of
+        lengths (`resolve_seq_lens_cpu`), which consumes it; None otherwise.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class MapRuntime:
         confidence: ConfidenceRing | None = None,
         optional: tuple[str, ...] = (),
         dp: int = 1,
+        spec: bool = False,
     ) -> None:
         self.lock = threading.RLock()
         self.confidence = confidence
@@ -70,6 +74,11 @@ class MapRuntime:
         self.step = 0
         self.debug = debug
         self.host_lengths = host_lengths
+        # Debug, spec: a resolve consumes the lengths it reads (the host copy of a publish
+        # is then stale), and a read of lengths waits for a fresh publish.
+        self.armed: list[bool] | None = None
+        if debug is not None and spec:
+            self.armed = [False] * debug.layout.dp
         # The jax array of slots the last debug resolve checked on the device, weakly
         # (holding it would keep it alive). jax arrays are immutable: a second check of
         # the same array would find the same.
@@ -96,6 +105,8 @@ class MapRuntime:
             self.confidence = ConfidenceRing(
                 ring.pool_size, ring.dp, ring.rank_of, tuple(ring.ranks)
             )
+        if self.armed is not None:
+            self.armed = [False] * len(self.armed)  # as at construction: no publish yet
 
     def _unstash(self) -> None:
         """No optional field stashed yet, on any rank."""
@@ -107,10 +118,8 @@ class MapRuntime:
         pending = self.unstashed
         if pending is None:
             return
-        counts = idx.counts
-        for d, left in enumerate(pending):
-            if counts is None or counts[d]:
-                left.intersection_update(omits)
+        for d in _ranks_with_rows(idx, len(pending)):
+            pending[d].intersection_update(omits)
         if not any(pending):
             self.unstashed = None
 
@@ -208,13 +217,47 @@ class MapRuntime:
         return None
 
     def resolved(self, idx: Rows) -> None:
-        """Debug, after a resolve ran: its slots were checked on the device (only now)."""
+        """Debug, after a resolve ran: its slots were checked on the device (only now);
+        a spec map's resolve may have consumed the lengths last published (their host
+        copy is then not the buffer's: a read gathers, and finds the poison)."""
         self._checked = weakref.ref(idx.array) if idx.counts is None else None
+        if self.armed is not None and self.host_lengths is not None:
+            self.host_lengths.forget()
 
     def published(self, idx: Rows, lens: Any) -> None:
-        """A publish wrote `lens` at `idx` (as placed): start their copy to the host."""
+        """A publish wrote `lens` at `idx` (as placed): start their copy to the host
+        (debug, spec: and arm the ranks it wrote)."""
         if self.host_lengths is not None:
             self.host_lengths.published(idx, lens)
+        if self.armed is not None:
+            for d in _ranks_with_rows(idx, len(self.armed)):
+                self.armed[d] = True
+
+    def read_lengths(self, idx: Rows) -> None:
+        """Debug, spec: a read of lengths at `idx` waits for each rank's last publish,
+        which no read may have consumed before ('fresh publish', SGLang's consume-once
+        wait); it consumes them. A violation goes to the debug channel (`check()`)."""
+        armed, debug = self.armed, self.debug
+        if armed is None or debug is None:
+            return
+        for d in _ranks_with_rows(idx, len(armed)):
+            if not armed[d]:
+                debug.host_violation(
+                    self.step,
+                    "resolve_seq_lens_cpu",
+                    FRESH_PUBLISH,
+                    "a read of lengths waited for a publish that an earlier read already "
+                    "consumed, or that never came",
+                    d,
+                )
+            armed[d] = False
+
+
+def _ranks_with_rows(idx: Rows, dp: int) -> range | list[int]:
+    """The DP ranks given rows in `idx` (every rank for a jax array: not read)."""
+    if idx.counts is None:
+        return range(dp)
+    return [d for d, n in enumerate(idx.counts) if n]
 
 
 def _deleted(x: Any) -> bool:

@@ -212,6 +212,15 @@ class Resolved(NamedTuple):
     draft: DraftPayload | None = None  # its fields are jax arrays
 
 
+class MixedTails(NamedTuple):
+    """A spec MIXED batch's host lengths with its running rows rebound (the host side of
+    the late binding, `FutureMap.resolve_mixed_tails_cpu`); one entry per row."""
+
+    seq_lens_cpu: np.ndarray  # [B] int64: the host's, running rows' published length + 1
+    seq_lens_sum: int  # the sum over the live rows (slot > 0)
+    prefix_lens: np.ndarray | None  # [B] int64: the host's, running rows' published length
+
+
 def host_mode(mode: Any, where: str) -> ForwardMode:
     """A forward mode given on the host, as a ForwardMode: an int of a ForwardMode value,
     never a bool, float or string (int() would make DECODE of True, 1.7 and "1")."""
