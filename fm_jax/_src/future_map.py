@@ -25,13 +25,13 @@ from jax.sharding import Mesh
 from fm_jax._src import refusals
 from fm_jax._src.assembly import assemble
 from fm_jax._src.engine_step import EngineStep, Forward
-from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import Key, takes_state
 from fm_jax._src.placement import Placement
 from fm_jax._src.plans import Placed
 from fm_jax._src.registry import Registry, WarmUpReport
 from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import MeshLayout, per_rank
+from fm_jax._src.step_inputs import StepInput
 from fm_jax._src.types import Batch, DraftPayload, FutureMapState, Resolved, RowsInput, SpecConfig
 from fm_jax._src.warm_up import class_calls
 
