@@ -31,7 +31,6 @@ import numpy as np
 from fm_jax._src import relay_fields as rf
 from fm_jax._src.entry_points import tail
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_batch import StepInput
 from fm_jax._src.keys import FIXED_MODES, Key
 from fm_jax._src.packing import PackSpec, unpack
 from fm_jax._src.placement import Placement
@@ -40,6 +39,7 @@ from fm_jax._src.registry import Call, Registry, WarmUpReport
 from fm_jax._src.rows import gather
 from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import ShardedFutureMapOps
+from fm_jax._src.step_inputs import StepInput, check_declared
 from fm_jax._src.types import Batch, ForwardMode
 from fm_jax._src.warm_up import empty_batches, empty_inputs, on_device
 
@@ -90,47 +90,6 @@ Forward = Callable[..., StepOutput]
 """(resolved, batch, inputs, *args) -> StepOutput: the engine's model and sampling."""
 
 
-OWNABLE = ("new_seq_lens", "output_tokens")
-"""The relay buffers an engine's forward may own (`StepInput(name, per="slot")`)."""
-
-
-def _check_declared(inputs: Sequence[StepInput], dtype: np.dtype) -> tuple[StepInput, ...]:
-    out, seen = [], set()
-    for d in inputs:
-        if not isinstance(d, StepInput):
-            raise FutureMapError(f"engine_step inputs must be StepInputs, got {d!r}")
-        if not isinstance(d.name, str) or not d.name or d.name in seen:
-            raise FutureMapError(f"engine_step input names must be distinct strings: {d.name!r}")
-        if d.per not in ("row", "token", "slot"):
-            raise FutureMapError(
-                f"StepInput {d.name!r}: per must be 'row', 'token' or 'slot', got {d.per!r}"
-            )
-        if d.per == "slot":
-            if d.name not in OWNABLE:
-                raise FutureMapError(
-                    f"StepInput {d.name!r}: per='slot' hands the forward one of the map's "
-                    f"relay buffers {OWNABLE}, not {d.name!r}"
-                )
-            if tuple(d.shape) != () or np.dtype(d.dtype) != dtype:
-                raise FutureMapError(
-                    f"StepInput {d.name!r}: the map's {d.name} buffer is one {dtype} per "
-                    f"slot: declare shape () and dtype {dtype}, got {d.shape} {d.dtype}"
-                )
-        try:
-            shape = tuple(int(n) for n in d.shape)
-            dtype = np.dtype(d.dtype)
-        except TypeError:
-            raise FutureMapError(f"StepInput {d.name!r}: bad shape or dtype {d}") from None
-        if any(n < 0 for n in shape) or jax.dtypes.canonicalize_dtype(dtype) != dtype:
-            raise FutureMapError(
-                f"StepInput {d.name!r}: shape {shape} and dtype {dtype} must be ones JAX keeps "
-                "(float64 and int64 need x64 mode)"
-            )
-        seen.add(d.name)
-        out.append(d._replace(shape=shape, dtype=dtype))
-    return tuple(out)
-
-
 class EngineStep:
     """An engine's jitted step with the FutureMap's relay inside (see the module docstring).
 
@@ -161,7 +120,7 @@ class EngineStep:
             )
         donate = tuple(donate_argnums)
         self._forward = forward
-        self._declared = _check_declared(inputs, ops.local.dtype)
+        self._declared = check_declared(inputs, ops.local.dtype)
         # Host inputs are placed with the batch; the relay buffers the forward owns are
         # handed to it from the map's state inside the step.
         self._placed = tuple(d for d in self._declared if d.per != "slot")

@@ -28,13 +28,15 @@ from fm_jax._src.assembly import assemble
 from fm_jax._src.confidence import ResolvedConfidence
 from fm_jax._src.engine_step import EngineStep, Forward
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_batch import StepInput
+from fm_jax._src.host_checks import batch_values
 from fm_jax._src.keys import Key, takes_state
 from fm_jax._src.placement import Placement
 from fm_jax._src.plans import Placed
+from fm_jax._src.protocol import Rules
 from fm_jax._src.registry import Registry, WarmUpReport
 from fm_jax._src.runtime import MapRuntime
 from fm_jax._src.sharding import MeshLayout, per_rank
+from fm_jax._src.step_inputs import StepInput
 from fm_jax._src.types import (
     Batch,
     DraftPayload,
@@ -600,7 +602,8 @@ class FutureMap:
             where = f"batch[rank {d}]." if by_rank else "batch."
             rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
             idx, _, ts, _ = rows[d]
-            self._protocol.check_spec_mixed(self.spec, [ForwardMode.MIXED], idx, ts)
+            # the running rows last, in token-slot order, as resolve binds them
+            batch_values(Rules(mixed_order=True), [ForwardMode.MIXED], (), idx, ts)
             running[d] = ts[ts > 0]
         got: Any = {}
         if any(len(x) for x in running.values()):

@@ -13,14 +13,16 @@ done once, for a recorded plan (`plans`). Each raises FutureMapError naming the 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from fm_jax._src import refusals
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.protocol import Protocol
+from fm_jax._src.protocol import Protocol, Rules
+from fm_jax._src.types import ForwardMode
 
 INTS = frozenset(
     np.dtype(t)
@@ -132,6 +134,87 @@ class HostChecks:
         if a.dtype != dtype:
             raise refusals.not_the_declared_dtype(name, a.dtype, dtype)
         return a
+
+
+def batch_values(
+    rules: Rules,
+    modes: Sequence[ForwardMode],
+    given: Sequence[Any],
+    idx: Any,
+    slots: Any,
+    counts: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None,
+) -> None:
+    """A batch's host values against its protocol's rules (`Protocol.rules`): token slots
+    that must gather nothing are all 0, a DECODE rank's batch has one input id per row, and
+    a spec MIXED batch's running rows are its last live rows in token-slot order, as
+    resolve binds their lengths there.
+
+    Args:
+      rules: the rules its layout left.
+      modes: its forward modes, one per DP rank (or one standing for every rank).
+      given: each part's token slots as given (`Rules.zero_slots` indexes them).
+      idx, slots: its slots and token slots (host or placed; jax arrays are not read:
+        debug checks the order on the device, 'batch fields').
+      counts: its (ids, rows) per DP rank, for `Rules.ids_per_row` (None, or a None in
+        it: not known here, a jax array or a traced mode).
+    """
+    for i, where, kinds in rules.zero_slots:
+        if not _all_zero(given[i]):
+            raise FutureMapError(
+                f"{where}token_slots of a batch of kind {kinds} name slots (or are a jax "
+                "array, not read here): only a MIXED batch has running rows to gather"
+            )
+    if rules.ids_per_row and counts is not None:
+        _one_id_per_row(*counts, [m == ForwardMode.DECODE for m in modes])
+    if not rules.mixed_order or slots is None:
+        return
+    if isinstance(idx, jax.Array) or isinstance(slots, jax.Array):
+        return
+    rows = np.asarray(idx).reshape(len(modes), -1)
+    toks = np.asarray(slots).reshape(len(modes), -1)
+    for r, m in enumerate(modes):
+        if m != ForwardMode.MIXED:
+            continue
+        running = toks[r][toks[r] > 0]
+        live = rows[r][rows[r] > 0]
+        tail = live[len(live) - len(running) :]
+        if len(running) > len(live) or not np.array_equal(tail, running):
+            where = f"batch[rank {r}]." if len(modes) > 1 else "batch."
+            raise FutureMapError(
+                f"{where}token_slots name running slots {running.tolist()}, but the "
+                f"batch's last live rows hold {tail.tolist()}: a spec MIXED batch lists "
+                "its running rows last, one per nonzero token slot, in that order"
+            )
+
+
+def _one_id_per_row(
+    ids: tuple[int, ...] | None, rows: tuple[int, ...] | None, decode: Sequence[bool]
+) -> None:
+    """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`).
+
+    Args:
+      ids, rows: real ids and rows per DP rank (None: a jax array, not read).
+      decode: per DP rank, whether its batch is DECODE; one entry stands for every rank.
+    """
+    if ids is None or rows is None:
+        return
+    for d, (t, b) in enumerate(zip(ids, rows, strict=True)):
+        if decode[d if len(decode) > 1 else 0] and t != b:
+            where = f" on DP rank {d}" if len(ids) > 1 else ""
+            raise FutureMapError(
+                f"input_ids of a DECODE batch has {t} ids for {b} rows{where}: a decode "
+                "row carries one id"
+            )
+
+
+def _all_zero(slots: Any) -> bool:
+    """Host token slots that gather nothing (a jax array is not read: False)."""
+    if isinstance(slots, jax.Array):
+        return False
+    try:
+        return not np.any(np.asarray(slots))
+    except (TypeError, ValueError):
+        return False  # not an array: placing it names the field
 
 
 def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fm_jax._src.buckets import bucket_for, resolve_sizes
+from fm_jax._src.buckets import bucket_for
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_checks import INTS, HostChecks, row_kind
 from fm_jax._src.protocol import Protocol
@@ -198,26 +198,6 @@ class HostInputs:
         rows = self._size(max(counts), buckets, size, "rows" if slots else "tokens")
         return Rows(self._pad(parts, rows, self._zeros), rows, counts, by_rank)
 
-    def resolve_sizes(
-        self, slots: Any, ids: Any, rows: int | None, tokens: int | None
-    ) -> tuple[int | None, int | None]:
-        """A resolve's per-rank padded sizes: for host inputs the (rows, tokens) pair its
-        token bucket fixes (`buckets.resolve_sizes`: one executable per token bucket);
-        jax arrays keep the sizes they have."""
-        if isinstance(slots, jax.Array) or isinstance(ids, jax.Array):
-            return rows, tokens
-        for size, buckets, what in (
-            (rows, self.batch_buckets, "rows"),
-            (tokens, self.token_buckets, "tokens"),
-        ):
-            if size is not None and size not in buckets:
-                raise FutureMapError(f"{what}={size} is not one of the buckets {buckets}")
-        n = rows if rows is not None else _rows_per_rank(slots, self.dp)
-        t = tokens if tokens is not None else _rows_per_rank(ids, self.dp)
-        if n is None or t is None:
-            return rows, tokens  # not an array: placing it names the field
-        return resolve_sizes(n, t, self.batch_buckets, self.token_buckets)
-
     # ----------------------------------------------------------------- public
     def slots(self, name: str, x: Any, size: int | None = None) -> Rows:
         """Slot indices (rank-local), checked: in [0, R), no live slot twice per rank."""
@@ -328,23 +308,6 @@ class HostInputs:
             first = self._zeros if into is None else np.zeros(0, into)
         return self._pad(parts, like.size, first[:0])
 
-    def one_id_per_row(self, ids: Rows, idx: Rows, decode: list[bool]) -> None:
-        """A non-spec DECODE rank's batch has one input id per row (host rows only).
-
-        Args:
-          ids, idx: the placed input ids and slots.
-          decode: per DP rank, whether its batch is DECODE; one entry stands for every rank.
-        """
-        if ids.counts is None or idx.counts is None:
-            return  # a jax array: its real rows are not known here
-        for d, (t, b) in enumerate(zip(ids.counts, idx.counts, strict=True)):
-            if decode[d if len(decode) > 1 else 0] and t != b:
-                where = f" on DP rank {d}" if self.dp > 1 else ""
-                raise FutureMapError(
-                    f"input_ids of a DECODE batch has {t} ids for {b} rows{where}: a decode "
-                    "row carries one id"
-                )
-
     def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An engine's declared host input with its trailing shape checked, cast to its
         dtype where no value can change (numpy's 'safe' casting); `matched` then judges its
@@ -409,14 +372,3 @@ def _host(name: str, x: Any) -> np.ndarray:
     if not storable(a.dtype):
         raise FutureMapError(f"{name} is not a numeric array ({a.dtype} dtype)")
     return a
-
-
-def _rows_per_rank(x: Any, dp: int) -> int | None:
-    """Rows per DP rank of a host input before it is placed (a mapping: its largest
-    rank's); None when `x` has no length (placing it then names what is wrong)."""
-    try:
-        if isinstance(x, Mapping):
-            return max((len(v) for v in x.values()), default=0)
-        return len(x) // dp
-    except TypeError:
-        return None

@@ -23,12 +23,13 @@ import numpy as np
 from fm_jax._src import packing, refusals
 from fm_jax._src import relay_fields as rf
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_batch import BatchPlacement, StepInput
+from fm_jax._src.host_batch import BatchPlacement
 from fm_jax._src.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax._src.keys import Key
 from fm_jax._src.ops import CONFIDENCE_DTYPE, confidence_width, payload_rows
 from fm_jax._src.plans import Placed, Plan, Role, signature
 from fm_jax._src.protocol import Protocol
+from fm_jax._src.step_inputs import StepInput
 from fm_jax._src.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload
 
 MAX_LAYOUTS = 4096
@@ -137,7 +138,9 @@ class Placement:
         """The sentinels or `seq_lens_at` of slots `indices` (`pack` as for `resolve`)."""
         idx = self.inputs.slots("indices", indices, rows)
         checked = self._checked(idx, False) if op == "sentinels" else True
-        return self._packed(Key(op, idx.size, checked=checked), (idx.array,), idx, pack=pack)
+        return self._packed(
+            Placed(Key(op, idx.size, checked=checked), (idx.array,), None, idx), pack
+        )
 
     def _checked(self, idx: Rows, values_on_device: bool) -> bool:
         """Whether a debug map's tail op checks its slots on the device: always for values
@@ -149,20 +152,15 @@ class Placement:
         return idx.counts is None and idx.array is not self.last_checked()
 
     # ------------------------------------------------------------------ packing
-    def _packed(
-        self,
-        key: Key,
-        args: tuple[Any, ...],
-        idx: Rows,
-        lens: Any = None,
-        pack: bool | None = None,
-    ) -> Placed:
-        """`args` sent as one packed buffer where the map packs (or `pack` says so) and
-        every leaf is on the host."""
-        host = packing.pack_host(args) if (self.pack_inputs if pack is None else pack) else None
+    def _packed(self, placed: Placed, pack: bool | None = None) -> Placed:
+        """`placed` with its arguments sent as one packed buffer where the map packs (or
+        `pack` says so) and every leaf is on the host."""
+        host = (
+            packing.pack_host(placed.args) if (self.pack_inputs if pack is None else pack) else None
+        )
         if host is None:
-            return Placed(key, args, None, idx, lens)
-        return Placed(key, (host[1],), host[0], idx, lens)
+            return placed
+        return placed._replace(args=(host[1],), pack=host[0])
 
     # ------------------------------------------------------------------ the tail
     def _place_tail(
@@ -203,7 +201,7 @@ class Placement:
             confidence=confidence is not None,
             omits=omits,
         )
-        return self._packed(key, tuple(args), idx, placed_lens, pack)
+        return self._packed(Placed(key, tuple(args), None, idx, placed_lens), pack)
 
     def _payload(self, payload: Any, idx: Rows) -> Any:
         """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
@@ -245,19 +243,17 @@ class Placement:
         inputs: Mapping[str, Any] | None = None,
         pack: bool | None = None,
     ) -> Placed:
-        """The general path (`host_batch`) of a resolve or an engine step."""
-
-        def packed(key: Key, args: tuple[Any, ...], idx: Rows) -> Placed:
-            return self._packed(key, args, idx, pack=pack)
-
-        return self._batches.place(batch, rows, tokens, step, inputs, packed)
+        """The general path (`host_batch`) of a resolve or an engine step (a resolve
+        packed where the map packs, or `pack` says so)."""
+        packs = self.pack_inputs if pack is None else pack
+        return self._batches.place(batch, rows, tokens, step, inputs, packs)
 
     # ------------------------------------------------------------------ plans
     def _resolve_plan(
         self, placed: Placed, values: tuple[Any, ...], step: Sequence[StepInput] | None
     ) -> Plan | None:
         """The plan of a resolve's (or a step's) layout, if it rebuilds `placed`."""
-        mode, key, protocol, spec = values[0], placed.key, self.protocol, self.spec
+        mode, key = values[0], placed.key
         if not (type(mode) is ForwardMode or isinstance(mode, jax.Array)):
             return None  # a plain int or per-rank modes: their values pick the executable
         if not self.inputs.single_process:
@@ -282,12 +278,6 @@ class Placement:
             batch = Batch(*p[:6])
             return (batch,) if step is None else (batch, dict(zip(names, p[6:], strict=True)))
 
-        batch_check = None
-        if type(mode) is ForwardMode and type(values[5]) is np.ndarray:
-
-            def batch_check(v: Sequence[Any]) -> None:
-                protocol.check_modes(spec, [mode], v[1], v[5])
-
         plan = Plan(
             key,
             placed.pack,
@@ -296,7 +286,7 @@ class Placement:
             self.inputs,
             values,
             counts=placed.idx.counts,
-            batch_check=batch_check,
+            batch_check=placed.check,
         )
         return Plan.record(placed, values, plan)
 

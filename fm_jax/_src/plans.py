@@ -45,6 +45,9 @@ class Placed(NamedTuple):
         identity.
       idx: the slots as placed (their real rows per rank, for host lengths and debug).
       lens: a tail's lengths as placed (for the host copy of the lengths); else None.
+      check: a resolve's value rules that its protocol left to its layout (token slots
+        all 0, a spec MIXED batch's running rows in order), on a call's values in plan
+        order, for a plan of the layout to repeat; None where there are none.
     """
 
     key: Key
@@ -52,6 +55,7 @@ class Placed(NamedTuple):
     pack: PackSpec | None
     idx: Rows
     lens: Any = None
+    check: Callable[[Sequence[Any]], None] | None = None
 
 
 _JAX_TYPES: set[type] = set()

@@ -14,7 +14,7 @@ string into one of the two objects, once, where a map is built.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +22,51 @@ import numpy as np
 
 from fm_jax._src import refusals, resolve_ops
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.types import ForwardMode, SpecConfig, host_mode
+from fm_jax._src.types import ForwardMode, SpecConfig
 
 PROTOCOLS = ("sentinel", "gather")
 """The relay protocols' public names."""
 
-Modes = Sequence[ForwardMode]
-"""Forward modes known on the host: one per DP rank, or one for every rank."""
+
+class Part(NamedTuple):
+    """One part of a batch as the host knows it before placing it: a Batch, or one DP
+    rank's Batch of a mapping.
+
+    Attributes:
+      modes: its forward modes known on the host (one, or one per DP rank where a Batch
+        gives them as an array); None: traced (known only on the device).
+      scalar: its mode is one value (not an array of one per rank).
+      ids: it brings input ids.
+      slots: it brings token slots.
+      where: the prefix naming it in refusals: "" for a Batch, "batch[rank r]." for a
+        rank of a mapping.
+    """
+
+    modes: tuple[ForwardMode, ...] | None
+    scalar: bool
+    ids: bool
+    slots: bool
+    where: str
+
+
+class Rules(NamedTuple):
+    """What a protocol's rules leave to a batch's placement once its layout passed them.
+
+    Attributes:
+      places_ids: the batch places input ids (False: a gathered DECODE, T = B).
+      zero_ids: the parts without ids that place zeros, one per row (never read).
+      ids_per_row: a DECODE batch (or rank) carries one id per row (host counts).
+      zero_slots: (part, where, its kinds) whose token slots must gather nothing: all 0
+        (a jax array, not read, is refused).
+      mixed_order: a spec MIXED batch lists its running rows last, in token-slot order
+        (host values).
+    """
+
+    places_ids: bool = True
+    zero_ids: tuple[int, ...] = ()
+    ids_per_row: bool = False
+    zero_slots: tuple[tuple[int, str, str], ...] = ()
+    mixed_order: bool = False
 
 
 class Protocol:
@@ -60,32 +98,16 @@ class Protocol:
         """Host token ids by value (the rule of what an id may be in this protocol)."""
         raise NotImplementedError
 
-    def ids_of(self, ids: Any, rows: Any, mode: Any, dtype: np.dtype, where: str = "") -> Any:
-        """A batch's input ids as placement takes them (`rows`: its slots, for a count)."""
-        return ids
+    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
+        """Every rule of this protocol on a batch's layout, asked once before anything is
+        placed: refuses what the kinds and the fields given break, and returns the rules
+        left for the host values (`host_checks.batch_values`).
 
-    def places_no_ids(self, mode: Any) -> bool:
-        """A batch of host mode `mode` that places no ids (they are gathered): T = B."""
-        return False
-
-    def check_kinds(self, modes: Modes, token_slots: Any, where: str = "") -> None:
-        """Modes known on the host (one per rank) against the batch's token slots."""
-
-    def check_modes(self, spec: SpecConfig | None, modes: Modes, idx: Any, slots: Any) -> None:
-        """Every rule on a batch whose modes are known on the host (one per rank): its token
-        slots against its kinds (`check_kinds`), and a spec map's MIXED batch
-        (`check_spec_mixed`)."""
-        self.check_kinds(modes, slots)
-        self.check_spec_mixed(spec, modes, idx, slots)
-
-    def check_spec_mixed(self, spec: SpecConfig | None, modes: Modes, idx: Any, slots: Any) -> None:
-        """A spec map's MIXED batch, modes known on the host."""
-        if spec is not None and ForwardMode.MIXED in modes:
-            raise refusals.spec_mixed_in_sentinel_protocol()
-
-    def checks_ids_per_row(self, spec: SpecConfig | None) -> bool:
-        """A non-spec DECODE batch's ids are one per row, checked on the host."""
-        return False
+        Args:
+          spec: the map's spec fields, or None.
+          parts: the batch (one part) or, `by_rank`, each DP rank's batch of a mapping.
+        """
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ the device
     def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
@@ -132,12 +154,15 @@ class _Sentinel(Protocol):
                 f"outside [0, {pool_size})"
             )
 
-    def check_kinds(self, modes: Modes, token_slots: Any, where: str = "") -> None:
-        if token_slots is not None:
-            raise refusals.token_slots_in_sentinel_protocol(where or "batch.")
-
-    def checks_ids_per_row(self, spec: SpecConfig | None) -> bool:
-        return spec is None
+    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
+        """No token slots (a MIXED batch's running rows carry sentinels), no spec MIXED
+        batch; a non-spec DECODE batch's ids are one per row."""
+        for p in parts:
+            if p.slots:
+                raise refusals.token_slots_in_sentinel_protocol(p.where or "batch.")
+        if spec is not None and any(ForwardMode.MIXED in (p.modes or ()) for p in parts):
+            raise refusals.spec_mixed_in_sentinel_protocol()
+        return Rules(ids_per_row=spec is None)
 
     def sentinels(self, indices: jax.Array) -> jax.Array:
         return -jnp.asarray(indices)
@@ -177,75 +202,46 @@ class _Gather(Protocol):
                 "has no sentinels (a decode row's id is gathered at its slot)"
             )
 
-    def places_no_ids(self, mode: Any) -> bool:
-        if type(mode) is ForwardMode:
-            return mode is ForwardMode.DECODE
-        return (
-            isinstance(mode, int | np.integer)
-            and not isinstance(mode, bool | np.bool_)
-            and int(mode) == ForwardMode.DECODE
-        )
-
-    def ids_of(self, ids: Any, rows: Any, mode: Any, dtype: np.dtype, where: str = "") -> Any:
-        """Only a DECODE batch known on the host comes without ids (a DECODE rank's in a
-        mapping: zeros, one per row, never read); any other batch without ids is refused,
-        a traced mode's included (its kind is known only on the device)."""
-        if ids is not None:
-            return ids
-        if isinstance(mode, jax.Array):
-            raise refusals.no_ids_with_traced_mode(where)
-        if isinstance(mode, np.ndarray) and mode.ndim == 1:  # one per rank: idle ones too
-            kinds = {host_mode(m, f"{where}forward_mode") for m in mode.tolist()}
-            kinds -= {ForwardMode.IDLE}
-        else:
-            kinds = {host_mode(mode, f"{where}forward_mode")}
-        if kinds - {ForwardMode.DECODE}:
-            raise refusals.no_ids_for_kind("/".join(sorted(k.name for k in kinds)), where)
-        try:
-            return np.zeros(len(rows), dtype)
-        except TypeError:
-            return ids  # not an array: placing the slots names it
-
-    def check_kinds(self, modes: Modes, token_slots: Any, where: str = "") -> None:
-        """A MIXED batch brings token slots, a DECODE batch none (it gathers at its
-        req_pool_indices), and slots given without a MIXED rank are all 0."""
-        if token_slots is None and ForwardMode.MIXED in modes:
-            raise refusals.mixed_without_token_slots(where)
-        if token_slots is not None and list(modes) == [ForwardMode.DECODE]:
-            raise refusals.token_slots_for_decode(where)
-        if (
-            token_slots is not None
-            and ForwardMode.MIXED not in modes
-            and not _all_zero(token_slots)
-        ):
-            kinds = "/".join(sorted({ForwardMode(m).name for m in modes}))
-            raise FutureMapError(
-                f"{where}token_slots of a batch of kind {kinds} name slots (or are a jax "
-                "array, not read here): only a MIXED batch has running rows to gather"
-            )
-
-    def check_spec_mixed(self, spec: SpecConfig | None, modes: Modes, idx: Any, slots: Any) -> None:
-        """Host arrays: each MIXED rank's running rows are its last live rows in token-slot
-        order, as resolve binds their lengths there."""
-        if spec is None or ForwardMode.MIXED not in modes:
-            return
-        if isinstance(idx, jax.Array) or isinstance(slots, jax.Array) or slots is None:
-            return  # device arrays: debug checks the order ('batch fields')
-        rows = np.asarray(idx).reshape(len(modes), -1)
-        toks = np.asarray(slots).reshape(len(modes), -1)
-        for r, m in enumerate(modes):
-            if m != ForwardMode.MIXED:
+    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
+        """A non-spec DECODE batch known on the host places no ids (they are gathered at
+        its slots; ids given are refused); any other batch brings its ids, except a DECODE
+        rank of a mapping (zeros, never read). A MIXED batch brings token slots, a DECODE
+        batch none, and slots given without a MIXED rank gather nothing (all 0)."""
+        places_ids, zero_ids, zero_slots = True, [], []
+        for i, p in enumerate(parts):
+            if p.modes is None:  # traced: its kind is known only on the device
+                if not p.ids:
+                    raise refusals.no_ids_with_traced_mode(p.where)
                 continue
-            running = toks[r][toks[r] > 0]
-            live = rows[r][rows[r] > 0]
-            tail = live[len(live) - len(running) :]
-            if len(running) > len(live) or not np.array_equal(tail, running):
-                where = f"batch[rank {r}]." if len(modes) > 1 else "batch."
-                raise FutureMapError(
-                    f"{where}token_slots name running slots {running.tolist()}, but the "
-                    f"batch's last live rows hold {tail.tolist()}: a spec MIXED batch lists "
-                    "its running rows last, one per nonzero token slot, in that order"
-                )
+            decode = p.scalar and p.modes == (ForwardMode.DECODE,)
+            if decode and not by_rank and (not p.ids or spec is None):
+                if p.ids:
+                    raise refusals.ids_for_gathered_decode(p.where)
+                if p.slots:
+                    raise refusals.token_slots_for_decode(p.where)
+                places_ids = False  # T = B: the ids are gathered on the device
+                continue
+            if not p.ids:  # only a DECODE batch (or rank) comes without ids
+                kinds = set(p.modes) - (set() if p.scalar else {ForwardMode.IDLE})
+                if kinds - {ForwardMode.DECODE}:
+                    raise refusals.no_ids_for_kind("/".join(sorted(k.name for k in kinds)), p.where)
+                zero_ids.append(i)
+            elif decode and spec is None:  # a mapping's non-spec DECODE rank
+                raise refusals.ids_for_gathered_decode(p.where)
+            if not p.slots and ForwardMode.MIXED in p.modes:
+                raise refusals.mixed_without_token_slots(p.where)
+            if p.slots and p.modes == (ForwardMode.DECODE,):
+                raise refusals.token_slots_for_decode(p.where)
+            if p.slots and ForwardMode.MIXED not in p.modes:
+                kinds_named = "/".join(sorted({m.name for m in p.modes}))
+                zero_slots.append((i, p.where, kinds_named))
+        mixed = any(ForwardMode.MIXED in (p.modes or ()) for p in parts)
+        return Rules(
+            places_ids=places_ids,
+            zero_ids=tuple(zero_ids),
+            zero_slots=tuple(zero_slots),
+            mixed_order=spec is not None and mixed,
+        )
 
     def resolve_variants(
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
@@ -275,13 +271,3 @@ def parse_protocol(protocol: object) -> Protocol:
     if found is None:
         raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     return found
-
-
-def _all_zero(slots: Any) -> bool:
-    """Host token slots that gather nothing (a jax array is not read: False)."""
-    if isinstance(slots, jax.Array):
-        return False
-    try:
-        return not np.any(np.asarray(slots))
-    except (TypeError, ValueError):
-        return False  # not an array: placing it names the field

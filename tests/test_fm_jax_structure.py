@@ -1,0 +1,114 @@
+"""fm_jax's structure, held: no import circle among its modules, and no module reading
+another class's private members (docs/CONTRACT.md's layering: placement, registry and
+runtime are used through their public methods).
+
+Read from the source with `ast`; nothing is imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fm_jax"
+NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _imports(name: str, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The fm_jax modules `name` imports (a name imported from a package: its module)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m in modules and m != name}
+
+
+def test_no_import_circle_among_fm_jax_modules() -> None:
+    """Pins a circle of imports (engine_step and future_map imported each other): every
+    module below the package's face imports only modules that do not import it back."""
+    modules = _modules()
+    graph = {n: _imports(n, t, set(modules)) - {"fm_jax"} for n, t in modules.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                circles.append(path[path.index(n) :] + [n])
+            elif n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m != "fm_jax" and m not in state:
+            visit(m)
+    assert circles == []
+
+
+def _own_privates(cls: ast.ClassDef) -> set[str]:
+    """The private members a class defines: its methods, slots and `self._x` attributes."""
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and isinstance(node.ctx, ast.Store)
+        ):
+            names.add(node.attr)
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            names.update(
+                c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
+            )
+    return {n for n in names if n.startswith("_")}
+
+
+def _private_reads(tree: ast.Module) -> list[str]:
+    """`x._name` reads where `x` is not self or cls, outside a class of its own defining
+    `_name` (an instance reading another of its class, as `__eq__` does), NamedTuple's
+    API aside."""
+    found = []
+
+    def walk(node: ast.AST, own: set[str]) -> None:
+        if isinstance(node, ast.ClassDef):
+            own = own | _own_privates(node)
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+            base = node.value
+            private = name.startswith("_") and not name.startswith("__")
+            mine = isinstance(base, ast.Name) and base.id in ("self", "cls")
+            if private and not mine and name not in NAMEDTUPLE_API and name not in own:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            walk(child, own)
+
+    walk(tree, set())
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_no_module_reads_another_class_private_members(module: str) -> None:
+    """Pins a class reaching into another's private members (EngineStep read nine of
+    FutureMap's): what crosses a class goes through public methods and attributes."""
+    assert _private_reads(_modules()[module]) == []
