@@ -28,26 +28,23 @@ from fm_jax._src.assembly import assemble
 from fm_jax._src.confidence import ResolvedConfidence
 from fm_jax._src.engine_step import EngineStep, Forward
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_checks import batch_values
+from fm_jax._src.host_reads import HostReads
 from fm_jax._src.keys import Key, takes_state
 from fm_jax._src.placement import Placement
 from fm_jax._src.plans import Placed
-from fm_jax._src.protocol import Rules
 from fm_jax._src.registry import Registry, WarmUpReport
 from fm_jax._src.runtime import MapRuntime
-from fm_jax._src.sharding import MeshLayout, per_rank
+from fm_jax._src.sharding import MeshLayout
 from fm_jax._src.step_inputs import StepInput
 from fm_jax._src.types import (
     Batch,
     DraftPayload,
-    ForwardMode,
     FutureMapState,
     MixedTails,
     Resolved,
     RowsInput,
     SpecConfig,
     draft_payload,
-    host_mode,
 )
 from fm_jax._src.warm_up import class_calls
 
@@ -73,56 +70,6 @@ def _serialized(method: _M) -> _M:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
-
-
-def _mixed_rows(
-    batch: Batch, where: str, prefix: Any, prefixed: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """A host spec MIXED batch's (slots, host lengths, token slots, prefix lengths)."""
-    if not isinstance(batch, Batch):
-        raise FutureMapError(f"{where[:-1]} must be a Batch, got {type(batch).__name__}")
-    if host_mode(batch.forward_mode, f"{where}forward_mode") != ForwardMode.MIXED:
-        raise FutureMapError(f"{where}forward_mode must be MIXED: only it has running rows")
-    out: list[np.ndarray | None] = []
-    for name, x in (
-        ("req_pool_indices", batch.req_pool_indices),
-        ("seq_lens", batch.seq_lens),
-        ("token_slots", batch.token_slots),
-        ("prefix_lens", prefix),
-    ):
-        if x is None and name == "prefix_lens" and not prefixed:
-            out.append(None)
-            continue
-        a = np.asarray(x) if isinstance(x, np.ndarray | list | tuple) else None
-        if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            got = type(x).__name__
-            raise FutureMapError(f"{where}{name} must be 1-D host ints (numpy), got {got}")
-        out.append(a.astype(np.int64))
-    idx, lens, ts, pre = out
-    assert idx is not None and lens is not None and ts is not None
-    for name, x in (("seq_lens", lens), ("prefix_lens", pre)):
-        if x is not None and len(x) != len(idx):
-            raise FutureMapError(f"{where}{name} has {len(x)} rows, req_pool_indices {len(idx)}")
-    return idx, lens, ts, pre
-
-
-def _rebind(
-    idx: np.ndarray, lens: np.ndarray, ts: np.ndarray, prefix: np.ndarray | None, fresh: Any
-) -> MixedTails:
-    """The running rows (the last live rows, one per nonzero token slot, in order) take
-    their published lengths `fresh` (in token-slot order): + 1 in seq_lens_cpu, as they are
-    in prefix_lens; the sum is over the live rows."""
-    live = idx > 0
-    n = int(np.count_nonzero(ts))
-    seq = lens.copy()
-    pre = None if prefix is None else prefix.copy()
-    if n:
-        rows = np.flatnonzero(live)[-n:]
-        published = np.asarray(fresh, np.int64)[:n]
-        seq[rows] = published + 1
-        if pre is not None:
-            pre[rows] = published
-    return MixedTails(seq, int(seq[live].sum()), pre)
 
 
 class FutureMap:
@@ -224,6 +171,7 @@ class FutureMap:
         self._optional = frozenset(rf.optional(self.spec.fields())) if self.spec else frozenset()
         self._runtime: MapRuntime = parts.runtime
         self._registry: Registry = parts.registry
+        self._reads = HostReads(parts.placement, parts.runtime)
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -357,26 +305,7 @@ class FutureMap:
           ResolvedConfidence (rows [B, gamma] float32, generations [B] int64) or None; per
           rank for a mapping.
         """
-        ring = self._runtime.confidence
-        if ring is None:
-            raise FutureMapError(
-                "resolve_confidence_cpu: the map relays no confidence; declare its width, "
-                "SpecConfig(..., confidence=gamma)"
-            )
-        if not isinstance(wait, bool):
-            raise FutureMapError(f"wait must be a bool, got {wait!r}")
-        if isinstance(indices, Mapping):
-            unknown = sorted(set(indices) - set(ring.ranks))
-            if unknown:
-                raise FutureMapError(f"indices names DP rank(s) {unknown}, not this process's")
-            slots = {d: ring.slots(f"indices[rank {d}]", s) for d, s in indices.items()}
-            return {d: ring.read(d, s, wait) for d, s in slots.items()}
-        if self.layout.dp > 1:
-            raise FutureMapError(
-                "resolve_confidence_cpu on a map of several DP ranks takes a mapping DP rank "
-                "-> slots"
-            )
-        return ring.read(0, ring.slots("indices", indices), wait)
+        return self._reads.confidence(indices, wait)
 
     @_serialized
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
@@ -525,32 +454,7 @@ class FutureMap:
         Returns the lengths in the form `indices` was given: [B] host rows (global, padding
         removed for host input), or a mapping DP rank -> lengths.
         """
-        placed = self._placement.slots_op("seq_lens_at", indices, rows)
-        if self._runtime.armed is not None:  # debug, spec: it waits for a fresh publish
-            self._runtime.read_lengths(placed.idx)
-        return self._read_lengths(placed)
-
-    def _read_lengths(
-        self, placed: Placed, subset: bool = False
-    ) -> np.ndarray | dict[int, np.ndarray]:
-        """`new_seq_lens` at the placed slots, on the host: the last publish's copy at
-        exactly its slots (`subset`: at slots among them), else gathered; then `check()`."""
-        inputs, lengths = self._placement.inputs, self._runtime.host_lengths
-        copied = None if lengths is None else lengths.read(placed.idx, subset)
-        if copied is not None:  # the slots last published: their copy, no gather
-            self.check()
-            return inputs.unpad(copied, placed.idx)
-        out = self._run(placed, "resolve_seq_lens_cpu")
-        if inputs.single_process:
-            host = np.asarray(jax.device_get(out))
-        else:
-            blocks = per_rank(out, self.layout)
-            size = placed.idx.size
-            host = np.concatenate(
-                [blocks.get(d, np.zeros(size, self.dtype)) for d in range(self.layout.dp)]
-            )
-        self.check()
-        return inputs.unpad(host, placed.idx)
+        return self._reads.seq_lens(self._run, indices, rows)
 
     @_serialized
     def resolve_mixed_tails_cpu(
@@ -579,42 +483,7 @@ class FutureMap:
         Returns:
           MixedTails (a mapping DP rank -> MixedTails for a mapping).
         """
-        if self.spec is None or not self._protocol.serves_spec_mixed:
-            raise FutureMapError(
-                "resolve_mixed_tails_cpu: a spec MIXED batch is a feature of a spec map of "
-                "the gather protocol"
-            )
-        by_rank = isinstance(batch, Mapping)
-        batches = dict(batch) if isinstance(batch, Mapping) else {0: batch}
-        if not by_rank and self.layout.dp > 1:
-            raise FutureMapError(
-                "resolve_mixed_tails_cpu: a map of several DP ranks takes a mapping DP rank "
-                "-> Batch"
-            )
-        if prefix_lens is None:
-            prefixes: Mapping[int, Any] = {}
-        elif isinstance(prefix_lens, Mapping) == by_rank:
-            prefixes = prefix_lens if isinstance(prefix_lens, Mapping) else {0: prefix_lens}
-        else:
-            raise FutureMapError("prefix_lens must be given in the form of the batch")
-        rows, running = {}, {}
-        for d, b in batches.items():
-            where = f"batch[rank {d}]." if by_rank else "batch."
-            rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
-            idx, _, ts, _ = rows[d]
-            # the running rows last, in token-slot order, as resolve binds them
-            batch_values(Rules(mixed_order=True), [ForwardMode.MIXED], (), idx, ts)
-            running[d] = ts[ts > 0]
-        got: Any = {}
-        if any(len(x) for x in running.values()):
-            placed = self._placement.slots_op(
-                "seq_lens_at", running if by_rank else running[0], None
-            )
-            got = self._read_lengths(placed, subset=True)
-        if not by_rank:
-            got = {0: got}
-        out = {d: _rebind(*rows[d], got.get(d)) for d in batches}
-        return out if by_rank else out[0]
+        return self._reads.mixed_tails(self._run, batch, prefix_lens)
 
     @_serialized
     def check(self) -> None:
@@ -623,8 +492,7 @@ class FutureMap:
         A host sync. Names each violation's invariant, step (resolves so far), op and, on
         a map with several DP ranks, the rank. Without debug: nothing to check.
         """
-        if self._runtime.debug is not None:
-            self._runtime.debug.check()
+        self._runtime.check()
 
     # ------------------------------------------------------------------------ engine step
     def engine_step(

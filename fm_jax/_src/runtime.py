@@ -233,6 +233,12 @@ class MapRuntime:
             for d in _ranks_with_rows(idx, len(self.armed)):
                 self.armed[d] = True
 
+    def check(self) -> None:
+        """Raise InvariantViolation listing every failed debug check since the last call
+        (a host sync); without debug, nothing to check."""
+        if self.debug is not None:
+            self.debug.check()
+
     def read_lengths(self, idx: Rows) -> None:
         """Debug, spec: a read of lengths at `idx` waits for each rank's last publish,
         which no read may have consumed before ('fresh publish', SGLang's consume-once
