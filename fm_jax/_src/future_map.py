@@ -7,72 +7,32 @@ both; `host_inputs` says what a caller may pass.
 
 A call goes one way: the caller's arguments -> `placement` (checked, padded, packed, a
 key) -> the `registry`'s executable for that key -> `runtime.run` (the state donated, the
-debug error recorded) -> the result. The class holds the three and says which op is which.
+debug error recorded) -> the result. `map_core.MapCore` holds the three (and the state,
+warm-up and engine step); this class adds the ops an engine calls each step (and the host
+reads, `host_reads`) and says which op is which.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from fm_jax._src import refusals
-from fm_jax._src import relay_fields as rf
-from fm_jax._src.assembly import assemble
 from fm_jax._src.confidence import ResolvedConfidence
-from fm_jax._src.engine_step import EngineStep, Forward
 from fm_jax._src.errors import FutureMapError
-from fm_jax._src.host_reads import HostReads
-from fm_jax._src.keys import Key, takes_state
-from fm_jax._src.placement import Placement
+from fm_jax._src.map_core import MapCore, serialized
 from fm_jax._src.plans import Placed
-from fm_jax._src.registry import Registry, WarmUpReport
-from fm_jax._src.runtime import MapRuntime
-from fm_jax._src.sharding import MeshLayout
-from fm_jax._src.step_inputs import StepInput
-from fm_jax._src.types import (
-    Batch,
-    DraftPayload,
-    FutureMapState,
-    MixedTails,
-    Resolved,
-    RowsInput,
-    SpecConfig,
-    draft_payload,
-)
-from fm_jax._src.warm_up import class_calls
+from fm_jax._src.types import Batch, DraftPayload, MixedTails, Resolved, RowsInput, draft_payload
 
-_log = logging.getLogger("fm_jax")
-_M = TypeVar("_M", bound=Callable[..., Any])
 Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 """What `stash` writes: tokens [B] (non-spec) or a DraftPayload of [B, ...] rows (spec), or
 per-rank mappings of either."""
 
 
-def _serialized(method: _M) -> _M:
-    """`method` run under the map's lock: calls from several threads take turns (each op
-    donates the state the next one reads). Uncontended, the lock and the extra frame cost
-    about 1 us a call or less (`python -m fm_bench.lock_cost`). A map whose state a failed
-    call consumed refuses it (`StateLost`, until `reset`)."""
-
-    @functools.wraps(method)
-    def locked(self: FutureMap, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._runtime
-        with runtime.lock:
-            if runtime.lost is not None:
-                runtime.refuse_if_lost()
-            return method(self, *args, **kwargs)
-
-    return locked  # type: ignore[return-value]
-
-
-class FutureMap:
+class FutureMap(MapCore):
     """A FutureMap that holds its state and updates it in place through donated jitted ops.
 
     Inputs (see `fm_jax._src.host_inputs`): host arrays are checked by value, padded to a
@@ -122,123 +82,8 @@ class FutureMap:
         from the buffer, a sync behind everything queued.
     """
 
-    def __init__(
-        self,
-        pool_size: int,
-        *,
-        mesh: Mesh | None = None,
-        dp_axis: str | None = "dp",
-        tp_axis: str | None = None,
-        dtype: Any = jnp.int32,
-        spec: SpecConfig | None = None,
-        debug: bool = False,
-        batch_buckets: Sequence[int] | None = None,
-        token_buckets: Sequence[int] | None = None,
-        device: jax.Device | None = None,
-        protocol: str = "sentinel",
-        pack_inputs: bool | None = None,
-        needs_cpu_seq_lens: bool = True,
-    ) -> None:
-        parts = assemble(
-            pool_size,
-            mesh=mesh,
-            dp_axis=dp_axis,
-            tp_axis=tp_axis,
-            dtype=dtype,
-            spec=spec,
-            debug=debug,
-            batch_buckets=batch_buckets,
-            token_buckets=token_buckets,
-            device=device,
-            protocol=protocol,
-            pack_inputs=pack_inputs,
-            needs_cpu_seq_lens=needs_cpu_seq_lens,
-        )
-        self.layout: MeshLayout = parts.layout
-        self.ops = parts.ops
-        self.pool_size = pool_size
-        self.dtype: np.dtype = parts.placement.inputs.dtype
-        self.spec: SpecConfig | None = parts.placement.spec
-        self.debug = debug
-        self._protocol = parts.placement.protocol
-        self.protocol: str = self._protocol.name
-        self.batch_buckets = parts.placement.inputs.batch_buckets
-        self.token_buckets = parts.placement.inputs.token_buckets
-        self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
-        self.pack_inputs: bool = parts.placement.pack_inputs
-        self._options = parts.options
-        self._placement: Placement = parts.placement
-        self._optional = frozenset(rf.optional(self.spec.fields())) if self.spec else frozenset()
-        self._runtime: MapRuntime = parts.runtime
-        self._registry: Registry = parts.registry
-        self._reads = HostReads(parts.placement, parts.runtime)
-
-    # ------------------------------------------------------------------------------ state
-    @property
-    @_serialized
-    def state(self) -> FutureMapState:
-        """The map's own global buffers, read under its lock.
-
-        The next op donates them (deletes them): they are valid only until then, so read
-        them only from the thread that serves, between its ops. From another thread, or
-        to keep them, take `buffers(copy=True)`.
-        """
-        return self._runtime.state
-
-    @property
-    def step(self) -> int:
-        """Resolves (and engine steps) so far: the step debug violations name."""
-        return self._runtime.step
-
-    @_serialized
-    def buffers(self, *, copy: bool = False) -> dict[str, jax.Array]:
-        """The present buffers by name, global [DP*R, ...] (DLPack-exportable on one device).
-
-        Args:
-          copy: False: the map's own buffers (as `state`): the next op donates them, so they
-            are valid only until then, and a live DLPack export of one blocks that op's
-            donation (release it first). True: copies made on the device under the map's
-            lock (no host sync): the caller's own, valid whatever ops follow, from any
-            thread (a monitor's read while other threads serve).
-        """
-        out = {k: v for k, v in self._runtime.state._asdict().items() if v is not None}
-        return {k: jax.tree.map(jnp.copy, v) for k, v in out.items()} if copy else out
-
-    def reset(self) -> None:
-        """Re-create the initial state: every slot's rows and lengths as at construction.
-
-        Every request the map was relaying is forgotten (start each again with a prefill);
-        the step count and pending debug errors are kept. The recovery from `StateLost`,
-        which every op raises once a failed call consumed the state; also serves to drop
-        every request at once.
-        """
-        with self._runtime.lock:  # not refused when lost: it is the way back
-            self._runtime.reset()
-
-    def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
-        """The jitted entry points by name (for compile counting and HLO inspection).
-
-        `resolve` takes a traced mode, `resolve_fixed_{extend,decode}` a mode known on the
-        host; a debug map's `unchecked_*` are its tail ops for slots already checked.
-        """
-        keys = [Key(op, 0) for op in ("publish", "stash", "finish", "sentinels", "seq_lens_at")]
-        keys += [Key("resolve", 0, mode=m) for m in ("traced", "extend", "decode")]
-        if self.debug:
-            keys += [k._replace(checked=False) for k in keys]
-        return {k.name: self._registry.jitted(k) for k in keys}
-
-    # -------------------------------------------------------------------------------- run
-    def _run(self, placed: Placed, op: str, *, new_step: bool = False) -> Any:
-        """Placed call `placed` on its executable; its debug error recorded as `op`'s."""
-        key = placed.key
-        exe = self._registry.executable(key, placed.pack)
-        ops = (op,) if self.debug and key.checked else ()
-        return self._runtime.run(
-            exe, placed.args, ops, call=op, with_state=takes_state(key.op), new_step=new_step
-        )
-
     # -------------------------------------------------------------------------------- ops
-    @_serialized
+    @serialized
     def publish(
         self,
         indices: RowsInput,
@@ -286,7 +131,7 @@ class FutureMap:
         assert ring is not None
         ring.issue(copied, gens, placed.idx)
 
-    @_serialized
+    @serialized
     def resolve_confidence_cpu(
         self, indices: Any, *, wait: bool = False
     ) -> ResolvedConfidence | None | dict[int, ResolvedConfidence | None]:
@@ -307,7 +152,7 @@ class FutureMap:
         """
         return self._reads.confidence(indices, wait)
 
-    @_serialized
+    @serialized
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
         """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place.
 
@@ -324,7 +169,7 @@ class FutureMap:
         if self._runtime.unstashed is not None:
             self._runtime.stashed(placed.idx, placed.key.omits)
 
-    @_serialized
+    @serialized
     def finish(
         self,
         batch: Batch,
@@ -361,7 +206,7 @@ class FutureMap:
             self._runtime.stashed(placed.idx, placed.key.omits)
         return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
 
-    @_serialized
+    @serialized
     def resolve(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -405,7 +250,7 @@ class FutureMap:
             {f: v for f, v in fields.items() if f in relayed or f not in self._optional}
         )
 
-    @_serialized
+    @serialized
     def relayed_fields(self, rank: int = 0) -> tuple[str, ...]:
         """The draft fields a resolve gathers on DP rank `rank`, in stash order: every
         consume-tracked field (each stash writes them), and each other field once a stash
@@ -418,7 +263,7 @@ class FutureMap:
         relayed = set(self._runtime.relayed(rank))
         return tuple(f.name for f in self.spec.fields() if f.consumed or f.name in relayed)
 
-    @_serialized
+    @serialized
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
         """Sentinels for the next step: ids and lengths := -indices (padding rows: 0).
 
@@ -436,7 +281,7 @@ class FutureMap:
         sentinels = self._run(self._placement.slots_op("sentinels", indices, rows), "invalidate")
         return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
 
-    @_serialized
+    @serialized
     def resolve_seq_lens_cpu(
         self, indices: RowsInput, *, rows: int | None = None
     ) -> np.ndarray | dict[int, np.ndarray]:
@@ -456,7 +301,7 @@ class FutureMap:
         """
         return self._reads.seq_lens(self._run, indices, rows)
 
-    @_serialized
+    @serialized
     def resolve_mixed_tails_cpu(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -484,101 +329,3 @@ class FutureMap:
           MixedTails (a mapping DP rank -> MixedTails for a mapping).
         """
         return self._reads.mixed_tails(self._run, batch, prefix_lens)
-
-    @_serialized
-    def check(self) -> None:
-        """Raise InvariantViolation listing every failed debug check since the last call.
-
-        A host sync. Names each violation's invariant, step (resolves so far), op and, on
-        a map with several DP ranks, the rank. Without debug: nothing to check.
-        """
-        self._runtime.check()
-
-    # ------------------------------------------------------------------------ engine step
-    def engine_step(
-        self,
-        forward: Forward,
-        *,
-        inputs: Sequence[StepInput] = (),
-        donate_argnums: Sequence[int] = (),
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> EngineStep:
-        """The engine's jitted step with this map's relay inside: the recommended way in.
-
-        One dispatch per step: resolve at the head, `forward` on the resolved ids and
-        lengths, publish, stash and (sentinel protocol) the sentinels at the tail; the map's
-        state and the arguments named by `donate_argnums` donated. The class's rules hold
-        unchanged (this map's placement, registry and runtime serve it): see `EngineStep`.
-
-        Args:
-          forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced inside the
-            step: `resolved` the filled ids, lengths (and draft); `batch` the placed batch
-            (its `forward_mode` a fixed mode when known on the host, else traced); `inputs`
-            the declared inputs by name; `args` the step's own arguments.
-          inputs: the engine's own per-row or per-token host arrays (`StepInput`).
-          donate_argnums: indices into the step's `args` to donate (the KV cache).
-          compiler_options: XLA options of the step; default `fm_jax.compiler_options()`
-            for the map's platform (on CPU that keeps the step's elementwise ops on the
-            calling thread: pass `{}` for a model that wants XLA's thread pool).
-
-        Returns:
-          EngineStep: `step(batch, *args, inputs=...) -> StepResult(out, next batch)`.
-        """
-        return EngineStep(
-            forward,
-            ops=self.ops,
-            placement=self._placement,
-            runtime=self._runtime,
-            protocol=self._protocol,
-            inputs=inputs,
-            donate_argnums=donate_argnums,
-            options=self._options if compiler_options is None else compiler_options,
-        )
-
-    # ---------------------------------------------------------------------------- warm-up
-    @_serialized
-    def warm_up(
-        self,
-        *,
-        guard: bool = False,
-        traced_modes: bool = True,
-        threads: int | None = None,
-        partial_stashes: Sequence[Collection[str]] = (),
-    ) -> WarmUpReport:
-        """Compile every executable serving calls, for every bucket, ahead of time.
-
-        The calls (`warm_up.empty_tails`, `empty_batches`): publish, stash, finish and the
-        sentinels per batch bucket (a debug map's tail ops also unchecked; a spec map's
-        `seq_lens_at` too); resolve per token bucket (which fixes its rows) and resolve
-        variant (mode fixed not DECODE, fixed DECODE, traced; token slots in the gather
-        protocol), with and without a draft on a spec map. Each is an empty batch placed
-        as serving places its inputs (and, with `pack_inputs`, packed too); traced,
-        lowered and compiled on `threads` threads; nothing runs and no buffer changes.
-        Logs the report at INFO on the "fm_jax" logger.
-
-        Args:
-          guard: afterwards, serve only the warmed executables: a call that would compile
-            (a shape, dtype or sharding not warmed) raises FutureMapError naming the op,
-            its sizes and the buckets, before anything runs.
-          traced_modes: also warm resolve with a traced forward mode (a jax array, and a
-            mesh's ranks in different kinds); False for an engine that gives every batch
-            a host ForwardMode on one device.
-          threads: compile threads; default min(8, CPU count).
-          partial_stashes: spec: the partial stashes the engine makes, each the names of
-            the fields its drafts give (e.g. `[("bonus_tokens",)]` for a bonus-only
-            stash): stash and finish are warmed for each too (a partial stash is an
-            executable of its own). A set a stash would refuse is refused here.
-
-        Returns:
-          What was compiled, what came from JAX's persistent cache, and the time.
-        """
-        calls = class_calls(
-            self._placement,
-            self._runtime.state,
-            debug=self.debug,
-            traced_modes=traced_modes,
-            partial=partial_stashes,
-        )
-        summary = self._registry.warm_up(calls, guard=guard, threads=threads)
-        _log.info("%s", summary)
-        return summary
