@@ -78,9 +78,7 @@ def _own_privates(cls: ast.ClassDef) -> set[str]:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
         ):
-            names.update(
-                c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
-            )
+            names.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
     return {n for n in names if n.startswith("_")}
 
 
@@ -112,3 +110,16 @@ def test_no_module_reads_another_class_private_members(module: str) -> None:
     """Pins a class reaching into another's private members (EngineStep read nine of
     FutureMap's): what crosses a class goes through public methods and attributes."""
     assert _private_reads(_modules()[module]) == []
+
+
+MAX_LINES = 400
+
+
+def test_no_fm_jax_module_over_400_lines() -> None:
+    """Pins a module grown past one job (future_map.py held the ops, the host reads of
+    lengths, MIXED tails and confidence, the state, the warm-up and the engine step in
+    716 lines): each fm_jax module stays within MAX_LINES."""
+    lines = {
+        str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
+    }
+    assert {m: n for m, n in sorted(lines.items()) if n > MAX_LINES} == {}
