@@ -811,8 +811,8 @@ def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
     deleting the map's donated state and the engine's donated cache with no word: every
     later op raised a raw "Array has been deleted". Now the step raises StateLost naming
     what was lost (the map's buffers, the donated args consumed), chained from the
-    failure; every op of the map raises it until `reset()`, after which serving gives the
-    bytes a fresh map gives."""
+    failure; every op of the map raises it (its message, cause, call, step and consumed
+    args) until `reset()`, after which serving gives the bytes a fresh map gives."""
     fail = {"on": False}
     fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
     step = fm.engine_step(_failing_forward(fail), donate_argnums=(0,))
@@ -845,6 +845,8 @@ def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
         with pytest.raises(fj.StateLost) as again:
             call()
         assert str(again.value) == str(lost) and again.value.__cause__ is lost.__cause__
+        got = again.value
+        assert (got.call, got.step, got.consumed_args) == ("the engine step", 2, (0,))
     fail["on"] = False
     fm.reset()
     assert fm.step == 2
