@@ -107,7 +107,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                            $r::test_device_lengths_donated_by_the_caller_after_publish_are_read_from_the_buffer
                            $r::test_a_monitor_thread_reads_buffer_copies_while_others_serve
                            tests/test_fm_jax_host_lengths.py
-                           tests/test_fm_jax_engine_step.py::test_debug_violation_in_a_step_is_reported_at_check_with_step_and_op" ;;
+                           tests/test_fm_jax_engine_step.py::test_debug_violation_in_a_step_is_reported_at_check_with_step_and_op
+                           tests/test_fm_jax_debug.py::test_debug_invalidate_checks_device_slots" ;;
         jax-class) local r=tests/test_reliability.py
                    echo "$r::test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
                          $r::test_a_class_op_failing_while_it_runs_loses_the_map_by_name
