@@ -77,7 +77,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         jax-ops|jax-rows|jax-resolve) echo "tests/test_fm_jax_row_kernel.py
                        tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
-                       tests/test_fm_jax_mutants.py tests/test_spec_mixed.py" ;;
+                       tests/test_fm_jax_mutants.py tests/test_spec_mixed.py
+                       tests/test_reliability.py::test_sharded_stash_names_each_payload_row_that_is_no_array" ;;
         jax-checks) local g=tests/test_fm_jax_gather.py m=tests/test_spec_mixed.py
                     echo "tests/test_fm_jax_debug.py tests/test_fm_jax_debug_channel.py
                           tests/test_fm_jax_mutants.py

@@ -704,6 +704,25 @@ def test_pure_ops_stash_names_extras_that_are_no_mapping(sharded: bool) -> None:
             fn(state, jnp.array([1, 2], jnp.int32), bad)
 
 
+def test_sharded_stash_names_each_payload_row_that_is_no_array() -> None:
+    """The sharded ops' stash checks every per-row value of its payload splits over the DP
+    ranks, naming it: tokens on a map without spec, each declared draft field on a spec
+    map (`payload_rows` lists them by the names the refusals use)."""
+    mesh = jax.make_mesh((1,), ("dp",))
+    slots = jnp.array([1, 2], jnp.int32)
+    plain = fj.sharded_future_map(R, mesh)
+    with pytest.raises(fj.FutureMapError) as info:
+        plain.stash(plain.init(), slots, [3, 4])
+    assert str(info.value) == "stash: tokens must be an array of rows [B, ...], got a Python list"
+    spec = fj.sharded_future_map(R, mesh, spec=SPEC)
+    for field in ("bonus_tokens", "score"):
+        bad = _draft(**{field: 7}) if field == "bonus_tokens" else _draft(extras={"score": 7})
+        with pytest.raises(fj.FutureMapError) as info:
+            spec.stash(spec.init(), slots, bad)
+        want = f"stash: draft.{field} must be an array of rows [B, ...], got a Python int (7)"
+        assert str(info.value) == want
+
+
 # ------------------------------------------------------------------ the step's own mode
 @pytest.mark.parametrize("protocol", ["sentinel", "gather"])
 def test_a_warmed_step_hands_its_forward_each_host_mode(protocol: str) -> None:
