@@ -903,7 +903,8 @@ def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None
     any runtime error of the device) leaving deleted buffers and raw "Array has been
     deleted" errors: the op raises StateLost naming itself, and so does every later op
     until `reset()`. (Debug resolve donates the state too.) An interrupt stays an
-    interrupt, the map lost all the same."""
+    interrupt, the map lost all the same. The failed op took no step; a resolve after the
+    reset takes one."""
     fm = fj.FutureMap(R, debug=True, batch_buckets=(2,), token_buckets=(2,))
     slots = a(1, 2)
     fm.finish(fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1)), slots, a(2, 2), a(7, 8))
@@ -940,6 +941,7 @@ def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None
     fm.finish(fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1)), slots, a(2, 2), a(7, 8))
     r = fm.resolve(decode)
     assert np.asarray(r.input_ids)[:2].tolist() == [7, 8]
+    assert fm.step == 1  # the resolve that failed took no step, this one did
     fm.check()
 
 
