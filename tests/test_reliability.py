@@ -845,6 +845,11 @@ def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
     assert isinstance(lost, fj.FutureMapError) and lost.consumed_args == (0,)
     assert lost.call == "the engine step" and lost.step == fm.step == 2
     assert "the sampler failed" in str(lost) and "output_tokens, new_seq_lens" in str(lost)
+    assert str(lost).endswith(
+        "relaying. The step's donated args consumed too: [0]; rebuild them. Every op of this "
+        "map raises StateLost until FutureMap.reset() re-creates its initial state: then "
+        "start every running request again (a new prefill)."
+    )
     assert isinstance(lost.__cause__, Exception) and cache.is_deleted()
     refused = [
         lambda: fm.resolve(decode),
@@ -932,7 +937,13 @@ def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None
             else:
                 fm.resolve(decode)
         assert info.value.call == op and info.value.consumed_args == ()
-        assert "device failure" in str(info.value)
+        assert str(info.value) == (
+            f"{op} failed while it ran (RuntimeError: device failure) after consuming the "
+            "map's donated state: every slot's relay rows and lengths (output_tokens, "
+            "new_seq_lens) are gone, and with them every request the map was relaying. Every "
+            "op of this map raises StateLost until FutureMap.reset() re-creates its initial "
+            "state: then start every running request again (a new prefill)."
+        )
     registry.executable = real  # type: ignore[method-assign]
     with pytest.raises(fj.StateLost):
         fm.resolve(decode)
@@ -964,21 +975,31 @@ def test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving() -> None:
     donated = cache
     cache = step(batch, w, cache).out
     before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
-    misuse = [
-        ((w, donated), r"argument 1 \(args\[1\]\) is a deleted jax array \(int32\[8\]\)"),
-        ((w, fm.buffers()["new_seq_lens"]), "argument 1 .* the map's own buffer 'new_seq_lens'"),
-        ((fm.state.output_tokens, cache), "argument 0 .* the map's own buffer 'output_tokens'"),
+    deleted = (
+        "is a deleted jax array ({}): donated to an earlier call (an engine step returns the "
+        "new one in its out) or deleted; nothing ran"
+    )
+    own = (
+        "is the map's own buffer {!r} (fm.state, fm.buffers()), which the call donates: "
+        "pass a copy (fm.buffers(copy=True)); nothing ran"
+    )
+    misuse = [  # the args, the one named, what it is
+        ((w, donated), 1, deleted.format("int32[8]")),
+        ((w, fm.buffers()["new_seq_lens"]), 1, own.format("new_seq_lens")),
+        ((fm.state.output_tokens, cache), 0, own.format("output_tokens")),
     ]
-    for args, match in misuse:
-        with pytest.raises(fj.FutureMapError, match=match):
+    for args, i, what in misuse:
+        with pytest.raises(fj.FutureMapError) as info:
             step(batch, *args)
+        assert str(info.value) == f"engine step argument {i} (args[{i}]) {what}"
         assert not cache.is_deleted() and not w.is_deleted()
         assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
     assert fm.step == 1
     gone = jnp.array([3, 4], jnp.int32)
     gone.delete()
-    with pytest.raises(fj.FutureMapError, match=r"publish: an input is a deleted jax array"):
+    with pytest.raises(fj.FutureMapError) as info:
         fm.publish(slots, gone)
+    assert str(info.value) == "publish: an input " + deleted.format("int32[2]")
     for bad in (None, 1, ("1",), (True,)):
         with pytest.raises(fj.FutureMapError, match="donate_argnums must be a sequence"):
             fm.engine_step(forward, donate_argnums=bad)  # type: ignore[arg-type]
