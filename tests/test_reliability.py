@@ -680,7 +680,8 @@ def test_a_step_output_that_is_no_array_of_rows_is_named(name: str) -> None:
     w = jnp.zeros(3)
     with pytest.raises(fj.FutureMapError, match="StepOutput") as info:
         step(batch, w)
-    assert field in str(info.value) and what in str(info.value), str(info.value)
+    head = f"the engine's forward returned a StepOutput the map cannot relay: {field} "
+    assert str(info.value).startswith(head) and what in str(info.value), str(info.value)
     assert fm.step == 0 and not w.is_deleted()
     assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
     good = _draft() if spec else jnp.ones(2, jnp.int32)
