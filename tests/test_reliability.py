@@ -1003,8 +1003,12 @@ def test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving() -> None:
         fm.publish(slots, gone)
     assert str(info.value) == "publish: an input " + deleted.format("int32[2]")
     for bad in (None, 1, ("1",), (True,)):
-        with pytest.raises(fj.FutureMapError, match="donate_argnums must be a sequence"):
+        with pytest.raises(fj.FutureMapError) as info:
             fm.engine_step(forward, donate_argnums=bad)  # type: ignore[arg-type]
+        assert str(info.value) == (
+            "donate_argnums must be a sequence of indices >= 0 into the step's args "
+            f"(() for none), got {bad!r}"
+        )
     cache = step(batch, w, cache).out
     assert fm.step == 2 and np.asarray(cache)[1:3].tolist() == [2 * 5, 2 * 6]
 
