@@ -201,6 +201,9 @@ def test_step_leaves_the_bytes_of_resolve_then_finish(protocol: str, debug: bool
 
 
 def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_given() -> None:
+    """StepResult.batch: the gather protocol's the batch as given; the sentinel protocol's
+    the sentinels -slot, for host slots a host array of their rows in the map's int dtype
+    (whatever int dtype the slots came in), for jax slots the step's own, padded like them."""
     for protocol in ("sentinel", "gather"):
         fm = fj.FutureMap(8, protocol=protocol, batch_buckets=[4], token_buckets=[4])
         step = fm.engine_step(lambda r, b, i: fj.StepOutput(r.seq_lens, r.input_ids[:4]))
@@ -213,6 +216,10 @@ def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_giv
         else:  # host slots: host sentinels of their rows (the batch is placed as a host one)
             assert type(nxt.input_ids) is np.ndarray and type(nxt.seq_lens) is np.ndarray
             assert nxt.input_ids.tolist() == nxt.seq_lens.tolist() == [-3, -1]
+            assert nxt.input_ids.dtype == np.int32
+            wide = step(batch._replace(req_pool_indices=np.array([3, 1], np.int64))).batch
+            assert wide.input_ids.dtype == wide.seq_lens.dtype == np.int32
+            assert wide.input_ids.tolist() == [-3, -1]
             # jax slots (padded by the caller): the step's own sentinels, padded like them
             jbatch = batch._replace(
                 req_pool_indices=jnp.array([3, 1, 0, 0], jnp.int32),
