@@ -3,7 +3,7 @@
 # debug checks and the host input checks. Not part of CI: it takes tens of minutes.
 #
 #   bash scripts/mutation.sh                 # every group, fm_torch first
-#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel)
+#   bash scripts/mutation.sh torch jax-ops   # some groups (jax = every jax-* group of ALL below)
 #   bash scripts/mutation.sh --rerun jax-ops # a finished run's survivors again, today's tests
 #   bash scripts/mutation.sh --since REV jax-ops  # only the mutants on lines changed since REV
 #
@@ -44,7 +44,8 @@ JOBS=${MUTATION_JOBS:-2}
 LIMIT=${MUTATION_TIMEOUT:-3600}
 WORK=${MUTATION_DIR:-${TMPDIR:-/tmp}/fm-jax-mutation}
 REPORT=${MUTATION_REPORT:-docs/mutation.md}
-ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel)
+ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel
+     jax-runtime jax-step jax-class)
 
 if ! "$PY" -c "import mutmut, coverage" 2>/dev/null; then
     echo "mutmut is missing: .venv/bin/pip install -e '.[mutation]'" >&2
@@ -62,6 +63,9 @@ file_of() {
         jax-checks) echo fm_jax/_src/checks.py ;;
         jax-inputs) echo fm_jax/_src/host_inputs.py ;;
         jax-kernel) echo fm_jax/_src/row_kernel.py ;;
+        jax-runtime) echo fm_jax/_src/runtime.py ;;
+        jax-step) echo fm_jax/_src/engine_step.py ;;
+        jax-class) echo fm_jax/_src/future_map.py ;;
         *) echo "unknown group '$1' (${ALL[*]}, jax)" >&2; return 1 ;;
     esac
 }
@@ -73,7 +77,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         jax-ops|jax-rows|jax-resolve) echo "tests/test_fm_jax_row_kernel.py
                        tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
-                       tests/test_fm_jax_mutants.py tests/test_spec_mixed.py" ;;
+                       tests/test_fm_jax_mutants.py tests/test_spec_mixed.py
+                       tests/test_reliability.py::test_sharded_stash_names_each_payload_row_that_is_no_array" ;;
         jax-checks) local g=tests/test_fm_jax_gather.py m=tests/test_spec_mixed.py
                     echo "tests/test_fm_jax_debug.py tests/test_fm_jax_debug_channel.py
                           tests/test_fm_jax_mutants.py
@@ -90,6 +95,50 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                           $table::test_fm_jax_class_refuses_and_keeps_every_byte" ;;
         jax-kernel) echo "tests/test_fm_jax_row_kernel.py" ;;
+        # The map's runtime (state, lock, StateLost and reset, a failed call diagnosed),
+        # the class's serialized ops and buffers, the engine step: the tests of each that
+        # fail, refuse or donate first (a mutant stops at its first failing test).
+        jax-runtime) local r=tests/test_reliability.py
+                     echo "$r::test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
+                           $r::test_a_class_op_failing_while_it_runs_loses_the_map_by_name
+                           $r::test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving
+                           $r::test_a_step_refused_before_it_ran_leaves_the_map_whole
+                           $r::test_a_forward_failing_while_traced_leaves_the_step_count_as_it_was
+                           $r::test_a_step_output_that_is_no_array_of_rows_is_named
+                           $r::test_device_lengths_donated_by_the_caller_after_publish_are_read_from_the_buffer
+                           $r::test_a_monitor_thread_reads_buffer_copies_while_others_serve
+                           tests/test_fm_jax_host_lengths.py
+                           tests/test_fm_jax_engine_step.py::test_debug_violation_in_a_step_is_reported_at_check_with_step_and_op
+                           tests/test_fm_jax_debug.py::test_debug_invalidate_checks_device_slots" ;;
+        jax-class) local r=tests/test_reliability.py
+                   echo "$r::test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
+                         $r::test_a_class_op_failing_while_it_runs_loses_the_map_by_name
+                         $r::test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving
+                         $r::test_a_step_refused_before_it_ran_leaves_the_map_whole
+                         $r::test_a_monitor_thread_reads_buffer_copies_while_others_serve
+                         $r::test_device_lengths_donated_by_the_caller_after_publish_are_read_from_the_buffer
+                         tests/test_fm_jax_host_lengths.py
+                         tests/test_fm_jax_debug.py::test_debug_invalidate_checks_device_slots" ;;
+        jax-step) local r=tests/test_reliability.py e=tests/test_fm_jax_engine_step.py
+                  # not $e's mesh test: it runs in a subprocess mutmut cannot reach
+                  echo "$e::test_step_leaves_the_bytes_of_resolve_then_finish
+                        $e::test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_given
+                        $e::test_bad_input_is_refused_before_anything_runs_or_is_donated
+                        $e::test_step_donates_the_map_state_and_the_named_args
+                        $e::test_a_forward_that_returns_no_step_output_is_named
+                        $e::test_step_declarations_are_checked_when_made
+                        $e::test_warm_up_covers_every_bucket_and_the_guard_refuses_the_rest
+                        $e::test_a_host_fed_step_is_one_executable_taking_one_host_buffer
+                        $r::test_a_guarded_step_serves_what_serving_passes
+                        $r::test_a_warmed_step_hands_its_forward_each_host_mode
+                        $r::test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
+                        $r::test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving
+                        $r::test_a_step_refused_before_it_ran_leaves_the_map_whole
+                        $r::test_a_step_output_that_is_no_array_of_rows_is_named
+                        $r::test_a_scalar_step_input_is_named_a_scalar
+                        $r::test_a_per_token_step_input_counts_tokens_not_indices
+                        $r::test_a_python_list_step_input_is_cast_where_its_values_fit
+                        $e::test_spec_step_relays_the_draft_like_finish" ;;
     esac
 }
 preload_of() {
@@ -99,8 +148,10 @@ preload_of() {
     esac
 }
 # JAX's persistent compilation cache, shared by a group's mutants: an unmutated op compiles
-# once, a mutated one (other HLO) misses it. So no group runs a test that counts backend
-# compiles (tests/test_fm_jax_class.py, test_fm_jax_warm_up.py): a cache hit skips them.
+# once, a mutated one (other HLO) misses it. So no group runs a test that needs a backend
+# compile to happen (tests/test_fm_jax_class.py, test_fm_jax_warm_up.py): a cache hit skips
+# it. A test that counts none after warm-up may run (jax-step): a cache hit is no compile
+# either, and what kills a mutant that warms too little is the serving guard's refusal.
 jax_cache_of() {
     case $1 in
         jax-*) echo "$WORK/$1/jax-cache" ;;
@@ -212,7 +263,8 @@ main() {
     [ $# -gt 0 ] || set -- "${ALL[@]}"
     groups=()
     for g in "$@"; do
-        if [ "$g" = jax ]; then groups+=(jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel); else groups+=("$g"); fi
+        if [ "$g" != jax ]; then groups+=("$g"); continue; fi
+        for a in "${ALL[@]}"; do if [[ $a == jax-* ]]; then groups+=("$a"); fi; done
     done
     dirs=()
     for g in "${groups[@]}"; do

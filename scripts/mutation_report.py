@@ -82,6 +82,18 @@ def _changed_lines(diff: str) -> tuple[int, list[str], list[str]]:
     return first, removed, added
 
 
+def _line_of(source: list[str], guess: int, text: str) -> int:
+    """The 1-based line of `source` holding `text` (stripped): `guess` where it does, else
+    the nearest that does (`guess` if none). The generated copy keeps the function's
+    formatting, so `guess` (its def's line plus the offset in the copy) is usually right;
+    comments above the def, or lines the copy lost, shift it (even past the file's end)."""
+    want = text.strip()
+    if 1 <= guess <= len(source) and source[guess - 1].strip() == want:
+        return guess
+    hits = [i + 1 for i, t in enumerate(source) if t.strip() == want]
+    return min(hits, key=lambda h: abs(h - guess)) if hits else guess
+
+
 def _function_start(source: list[str], tree: ast.Module, func: str, cls: str | None) -> int:
     """0-based index of the first line of the top-level function (or method) `func`."""
     body = tree.body
@@ -121,11 +133,8 @@ def _mutants_of(run_dir: Path, every_line: bool = False) -> list[Mutant]:
                 offset, removed, added = _changed_lines(diff)
                 func, cls = orig_function_and_class_names_from_key(name)
                 line = _function_start(source, tree, func, cls) + offset
-                # The generated copy keeps the function's formatting: the removed line is
-                # the file's. Fall back to a search if comments above the def shifted it.
-                if removed and source[line - 1].strip() != removed[0].strip():
-                    hits = [i + 1 for i, t in enumerate(source) if t.strip() == removed[0].strip()]
-                    line = min(hits, key=lambda h: abs(h - line)) if hits else line
+                if removed:
+                    line = _line_of(source, line, removed[0])
                 before = " / ".join(t.strip() for t in removed)
                 after = " / ".join(t.strip() for t in added)
                 out.append(Mutant(name, str(path), status, line, before, after))

@@ -201,6 +201,9 @@ def test_step_leaves_the_bytes_of_resolve_then_finish(protocol: str, debug: bool
 
 
 def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_given() -> None:
+    """StepResult.batch: the gather protocol's the batch as given; the sentinel protocol's
+    the sentinels -slot, for host slots a host array of their rows in the map's int dtype
+    (whatever int dtype the slots came in), for jax slots the step's own, padded like them."""
     for protocol in ("sentinel", "gather"):
         fm = fj.FutureMap(8, protocol=protocol, batch_buckets=[4], token_buckets=[4])
         step = fm.engine_step(lambda r, b, i: fj.StepOutput(r.seq_lens, r.input_ids[:4]))
@@ -213,6 +216,10 @@ def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_giv
         else:  # host slots: host sentinels of their rows (the batch is placed as a host one)
             assert type(nxt.input_ids) is np.ndarray and type(nxt.seq_lens) is np.ndarray
             assert nxt.input_ids.tolist() == nxt.seq_lens.tolist() == [-3, -1]
+            assert nxt.input_ids.dtype == np.int32
+            wide = step(batch._replace(req_pool_indices=np.array([3, 1], np.int64))).batch
+            assert wide.input_ids.dtype == wide.seq_lens.dtype == np.int32
+            assert wide.input_ids.tolist() == [-3, -1]
             # jax slots (padded by the caller): the step's own sentinels, padded like them
             jbatch = batch._replace(
                 req_pool_indices=jnp.array([3, 1, 0, 0], jnp.int32),
@@ -226,7 +233,9 @@ def test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_giv
 
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 def test_spec_step_relays_the_draft_like_finish(kernel: str) -> None:
-    """With either spec kernel, the step leaves the buffers the class's ops leave."""
+    """With either spec kernel, the step leaves the buffers the class's ops leave; warmed
+    under the serving guard, it serves its DECODE reading the draft (warm-up covers the
+    spec map's draft variants)."""
     spec = fj.SpecConfig(topk=2, hidden=4, hidden_dtype=jnp.bfloat16, kernel=kernel)
     slots = np.array([1, 2], np.int32)
 
@@ -240,7 +249,10 @@ def test_spec_step_relays_the_draft_like_finish(kernel: str) -> None:
         )
 
     def forward(res, batch, inputs, seed):
-        d = res.draft
+        d, b = res.draft, res.seq_lens.shape[0]
+        if d is None:  # warm-up's variants without a draft
+            i, f = jnp.zeros((b, 2), jnp.int32), jnp.zeros((b, 2), jnp.float32)
+            d = fj.DraftPayload(i[:, 0], f, i, jnp.zeros((b, 4), jnp.bfloat16))
         nxt = fj.DraftPayload(
             (d.bonus_tokens + seed) % 50, d.topk_p * 0.5, d.topk_index + 1, d.hidden_states * 2
         )
@@ -251,9 +263,12 @@ def test_spec_step_relays_the_draft_like_finish(kernel: str) -> None:
         fm = fj.FutureMap(4, spec=spec, protocol="gather", batch_buckets=[2], token_buckets=[2])
         fm.finish(fj.Batch(E, slots, slots, slots), slots, np.array([3, 4], np.int32), draft(0))
         batch = fj.Batch(D, slots, np.zeros(2, np.int32), np.zeros(2, np.int32), slots)
+        step = fm.engine_step(forward)
+        if use_step:
+            step.warm_up(jnp.int32(0), guard=True, traced_modes=False)
         for k in range(3):
             if use_step:
-                fm.engine_step(forward)(batch, jnp.int32(k))
+                step(batch, jnp.int32(k))
             else:
                 res = fm.resolve(batch)
                 lens, nxt, *_ = jax.jit(lambda r, s: forward(r, None, None, s))(res, jnp.int32(k))

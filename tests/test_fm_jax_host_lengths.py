@@ -89,12 +89,19 @@ def test_host_lengths_are_the_buffers_values(protocol: str) -> None:
     assert run(True)[:2] == [[4, 6], [8, 9, 10]]
 
 
+@pytest.mark.parametrize("reset", [False, True])
 @pytest.mark.parametrize("needs", [True, False])
-def test_reading_the_last_published_lengths_waits_for_their_step_only(needs: bool) -> None:
+def test_reading_the_last_published_lengths_waits_for_their_step_only(
+    needs: bool, reset: bool
+) -> None:
     """With the next step's forward queued behind the publish (it reads the map), the read
     of the slots just published returns while that forward still runs; without the copy
-    (`needs_cpu_seq_lens=False`) the read is a sync behind it."""
+    (`needs_cpu_seq_lens=False`) the read is a sync behind it. A map `reset()` (after a
+    publish) serves as it was made: it copies exactly when `needs_cpu_seq_lens` says."""
     fm = make(needs)
+    if reset:
+        fm.publish(a(3, 5, 7, 9), a(1, 1, 1, 1))
+        fm.reset()
     x = jnp.ones((FORWARD_SIZE, FORWARD_SIZE), jnp.float32)
     slow(x).block_until_ready()
     idx = a(3, 5, 7, 9)

@@ -91,3 +91,14 @@ def test_a_listed_equivalent_mutant_that_timed_out_counts_as_a_survivor(tmp_path
     left = text.split("## Mutants no test killed")[1].split("##")[0]
     assert "(timed out, equivalent): `a_t`" in left and "the same sort" in left
     assert "a_u" in text.split("## Mutants killed by a timeout")[1]
+
+
+def test_a_mutated_line_is_found_where_the_guess_from_its_function_misses():
+    """Pins the report failing with an IndexError (and `--since` listing no mutant) when a
+    function's generated copy put the mutated line past the end of the file (the file's
+    last function, a line short in the copy): the line is the nearest holding the text."""
+    source = ["def f():", "    x = 1", "    return x"]
+    assert report._line_of(source, 3, "  return x") == 3  # the guess holds it
+    assert report._line_of(source, 4, "return x") == 3  # past the end: the nearest
+    assert report._line_of(source, 1, "x = 1") == 2
+    assert report._line_of(source, 4, "y = 2") == 4  # nowhere: the guess stands

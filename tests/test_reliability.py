@@ -680,7 +680,8 @@ def test_a_step_output_that_is_no_array_of_rows_is_named(name: str) -> None:
     w = jnp.zeros(3)
     with pytest.raises(fj.FutureMapError, match="StepOutput") as info:
         step(batch, w)
-    assert field in str(info.value) and what in str(info.value), str(info.value)
+    head = f"the engine's forward returned a StepOutput the map cannot relay: {field} "
+    assert str(info.value).startswith(head) and what in str(info.value), str(info.value)
     assert fm.step == 0 and not w.is_deleted()
     assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
     good = _draft() if spec else jnp.ones(2, jnp.int32)
@@ -702,6 +703,25 @@ def test_pure_ops_stash_names_extras_that_are_no_mapping(sharded: bool) -> None:
     for fn in (ops.stash, jax.jit(ops.stash)):
         with pytest.raises(fj.FutureMapError, match="draft.extras must be a mapping"):
             fn(state, jnp.array([1, 2], jnp.int32), bad)
+
+
+def test_sharded_stash_names_each_payload_row_that_is_no_array() -> None:
+    """The sharded ops' stash checks every per-row value of its payload splits over the DP
+    ranks, naming it: tokens on a map without spec, each declared draft field on a spec
+    map (`payload_rows` lists them by the names the refusals use)."""
+    mesh = jax.make_mesh((1,), ("dp",))
+    slots = jnp.array([1, 2], jnp.int32)
+    plain = fj.sharded_future_map(R, mesh)
+    with pytest.raises(fj.FutureMapError) as info:
+        plain.stash(plain.init(), slots, [3, 4])
+    assert str(info.value) == "stash: tokens must be an array of rows [B, ...], got a Python list"
+    spec = fj.sharded_future_map(R, mesh, spec=SPEC)
+    for field in ("bonus_tokens", "score"):
+        bad = _draft(**{field: 7}) if field == "bonus_tokens" else _draft(extras={"score": 7})
+        with pytest.raises(fj.FutureMapError) as info:
+            spec.stash(spec.init(), slots, bad)
+        want = f"stash: draft.{field} must be an array of rows [B, ...], got a Python int (7)"
+        assert str(info.value) == want
 
 
 # ------------------------------------------------------------------ the step's own mode
@@ -811,8 +831,8 @@ def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
     deleting the map's donated state and the engine's donated cache with no word: every
     later op raised a raw "Array has been deleted". Now the step raises StateLost naming
     what was lost (the map's buffers, the donated args consumed), chained from the
-    failure; every op of the map raises it until `reset()`, after which serving gives the
-    bytes a fresh map gives."""
+    failure; every op of the map raises it (its message, cause, call, step and consumed
+    args) until `reset()`, after which serving gives the bytes a fresh map gives."""
     fail = {"on": False}
     fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
     step = fm.engine_step(_failing_forward(fail), donate_argnums=(0,))
@@ -826,6 +846,11 @@ def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
     assert isinstance(lost, fj.FutureMapError) and lost.consumed_args == (0,)
     assert lost.call == "the engine step" and lost.step == fm.step == 2
     assert "the sampler failed" in str(lost) and "output_tokens, new_seq_lens" in str(lost)
+    assert str(lost).endswith(
+        "relaying. The step's donated args consumed too: [0]; rebuild them. Every op of this "
+        "map raises StateLost until FutureMap.reset() re-creates its initial state: then "
+        "start every running request again (a new prefill)."
+    )
     assert isinstance(lost.__cause__, Exception) and cache.is_deleted()
     refused = [
         lambda: fm.resolve(decode),
@@ -845,6 +870,8 @@ def test_a_forward_failing_while_the_step_runs_loses_the_map_by_name_until_reset
         with pytest.raises(fj.StateLost) as again:
             call()
         assert str(again.value) == str(lost) and again.value.__cause__ is lost.__cause__
+        got = again.value
+        assert (got.call, got.step, got.consumed_args) == ("the engine step", 2, (0,))
     fail["on"] = False
     fm.reset()
     assert fm.step == 2
@@ -882,19 +909,21 @@ def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None
     any runtime error of the device) leaving deleted buffers and raw "Array has been
     deleted" errors: the op raises StateLost naming itself, and so does every later op
     until `reset()`. (Debug resolve donates the state too.) An interrupt stays an
-    interrupt, the map lost all the same."""
+    interrupt, the map lost all the same. The failed op took no step; a resolve after the
+    reset takes one. A failure without a message is named by its type."""
     fm = fj.FutureMap(R, debug=True, batch_buckets=(2,), token_buckets=(2,))
     slots = a(1, 2)
     fm.finish(fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1)), slots, a(2, 2), a(7, 8))
     registry = fm._registry
     real = registry.executable
+    words = ("device failure",) if op == "finish" else ()  # no message: its type alone
 
     def failing(*key: Any) -> Any:
         exe = real(*key)
 
         def run(*args: Any) -> Any:
             exe(*args)  # consumes the donated state
-            raise KeyboardInterrupt if op == "interrupted" else RuntimeError("device failure")
+            raise KeyboardInterrupt if op == "interrupted" else RuntimeError(*words)
 
         return run
 
@@ -910,7 +939,13 @@ def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None
             else:
                 fm.resolve(decode)
         assert info.value.call == op and info.value.consumed_args == ()
-        assert "device failure" in str(info.value)
+        assert str(info.value) == (
+            f"{op} failed while it ran (RuntimeError: {''.join(words)}) after consuming the "
+            "map's donated state: every slot's relay rows and lengths (output_tokens, "
+            "new_seq_lens) are gone, and with them every request the map was relaying. Every "
+            "op of this map raises StateLost until FutureMap.reset() re-creates its initial "
+            "state: then start every running request again (a new prefill)."
+        )
     registry.executable = real  # type: ignore[method-assign]
     with pytest.raises(fj.StateLost):
         fm.resolve(decode)
@@ -919,6 +954,7 @@ def test_a_class_op_failing_while_it_runs_loses_the_map_by_name(op: str) -> None
     fm.finish(fj.Batch(fj.ForwardMode.EXTEND, slots, a(3, 4), a(1, 1)), slots, a(2, 2), a(7, 8))
     r = fm.resolve(decode)
     assert np.asarray(r.input_ids)[:2].tolist() == [7, 8]
+    assert fm.step == 1  # the resolve that failed took no step, this one did
     fm.check()
 
 
@@ -941,24 +977,38 @@ def test_donation_misuse_is_refused_by_name_and_the_map_keeps_serving() -> None:
     donated = cache
     cache = step(batch, w, cache).out
     before = {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()}
-    misuse = [
-        ((w, donated), r"argument 1 \(args\[1\]\) is a deleted jax array \(int32\[8\]\)"),
-        ((w, fm.buffers()["new_seq_lens"]), "argument 1 .* the map's own buffer 'new_seq_lens'"),
-        ((fm.state.output_tokens, cache), "argument 0 .* the map's own buffer 'output_tokens'"),
+    deleted = (
+        "is a deleted jax array ({}): donated to an earlier call (an engine step returns the "
+        "new one in its out) or deleted; nothing ran"
+    )
+    own = (
+        "is the map's own buffer {!r} (fm.state, fm.buffers()), which the call donates: "
+        "pass a copy (fm.buffers(copy=True)); nothing ran"
+    )
+    misuse = [  # the args, the one named, what it is
+        ((w, donated), 1, deleted.format("int32[8]")),
+        ((w, fm.buffers()["new_seq_lens"]), 1, own.format("new_seq_lens")),
+        ((fm.state.output_tokens, cache), 0, own.format("output_tokens")),
     ]
-    for args, match in misuse:
-        with pytest.raises(fj.FutureMapError, match=match):
+    for args, i, what in misuse:
+        with pytest.raises(fj.FutureMapError) as info:
             step(batch, *args)
+        assert str(info.value) == f"engine step argument {i} (args[{i}]) {what}"
         assert not cache.is_deleted() and not w.is_deleted()
         assert {k: np.asarray(v).tobytes() for k, v in fm.buffers().items()} == before
     assert fm.step == 1
     gone = jnp.array([3, 4], jnp.int32)
     gone.delete()
-    with pytest.raises(fj.FutureMapError, match=r"publish: an input is a deleted jax array"):
+    with pytest.raises(fj.FutureMapError) as info:
         fm.publish(slots, gone)
+    assert str(info.value) == "publish: an input " + deleted.format("int32[2]")
     for bad in (None, 1, ("1",), (True,)):
-        with pytest.raises(fj.FutureMapError, match="donate_argnums must be a sequence"):
+        with pytest.raises(fj.FutureMapError) as info:
             fm.engine_step(forward, donate_argnums=bad)  # type: ignore[arg-type]
+        assert str(info.value) == (
+            "donate_argnums must be a sequence of indices >= 0 into the step's args "
+            f"(() for none), got {bad!r}"
+        )
     cache = step(batch, w, cache).out
     assert fm.step == 2 and np.asarray(cache)[1:3].tolist() == [2 * 5, 2 * 6]
 
