@@ -1121,3 +1121,27 @@ def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
     fm._placement._place_resolve(batch, None, None)
     assert asked == ["rules"]
     assert len(parsed) == 1, parsed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect, open: with jax slots in the sentinel protocol, StepResult.batch's "
+    "ids are the sentinels at the batch bucket (4), which is no token bucket here (2, 8); "
+    "placement refuses jax ids off a token bucket, so the fed-back DECODE batch and "
+    "EngineStep.warm_up's jax-fed DECODE variant are both refused",
+)
+def test_a_jax_fed_step_result_feeds_back_when_the_batch_bucket_is_no_token_bucket() -> None:
+    """The batch a step returns is the batch for the next step, whatever the buckets: with
+    jax slots, rows bucket 4 and token buckets (2, 8), the DECODE built from it must be
+    served, and warm-up must cover it."""
+    fm = fj.FutureMap(16, batch_buckets=(4,), token_buckets=(2, 8))
+
+    def forward(res: Any, batch: Any, inputs: Any) -> Any:
+        return fj.StepOutput(res.seq_lens + 1, res.input_ids[: res.seq_lens.shape[0]], None)
+
+    step = fm.engine_step(forward)
+    slots = jnp.array([1, 2, 3, 0], jnp.int32)
+    ids = jnp.array([5, 6, 7, 0, 0, 0, 0, 0], jnp.int32)
+    res = step(fj.Batch(fj.ForwardMode.EXTEND, slots, ids, jnp.array([1, 1, 1, 0], jnp.int32)))
+    step(res.batch._replace(forward_mode=fj.ForwardMode.DECODE))
+    step.warm_up()
