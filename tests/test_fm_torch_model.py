@@ -46,7 +46,8 @@ class Model:
 
     @classmethod
     def fresh(cls, debug: bool) -> Model:
-        return cls({s: POISON if debug else 0 for s in range(R)}, dict.fromkeys(range(R), 0), debug)
+        start = POISON if debug else 0  # debug: tokens and lengths start poisoned
+        return cls(dict.fromkeys(range(R), start), dict.fromkeys(range(R), start), debug)
 
     @staticmethod
     def bad_slots(xs: list[int]) -> bool:

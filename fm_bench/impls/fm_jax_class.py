@@ -105,6 +105,8 @@ def _build(
         # when other ops on this map ran in between.
         if debug:
             fm.check()  # the sync point an engine has anyway: surface errors, keep the list short
+            if cfg.spec:  # a debug spec resolve consumes the lengths it read: publish again
+                fm.publish(idx, lens)
         fm.stash(idx, payload)
         wait_jax(fm.state)
 

@@ -64,6 +64,18 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
 
     invalidate = None if cfg.gather else fm.invalidate
     batches = (decode_batch, mixed_batch)
+    # Debug, spec: a resolve consumes the lengths it reads, so each setup publishes again.
+    republish = debug and cfg.spec
     return relay_ops(
-        fm, dev, idx, lens, payload, batches, end_step, invalidate, spec=cfg.spec, ops=ops
+        fm,
+        dev,
+        idx,
+        lens,
+        payload,
+        batches,
+        end_step,
+        invalidate,
+        spec=cfg.spec,
+        ops=ops,
+        republish=republish,
     )

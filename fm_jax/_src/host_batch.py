@@ -37,7 +37,8 @@ class Given(NamedTuple):
 
     Attributes:
       parts: the batch, or each DP rank's batch of a mapping, as its protocol judges it.
-      ranks: a mapping's ranks in order (one per part); () for a Batch.
+      ranks: a mapping's ranks in order (one per part; () for an empty mapping, every
+        rank idle); None for a Batch.
       traced: a traced forward_mode (an int32 jax array); None where modes are on the host.
       modes: the host modes: a Batch's (one, or one per DP rank), a mapping's one per rank.
       slots, ids, lens, draft, token_slots: the fields (a mapping's by rank; its drafts and
@@ -45,7 +46,7 @@ class Given(NamedTuple):
     """
 
     parts: tuple[Part, ...]
-    ranks: tuple[Any, ...]
+    ranks: tuple[Any, ...] | None
     traced: Any
     modes: tuple[ForwardMode, ...]
     slots: Any
@@ -79,7 +80,7 @@ class BatchPlacement:
         engine step's (`step`, with its declared `inputs`) always packed, its device
         leaves beside."""
         given = self.given(batch)
-        rules = self.protocol.rules(self.spec, given.parts, by_rank=bool(given.ranks))
+        rules = self.protocol.rules(self.spec, given.parts, by_rank=given.ranks is not None)
         ids = self._ids(given, rules)
         if ids is not None:
             rows, tokens = self._sizes(given.slots, ids, rows, tokens)
@@ -117,7 +118,7 @@ class BatchPlacement:
             slot_rows,
         )
         check = None
-        if not given.ranks and (rules.zero_slots or rules.mixed_order):
+        if given.ranks is None and (rules.zero_slots or rules.mixed_order):
             check = functools.partial(_plan_check, rules, modes)
         if step is not None:  # always packed: its device leaves beside the buffer
             spec, buf, device = packing.pack((placed, declared))
@@ -161,7 +162,7 @@ class BatchPlacement:
         )
         return Given(
             (part,),
-            (),
+            None,
             traced,
             modes,
             batch.req_pool_indices,
@@ -205,7 +206,7 @@ class BatchPlacement:
         if not rules.places_ids:
             return None
         dt = self.inputs.dtype
-        if not given.ranks:
+        if given.ranks is None:
             return _zeros(given.slots, dt) if rules.zero_ids else given.ids
         ids = dict(given.ids)
         for i in rules.zero_ids:
@@ -240,7 +241,7 @@ class BatchPlacement:
         """The host modes, one per DP rank (a mapping's ranks left out are IDLE; a key that
         names no rank is refused placing its slots); one standing for every rank for a
         Batch."""
-        if not given.ranks:
+        if given.ranks is None:
             return list(given.modes)
         modes = [ForwardMode.IDLE] * self.dp
         for r, m in zip(given.ranks, given.modes, strict=True):
@@ -254,9 +255,9 @@ class BatchPlacement:
         draft input read padding slot 0: garbage, unused), None where no rank gives any
         (or, token slots, where no rank is MIXED: every slot given is 0, by the rules)."""
         draft, slots = given.draft, given.token_slots
-        if self.spec is None and (draft if given.ranks else draft is not None):
+        if self.spec is None and (draft if given.ranks is not None else draft is not None):
             raise refusals.draft_indices_on_plain_map()
-        if not given.ranks:
+        if given.ranks is None:
             return (slots if ids is not None else None), draft
         dt = self.inputs.dtype
         if slots and ForwardMode.MIXED in given.modes:
@@ -347,7 +348,7 @@ class BatchPlacement:
 
 def _part_slots(given: Given) -> list[Any]:
     """Each part's token slots as given, in part order (`Rules.zero_slots` indexes them)."""
-    if not given.ranks:
+    if given.ranks is None:
         return [given.token_slots]
     return [given.token_slots.get(r) for r in given.ranks]
 
