@@ -180,3 +180,27 @@ def test_debug_checks_the_rows_an_owned_relay_wrote() -> None:
     fm.engine_step(negative, inputs=OWN[:1])(fj.Batch(E, i32(1, 2), i32(5, 9), i32(1, 1)))
     with pytest.raises(fj.InvariantViolation, match="published lengths"):
         fm.check()
+
+
+def test_a_bonus_only_draft_with_owned_tokens_stashes_nothing_else() -> None:
+    """A forward owning output_tokens that returns a bonus-only draft (a partial stash):
+    nothing else is stashed, the top-k rows are kept, and the bytes are the tail's own."""
+
+    def bonus_only(owned: bool) -> Any:
+        def forward(res: fj.Resolved, batch: fj.Batch, inputs: dict) -> fj.StepOutput:
+            lens, toks = _relayed(res)
+            if owned:
+                toks = inputs["output_tokens"].at[batch.req_pool_indices].set(toks, mode="drop")
+            return fj.StepOutput(lens, fj.DraftPayload(bonus_tokens=toks), None)
+
+        return forward
+
+    bufs = []
+    for owned in (False, True):
+        fm = fj.FutureMap(6, spec=fj.SpecConfig(2), batch_buckets=[2], token_buckets=[2])
+        full = fm.engine_step(_spec_plain)
+        full(fj.Batch(E, i32(1, 2), i32(5, 9), i32(1, 1)))
+        part = fm.engine_step(bonus_only(owned), inputs=OWN[1:] if owned else ())
+        part(fj.Batch(D, i32(2, 1), i32(0, 0), i32(0, 0), draft_indices=i32(2, 1)))
+        bufs.append({k: _bytes(v[1:]) for k, v in fm.buffers().items()})
+    assert bufs[0] == bufs[1]

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from fm_jax._src import checks
+from fm_jax._src import relay_fields as rf
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.keys import FIXED_MODES, Key, takes_state, writes_state
@@ -52,9 +53,11 @@ def tail(
     # A spec map whose forward owns output_tokens stashes every other field as a map
     # without bonus tokens would (None: the bonus tokens were its only field).
     rest = None
+    rest_fields: tuple[rf.RelayField, ...] = ()
     if own_tokens and local.spec is not None:
         spec = local.spec._replace(bonus_tokens=False)
-        if spec.fields():
+        rest_fields = spec.fields()
+        if rest_fields:
             rest = future_map(
                 local.pool_size,
                 dtype=local.dtype,
@@ -96,8 +99,10 @@ def tail(
             if local.debug:
                 check_owned(name, checks.STASHED_TOKENS, tokens, indices)
             state = state._replace(output_tokens=tokens)
-            if rest is not None:
-                state = rest.stash(state, indices, payload._replace(bonus_tokens=None))
+            others = payload._replace(bonus_tokens=None) if rest is not None else None
+            if rest is not None and any(rf.get(others, f.name) is not None for f in rest_fields):
+                # a bonus-only draft has nothing else to stash
+                state = rest.stash(state, indices, others)
         return state, protocol.sentinels(indices.astype(local.dtype))
 
     mapped = ops.map_ranks(local_tail)
