@@ -91,7 +91,7 @@ class ConfidenceRing:
             )
         if isinstance(x, Mapping):
             parts = {d: _ints(f"generation[rank {d}]", v, r) for d, v in x.items()}
-            missing = {d for d in self._entries if _has_rows(idx, d)} - set(parts)
+            missing = {d for d in self._entries if idx.has_rows(d)} - set(parts)
             if missing:
                 raise FutureMapError(f"generation has no counters for DP rank(s) {sorted(missing)}")
             return parts
@@ -108,7 +108,7 @@ class ConfidenceRing:
             d = self._rank.get(shard.device)
             if d is None:
                 d = self._rank[shard.device] = self.rank_of(shard.device)
-            if d not in blocks and d in self._entries and _has_rows(idx, d):
+            if d not in blocks and d in self._entries and idx.has_rows(d):
                 blocks[d] = shard.data  # an idle rank: no copy, as in SGLang's per-rank map
         for d, block in blocks.items():
             block.copy_to_host_async()
@@ -146,11 +146,6 @@ class ConfidenceRing:
                 f"{name} holds live slots {live[counts > 1].tolist()} more than once"
             )
         return a
-
-
-def _has_rows(idx: Rows, rank: int) -> bool:
-    """Whether rank `rank` has real rows at `idx` (jax-array slots: taken as yes)."""
-    return idx.counts is None or bool(idx.counts[rank])
 
 
 def _ints(name: str, x: Any, n: int) -> np.ndarray:

@@ -53,6 +53,10 @@ class Rows(NamedTuple):
         """No real row on any rank (an idle call)."""
         return self.counts is not None and not any(self.counts)
 
+    def has_rows(self, rank: int) -> bool:
+        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
+        return self.counts is None or bool(self.counts[rank])
+
 
 class HostInputs:
     """Input preparation for one map: its layout, pool size, int dtype and buckets."""

@@ -259,11 +259,9 @@ class MapRuntime:
             armed[d] = False
 
 
-def _ranks_with_rows(idx: Rows, dp: int) -> range | list[int]:
+def _ranks_with_rows(idx: Rows, dp: int) -> list[int]:
     """The DP ranks given rows in `idx` (every rank for a jax array: not read)."""
-    if idx.counts is None:
-        return range(dp)
-    return [d for d, n in enumerate(idx.counts) if n]
+    return [d for d in range(dp) if idx.has_rows(d)]
 
 
 def _deleted(x: Any) -> bool:
