@@ -301,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_description("engine step")
             e = engine_step
             step_doc = step_group.run(
-                e.batch, list(e.pools), e.runs, e.steps, e.waited, log=lambda _: None
+                e.batch,
+                list(e.pools),
+                e.runs,
+                e.steps,
+                e.waited,
+                log=lambda _: None,
+                gap_us=e.gap_us,
             )
             bar.update(1)
         if with_int64:

@@ -10,15 +10,21 @@ steps, a trivial forward `(ids * 31 + 7) % V` plus three engine arrays per row):
   map's marginal cost.
 - `no_map_arrays`: that baseline with one numpy argument per array (no packing): what
   packing saves.
-- `fm_jax_step_jax`: the engine step fed jax arrays; `fm_jax_fused`: the pure ops inlined in
-  one donated jit (jax arrays); `no_map_jax`: the forward alone on jax arrays (their baseline).
-- `sglang_jax_fused`: sglang-jax's fused decode as it runs: the relay written inline in the
-  model's jit (`where(ids < 0, map[-ids], ids)` at the head, `map.at[slots].set(tokens)` at
-  the tail), the map not donated (a new map each step).
-- `fm_jax_class` / `fm_jax_class_packed`: the class's one-op entry points as an engine that
-  calls them one by one does: `resolve` of the numpy batch, the forward in its own jit,
-  `finish` with the host slots and the forward's tokens and lengths on the device; the map
-  without and with `pack_inputs` (the numpy batch in one transfer instead of three).
+- `no_map_carry` / `no_map_carry_jax`: the same forward as an engine's step runs it,
+  carrying its own state from step to step: a donated [R] buffer (its KV cache) written
+  at the batch's slots, fed the packed numpy arrays / jax arrays.
+
+The scheduler's work between steps (`gap_us`, default 50 µs of busy host time before each
+enqueue, untimed) is part of the loop for every series, because on XLA:CPU it changes what
+a dispatch costs: an executable that is not "cheap" (over ~1000 flops by XLA's cost
+analysis: every series here at B = 256) runs on a worker thread, and a call made within a
+few µs of the previous one finds that worker still awake, while a call after 10 µs or
+more of host work costs ~30-35 µs more host time (measured on the 2-core CI VM: the same
+packed forward 23 µs back to back, 52-55 µs after 10-200 µs of host work; with
+`jax_cpu_enable_async_dispatch` off the difference is gone; donation and a step still in
+flight do not change it). A serving loop always has that work between steps (sglang-jax
+measured a 6.6 ms host span), so a loop without it times only the baselines whose host
+path is short enough to keep the worker awake; `--gap-us 0` shows that loop.
 
 Three figures per series, each per step: `host_us` (the calls' own time when each step is
 enqueued with one earlier step in flight, as an overlap engine runs: enqueue N + 1, then
@@ -94,6 +100,31 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
     out["no_map_arrays"] = lambda: arrays_fn(np_batch.input_ids, host)
     out["no_map_jax"] = lambda: arrays_fn(-jslots, dev)
 
+    # The same forward carrying its own donated state (its KV cache, written at the slots).
+    def carry(kv: jax.Array, slots: Any, ids: Any, extra: Any) -> Any:
+        tokens = no_map(ids, extra)
+        return kv.at[slots].set(tokens), tokens
+
+    cspec, _, _ = pack((slots, np_batch.input_ids, host))
+    carry_packed = jax.jit(
+        lambda kv, p: carry(kv, *unpack(cspec, p, ())), donate_argnums=0, compiler_options=options
+    )
+    carry_arrays = jax.jit(carry, donate_argnums=0, compiler_options=options)
+    kv = {"packed": jnp.zeros(pool, jnp.int32), "jax": jnp.zeros(pool, jnp.int32)}
+
+    def carry_packed_call() -> Any:
+        kv["packed"], tokens = carry_packed(
+            kv["packed"], pack((slots, np_batch.input_ids, host))[1]
+        )
+        return tokens
+
+    def carry_jax_call() -> Any:
+        kv["jax"], tokens = carry_arrays(kv["jax"], jslots, -jslots, dev)
+        return tokens
+
+    out["no_map_carry"] = carry_packed_call
+    out["no_map_carry_jax"] = carry_jax_call
+
     # fm_jax's pure ops inlined in one donated jit.
     ops = fj.future_map(pool)
     box = {"state": ops.stash(ops.publish(ops.init(), jslots, jslots), jslots, jslots)}
@@ -155,11 +186,20 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
     return out
 
 
-def _time(fn: Callable[[], Any], steps: int, waited: int) -> dict[str, float]:
-    """host_us, pipe_us (one step in flight behind the one being enqueued), waited_us."""
+def _schedule(us: float) -> None:
+    """The host scheduler's work between two steps: `us` microseconds of busy host time."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def _time(fn: Callable[[], Any], steps: int, waited: int, gap_us: float) -> dict[str, float]:
+    """host_us, pipe_us (one step in flight behind the one being enqueued, `gap_us` of
+    scheduler work before each enqueue), waited_us."""
     host, prev = 0.0, None
     t0 = time.perf_counter()
     for _ in range(steps):
+        _schedule(gap_us)
         s = time.perf_counter()
         cur = fn()
         host += time.perf_counter() - s
@@ -170,6 +210,7 @@ def _time(fn: Callable[[], Any], steps: int, waited: int) -> dict[str, float]:
     t2 = time.perf_counter()
     w = []
     for _ in range(waited):
+        _schedule(gap_us)
         s = time.perf_counter()
         jax.block_until_ready(fn())
         w.append(time.perf_counter() - s)
@@ -181,6 +222,21 @@ def _time(fn: Callable[[], Any], steps: int, waited: int) -> dict[str, float]:
 
 
 RATIOS = (
+    (
+        "fm_jax_step marginal host over the carrying forward (us)",
+        "fm_jax_step",
+        "no_map_carry",
+        "diff",
+        "host_us",
+    ),
+    (
+        "fm_jax_step_jax marginal host over the carrying forward (us)",
+        "fm_jax_step_jax",
+        "no_map_carry_jax",
+        "diff",
+        "host_us",
+    ),
+    ("carry / no carry, packed numpy, host", "no_map_carry", "no_map_packed", "ratio", "host_us"),
     ("fm_jax_step marginal host (us)", "fm_jax_step", "no_map_packed", "diff", "host_us"),
     ("fm_jax_step marginal waited (us)", "fm_jax_step", "no_map_packed", "diff", "waited_us"),
     ("fm_jax_fused marginal waited (us)", "fm_jax_fused", "no_map_jax", "diff", "waited_us"),
@@ -201,19 +257,26 @@ RATIOS = (
 
 
 def run(
-    batch: int, pools: list[int], runs: int, steps: int, waited: int, log: Callable[[str], None]
+    batch: int,
+    pools: list[int],
+    runs: int,
+    steps: int,
+    waited: int,
+    log: Callable[[str], None],
+    gap_us: float = 50.0,
 ) -> dict[str, Any]:
-    """Every pool's group `runs` times; rows per series and the figures over runs."""
+    """Every pool's group `runs` times, `gap_us` of scheduler work before each step;
+    rows per series and the figures over runs."""
     rows, figures = [], []
     for pool in pools:
         fns = build(batch, pool)
         for fn in fns.values():  # compile and warm
-            _time(fn, 20, 5)
+            _time(fn, 20, 5, gap_us)
         per_run: list[dict[str, dict[str, float]]] = []
         for r in range(runs):
             order = list(fns)
             random.Random(r).shuffle(order)
-            per_run.append({name: _time(fns[name], steps, waited) for name in order})
+            per_run.append({name: _time(fns[name], steps, waited, gap_us) for name in order})
             log(f"R={pool} run {r + 1}/{runs}")
         for name in fns:
             row: dict[str, Any] = {"impl": name, "batch": batch, "pool": pool, "runs": runs}
@@ -233,7 +296,8 @@ def run(
                 }
             )
     d = jax.devices()[0]
-    return {"device": f"{d.platform} ({d.device_kind})", "rows": rows, "figures": figures}
+    device = f"{d.platform} ({d.device_kind})"
+    return {"device": device, "gap_us": gap_us, "rows": rows, "figures": figures}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -242,8 +306,10 @@ def markdown(res: dict[str, Any]) -> str:
         "# fm_jax_step: the map inside the engine's step",
         "",
         f"Device: {res['device']}. Per step, medians over runs (range). `host_us`: the calls' "
-        "own time, each step enqueued with one earlier step in flight; `pipe_us`: that "
-        "loop's wall time; `waited_us`: each step waited for. See fm_bench/engine_step.py.",
+        "own time, each step enqueued with one earlier step in flight after "
+        f"{res.get('gap_us', 0):g} µs of scheduler work; `pipe_us`: that loop's wall time "
+        "(the scheduler's work included); `waited_us`: each step waited for. See "
+        "fm_bench/engine_step.py.",
         "",
         "| series | R | host_us | pipe_us | waited_us |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -271,11 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=300, help="steps enqueued per host figure")
     p.add_argument("--waited", type=int, default=50, help="waited steps per run")
+    p.add_argument(
+        "--gap-us", type=float, default=50.0, help="scheduler work before each step (busy µs)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write engine_step_<tag>.{md,json}")
     p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
     args = p.parse_args(argv)
     pools = [int(x) for x in args.pools.split(",") if x]
-    res = run(args.batch, pools, args.runs, args.steps, args.waited, log=print)
+    res = run(args.batch, pools, args.runs, args.steps, args.waited, log=print, gap_us=args.gap_us)
     text = markdown(res)
     print(text)
     if args.out is not None:

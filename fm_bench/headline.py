@@ -143,6 +143,18 @@ def figures(h: Headline, on_cpu: bool = True) -> list[Figure]:
                 1.3,
             ),
             Figure(
+                f"fm_jax class step, jax inputs vs floor_state (the floor carrying the state), {r}",
+                k("fm_jax", cfg),
+                k("floor_state", cfg),
+                None,
+            ),
+            Figure(
+                f"floor_state vs floor: the state's own dispatch cost, {r}",
+                k("floor_state", cfg),
+                k("floor", cfg),
+                None,
+            ),
+            Figure(
                 f"fm_jax class vs sglang_torch step (target on CPU), {r}",
                 k("fm_jax", cfg),
                 k("sglang_torch", cfg),

@@ -18,6 +18,7 @@ IMPLS = (
     "naive_jax",
     "floor",
     "floor_host",
+    "floor_state",
 )
 """Implementation names as they appear in the JSON (`debug` tells the debug variants apart)."""
 
@@ -120,14 +121,15 @@ class Startup:
 
 @dataclass(frozen=True)
 class EngineStepPlan:
-    """The engine-step group's sizes (`fm_bench.engine_step`): B, pools, runs, and steps per
-    host figure and per waited figure."""
+    """The engine-step group's sizes (`fm_bench.engine_step`): B, pools, runs, steps per
+    host figure and per waited figure, and the scheduler's busy µs before each step."""
 
     batch: int
     pools: tuple[int, ...]
     runs: int
     steps: int
     waited: int
+    gap_us: float = 50.0
 
 
 @dataclass(frozen=True)

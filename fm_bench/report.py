@@ -22,6 +22,7 @@ COLUMNS = (
     ("naive_jax", False),
     ("floor", False),
     ("floor_host", False),
+    ("floor_state", False),
 )
 
 

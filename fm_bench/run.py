@@ -33,6 +33,7 @@ BUILDERS: dict[str, Callable[..., dict[str, Op]]] = {
     "naive_jax": naive_jax.build,
     "floor": floor.build,
     "floor_host": floor.build_host,
+    "floor_state": floor.build_state,
 }
 
 

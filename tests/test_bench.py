@@ -40,6 +40,7 @@ IMPLS = {
     "naive_jax",
     "floor",
     "floor_host",
+    "floor_state",
 }
 
 
@@ -386,6 +387,42 @@ def test_floor_step_is_two_dispatches_on_the_arrays_the_class_takes(
     # drops the arguments a function does not read.
     for a in calls:
         assert real.lower(*a).compile().as_text().count("parameter(") == len(a)
+
+
+def test_floor_state_carries_the_state_through_the_head_and_the_tail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """floor_state: the step's two no-ops take the map's state as the class's calls do:
+    the head reads it (nothing donated), the tail donates it and gets it back, and the
+    next step's head reads what the tail gave back."""
+    import jax
+
+    from fm_bench.impls import floor
+
+    seen: list[tuple[str, Any]] = []
+    read, write = floor.noop_read, floor.noop_write
+
+    def reading(state: Any, *arrays: Any) -> Any:
+        seen.append(("read", state))
+        return read(state, *arrays)
+
+    def writing(state: Any, *arrays: Any) -> Any:
+        seen.append(("write", state))
+        return write(state, *arrays)
+
+    monkeypatch.setattr(floor, "noop_read", reading)
+    monkeypatch.setattr(floor, "noop_write", writing)
+    cfg, data = _tiny()
+    step = floor.build_state(cfg, data, False, ("step",))["step"]
+    step.run()
+    step.run()
+    assert [k for k, _ in seen] == ["read", "write", "read", "write"]
+    first = jax.tree.leaves(seen[0][1])
+    assert len(first) == 2 and all(x.shape == (cfg.pool,) for x in first)
+    assert seen[0][1] is seen[1][1] and seen[2][1] is seen[3][1]  # one state per step
+    assert seen[2][1] is not seen[0][1]  # the tail's, given back
+    assert all(x.is_deleted() for x in jax.tree.leaves(seen[1][1]))  # donated
+    assert floor.build_state(cfg, data, True, ("step",)) == {}  # no debug variant
 
 
 def test_startup_table_comes_from_fresh_processes(tiny_run) -> None:

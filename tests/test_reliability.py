@@ -1123,25 +1123,51 @@ def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
     assert len(parsed) == 1, parsed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, open: with jax slots in the sentinel protocol, StepResult.batch's "
-    "ids are the sentinels at the batch bucket (4), which is no token bucket here (2, 8); "
-    "placement refuses jax ids off a token bucket, so the fed-back DECODE batch and "
-    "EngineStep.warm_up's jax-fed DECODE variant are both refused",
-)
 def test_a_jax_fed_step_result_feeds_back_when_the_batch_bucket_is_no_token_bucket() -> None:
-    """The batch a step returns is the batch for the next step, whatever the buckets: with
-    jax slots, rows bucket 4 and token buckets (2, 8), the DECODE built from it must be
-    served, and warm-up must cover it."""
+    """The batch a step returns is the batch for the next step, whatever the buckets. With
+    jax slots, rows bucket 4 and token buckets (2, 8), the step's sentinel ids came at the
+    rows' size, 4, which is no token bucket: the DECODE built from them was refused, and
+    warm-up's jax-fed DECODE variant raised. The ids now come padded to the token bucket
+    of the rows (8), and a guarded warm-up serves the DECODE."""
     fm = fj.FutureMap(16, batch_buckets=(4,), token_buckets=(2, 8))
 
     def forward(res: Any, batch: Any, inputs: Any) -> Any:
-        return fj.StepOutput(res.seq_lens + 1, res.input_ids[: res.seq_lens.shape[0]], None)
+        rows = res.seq_lens.shape[0]
+        return fj.StepOutput(res.seq_lens + 1, res.input_ids[:rows] + 1, res.input_ids)
 
     step = fm.engine_step(forward)
+    step.warm_up(guard=True)
     slots = jnp.array([1, 2, 3, 0], jnp.int32)
     ids = jnp.array([5, 6, 7, 0, 0, 0, 0, 0], jnp.int32)
     res = step(fj.Batch(fj.ForwardMode.EXTEND, slots, ids, jnp.array([1, 1, 1, 0], jnp.int32)))
-    step(res.batch._replace(forward_mode=fj.ForwardMode.DECODE))
-    step.warm_up()
+    np.testing.assert_array_equal(res.batch.input_ids, [-1, -2, -3, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(res.batch.seq_lens, [-1, -2, -3, 0])
+    again = step(res.batch._replace(forward_mode=fj.ForwardMode.DECODE))
+    np.testing.assert_array_equal(np.asarray(again.out)[:3], [6, 7, 8])  # the stashed tokens
+    assert again.batch.input_ids.shape == (8,)
+
+
+@pytest.mark.parametrize("given", ["host", "jax"])
+def test_the_batch_finish_returns_feeds_back_when_the_batch_bucket_is_no_token_bucket(
+    given: str,
+) -> None:
+    """`finish` returns the batch for the next step: with rows bucket 4 and token buckets
+    (2, 8) its sentinel ids (a device array, from host or jax slots) came at the rows'
+    size, 4, no token bucket, and resolving the DECODE built from them was refused. They
+    now come padded to 8 and the DECODE resolves the stashed tokens."""
+    fm = fj.FutureMap(16, batch_buckets=(4,), token_buckets=(2, 8))
+    if given == "host":
+        slots: Any = np.array([1, 2, 3], np.int32)
+        ids: Any = np.array([5, 6, 7], np.int32)
+        lens, tokens = np.array([2, 2, 2], np.int32), np.array([9, 8, 7], np.int32)
+    else:
+        slots = jnp.array([1, 2, 3, 0], jnp.int32)
+        ids = jnp.array([5, 6, 7, 0, 0, 0, 0, 0], jnp.int32)
+        lens, tokens = jnp.array([2, 2, 2, 0], jnp.int32), jnp.array([9, 8, 7, 0], jnp.int32)
+    batch = fj.Batch(fj.ForwardMode.EXTEND, slots, ids, lens - 1)
+    fm.resolve(batch)
+    after = fm.finish(batch, slots, lens, tokens)
+    assert after.input_ids.shape == (8,) and after.seq_lens.shape == (4,)
+    res = fm.resolve(after._replace(forward_mode=fj.ForwardMode.DECODE))
+    np.testing.assert_array_equal(np.asarray(res.input_ids)[:3], [9, 8, 7])
+    np.testing.assert_array_equal(np.asarray(res.seq_lens)[:3], [2, 2, 2])

@@ -142,7 +142,7 @@ def assemble(
         if debug
         else ops
     )
-    build = entry_points(ops, unchecked, proto, debug_channel, options)
+    build = entry_points(ops, unchecked, proto, token_buckets, debug_channel, options)
     registry = Registry(build, _refusal(batch_buckets, token_buckets))
     return MapParts(layout, ops, placement, runtime, registry, options)
 

@@ -71,6 +71,15 @@ def resolve_sizes(
     return b, t
 
 
+def decode_ids(rows: int, token_buckets: tuple[int, ...]) -> int:
+    """The ids per rank of the DECODE batch a step's sentinels make for `rows` rows per
+    rank: the smallest token bucket holding them (one id per row, padded), so that the
+    batch is placed again as jax arrays, each at a bucket; `rows` where no token bucket
+    holds them (no resolve serves that many rows)."""
+    i = bisect.bisect_left(token_buckets, rows)
+    return token_buckets[i] if i < len(token_buckets) else rows
+
+
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     """Pad `x` with zero rows to `rows` leading entries (slot 0, token 0, length 0)."""
     if x.shape[0] == rows:

@@ -78,8 +78,9 @@ class StepResult(NamedTuple):
         (`input_ids` and `seq_lens` the sentinels `-req_pool_indices`, in the form the
         slots were given: host slots' sentinels a host array of their rows, made on the
         host, so that the batch, its mode set to DECODE, is placed as a host batch (warmed
-        so); jax slots' the step's own, padded per rank like them), in the gather protocol
-        the batch as given.
+        so); jax slots' the step's own, padded per rank like them, the ids further to the
+        token bucket of the rows, so that the DECODE is placed again as jax arrays), in
+        the gather protocol the batch as given.
     """
 
     out: Any
@@ -137,7 +138,7 @@ class EngineStep:
         self._runtime = runtime
         self._protocol = protocol
         self._options = dict(options)
-        self._tail = tail(ops, protocol, what="", owned=self._owned)
+        self._tail = tail(ops, protocol, placement.inputs.token_buckets, what="", owned=self._owned)
         self._registry = Registry(self._build, self._not_warmed, packed_names=False)
         # The declared fields each executable family's forward leaves out of its payload
         # (recorded when traced: a payload's fields are its pytree structure).
@@ -207,7 +208,10 @@ class EngineStep:
         if sentinels is None:
             return StepResult(result, batch)
         if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
-            return StepResult(result, Batch(None, placed.idx.array, sentinels, sentinels))
+            slots = placed.idx.array
+            return StepResult(
+                result, self._protocol.next_batch(Batch(None, slots, slots, slots), sentinels)
+            )
         if placed.idx.counts is not None:  # host slots: the sentinels -slot of their rows
             sentinels = -np.asarray(batch.req_pool_indices, self._placement.inputs.dtype)
         return StepResult(result, self._protocol.next_batch(batch, sentinels))
@@ -312,8 +316,8 @@ class EngineStep:
         protocol), with and without a draft on a spec map; each placed with zeros for the
         declared inputs through the map's placement, as serving places its calls.
         Each is warmed fed as serving feeds it: host arrays, and (in one process) jax
-        arrays for every field and input, which the step takes as they are (a non-spec
-        DECODE's ids at its rows, as `StepResult.batch` gives them). Nothing runs and
+        arrays for every field and input, which the step takes as they are (a DECODE's ids
+        at the token bucket of its rows, as `StepResult.batch` gives them). Nothing runs and
         nothing is donated.
 
         Args:
@@ -337,9 +341,10 @@ class EngineStep:
                 step=True,
             ):
                 zeros = empty_inputs(self._placed, e.batch, e.rows, e.tokens, placement.dp)
+                fed: list[tuple[Batch, Any, int | None, int | None]]
                 fed = [(e.batch, zeros, e.rows, e.tokens)]
                 if layout.single_process:  # jax arrays as they are: their own sizes
-                    fed.append((*on_device((e.batch, zeros), layout.sharding), None, None))
+                    fed.append((*on_device(e, zeros, placement.inputs), None, None))
                 for batch, inputs, rows, tokens in fed:
                     p = placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
                     calls.append((p.key, p.pack, (runtime.state, *p.args, *args), len(args)))

@@ -17,6 +17,7 @@ import jax
 
 from fm_jax._src import checks
 from fm_jax._src import relay_fields as rf
+from fm_jax._src.buckets import decode_ids
 from fm_jax._src.debug_channel import DebugChannel
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.keys import FIXED_MODES, Key, takes_state, writes_state
@@ -31,12 +32,14 @@ from fm_jax._src.types import Batch, FutureMapState
 def tail(
     ops: ShardedFutureMapOps,
     protocol: Protocol,
+    token_buckets: tuple[int, ...],
     what: str = "finish",
     owned: frozenset[str] = frozenset(),
 ) -> Any:
     """The tail of a step over the layout's global arrays: (state, indices, new_seq_lens,
     payload, confidence=None) -> (state, what the protocol leaves: the sentinels
-    `-indices`, or None).
+    `-indices`, their ids padded per rank to the token bucket of the rows
+    (`buckets.decode_ids`), or None).
 
     Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
     consecutive shard_maps (jax 0.10: "select cases must have the same shapes"). Its
@@ -103,7 +106,8 @@ def tail(
             if rest is not None and any(rf.get(others, f.name) is not None for f in rest_fields):
                 # a bonus-only draft has nothing else to stash
                 state = rest.stash(state, indices, others)
-        return state, protocol.sentinels(indices.astype(local.dtype))
+        ids = decode_ids(indices.shape[0], token_buckets)
+        return state, protocol.sentinels(indices.astype(local.dtype), ids)
 
     mapped = ops.map_ranks(local_tail)
 
@@ -139,7 +143,13 @@ def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
     )
 
 
-def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool) -> Any:
+def _op_body(
+    ops: ShardedFutureMapOps,
+    key: Key,
+    protocol: Protocol,
+    token_buckets: tuple[int, ...],
+    debug: bool,
+) -> Any:
     """The function a key's family jits, over global arrays."""
     local = ops.local
     if key.op == "resolve":
@@ -162,11 +172,13 @@ def _op_body(ops: ShardedFutureMapOps, key: Key, protocol: Protocol, debug: bool
                 chk = checks.OpChecks()
                 checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
                 chk.run()
-            return local.invalidate(Batch(None, indices, indices, indices), indices).input_ids
+            ids = decode_ids(indices.shape[0], token_buckets)
+            return protocol.sentinels(indices.astype(local.dtype), ids)
 
         return ops.map_ranks(local_sentinels)
     if key.op == "finish":
-        return with_confidence_copy(tail(ops, protocol)) if key.confidence else tail(ops, protocol)
+        finish = tail(ops, protocol, token_buckets)
+        return with_confidence_copy(finish) if key.confidence else finish
     if key.op == "publish" and key.confidence:
         return with_confidence_copy(ops.publish)
     return {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}[key.op]
@@ -189,6 +201,7 @@ def entry_points(
     ops: ShardedFutureMapOps,
     unchecked: ShardedFutureMapOps,
     protocol: Protocol,
+    token_buckets: tuple[int, ...],
     debug: DebugChannel | None,
     options: dict[str, str],
 ) -> Callable[[Key, PackSpec | None, int], Any]:
@@ -208,7 +221,7 @@ def entry_points(
 
     def build(key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
         checked = debug is not None and key.checked
-        fn = _op_body(ops if checked else unchecked, key, protocol, checked)
+        fn = _op_body(ops if checked else unchecked, key, protocol, token_buckets, checked)
         if checked:
             assert debug is not None
             fn = debug.checked(fn)

@@ -115,9 +115,10 @@ class Protocol:
         from the buffers as this protocol does (`resolve_ops`); (state, Resolved)."""
         raise NotImplementedError
 
-    def sentinels(self, indices: jax.Array) -> jax.Array | None:
-        """Inside a step's tail: what the next batch's ids and lengths become (None: the
-        batch is left as it is)."""
+    def sentinels(self, indices: jax.Array, ids: int) -> Any:
+        """Inside a step's tail, on one rank's `indices`: what the next batch's ids (`ids`
+        of them, from `buckets.decode_ids`) and lengths become, as `next_batch` takes
+        them (None: the batch is left as it is)."""
         return None
 
     def next_batch(self, batch: Any, sentinels: Any) -> Any:
@@ -164,12 +165,17 @@ class _Sentinel(Protocol):
             raise refusals.spec_mixed_in_sentinel_protocol()
         return Rules(ids_per_row=spec is None)
 
-    def sentinels(self, indices: jax.Array) -> jax.Array:
-        return -jnp.asarray(indices)
+    def sentinels(self, indices: jax.Array, ids: int) -> Any:
+        # One array for ids and lengths where they have the same size (one output, not
+        # two); else (the ids -slot padded with 0 to `ids`, the lengths).
+        lens = -jnp.asarray(indices)
+        pad = ids - lens.shape[0]
+        return lens if pad <= 0 else (jnp.pad(lens, (0, pad)), lens)
 
     def next_batch(self, batch: Any, sentinels: Any) -> Any:
+        ids, lens = sentinels if type(sentinels) is tuple else (sentinels, sentinels)
         b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
-        return type(b)(b.forward_mode, b.req_pool_indices, sentinels, sentinels, *b[4:])
+        return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
 
     def resolve_variants(
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax._src.buckets import resolve_sizes
+from fm_jax._src.buckets import decode_ids, resolve_sizes
 from fm_jax._src.errors import FutureMapError
 from fm_jax._src.host_inputs import HostInputs
 from fm_jax._src.keys import FIXED_MODES, takes_state
@@ -149,11 +149,20 @@ def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -
     return {d.name: np.zeros((dp * per[d.per], *d.shape), d.dtype) for d in declared}
 
 
-def on_device(tree: Any, sharding: Any) -> Any:
-    """`tree` with each host array put on the device with `sharding` (the map's layout of
-    every batch field), as a caller that feeds jax arrays passes them."""
-    return jax.tree_util.tree_map(
-        lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x, tree
+def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[Batch, Any]:
+    """The batch of `e` and its declared `inputs` as a caller that feeds jax arrays passes
+    them: each host array on the device with the map's layout of every batch field, a
+    DECODE's ids as a step's sentinels give them (one per row, padded to the token
+    bucket of the rows: `buckets.decode_ids`)."""
+    batch, dp = e.batch, host.dp
+    ids = batch.input_ids
+    if batch.forward_mode is ForwardMode.DECODE and ids is not None and len(ids) == dp * e.rows:
+        per_rank = decode_ids(e.rows, host.token_buckets)
+        batch = batch._replace(input_ids=np.zeros(dp * per_rank, host.dtype))
+    sharding = host.layout.sharding
+    return jax.tree_util.tree_map(  # type: ignore[no-any-return]
+        lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x,
+        (batch, inputs),
     )
 
 
