@@ -44,7 +44,7 @@ JOBS=${MUTATION_JOBS:-2}
 LIMIT=${MUTATION_TIMEOUT:-3600}
 WORK=${MUTATION_DIR:-${TMPDIR:-/tmp}/fm-jax-mutation}
 REPORT=${MUTATION_REPORT:-docs/mutation.md}
-ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-kernel
+ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-host-checks jax-kernel
      jax-runtime jax-step jax-class)
 
 if ! "$PY" -c "import mutmut, coverage" 2>/dev/null; then
@@ -62,6 +62,7 @@ file_of() {
         jax-resolve) echo fm_jax/_src/resolve_ops.py ;;
         jax-checks) echo fm_jax/_src/checks.py ;;
         jax-inputs) echo fm_jax/_src/host_inputs.py ;;
+        jax-host-checks) echo fm_jax/_src/host_checks.py ;;
         jax-kernel) echo fm_jax/_src/row_kernel.py ;;
         jax-runtime) echo fm_jax/_src/runtime.py ;;
         jax-step) echo fm_jax/_src/engine_step.py ;;
@@ -92,8 +93,21 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                           $m::test_a_slot_the_running_rows_and_the_draft_both_read_is_read_twice
                           $m::test_the_sentinel_protocol_reports_a_traced_spec_mixed_batch_in_debug
                           $m::test_the_running_row_check_holds_at_edge_sizes_and_slot_one" ;;
-        jax-inputs) echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
-                          $table::test_fm_jax_class_refuses_and_keeps_every_byte" ;;
+        # Host inputs and their value checks: the class's and the engine step's refusals,
+        # the twins' shared judgements (int casts, declared dtypes, one id per row).
+        jax-inputs|jax-host-checks) local r=tests/test_reliability.py
+                     echo "tests/test_fm_jax_inputs.py tests/test_fm_jax_mutants.py
+                           tests/test_fm_jax_gather.py
+                           $table::test_fm_jax_class_refuses_and_keeps_every_byte
+                           $r::test_host_negative_tokens_and_lengths_are_refused_by_both_twins
+                           $r::test_both_twins_judge_int64_rows_for_an_int32_field_alike
+                           $r::test_a_scalar_step_input_is_named_a_scalar
+                           $r::test_a_per_token_step_input_counts_tokens_not_indices
+                           $r::test_a_python_list_step_input_is_cast_where_its_values_fit
+                           $r::test_a_float_field_given_another_dtype_names_both_dtypes
+                           $r::test_complex_host_rows_are_packed_like_every_other_dtype
+                           tests/test_fm_jax_relay_fields.py tests/test_spec_mixed.py
+                           tests/test_fm_jax_engine_step.py::test_bad_input_is_refused_before_anything_runs_or_is_donated" ;;
         jax-kernel) echo "tests/test_fm_jax_row_kernel.py" ;;
         # The map's runtime (state, lock, StateLost and reset, a failed call diagnosed),
         # the class's serialized ops and buffers, the engine step: the tests of each that

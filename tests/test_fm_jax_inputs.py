@@ -223,3 +223,61 @@ def test_pure_ops_check_structure_when_traced() -> None:
     for fn in (ops.stash, jax.jit(ops.stash)):
         with pytest.raises(fj.FutureMapError, match="topk_p must have shape"):
             fn(st, idx, bad)
+
+
+def test_a_declared_int_field_takes_jax_rows_only_in_a_dtype_it_holds() -> None:
+    """A spec field declared int16 (an engine's extra) given jax rows: an int dtype whose
+    every value fits (int8) is stored; int32, which would need a value check, and a float
+    are refused naming the field and the dtypes, and nothing is written."""
+    spec = fj.SpecConfig(topk=0, hidden=0, extra=(fj.RelayField("e", (), np.int16),))
+    fm = fj.FutureMap(8, spec=spec, batch_buckets=(2,), token_buckets=(2,))
+    slots = jnp.array([1, 2], jnp.int32)
+
+    def draft_with(e: jax.Array) -> fj.DraftPayload:
+        return fj.DraftPayload(jnp.array([3, 4], jnp.int32), extras={"e": e})
+
+    fm.stash(slots, draft_with(jnp.array([5, 6], jnp.int8)))
+    stored = np.asarray(fm.buffers()["extras"]["e"])
+    assert stored.dtype == np.int16 and stored[1:3].tolist() == [5, 6]
+    for e, message in (
+        (jnp.array([7, 8], jnp.int32), "draft.e has dtype int32, which the map's int16 buffers"),
+        (jnp.array([7, 8], jnp.float32), "draft.e must have an integer dtype, got float32"),
+    ):
+        with pytest.raises(fj.FutureMapError, match=message):
+            fm.stash(slots, draft_with(e))
+        np.testing.assert_array_equal(np.asarray(fm.buffers()["extras"]["e"]), stored)
+
+
+def _recording_step(declared: list[fj.StepInput]) -> fj.EngineStep:
+    """An engine step whose forward returns its declared inputs as placed (its `out`)."""
+    fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(2,))
+
+    def forward(res: fj.Resolved, batch: fj.Batch, inputs: dict[str, jax.Array]) -> fj.StepOutput:
+        return fj.StepOutput(res.seq_lens + 1, res.input_ids[: res.seq_lens.shape[0]], inputs)
+
+    return fm.engine_step(forward, inputs=declared)
+
+
+def test_an_engine_step_input_is_cast_only_where_no_value_changes() -> None:
+    """A float32 input of rows of shape (2,) given float16 rows is cast (numpy's safe
+    cast: no value changes) and reaches the forward as float32; rows of another shape are
+    refused naming both shapes."""
+    step = _recording_step([fj.StepInput("t", "row", (2,), np.float32)])
+    batch = fj.Batch(fj.ForwardMode.EXTEND, np.array([1, 2]), np.array([3, 4]), np.array([1, 1]))
+    out = step(batch, inputs={"t": np.full((2, 2), 1.5, np.float16)}).out
+    assert out["t"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out["t"]), np.full((2, 2), 1.5, np.float32))
+    with pytest.raises(
+        fj.FutureMapError,
+        match=r"inputs\['t'\] has rows of shape \[3\], declared rows of shape \[2\]",
+    ):
+        step(batch, inputs={"t": np.ones((2, 3), np.float32)})
+
+
+def test_an_idle_step_pads_a_declared_int_input_in_its_declared_dtype() -> None:
+    """Every rank idle (an empty mapping of ranks): a declared int16 input given for no
+    rank is all padding, zeros in int16, as a rank's own rows would be padded."""
+    step = _recording_step([fj.StepInput("k", "row", (), np.int16)])
+    out = step({}, inputs={"k": {}}).out
+    assert out["k"].dtype == jnp.int16
+    np.testing.assert_array_equal(np.asarray(out["k"]), [0, 0])
