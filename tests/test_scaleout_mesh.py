@@ -317,6 +317,40 @@ def _gather_protocol_per_rank() -> dict[str, Any]:
     return out
 
 
+def _sentinels_fed_back_off_token_buckets() -> dict[str, Any]:
+    """A 2-rank map whose batch bucket (4) is no token bucket (2, 8): a guarded warm-up of
+    an engine step, its jax-fed EXTEND, the DECODE built from the batch it returns, and a
+    class `finish` whose batch is resolved again."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import fm_jax as fj
+
+    mesh = Mesh(np.array(jax_devices()[:2]), ("dp",))
+    fm = fj.FutureMap(16, mesh=mesh, batch_buckets=(4,), token_buckets=(2, 8))
+
+    def forward(res: Any, batch: Any, inputs: Any) -> Any:
+        ids = res.input_ids.reshape(2, -1)[:, :4].reshape(-1)  # each rank's rows' ids
+        return fj.StepOutput(res.seq_lens + 1, ids + 1, res.input_ids)
+
+    step = fm.engine_step(forward)
+    step.warm_up(guard=True)
+    i32 = lambda *x: jnp.array(x, jnp.int32)  # noqa: E731
+    slots, lens = i32(1, 2, 3, 0, 5, 6, 0, 0), i32(1, 1, 1, 0, 1, 1, 0, 0)
+    ids = i32(5, 6, 7, 0, 0, 0, 0, 0, 8, 9, 0, 0, 0, 0, 0, 0)
+    extend = fj.Batch(fj.ForwardMode.EXTEND, slots, ids, lens)
+    first = step(extend)
+    again = step(first.batch._replace(forward_mode=fj.ForwardMode.DECODE))
+    after = fm.finish(extend, slots, lens + 1, i32(20, 21, 22, 0, 24, 25, 0, 0))
+    res = fm.resolve(after._replace(forward_mode=fj.ForwardMode.DECODE))
+    return {
+        "sentinel_ids": np.asarray(first.batch.input_ids).tolist(),
+        "sentinel_lens": np.asarray(first.batch.seq_lens).tolist(),
+        "decode_ids": np.asarray(again.out).tolist(),
+        "class_ids": np.asarray(res.input_ids).tolist(),
+    }
+
+
 def jax_devices() -> list[Any]:
     import jax
 
@@ -351,6 +385,7 @@ CHECKS = {
         _same_calls_one_device_and_mesh,
         _debug_on_make_mesh,
         _gather_protocol_per_rank,
+        _sentinels_fed_back_off_token_buckets,
     )
 }
 
@@ -533,6 +568,18 @@ def test_gather_protocol_on_a_mesh_resolves_each_rank_by_its_kind(report):
         assert all(x == 0 for k, v in ids.items() for x in v[len(want[k]) :])
     assert part["raised"] and part["rank"] == 0
     assert "consume" in part["message"]
+
+
+def test_sentinels_feed_back_on_a_mesh_where_the_batch_bucket_is_no_token_bucket(report):
+    """On 2 DP ranks with batch bucket 4 and token buckets (2, 8): the sentinel ids of each
+    rank come padded to 8, the lengths at 4; the DECODE built from them is served by a
+    guarded warm-up and resolves each rank's stashed tokens, as does the class's."""
+    part = _part(report, "sentinels_fed_back_off_token_buckets")
+    pad = [0] * 4
+    assert part["sentinel_ids"] == [-1, -2, -3, 0, *pad, -5, -6, 0, 0, *pad]
+    assert part["sentinel_lens"] == [-1, -2, -3, 0, -5, -6, 0, 0]
+    assert part["decode_ids"] == [6, 7, 8, 0, *pad, 9, 10, 0, 0, *pad]
+    assert part["class_ids"] == [20, 21, 22, 0, *pad, 24, 25, 0, 0, *pad]
 
 
 # ----------------------------------------------------------------- single device, in process

@@ -151,12 +151,13 @@ def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -
 
 def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[Batch, Any]:
     """The batch of `e` and its declared `inputs` as a caller that feeds jax arrays passes
-    them: each host array on the device with the map's layout of every batch field, a
-    DECODE's ids as a step's sentinels give them (one per row, padded to the token
-    bucket of the rows: `buckets.decode_ids`)."""
+    them: each host array on the device with the map's layout of every batch field, ids
+    of one per row (a DECODE, or ranks of several kinds one of which is DECODE) as a
+    step's sentinels give them: padded to the token bucket of the rows
+    (`buckets.decode_ids`)."""
     batch, dp = e.batch, host.dp
     ids = batch.input_ids
-    if batch.forward_mode is ForwardMode.DECODE and ids is not None and len(ids) == dp * e.rows:
+    if ids is not None and len(ids) == dp * e.rows:  # one id per row: a DECODE (rank)
         per_rank = decode_ids(e.rows, host.token_buckets)
         batch = batch._replace(input_ids=np.zeros(dp * per_rank, host.dtype))
     sharding = host.layout.sharding
