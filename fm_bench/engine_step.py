@@ -17,14 +17,15 @@ steps, a trivial forward `(ids * 31 + 7) % V` plus three engine arrays per row):
 The scheduler's work between steps (`gap_us`, default 50 µs of busy host time before each
 enqueue, untimed) is part of the loop for every series, because on XLA:CPU it changes what
 a dispatch costs: an executable that is not "cheap" (over ~1000 flops by XLA's cost
-analysis: every series here at B = 256) runs on a worker thread, and a call made within a
-few µs of the previous one finds that worker still awake, while a call after 10 µs or
-more of host work costs ~30-35 µs more host time (measured on the 2-core CI VM: the same
-packed forward 23 µs back to back, 52-55 µs after 10-200 µs of host work; with
-`jax_cpu_enable_async_dispatch` off the difference is gone; donation and a step still in
-flight do not change it). A serving loop always has that work between steps (sglang-jax
-measured a 6.6 ms host span), so a loop without it times only the baselines whose host
-path is short enough to keep the worker awake; `--gap-us 0` shows that loop.
+analysis: every series here at B = 256) runs on a worker thread, and a call made within
+~10 µs of host work after the previous one finds that worker awake, while a call after
+30 µs or more costs more host time. Measured on the 2-core CI VM, quiet: the same packed
+forward 21 µs back to back, 35-37 µs after 30-200 µs of host work (with
+`jax_cpu_enable_async_dispatch` off the difference is gone); the same forward carrying a
+donated state from step to step 28 µs and 44-45 µs. A serving loop always has that work
+between steps (sglang-jax measured a 6.6 ms host span), so a loop without it times only
+the series whose host path is short enough to keep the worker awake; `--gap-us 0` shows
+that loop.
 
 Three figures per series, each per step: `host_us` (the calls' own time when each step is
 enqueued with one earlier step in flight, as an overlap engine runs: enqueue N + 1, then
