@@ -281,3 +281,37 @@ def test_an_idle_step_pads_a_declared_int_input_in_its_declared_dtype() -> None:
     out = step({}, inputs={"k": {}}).out
     assert out["k"].dtype == jnp.int16
     np.testing.assert_array_equal(np.asarray(out["k"]), [0, 0])
+
+
+def test_a_declared_int16_field_takes_host_ints_that_fit_and_refuses_the_rest() -> None:
+    """An engine's int16 field given host int32 rows: values that fit int16 are cast and
+    stored, a value that does not (40000) is refused naming the int16 buffer, and nothing
+    is written. Three times, so that the layout's recorded plan judges it too."""
+    spec = fj.SpecConfig(topk=0, hidden=0, extra=(fj.RelayField("e", (), np.int16),))
+    fm = fj.FutureMap(8, spec=spec, batch_buckets=(2,), token_buckets=(2,))
+    slots = np.array([1, 2], np.int32)
+
+    def draft_with(e: list[int]) -> fj.DraftPayload:
+        return fj.DraftPayload(np.array([3, 4], np.int32), extras={"e": np.array(e, np.int32)})
+
+    for _ in range(3):  # the general path, the call that records the plan, the plan
+        fm.stash(slots, draft_with([-5, 30000]))
+        stored = np.asarray(fm.buffers()["extras"]["e"])
+        assert stored.dtype == np.int16 and stored[1:3].tolist() == [-5, 30000]
+        with pytest.raises(
+            fj.FutureMapError, match="draft.e holds values that do not fit the int16"
+        ):
+            fm.stash(slots, draft_with([1, 40000]))
+        np.testing.assert_array_equal(np.asarray(fm.buffers()["extras"]["e"]), stored)
+
+
+def test_a_float_field_relays_negative_values() -> None:
+    """Only tokens and lengths (and consume-tracked ints) must be >= 0: an engine's float
+    field keeps the negative values it is given, on the general path and the plan's."""
+    spec = fj.SpecConfig(topk=0, hidden=0, extra=(fj.RelayField("h", (2,), np.float32),))
+    fm = fj.FutureMap(8, spec=spec, batch_buckets=(2,), token_buckets=(2,))
+    h = np.array([[-1.5, 2.0], [-0.0, -3.25]], np.float32)
+    for _ in range(3):
+        fm.stash(np.array([1, 2]), fj.DraftPayload(np.array([3, 4]), extras={"h": h}))
+        stored = np.asarray(fm.buffers()["extras"]["h"])[1:3]
+        assert stored.tobytes() == h.tobytes()
