@@ -13,6 +13,15 @@ steps, a trivial forward `(ids * 31 + 7) % V` plus three engine arrays per row):
 - `no_map_carry` / `no_map_carry_jax`: the same forward as an engine's step runs it,
   carrying its own state from step to step: a donated [R] buffer (its KV cache) written
   at the batch's slots, fed the packed numpy arrays / jax arrays.
+- `fm_jax_step_jax`: the engine step fed jax arrays; `fm_jax_fused`: the pure ops inlined in
+  one donated jit (jax arrays); `no_map_jax`: the forward alone on jax arrays (their baseline).
+- `sglang_jax_fused`: sglang-jax's fused decode as it runs: the relay written inline in the
+  model's jit (`where(ids < 0, map[-ids], ids)` at the head, `map.at[slots].set(tokens)` at
+  the tail), the map not donated (a new map each step).
+- `fm_jax_class` / `fm_jax_class_packed`: the class's one-op entry points as an engine that
+  calls them one by one does: `resolve` of the numpy batch, the forward in its own jit,
+  `finish` with the host slots and the forward's tokens and lengths on the device; the map
+  without and with `pack_inputs` (the numpy batch in one transfer instead of three).
 
 The scheduler's work between steps (`gap_us`, default 50 µs of busy host time before each
 enqueue, untimed) is part of the loop for every series, because on XLA:CPU it changes what

@@ -111,10 +111,14 @@ def build(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[
     protocol's arrays: no gather variant)."""
     if debug or cfg.gather:
         return {}
-    dd = device_data(cfg, data)
-    arrays = dd._asdict()
+    return _build(cfg, _on_device(cfg, data), ops)
+
+
+def _on_device(cfg: Config, data: HostData) -> dict[str, Any]:
+    """The workload's arrays on the device, and the decode rows' sentinels `-idx`."""
+    arrays = device_data(cfg, data)._asdict()
     arrays["neg"] = jax.device_put(-data.idx.astype(int_dtype(cfg)), jax.devices()[0])
-    return _build(cfg, arrays, ops)
+    return arrays
 
 
 def build_host(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) -> dict[str, Op]:
@@ -138,12 +142,9 @@ def build_state(cfg: Config, data: HostData, debug: bool, ops: Sequence[str]) ->
     back; invalidate takes none (as the class's)."""
     if debug or cfg.gather:
         return {}
-    dd = device_data(cfg, data)
-    arrays = dd._asdict()
-    arrays["neg"] = jax.device_put(-data.idx.astype(int_dtype(cfg)), jax.devices()[0])
     spec = fj.SpecConfig(cfg.topk, cfg.hidden, jnp.dtype(cfg.hidden_dtype)) if cfg.spec else None
     state = {"s": fj.future_map(cfg.pool, dtype=int_dtype(cfg), spec=spec).init()}
-    calls = _calls(cfg, arrays)
+    calls = _calls(cfg, _on_device(cfg, data))
     heads = {"resolve_decode", "resolve_mixed", "resolve_spec"}
     out: dict[str, Op] = {}
     for op in ops:
