@@ -307,11 +307,28 @@ def test_a_declared_int16_field_takes_host_ints_that_fit_and_refuses_the_rest() 
 
 def test_a_float_field_relays_negative_values() -> None:
     """Only tokens and lengths (and consume-tracked ints) must be >= 0: an engine's float
-    field keeps the negative values it is given, on the general path and the plan's."""
+    field keeps the negative values it is given, on the general path and on the plan its
+    layout recorded from non-negative rows."""
     spec = fj.SpecConfig(topk=0, hidden=0, extra=(fj.RelayField("h", (2,), np.float32),))
     fm = fj.FutureMap(8, spec=spec, batch_buckets=(2,), token_buckets=(2,))
-    h = np.array([[-1.5, 2.0], [-0.0, -3.25]], np.float32)
-    for _ in range(3):
+    positive = np.array([[1.5, 2.0], [0.0, 3.25]], np.float32)
+    negative = np.array([[-1.5, 2.0], [-0.0, -3.25]], np.float32)
+    for h in (negative, positive, positive, negative):  # general, general + record, plan
         fm.stash(np.array([1, 2]), fj.DraftPayload(np.array([3, 4]), extras={"h": h}))
         stored = np.asarray(fm.buffers()["extras"]["h"])[1:3]
         assert stored.tobytes() == h.tobytes()
+
+
+def test_a_spec_decode_batch_passes_its_ids_through_however_many() -> None:
+    """A spec DECODE batch's ids pass through as given (CONTRACT, 'Batch kinds'): more ids
+    than rows, or fewer, are no refusal; only a non-spec decode row carries one id."""
+    fm = fj.FutureMap(16, spec=fj.SpecConfig(topk=2), batch_buckets=(2,), token_buckets=(2, 4))
+    slots = np.array([1, 2], np.int32)
+    draft = fj.DraftPayload(
+        np.array([3, 4]), np.ones((2, 2), np.float32), np.zeros((2, 2), np.int32)
+    )
+    fm.stash(slots, draft)
+    fm.publish(slots, np.array([5, 6], np.int32))
+    for ids in ([7, 8, 9, 10], [7]):
+        res = fm.resolve(fj.Batch(DECODE, slots, np.array(ids, np.int32), -slots, slots))
+        assert np.asarray(res.input_ids)[: len(ids)].tolist() == ids
