@@ -270,3 +270,20 @@ def test_the_running_row_check_holds_at_edge_sizes_and_slot_one() -> None:
         err, lens = run(rows, ids, ts)
         err.throw()
         assert lens == bound
+
+
+def test_the_host_order_check_counts_slot_one_and_names_the_batch() -> None:
+    """The class's host check of a spec MIXED batch's running rows: slot 1, the first live
+    slot, is a running row like any other (in order: taken and bound; out of order:
+    refused), and the refusal names the batch's field and both lists."""
+    jm = jax_map(False)
+    jm.publish(a(1), a(30))
+    jm.stash(a(1), jax_draft([9]))
+    ok = jm.resolve(fj.Batch(MIXED, a(5, 1), a(100, 101, 0, 0), a(2, 1), token_slots=a(0, 0, 1, 0)))
+    assert np.asarray(ok.seq_lens)[:2].tolist() == [2, 31]
+    with pytest.raises(
+        fj.FutureMapError,
+        match=r"^batch\.token_slots name running slots \[2, 1\], but the batch's last live rows "
+        r"hold \[1, 2\]",
+    ):
+        jm.resolve(fj.Batch(MIXED, a(5, 1, 2), IDS, a(3, 1, 1), token_slots=a(0, 0, 0, 2, 1)))
