@@ -287,3 +287,17 @@ def test_the_host_order_check_counts_slot_one_and_names_the_batch() -> None:
         r"hold \[1, 2\]",
     ):
         jm.resolve(fj.Batch(MIXED, a(5, 1, 2), IDS, a(3, 1, 1), token_slots=a(0, 0, 0, 2, 1)))
+
+
+@pytest.mark.parametrize("on_device", ["req_pool_indices", "token_slots"])
+def test_a_half_device_spec_mixed_batch_is_left_to_debug(on_device: str) -> None:
+    """The host order check reads host arrays only: a spec MIXED batch whose slots or token
+    slots are a jax array is taken without a host read of either (a read would wait on the
+    device), and debug reports its running rows out of token order at check()."""
+    jm = jax_map(True)
+    fields = {"req_pool_indices": a(5, 3, 2, 0), "token_slots": a(0, 0, 0, 2, 3, 0, 0, 0)}
+    fields[on_device] = jnp.asarray(fields[on_device])
+    ids, lens = a(100, 101, 102, 0, 0, 0, 0, 0), a(3, 1, 1, 1)
+    jm.resolve(fj.Batch(MIXED, fields["req_pool_indices"], ids, lens, None, fields["token_slots"]))
+    with pytest.raises(fj.InvariantViolation, match="not in token-slot order"):
+        jm.check()

@@ -44,8 +44,9 @@ class HostChecks:
         self.safe = frozenset(d for d in INTS if np.can_cast(d, dtype, "safe"))
 
     def ints(self, name: str, a: np.ndarray, into: np.dtype | None = None) -> np.ndarray:
-        """`a` (host, integer) in the int dtype `into` (default the map's); refuses values
-        that do not fit."""
+        """`a` (host, integer) in the int dtype `into` (default the map's): the array itself
+        when it has that dtype already (however spelt), else a cast; refuses values that do
+        not fit."""
         to = self.dtype if into is None else into
         dt = a.dtype
         if dt is to or dt == to:
@@ -93,18 +94,18 @@ class HostChecks:
         Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
         rule for ids), 'ints' (ints that fit `into`, default the map's int dtype),
         'relayed' (that, >= 0: tokens and lengths a forward relays), 'values' (rows of a
-        field declared `into`, not an int: that dtype only), 'relayed_values' (that, >= 0).
+        field declared `into`, not an int: that dtype only).
         """
-        if kind == "values" or kind == "relayed_values":
+        if kind == "values":
             assert into is not None
-            return _non_negative(name, self.declared(name, a, into), kind == "relayed_values")
+            return self.declared(name, a, into)
         a = self.ints(name, a, into)
         if kind == "slots":
             self.slots(name, a)
         elif kind == "ids":
             self._check_ids(name, a)
         elif kind == "relayed":
-            _non_negative(name, a, True)
+            _non_negative(name, a)
         return a
 
     def checker(
@@ -122,7 +123,7 @@ class HostChecks:
             return functools.partial(_checked, self.slots, name)
         if kind == "ids":
             return functools.partial(_checked, self._check_ids, name)
-        return functools.partial(_non_negative, name, relayed=True)
+        return functools.partial(_non_negative, name)
 
     def _check_ids(self, name: str, a: np.ndarray) -> None:
         self.protocol.check_ids(name, a, self.pool_size)
@@ -225,17 +226,19 @@ def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray)
 
 def row_kind(dtype: np.dtype | None, relayed: bool) -> str:
     """The `HostChecks.check` kind of a field's rows, the field declared `dtype` (None: the
-    map's int dtype): ints (cast where they fit) or values in their own dtype, relayed
-    ones (tokens, lengths) also >= 0."""
+    map's int dtype): ints (cast where they fit), relayed ones (tokens, lengths) also >= 0,
+    or values in their own dtype. A relayed field is an int: relay_fields refuses a
+    consumed field of any other dtype."""
     if dtype is None or np.dtype(dtype).kind in "iu":
         return "relayed" if relayed else "ints"
-    return "relayed_values" if relayed else "values"
+    assert not relayed
+    return "values"
 
 
-def _non_negative(name: str, a: np.ndarray, relayed: bool) -> np.ndarray:
-    """`a`, refused if `relayed` and it holds a negative value (token ids and lengths are
-    >= 0; a stashed -1 would read as the consume poison)."""
-    if relayed and a.size and a.min() < 0:
+def _non_negative(name: str, a: np.ndarray) -> np.ndarray:
+    """`a` (relayed tokens or lengths), refused if it holds a negative value (token ids and
+    lengths are >= 0; a stashed -1 would read as the consume poison)."""
+    if a.size and a.min() < 0:
         raise FutureMapError(
             f"{name} holds negative values {np.unique(a[a < 0])[:8].tolist()}: token ids and "
             "lengths are >= 0"

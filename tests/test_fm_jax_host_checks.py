@@ -1,0 +1,149 @@
+"""The host value checks (fm_jax/_src/host_checks.py) met directly, where a map of this
+process cannot reach them: a recorded plan's checker against the general path's check, and
+the batch rules of a map of several DP ranks (the in-process maps have one; the 8-device
+subprocess tests build the others, end to end)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fm_jax as fj
+from fm_jax._src import host_checks
+from fm_jax._src.protocol import Rules
+
+E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
+R = 16
+
+KINDS = ("slots", "ids", "ints", "relayed")
+ROW_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.float32)
+INTO = (None, np.int16, np.int32, np.int64)
+VALUES = ([0, 1, 5], [3, -1], [-R, 2], [2, 2], [R], [40000], [], [7, 2**33])
+
+
+def _checks(protocol: str) -> Any:
+    return fj.FutureMap(R, protocol=protocol)._placement.inputs.checks
+
+
+def _outcome(f: Any, a: np.ndarray) -> Any:
+    """What `f(a)` gives: its array's dtype and bytes, or its refusal's message."""
+    try:
+        out = f(a)
+    except fj.FutureMapError as e:
+        return ("refused", str(e))
+    return (out.dtype, out.tobytes())
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_checker_does_what_check_does_with_the_dispatch_done_once(protocol: str) -> None:
+    """A plan's checker for rows of one dtype (`HostChecks.checker`) is None exactly when
+    the dtype alone says the rows pass as they are (an int field's rows, or a declared
+    field's, already in the target dtype); otherwise it gives what `check` gives on every
+    array of that dtype, the same cast or the same refusal, into the field's own dtype."""
+    checks = _checks(protocol)
+    cases = [(k, d, i) for k, d, i in itertools.product(KINDS, ROW_DTYPES, INTO)]
+    cases += [("values", d, i) for d in (np.float32, np.float16, np.int32) for i in (np.float32,)]
+    for kind, dtype, into in cases:
+        dt, to = np.dtype(dtype), np.dtype(checks.dtype if into is None else into)
+        into = None if into is None else np.dtype(into)
+        f = checks.checker(kind, "x", dt, into)
+        assert (f is None) == (dt == to and kind in ("ints", "values")), (kind, dt, into)
+        for v in VALUES:
+            with np.errstate(over="ignore"):  # 2**33 as float16: inf, a value like any
+                a = np.array(v, np.int64).astype(dt)
+            want = _outcome(lambda x: checks.check(kind, "x", x, into), a)  # noqa: B023
+            got = (a.dtype, a.tobytes()) if f is None else _outcome(f, a)
+            assert got == want, (kind, dt, into, v)
+
+
+def test_rows_already_in_the_target_dtype_are_taken_as_they_are() -> None:
+    """No copy for rows in the map's int dtype, however the dtype is spelt (an equal dtype
+    that is another object, such as its native byte order spelt out)."""
+    checks = _checks("sentinel")
+    a = np.arange(3, dtype=np.int32)
+    b = a.view(a.dtype.newbyteorder("="))
+    assert b.dtype == checks.dtype and b.dtype is not checks.dtype
+    assert checks.ints("x", a) is a
+    assert checks.ints("x", b) is b
+    assert checks.ints("x", a, np.dtype(np.int32)) is a
+
+
+def test_a_relayed_field_is_an_int() -> None:
+    """Relayed rows (tokens, lengths) are judged as ints, whatever their field; a field of
+    another dtype is judged in its own dtype only."""
+    assert host_checks.row_kind(None, True) == "relayed"
+    assert host_checks.row_kind(np.dtype(np.int16), True) == "relayed"
+    assert host_checks.row_kind(np.dtype(np.uint8), False) == "ints"
+    assert host_checks.row_kind(np.dtype(np.float32), False) == "values"
+    with pytest.raises(AssertionError):
+        host_checks.row_kind(np.dtype(np.float32), True)
+
+
+def test_the_order_check_names_the_rank_of_several() -> None:
+    """A spec MIXED batch of two DP ranks: a rank that is not MIXED is skipped, a MIXED
+    rank in order passes, and one out of order is refused naming its rank."""
+    rules = Rules(mixed_order=True)
+    rows = np.array([5, 3, 2, 0, 4, 6, 1, 0], np.int32)  # 4 rows per rank
+
+    def run(modes: list[Any], toks: list[int]) -> None:
+        host_checks.batch_values(rules, modes, [None], rows, np.array(toks, np.int32))
+
+    run([E, M], [0, 0, 0, 0, 0, 6, 1, 0])  # rank 1 in order; rank 0 not MIXED
+    run([E, M], [9, 9, 0, 0, 0, 0, 6, 1])  # rank 0's slots are not read
+    run([M, M], [0, 3, 2, 0, 6, 1, 0, 0])
+    with pytest.raises(
+        fj.FutureMapError,
+        match=r"^batch\[rank 1\]\.token_slots name running slots \[1, 6\], but the batch's "
+        r"last live rows hold \[6, 1\]",
+    ):
+        run([E, M], [0, 0, 0, 0, 0, 1, 6, 0])
+    with pytest.raises(fj.FutureMapError, match=r"^batch\[rank 0\]\.token_slots"):
+        run([M, M], [0, 2, 3, 0, 6, 1, 0, 0])
+    # Jax arrays are not read here (debug checks the order on the device).
+    host_checks.batch_values(rules, [M, M], [None], jnp.asarray(rows), np.zeros(8, np.int32))
+
+
+def test_one_id_per_decode_row_names_the_rank_of_several() -> None:
+    """A DECODE rank's batch has one id per row: with several DP ranks the refusal names
+    the rank; a rank that is not DECODE may carry any count; one mode stands for all."""
+    check = host_checks._one_id_per_row
+    check((2, 3), (2, 3), [True, True])
+    check((2, 3), (2, 2), [True, False])  # rank 1 is not DECODE
+    check(None, (2, 2), [True])  # ids on the device: not counted here
+    for decode in ([True, True], [False, True], [True]):
+        with pytest.raises(
+            fj.FutureMapError,
+            match=r"^input_ids of a DECODE batch has 3 ids for 2 rows on DP rank 1: a decode "
+            r"row carries one id$",
+        ):
+            check((2, 3), (2, 2), decode)
+    with pytest.raises(fj.FutureMapError, match=r"has 3 ids for 2 rows: a decode row"):
+        check((3,), (2,), [True])  # one rank: no rank named
+
+
+@pytest.mark.parametrize(
+    ("slots", "refusal"),
+    [
+        ("jax", r"^token_slots of a batch of kind EXTEND name slots \(or are a jax array"),
+        ("ragged", r"^token_slots is not an array"),
+    ],
+)
+def test_token_slots_of_a_batch_that_is_not_mixed_are_refused_unless_host_zeros(
+    slots: str, refusal: str
+) -> None:
+    """Token slots of a batch whose host mode is not MIXED must gather nothing: a jax array
+    of zeros (not read on the host) is refused like nonzero slots, and a value that is no
+    array is named as such; nothing is written."""
+    fm = fj.FutureMap(R, protocol="gather", batch_buckets=(4,), token_buckets=(4,))
+    ts: Any = jnp.zeros(4, jnp.int32) if slots == "jax" else [[0], [0, 0]]
+    rows, ids = np.array([1, 2, 0, 0], np.int32), np.array([5, 6, 0, 0], np.int32)
+    before = fm.buffers()
+    with pytest.raises(fj.FutureMapError, match=refusal):
+        fm.resolve(fj.Batch(E, rows, ids, np.ones(4, np.int32), None, ts))
+    after = fm.buffers()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert fm.step == 0
