@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax as fj
+from fm_bench.plan import EngineStepPlan
 from fm_bench.report import write_result
 from fm_jax._src.packing import pack, unpack
 
@@ -273,7 +274,7 @@ def run(
     steps: int,
     waited: int,
     log: Callable[[str], None],
-    gap_us: float = 50.0,
+    gap_us: float = EngineStepPlan.gap_us,
 ) -> dict[str, Any]:
     """Every pool's group `runs` times, `gap_us` of scheduler work before each step;
     rows per series and the figures over runs."""
@@ -348,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300, help="steps enqueued per host figure")
     p.add_argument("--waited", type=int, default=50, help="waited steps per run")
     p.add_argument(
-        "--gap-us", type=float, default=50.0, help="scheduler work before each step (busy µs)"
+        "--gap-us",
+        type=float,
+        default=EngineStepPlan.gap_us,
+        help="scheduler work before each step (busy µs)",
     )
     p.add_argument("--out", type=Path, default=None, help="write engine_step_<tag>.{md,json}")
     p.add_argument("--tag", default=None, help="file tag (default: the device platform)")

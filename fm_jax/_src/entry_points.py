@@ -106,8 +106,7 @@ def tail(
             if rest is not None and any(rf.get(others, f.name) is not None for f in rest_fields):
                 # a bonus-only draft has nothing else to stash
                 state = rest.stash(state, indices, others)
-        ids = decode_ids(indices.shape[0], token_buckets)
-        return state, protocol.sentinels(indices.astype(local.dtype), ids)
+        return state, _sentinels(protocol, indices, local.dtype, token_buckets)
 
     mapped = ops.map_ranks(local_tail)
 
@@ -143,6 +142,15 @@ def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
     )
 
 
+def _sentinels(
+    protocol: Protocol, indices: jax.Array, dtype: Any, token_buckets: tuple[int, ...]
+) -> Any:
+    """One rank's sentinels as `protocol` leaves them for the next batch (`finish`,
+    `invalidate`, an engine step), their ids at the token bucket of the rows
+    (`buckets.decode_ids`), so that the DECODE they make is placed again."""
+    return protocol.sentinels(indices.astype(dtype), decode_ids(indices.shape[0], token_buckets))
+
+
 def _op_body(
     ops: ShardedFutureMapOps,
     key: Key,
@@ -172,8 +180,7 @@ def _op_body(
                 chk = checks.OpChecks()
                 checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
                 chk.run()
-            ids = decode_ids(indices.shape[0], token_buckets)
-            return protocol.sentinels(indices.astype(local.dtype), ids)
+            return _sentinels(protocol, indices, local.dtype, token_buckets)
 
         return ops.map_ranks(local_sentinels)
     if key.op == "finish":
