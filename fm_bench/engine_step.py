@@ -60,7 +60,7 @@ import numpy as np
 import fm_jax as fj
 from fm_bench.plan import EngineStepPlan
 from fm_bench.report import write_result
-from fm_jax._src.packing import pack, unpack
+from fm_jax.host.packing import pack, unpack
 
 VOCAB = 32000
 DECODE = fj.ForwardMode.DECODE

@@ -57,16 +57,16 @@ fi
 file_of() {
     case $1 in
         torch) echo fm_torch/future_map.py ;;
-        jax-ops) echo fm_jax/_src/ops.py ;;
-        jax-rows) echo fm_jax/_src/rows.py ;;
-        jax-resolve) echo fm_jax/_src/resolve_ops.py ;;
-        jax-checks) echo fm_jax/_src/checks.py ;;
-        jax-inputs) echo fm_jax/_src/host_inputs.py ;;
-        jax-host-checks) echo fm_jax/_src/host_checks.py ;;
-        jax-kernel) echo fm_jax/_src/row_kernel.py ;;
-        jax-runtime) echo fm_jax/_src/runtime.py ;;
-        jax-step) echo fm_jax/_src/engine_step.py ;;
-        jax-class) echo fm_jax/_src/future_map.py ;;
+        jax-ops) echo fm_jax/ops/ops.py ;;
+        jax-rows) echo fm_jax/ops/rows.py ;;
+        jax-resolve) echo fm_jax/ops/resolve_ops.py ;;
+        jax-checks) echo fm_jax/ops/checks.py ;;
+        jax-inputs) echo fm_jax/host/host_inputs.py ;;
+        jax-host-checks) echo fm_jax/host/host_checks.py ;;
+        jax-kernel) echo fm_jax/ops/row_kernel.py ;;
+        jax-runtime) echo fm_jax/map/runtime.py ;;
+        jax-step) echo fm_jax/map/engine_step.py ;;
+        jax-class) echo fm_jax/map/future_map.py ;;
         *) echo "unknown group '$1' (${ALL[*]}, jax)" >&2; return 1 ;;
     esac
 }

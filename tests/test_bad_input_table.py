@@ -668,7 +668,7 @@ def _inner() -> dict[str, Any]:
     sharded = {}
     for spec in (False, True):
         cfg = fj.SpecConfig(K, H, jnp.dtype(jnp.bfloat16)) if spec else None
-        ops = fj.sharded_future_map(R, mesh, dp_axis="dp", tp_axis="tp", spec=cfg, debug=True)
+        ops = fj.future_map(R, mesh=mesh, dp_axis="dp", tp_axis="tp", spec=cfg, debug=True)
         sharded[spec] = (ops, ops.init())
     for name in cases("ops"):
         case = CASES[name]

@@ -73,7 +73,7 @@ from jax.experimental import checkify
 
 import fm_jax as fj
 import fm_torch as ft
-from fm_jax._src import host_inputs
+from fm_jax.host import host_inputs
 
 R = 5  # live slots 1..4
 ROWS = TOKENS = 4  # the one bucket: every call compiles once

@@ -12,8 +12,8 @@ import pytest
 from jax.experimental import checkify
 
 import fm_jax as fj
-from fm_jax._src.debug_channel import DebugChannel
-from fm_jax._src.sharding import single_device_layout
+from fm_jax.map.debug_channel import DebugChannel
+from fm_jax.ops.sharding import single_device_layout
 
 
 def _op(x: jax.Array) -> jax.Array:
@@ -116,7 +116,7 @@ def test_a_full_pending_list_keeps_the_failures_and_raises_nowhere_else(
     """Pins the pending-error flush raising inside an unrelated later call (after that call
     had run): past the limit the map fetches its errors, keeps the failed ones pending, and
     only check() reports them."""
-    from fm_jax._src import debug_channel
+    from fm_jax.map import debug_channel
 
     monkeypatch.setattr(debug_channel, "MAX_PENDING_ERRORS", 3)
     fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
@@ -138,7 +138,7 @@ def test_failures_past_the_pending_bound_do_not_sync_every_op(
     every later debug op fetched them all again (a sync of about 3 ms an op). Failures
     fetched by a flush wait on the host: one fetch per bound's worth of ops, every
     violation still reported by check()."""
-    from fm_jax._src import debug_channel
+    from fm_jax.map import debug_channel
 
     monkeypatch.setattr(debug_channel, "MAX_PENDING_ERRORS", 3)
     fetches = []
@@ -180,7 +180,7 @@ def test_a_crash_while_reporting_drops_no_violation(monkeypatch: pytest.MonkeyPa
     """Pins check() clearing its pending list before the report was built, so that a crash
     while translating (or fetching) lost every violation: the crash is raised, and the next
     check() reports them all."""
-    from fm_jax._src import debug_channel
+    from fm_jax.map import debug_channel
 
     fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))
     fm.stash(dv(3, 3), np.array([1, 1]))
@@ -203,7 +203,7 @@ def test_a_failed_fetch_at_the_pending_bound_raises_nowhere_else(
 ) -> None:
     """Pins the bounded pending list raising a fetch failure inside an unrelated op (after
     that op ran): the op returns, everything stays pending, check() reports it."""
-    from fm_jax._src import debug_channel
+    from fm_jax.map import debug_channel
 
     monkeypatch.setattr(debug_channel, "MAX_PENDING_ERRORS", 2)
     fm = fj.FutureMap(8, debug=True, batch_buckets=(2,), token_buckets=(2,))

@@ -20,8 +20,8 @@ import pytest
 
 import fm_jax as fj
 from fm_bench.child import child_report
-from fm_jax._src.packing import pack, unpack
-from fm_jax._src.registry import counting_compiles
+from fm_jax.host.packing import pack, unpack
+from fm_jax.map.registry import counting_compiles
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 
@@ -76,7 +76,7 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
 _X64_CHILD = textwrap.dedent(
     """
     import json, numpy as np, jax
-    from fm_jax._src.packing import pack, unpack
+    from fm_jax.host.packing import pack, unpack
     tree = (np.array([1, -2, 2**40 + 3, -(2**62)], np.int64), np.array([1.5, -0.0]),
             np.array([7], np.int16), np.int64(-5), np.array([2**63 + 1], np.uint64))
     spec, packed, _ = pack(tree)

@@ -316,7 +316,7 @@ def test_which_inputs_a_debug_map_checks_on_the_device() -> None:
     """`on_device`: an input holding a jax array anywhere (alone, in a tuple, a list, a
     mapping, a DraftPayload) is checked on the device; host rows, lists of numbers and
     empty containers are not."""
-    from fm_jax._src.host_inputs import on_device
+    from fm_jax.host.host_inputs import on_device
 
     dev = jax.device_put(a(1))
     assert on_device(dev) and on_device((a(1), dev)) and on_device({0: dev})
@@ -542,7 +542,7 @@ def test_buckets_that_skip_a_token_bucket_still_serve_a_traced_decode() -> None:
     modes failed (a DECODE gathers one id per row: T >= B) and so did serving such a batch.
     Tokens now go up to the bucket that holds the rows: warm-up and a traced DECODE of 10
     rows run, the DECODE from the warmed executables."""
-    from fm_jax._src.buckets import resolve_sizes
+    from fm_jax.host.buckets import resolve_sizes
 
     assert resolve_sizes(10, 10, (4, 8, 32), (4, 16, 64)) == (32, 64)
     assert resolve_sizes(3, 3, (4, 8, 32), (4, 16, 64)) == (4, 4)

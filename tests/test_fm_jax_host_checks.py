@@ -1,4 +1,4 @@
-"""The host value checks (fm_jax/_src/host_checks.py) met directly, where a map of this
+"""The host value checks (fm_jax/host/host_checks.py) met directly, where a map of this
 process cannot reach them: a recorded plan's checker against the general path's check, and
 the batch rules of a map of several DP ranks (the in-process maps have one; the 8-device
 subprocess tests build the others, end to end)."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
-from fm_jax._src import host_checks
-from fm_jax._src.protocol import Rules
+from fm_jax.host import host_checks
+from fm_jax.ops.protocol import Rules
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 R = 16

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
-from fm_jax._src.rows import gather, scatter
+from fm_jax.ops.rows import gather, scatter
 
 R = 5
 SLOTS = [0, 1, R - 1, R, R + 7, -1, -R, np.iinfo(np.int32).min]

@@ -1,7 +1,7 @@
 """Recorded plans place a call exactly as the general path does, or refuse it alike.
 
 A plan is the steady state of placement: a layout seen before is placed with only its
-value checks, its padding and its packing (`fm_jax._src.plans`). These tests drive calls
+value checks, its padding and its packing (`fm_jax.host.plans`). These tests drive calls
 of one layout with other values, valid and not, through both paths and compare what comes
 out: the same key, packing layout and argument bytes, or the same refusal.
 """
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fm_jax as fj
-from fm_jax._src.errors import FutureMapError
+from fm_jax.ops.errors import FutureMapError
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 R = 16

@@ -1,4 +1,4 @@
-"""The one-kernel spec field moves (`SpecConfig(kernel='pallas')`, fm_jax/_src/row_kernel.py).
+"""The one-kernel spec field moves (`SpecConfig(kernel='pallas')`, fm_jax/ops/row_kernel.py).
 
 On CPU the kernel runs in Pallas's interpreter: its bytes are checked against numpy's
 scatter / gather and against the per-buffer XLA ops. Its CUDA lowering (Triton) is built
@@ -19,7 +19,7 @@ import pytest
 from jax.experimental import checkify
 
 import fm_jax as fj
-from fm_jax._src import row_kernel
+from fm_jax.ops import row_kernel
 
 R = 24
 # (dtype, row shape): every width class (one value, a power of two, none, wider than a

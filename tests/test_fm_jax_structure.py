@@ -123,3 +123,31 @@ def test_no_fm_jax_module_over_400_lines() -> None:
         str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
     }
     assert {m: n for m, n in sorted(lines.items()) if n > MAX_LINES} == {}
+
+
+LAYERS = ("ops", "host", "map")
+"""fm_jax's sub-packages, lowest first: a module imports only from its own layer or below."""
+
+
+def test_layers_import_one_way() -> None:
+    """Pins an import that runs back up the layers (the pure ops reaching into the host path,
+    or the host path into the map): map -> host -> ops, never the other way."""
+    modules = _modules()
+    back = []
+    for name, tree in modules.items():
+        parts = name.split(".")
+        if len(parts) < 3:
+            continue
+        mine = LAYERS.index(parts[1])
+        for dep in _imports(name, tree, set(modules)):
+            dparts = dep.split(".")
+            if len(dparts) >= 2 and dparts[1] in LAYERS and LAYERS.index(dparts[1]) > mine:
+                back.append(f"{name} -> {dep}")
+    assert back == []
+
+
+def test_every_module_lives_in_a_layer() -> None:
+    """Pins a module added beside the layers: below the package's face, every module is in
+    ops/, host/ or map/."""
+    names = [n for n in _modules() if n != "fm_jax"]
+    assert [n for n in names if n.split(".")[1] not in LAYERS] == []

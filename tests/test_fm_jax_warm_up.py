@@ -378,7 +378,7 @@ def test_warm_up_and_serving_key_executables_by_one_typed_key(protocol: str) -> 
     (`keys.Key`): every planned key is one, and after a guarded warm-up each op of a
     serving loop finds its executable under the key the call builds (a key built apart,
     e.g. a bare tuple, would find nothing and be refused)."""
-    from fm_jax._src.keys import Key
+    from fm_jax.host.keys import Key
 
     fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(4,), protocol=protocol)
     fm.warm_up(guard=True)
@@ -395,7 +395,7 @@ def test_warm_up_and_serving_key_executables_by_one_typed_key(protocol: str) -> 
 def test_the_protocols_rules_are_answered_in_one_place() -> None:
     """Each rule that differs between the protocols is one property of its Protocol
     object, parsed once from the public string."""
-    from fm_jax._src.protocol import parse_protocol as relay_protocol
+    from fm_jax.ops.protocol import parse_protocol as relay_protocol
 
     s, g = relay_protocol("sentinel"), relay_protocol("gather")
     assert s.invalidates and not g.invalidates

@@ -272,8 +272,8 @@ def test_a_field_is_relayed_per_rank_once_a_stash_there_carried_it() -> None:
     """Per DP rank, as each SGLang rank's own map makes its buffers: a stash with no row on
     a rank (its count 0) relays nothing there; a field left out stays unrelayed; once
     every rank has every optional field the record is dropped (one check per call)."""
-    from fm_jax._src.host_inputs import Rows
-    from fm_jax._src.runtime import MapRuntime
+    from fm_jax.host.host_inputs import Rows
+    from fm_jax.map.runtime import MapRuntime
 
     rt = MapRuntime(lambda: None, None, None, None, optional=("topk_p", "dsa"), dp=2)  # type: ignore[arg-type]
     rt.stashed(Rows(None, 2, (2, 0), True), ("dsa",))

@@ -20,7 +20,7 @@ from jax.experimental import checkify
 import fm_jax as fj
 import fm_torch as ft
 from fm_bench.child import call_in_child
-from fm_jax._src.registry import counting_compiles
+from fm_jax.map.registry import counting_compiles
 
 R = 8
 DECODE, MIXED = fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
@@ -695,7 +695,7 @@ def test_pure_ops_stash_names_extras_that_are_no_mapping(sharded: bool) -> None:
     `extras` is a list (the class names it): both check the payload's form in one place
     first, eagerly and under jit."""
     if sharded:
-        ops: Any = fj.sharded_future_map(R, jax.make_mesh((1,), ("dp",)), spec=SPEC)
+        ops: Any = fj.future_map(R, mesh=jax.make_mesh((1,), ("dp",)), spec=SPEC)
     else:
         ops = fj.future_map(R, spec=SPEC)
     state = ops.init()
@@ -711,11 +711,11 @@ def test_sharded_stash_names_each_payload_row_that_is_no_array() -> None:
     map (`payload_rows` lists them by the names the refusals use)."""
     mesh = jax.make_mesh((1,), ("dp",))
     slots = jnp.array([1, 2], jnp.int32)
-    plain = fj.sharded_future_map(R, mesh)
+    plain = fj.future_map(R, mesh=mesh)
     with pytest.raises(fj.FutureMapError) as info:
         plain.stash(plain.init(), slots, [3, 4])
     assert str(info.value) == "stash: tokens must be an array of rows [B, ...], got a Python list"
-    spec = fj.sharded_future_map(R, mesh, spec=SPEC)
+    spec = fj.future_map(R, mesh=mesh, spec=SPEC)
     for field in ("bonus_tokens", "score"):
         bad = _draft(**{field: 7}) if field == "bonus_tokens" else _draft(extras={"score": 7})
         with pytest.raises(fj.FutureMapError) as info:
@@ -1089,8 +1089,8 @@ def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
     one call (`Protocol.rules`) and each of its host modes parsed once."""
     import sys
 
-    from fm_jax._src import protocol as protocols
-    from fm_jax._src import types
+    from fm_jax.ops import protocol as protocols
+    from fm_jax.ops import types
 
     fm = fj.FutureMap(R, protocol=protocol, batch_buckets=(2, 4), token_buckets=(2, 4))
     asked: list[str] = []

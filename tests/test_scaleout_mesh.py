@@ -183,13 +183,13 @@ def _spec_draft_matches_per_rank() -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map, sharded_future_map
+    from fm_jax import Batch, DraftPayload, ForwardMode, SpecConfig, future_map
     from fm_parity.mesh import make_mesh
 
     dp, b, k, h = 4, 4, 2, 3
     spec = SpecConfig(topk=k, hidden=h, hidden_dtype=jnp.bfloat16)
     mesh = make_mesh(dp, 2)
-    ops = sharded_future_map(POOL, mesh, dp_axis="dp", tp_axis="tp", spec=spec)
+    ops = future_map(POOL, mesh=mesh, dp_axis="dp", tp_axis="tp", spec=spec)
     one = future_map(POOL, spec=spec)
     rng = np.random.default_rng(5)
     idx = np.concatenate([rng.permutation(np.arange(1, POOL))[:b] for _ in range(dp)])

@@ -1,0 +1,246 @@
+"""Host values judged: the one place a host array's values are checked before anything is
+written (slot range and duplicates, ints that fit, the protocol's rule for ids, relayed
+tokens and lengths >= 0, a field's rows in its declared dtype).
+
+A field's dtype rule (docs/CONTRACT.md, 'Relay fields'): an int field takes rows of any
+int dtype, cast when every value fits; any other field takes only its own dtype.
+
+`HostChecks.check(kind, name, a)` is what the general placement path calls on each rank's
+rows; `checker(kind, name, dtype)` is the same check with the dispatch on kind and dtype
+done once, for a recorded plan (`plans`). Each raises FutureMapError naming the field.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from fm_jax.ops import refusals
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.protocol import Protocol, Rules
+from fm_jax.ops.types import ForwardMode
+
+INTS = frozenset(
+    np.dtype(t)
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+)
+"""The integer dtypes a slot, id, length or token may come in."""
+
+
+class HostChecks:
+    """Value checks for one map: its pool size, int dtype and protocol."""
+
+    def __init__(self, pool_size: int, dtype: np.dtype, protocol: Protocol) -> None:
+        self.pool_size = pool_size
+        self.dtype = dtype
+        self.protocol = protocol
+        info = np.iinfo(dtype)
+        self._lo, self._hi = int(info.min), int(info.max)
+        # Int dtypes whose every value fits the map's dtype: cast without a value check.
+        self.safe = frozenset(d for d in INTS if np.can_cast(d, dtype, "safe"))
+
+    def ints(self, name: str, a: np.ndarray, into: np.dtype | None = None) -> np.ndarray:
+        """`a` (host, integer) in the int dtype `into` (default the map's): the array itself
+        when it has that dtype already (however spelt), else a cast; refuses values that do
+        not fit."""
+        to = self.dtype if into is None else into
+        dt = a.dtype
+        if dt is to or dt == to:
+            return a
+        if dt.kind not in "iu":
+            raise FutureMapError(f"{name} must have an integer dtype, got {dt}")
+        if into is None:
+            safe, lo, hi = dt in self.safe, self._lo, self._hi
+        else:
+            info = np.iinfo(to)
+            safe, lo, hi = np.can_cast(dt, to, "safe"), int(info.min), int(info.max)
+        if not safe and a.size and (int(a.min()) < lo or int(a.max()) > hi):
+            raise FutureMapError(f"{name} holds values that do not fit the {to} buffer")
+        return a.astype(to)
+
+    def slots(self, name: str, a: np.ndarray) -> None:
+        """Every slot in [0, R), no live slot (>= 1) twice. One sort serves both."""
+        if a.shape[0] < 2:
+            if a.shape[0] and not 0 <= a[0] < self.pool_size:
+                raise FutureMapError(
+                    f"{name} holds slots {a.tolist()} outside [0, {self.pool_size})"
+                )
+            return
+        s = np.sort(a)
+        if s[0] < 0 or s[-1] >= self.pool_size:
+            bad = a[(a < 0) | (a >= self.pool_size)]
+            raise FutureMapError(f"{name} holds slots {bad.tolist()} outside [0, {self.pool_size})")
+        same = s[1:] == s[:-1]
+        if not np.count_nonzero(same):
+            return  # the common case: no slot twice, not even the padding slot
+        rep = s[1:][same]
+        if rep[-1] != 0:  # sorted: a live repeat is the largest
+            live = np.unique(rep[rep != 0])
+            raise FutureMapError(
+                f"{name} holds live slots {live.tolist()} more than once in one batch"
+            )
+
+    def check(
+        self, kind: str, name: str, a: np.ndarray, into: np.dtype | None = None
+    ) -> np.ndarray:
+        """One rank's host rows checked by value as a `kind` of input, in the dtype the
+        map stores them; the one place host values are judged (the general path and the
+        recorded plans both come here).
+
+        Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
+        rule for ids), 'ints' (ints that fit `into`, default the map's int dtype),
+        'relayed' (that, >= 0: tokens and lengths a forward relays), 'values' (rows of a
+        field declared `into`, not an int: that dtype only).
+        """
+        if kind == "values":
+            assert into is not None
+            return self.declared(name, a, into)
+        a = self.ints(name, a, into)
+        if kind == "slots":
+            self.slots(name, a)
+        elif kind == "ids":
+            self._check_ids(name, a)
+        elif kind == "relayed":
+            _non_negative(name, a)
+        return a
+
+    def checker(
+        self, kind: str, name: str, dtype: np.dtype, into: np.dtype | None = None
+    ) -> Callable[[np.ndarray], Any] | None:
+        """`check(kind, name, a, into)` for host arrays `a` of `dtype`, with the dispatch on
+        kind and dtype done once: None where the dtype alone (already judged) says every
+        such array passes as it is; else a function doing the same checks and cast."""
+        to = self.dtype if into is None else into
+        if dtype != to:
+            return functools.partial(self.check, kind, name, into=into)  # a cast, or refused
+        if kind in ("values", "ints"):
+            return None
+        if kind == "slots":
+            return functools.partial(_checked, self.slots, name)
+        if kind == "ids":
+            return functools.partial(_checked, self._check_ids, name)
+        return functools.partial(_non_negative, name)
+
+    def _check_ids(self, name: str, a: np.ndarray) -> None:
+        self.protocol.check_ids(name, a, self.pool_size)
+
+    @staticmethod
+    def declared(name: str, a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """`a`, refused unless it has `dtype`, the declared dtype of a field that is not an
+        int (its rows are never cast: a cast could change their values or bits)."""
+        if a.dtype != dtype:
+            raise refusals.not_the_declared_dtype(name, a.dtype, dtype)
+        return a
+
+
+def batch_values(
+    rules: Rules,
+    modes: Sequence[ForwardMode],
+    given: Sequence[Any],
+    idx: Any,
+    slots: Any,
+    counts: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None,
+) -> None:
+    """A batch's host values against its protocol's rules (`Protocol.rules`): token slots
+    that must gather nothing are all 0, a DECODE rank's batch has one input id per row, and
+    a spec MIXED batch's running rows are its last live rows in token-slot order, as
+    resolve binds their lengths there.
+
+    Args:
+      rules: the rules its layout left.
+      modes: its forward modes, one per DP rank (or one standing for every rank).
+      given: each part's token slots as given (`Rules.zero_slots` indexes them).
+      idx, slots: its slots and token slots (host or placed; jax arrays are not read:
+        debug checks the order on the device, 'batch fields').
+      counts: its (ids, rows) per DP rank, for `Rules.ids_per_row` (None, or a None in
+        it: not known here, a jax array or a traced mode).
+    """
+    for i, where, kinds in rules.zero_slots:
+        if not _all_zero(given[i]):
+            raise FutureMapError(
+                f"{where}token_slots of a batch of kind {kinds} name slots (or are a jax "
+                "array, not read here): only a MIXED batch has running rows to gather"
+            )
+    if rules.ids_per_row and counts is not None:
+        _one_id_per_row(*counts, [m == ForwardMode.DECODE for m in modes])
+    if not rules.mixed_order or slots is None:
+        return
+    if isinstance(idx, jax.Array) or isinstance(slots, jax.Array):
+        return
+    rows = np.asarray(idx).reshape(len(modes), -1)
+    toks = np.asarray(slots).reshape(len(modes), -1)
+    for r, m in enumerate(modes):
+        if m != ForwardMode.MIXED:
+            continue
+        running = toks[r][toks[r] > 0]
+        live = rows[r][rows[r] > 0]
+        tail = live[len(live) - len(running) :]
+        if len(running) > len(live) or not np.array_equal(tail, running):
+            where = f"batch[rank {r}]." if len(modes) > 1 else "batch."
+            raise FutureMapError(
+                f"{where}token_slots name running slots {running.tolist()}, but the "
+                f"batch's last live rows hold {tail.tolist()}: a spec MIXED batch lists "
+                "its running rows last, one per nonzero token slot, in that order"
+            )
+
+
+def _one_id_per_row(
+    ids: tuple[int, ...] | None, rows: tuple[int, ...] | None, decode: Sequence[bool]
+) -> None:
+    """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`).
+
+    Args:
+      ids, rows: real ids and rows per DP rank (None: a jax array, not read).
+      decode: per DP rank, whether its batch is DECODE; one entry stands for every rank.
+    """
+    if ids is None or rows is None:
+        return
+    for d, (t, b) in enumerate(zip(ids, rows, strict=True)):
+        if decode[d if len(decode) > 1 else 0] and t != b:
+            where = f" on DP rank {d}" if len(ids) > 1 else ""
+            raise FutureMapError(
+                f"input_ids of a DECODE batch has {t} ids for {b} rows{where}: a decode "
+                "row carries one id"
+            )
+
+
+def _all_zero(slots: Any) -> bool:
+    """Host token slots that gather nothing (a jax array is not read: False)."""
+    if isinstance(slots, jax.Array):
+        return False
+    try:
+        return not np.any(np.asarray(slots))
+    except (TypeError, ValueError):
+        return False  # not an array: placing it names the field
+
+
+def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray) -> np.ndarray:
+    """`a`, after `check(name, a)` found nothing wrong."""
+    check(name, a)
+    return a
+
+
+def row_kind(dtype: np.dtype | None, relayed: bool) -> str:
+    """The `HostChecks.check` kind of a field's rows, the field declared `dtype` (None: the
+    map's int dtype): ints (cast where they fit), relayed ones (tokens, lengths) also >= 0,
+    or values in their own dtype. A relayed field is an int: relay_fields refuses a
+    consumed field of any other dtype."""
+    if dtype is None or np.dtype(dtype).kind in "iu":
+        return "relayed" if relayed else "ints"
+    assert not relayed
+    return "values"
+
+
+def _non_negative(name: str, a: np.ndarray) -> np.ndarray:
+    """`a` (relayed tokens or lengths), refused if it holds a negative value (token ids and
+    lengths are >= 0; a stashed -1 would read as the consume poison)."""
+    if a.size and a.min() < 0:
+        raise FutureMapError(
+            f"{name} holds negative values {np.unique(a[a < 0])[:8].tolist()}: token ids and "
+            "lengths are >= 0"
+        )
+    return a

@@ -1,0 +1,350 @@
+"""The engine's own step with the FutureMap inside: one jitted, donated dispatch per step.
+
+`FutureMap.engine_step(forward, ...)` returns an `EngineStep`. Each call:
+1. places the batch and the engine's declared host inputs (`StepInput`) through the map's
+   own placement, as `FutureMap.resolve` places a batch (host arrays checked by value and
+   padded to the map's buckets; jax arrays taken as they are), every host array of the
+   call packed into one buffer (`packing`): one transfer;
+2. runs one executable through the map's runtime: resolve at the head, the engine's
+   `forward` on the resolved ids and lengths, then publish, stash and (sentinel protocol)
+   the sentinels at the tail, with the map's state and the engine arguments named by
+   `donate_argnums` donated.
+
+The map adds no dispatch and no host sync: its host work is the checks and the packing
+(for a layout seen before, its recorded plan: `plans`), its device work the relay's
+gathers and scatters fused into the engine's computation. Executables are keyed like
+resolve's (mode, per-rank rows and tokens, draft, token slots) plus the packing layout, in
+a registry of the step's own; `warm_up` compiles them all for the map's buckets and, with
+`guard=True`, serving then refuses any call that would compile. Debug errors go to the
+map's channel (`FutureMap.check()`), as the ops' own do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fm_jax.host.keys import FIXED_MODES, Key
+from fm_jax.host.packing import PackSpec, unpack
+from fm_jax.host.placement import Placement
+from fm_jax.host.step_inputs import StepInput, check_declared
+from fm_jax.map.entry_points import tail
+from fm_jax.map.registry import Call, Registry, WarmUpReport
+from fm_jax.map.runtime import MapRuntime
+from fm_jax.map.warm_up import empty_batches, empty_inputs, on_device
+from fm_jax.ops import relay_fields as rf
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.protocol import Protocol
+from fm_jax.ops.rows import gather
+from fm_jax.ops.types import Batch, ForwardMode, FutureMapOps
+
+__all__ = ["EngineStep", "Forward", "StepInput", "StepOutput", "StepResult"]
+
+
+class StepOutput(NamedTuple):
+    """What the engine's `forward` returns to the step's tail.
+
+    Attributes:
+      new_seq_lens: [B] each row's length after this forward, published; or, when the
+        forward owns the `new_seq_lens` buffer (`StepInput("new_seq_lens", "slot")`),
+        that buffer as the forward wrote it, taken as the map's with no scatter.
+      payload: [B] sampled tokens (non-spec), or a DraftPayload of [B, ...] rows (spec),
+        stashed at the batch's `req_pool_indices`; when the forward owns `output_tokens`,
+        the tokens (spec: `bonus_tokens`) are that buffer as the forward wrote it.
+      out: anything else (a pytree of arrays: the updated KV cache, the tokens for the
+        host), returned to the caller as is.
+      confidence: [B, gamma] float32 confidence rows, published with the lengths (a map
+        declaring `SpecConfig(confidence=gamma)`; the step then takes `generation=`), or
+        None: the rows already published stay.
+    """
+
+    new_seq_lens: Any
+    payload: Any
+    out: Any = None
+    confidence: Any = None
+
+
+class StepResult(NamedTuple):
+    """What one call of an `EngineStep` returns.
+
+    Attributes:
+      out: `StepOutput.out` of the engine's forward.
+      batch: the batch for the next step: in the sentinel protocol the invalidated batch
+        (`input_ids` and `seq_lens` the sentinels `-req_pool_indices`, in the form the
+        slots were given: host slots' sentinels a host array of their rows, made on the
+        host, so that the batch, its mode set to DECODE, is placed as a host batch (warmed
+        so); jax slots' the step's own, padded per rank like them, the ids further to the
+        token bucket of the rows, so that the DECODE is placed again as jax arrays), in
+        the gather protocol the batch as given.
+    """
+
+    out: Any
+    batch: Batch | Mapping[int, Batch]
+
+
+Forward = Callable[..., StepOutput]
+"""(resolved, batch, inputs, *args) -> StepOutput: the engine's model and sampling."""
+
+
+class EngineStep:
+    """An engine's jitted step with the FutureMap's relay inside (see the module docstring).
+
+    Built by `FutureMap.engine_step` over the map's ops, placement and runtime; call it
+    once per batch: `result = step(batch, *args, inputs={...})`.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        *,
+        ops: FutureMapOps,
+        placement: Placement,
+        runtime: MapRuntime,
+        protocol: Protocol,
+        inputs: Sequence[StepInput] = (),
+        donate_argnums: Sequence[int] = (),
+        options: Mapping[str, Any],
+    ) -> None:
+        if not callable(forward):
+            raise FutureMapError(f"engine_step needs a callable forward, got {forward!r}")
+        if not isinstance(donate_argnums, Sequence) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in donate_argnums
+        ):
+            raise FutureMapError(
+                "donate_argnums must be a sequence of indices >= 0 into the step's args "
+                f"(() for none), got {donate_argnums!r}"
+            )
+        donate = tuple(donate_argnums)
+        self._forward = forward
+        self._declared = check_declared(inputs, ops.dtype)
+        # Host inputs are placed with the batch; the relay buffers the forward owns are
+        # handed to it from the map's state inside the step.
+        self._placed = tuple(d for d in self._declared if d.per != "slot")
+        self._owned = frozenset(d.name for d in self._declared if d.per == "slot")
+        spec = ops.spec
+        if "output_tokens" in self._owned and spec is not None and not spec.bonus_tokens:
+            raise FutureMapError(
+                "StepInput 'output_tokens' per='slot': this spec map relays no bonus tokens, "
+                "so its output_tokens buffer carries nothing"
+            )
+        self._donate = donate
+        self._ops = ops
+        self._placement = placement
+        self._runtime = runtime
+        self._protocol = protocol
+        self._options = dict(options)
+        self._tail = tail(ops, protocol, placement.inputs.token_buckets, what="", owned=self._owned)
+        self._registry = Registry(self._build, self._not_warmed, packed_names=False)
+        # The declared fields each executable family's forward leaves out of its payload
+        # (recorded when traced: a payload's fields are its pytree structure).
+        self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
+
+    @property
+    def inputs(self) -> tuple[StepInput, ...]:
+        """The engine's declared inputs (host arrays, and the relay buffers it owns)."""
+        return self._declared
+
+    # ------------------------------------------------------------------------- the step
+    def __call__(
+        self,
+        batch: Batch | Mapping[int, Batch],
+        *args: Any,
+        inputs: Mapping[str, Any] | None = None,
+        rows: int | None = None,
+        tokens: int | None = None,
+        generation: Any = None,
+    ) -> StepResult:
+        """Run one step: resolve, `forward(resolved, batch, inputs, *args)`, publish, stash.
+
+        Args:
+          batch: as `FutureMap.resolve` takes it (host or jax arrays, a host or traced
+            mode, or a mapping DP rank -> Batch); checked and placed the same way.
+          *args: the engine's own arguments (weights, KV cache, ...), passed to `forward`
+            as given; those named by `donate_argnums` are donated.
+          inputs: the declared `StepInput`s by name: host arrays of the batch's real rows
+            or tokens (padded here like the batch), or jax arrays already padded.
+          rows, tokens: per-rank padded sizes (buckets); required across processes.
+          generation: a map with a confidence relay: the host's per-slot generation
+            counters (as `FutureMap.publish` takes them), snapshotted with the confidence
+            rows when the forward returns some. Required there (checked before the step
+            runs); not read on other maps.
+
+        Returns:
+          StepResult: the forward's `out` and the batch for the next step.
+        """
+        runtime = self._runtime
+        with runtime.lock:  # one op at a time on the map (see FutureMap)
+            if runtime.lost is not None:
+                runtime.refuse_if_lost()
+            placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
+            ring = runtime.confidence
+            gens = None if ring is None else ring.generations(generation, placed.idx)
+            exe = self._registry.executable(placed.key, placed.pack, len(args))
+            ops = ("resolve", "finish") if runtime.debug is not None else ()
+            out = runtime.run(
+                exe,
+                placed.args,
+                ops,
+                call="the engine step",
+                new_step=True,
+                engine_args=args,
+                donated=self._donate,
+            )
+            if runtime.debug is not None:
+                runtime.resolved(placed.idx)
+            runtime.state, result, sentinels, lens, copied = out
+            if copied is not None:
+                assert ring is not None and gens is not None
+                ring.issue(copied, gens, placed.idx)
+            runtime.published(placed.idx, lens)
+            if runtime.unstashed is not None:
+                family = (placed.key.mode, placed.pack, len(args))
+                runtime.stashed(placed.idx, self._omits.get(family, ()))
+        if sentinels is None:
+            return StepResult(result, batch)
+        if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
+            slots = placed.idx.array
+            return StepResult(
+                result, self._protocol.next_batch(Batch(None, slots, slots, slots), sentinels)
+            )
+        if placed.idx.counts is not None:  # host slots: the sentinels -slot of their rows
+            sentinels = -np.asarray(batch.req_pool_indices, self._placement.inputs.dtype)
+        return StepResult(result, self._protocol.next_batch(batch, sentinels))
+
+    # ---------------------------------------------------------------------- executables
+    def _not_warmed(self, key: Key) -> str:
+        inputs = self._placement.inputs
+        return (
+            f"serving guard: the engine step for {key.describe()} with these inputs was "
+            f"not compiled by warm_up() (batch buckets {inputs.batch_buckets}, token buckets "
+            f"{inputs.token_buckets}); a call would compile it: add its bucket, or pass "
+            "inputs placed as warmed (host arrays, or jax arrays for every field)"
+        )
+
+    def _build(self, key: Key, pack: PackSpec | None, nargs: int) -> Any:
+        """The jitted step of `key`'s family (its mode fixed, or traced) fed as `pack`
+        lays out, taking `nargs` engine arguments."""
+        bad = [i for i in self._donate if i >= nargs]
+        if bad:
+            raise FutureMapError(
+                f"donate_argnums {bad} name no argument: the step got {nargs} args"
+            )
+        assert pack is not None  # a step is always packed
+
+        def record(omits: tuple[str, ...]) -> None:
+            self._omits[(key.mode, pack, nargs)] = omits
+
+        return jax.jit(
+            self._body(FIXED_MODES.get(key.mode), pack, record),
+            donate_argnums=(0, *(3 + i for i in self._donate)),
+            compiler_options=self._options,
+        )
+
+    def _body(
+        self,
+        fixed: ForwardMode | None,
+        spec: PackSpec,
+        record: Callable[[tuple[str, ...]], None],
+    ) -> Callable[..., Any]:
+        """(state, packed, device leaves, *args) -> (state, out, sentinels, lengths, a copy
+        of the confidence buffer when the forward published confidence rows); with debug
+        ((resolve's packed error, the tail's), that). `record` is told, when traced, which
+        declared fields the forward's payload leaves out (a partial stash)."""
+        forward, tail_fn, ops, owned = self._forward, self._tail, self._ops, self._owned
+        fields = self._placement.fields
+        debug, dtype = self._runtime.debug, ops.dtype
+        copies_lengths = self._runtime.host_lengths is not None
+        rows_of = ops.map_ranks(gather)  # each rank's buffer rows at its slots
+
+        def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if debug is None:
+                return lambda *a: (None, fn(*a))
+            # Each shard_map checked on its own: checkify cannot merge the errors of
+            # consecutive shard_maps (see `entry_points.tail`).
+            return debug.checked(fn)
+
+        def body(state: Any, packed: Any, device: Any, *args: Any) -> Any:
+            batch, inputs = unpack(spec, packed, device)
+            if fixed is not None:
+                batch = batch._replace(forward_mode=int(fixed))
+            e_head, (state, res) = checked(ops.resolve)(state, batch)
+            if owned:  # the buffers as resolve left them, for the forward to write
+                inputs = {**inputs, **{name: getattr(state, name) for name in owned}}
+            got = forward(res, batch, inputs, *args)
+            if not isinstance(got, StepOutput):
+                raise FutureMapError(
+                    f"the engine's forward must return a StepOutput, got {type(got).__name__}"
+                )
+            idx = batch.req_pool_indices
+            try:  # the tail's trace-time checks judge only what the forward returned
+                e_tail, (state, sentinels) = checked(tail_fn)(
+                    state, idx, got.new_seq_lens, got.payload, got.confidence
+                )
+            except FutureMapError as e:
+                raise FutureMapError(
+                    f"the engine's forward returned a StepOutput the map cannot relay: {e}"
+                ) from None
+            if fields:
+                record(tuple(f.name for f in fields if rf.get(got.payload, f.name) is None))
+            # The published lengths leave the step only when the host reads them.
+            lens = None
+            if copies_lengths:
+                lens = (
+                    rows_of(state.new_seq_lens, idx)
+                    if "new_seq_lens" in owned
+                    else jnp.asarray(got.new_seq_lens, dtype)
+                )
+            copied = None if got.confidence is None else state.confidence
+            out = (state, got.out, sentinels, lens, copied)
+            return out if debug is None else ((e_head, e_tail), out)
+
+        return body
+
+    # -------------------------------------------------------------------------- warm-up
+    def warm_up(
+        self, *args: Any, guard: bool = False, traced_modes: bool = True, threads: int | None = None
+    ) -> WarmUpReport:
+        """Compile the step for every bucket serving reaches, ahead of time.
+
+        The batches are resolve's (`FutureMap.warm_up`): per token bucket and resolve
+        variant (mode fixed not DECODE, fixed DECODE, traced; token slots in the gather
+        protocol), with and without a draft on a spec map; each placed with zeros for the
+        declared inputs through the map's placement, as serving places its calls.
+        Each is warmed fed as serving feeds it: host arrays, and (in one process) jax
+        arrays for every field and input, which the step takes as they are (a DECODE's ids
+        at the token bucket of its rows, as `StepResult.batch` gives them). Nothing runs and
+        nothing is donated.
+
+        Args:
+          *args: the engine's arguments as serving passes them (only their shapes,
+            dtypes and shardings are read).
+          guard: afterwards, serve only the warmed executables: a call that would compile
+            raises FutureMapError before anything runs.
+          traced_modes: also warm a traced forward mode (see `FutureMap.warm_up`).
+          threads: compile threads; default min(8, CPU count).
+        """
+        runtime, placement = self._runtime, self._placement
+        with runtime.lock:
+            runtime.refuse_if_lost()
+            layout = placement.inputs.layout
+            calls: list[Call] = []
+            for e in empty_batches(
+                placement.inputs,
+                self._protocol,
+                placement.spec,
+                traced_modes=traced_modes,
+                step=True,
+            ):
+                zeros = empty_inputs(self._placed, e.batch, e.rows, e.tokens, placement.dp)
+                fed: list[tuple[Batch, Any, int | None, int | None]]
+                fed = [(e.batch, zeros, e.rows, e.tokens)]
+                if layout.single_process:  # jax arrays as they are: their own sizes
+                    fed.append((*on_device(e, zeros, placement.inputs), None, None))
+                for batch, inputs, rows, tokens in fed:
+                    p = placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
+                    calls.append((p.key, p.pack, (runtime.state, *p.args, *args), len(args)))
+            return self._registry.warm_up(calls, guard=guard, threads=threads)

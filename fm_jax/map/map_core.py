@@ -1,0 +1,272 @@
+"""A FutureMap's parts and its life around the relay ops.
+
+`MapCore` assembles a map from its constructor's arguments (`assembly`) and holds its
+parts: the placement (the caller's arguments checked, padded, packed, a key), the
+registry (the executable of each key), the runtime (the state, the lock, the debug
+channel) and the host reads. It serves what is not a step's op: the state and its
+buffers, `reset`, the executables, the debug `check`, `warm_up` and the engine step
+(`engine_step`). `FutureMap` adds the ops an engine calls each step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from fm_jax.host.keys import Key, takes_state
+from fm_jax.host.placement import Placement
+from fm_jax.host.plans import Placed
+from fm_jax.host.step_inputs import StepInput
+from fm_jax.map.assembly import assemble
+from fm_jax.map.engine_step import EngineStep, Forward
+from fm_jax.map.host_reads import HostReads
+from fm_jax.map.registry import Registry, WarmUpReport
+from fm_jax.map.runtime import MapRuntime
+from fm_jax.map.warm_up import class_calls
+from fm_jax.ops import relay_fields as rf
+from fm_jax.ops.sharding import MeshLayout
+from fm_jax.ops.types import FutureMapState, SpecConfig
+
+_log = logging.getLogger("fm_jax")
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def serialized(method: _M) -> _M:
+    """`method` run under the map's lock: calls from several threads take turns (each op
+    donates the state the next one reads). Uncontended, the lock and the extra frame cost
+    about 1 us a call or less (`python -m fm_bench.lock_cost`). A map whose state a failed
+    call consumed refuses it (`StateLost`, until `reset`)."""
+
+    @functools.wraps(method)
+    def locked(self: MapCore, *args: Any, **kwargs: Any) -> Any:
+        runtime = self._runtime
+        with runtime.lock:
+            if runtime.lost is not None:
+                runtime.refuse_if_lost()
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
+class MapCore:
+    """A FutureMap's parts, state and set-up (`FutureMap` documents the arguments)."""
+
+    def __init__(
+        self,
+        pool_size: int,
+        *,
+        mesh: Mesh | None = None,
+        dp_axis: str | None = "dp",
+        tp_axis: str | None = None,
+        dtype: Any = jnp.int32,
+        spec: SpecConfig | None = None,
+        debug: bool = False,
+        batch_buckets: Sequence[int] | None = None,
+        token_buckets: Sequence[int] | None = None,
+        device: jax.Device | None = None,
+        protocol: str = "sentinel",
+        pack_inputs: bool | None = None,
+        needs_cpu_seq_lens: bool = True,
+    ) -> None:
+        parts = assemble(
+            pool_size,
+            mesh=mesh,
+            dp_axis=dp_axis,
+            tp_axis=tp_axis,
+            dtype=dtype,
+            spec=spec,
+            debug=debug,
+            batch_buckets=batch_buckets,
+            token_buckets=token_buckets,
+            device=device,
+            protocol=protocol,
+            pack_inputs=pack_inputs,
+            needs_cpu_seq_lens=needs_cpu_seq_lens,
+        )
+        self.layout: MeshLayout = parts.layout
+        self.ops = parts.ops
+        self.pool_size = pool_size
+        self.dtype: np.dtype = parts.placement.inputs.dtype
+        self.spec: SpecConfig | None = parts.placement.spec
+        self.debug = debug
+        self._protocol = parts.placement.protocol
+        self.protocol: str = self._protocol.name
+        self.batch_buckets = parts.placement.inputs.batch_buckets
+        self.token_buckets = parts.placement.inputs.token_buckets
+        self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
+        self.pack_inputs: bool = parts.placement.pack_inputs
+        self._options = parts.options
+        self._placement: Placement = parts.placement
+        self._optional = frozenset(rf.optional(self.spec.fields())) if self.spec else frozenset()
+        self._runtime: MapRuntime = parts.runtime
+        self._registry: Registry = parts.registry
+        self._reads = HostReads(parts.placement, parts.runtime)
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    @serialized
+    def state(self) -> FutureMapState:
+        """The map's own global buffers, read under its lock.
+
+        The next op donates them (deletes them): they are valid only until then, so read
+        them only from the thread that serves, between its ops. From another thread, or
+        to keep them, take `buffers(copy=True)`.
+        """
+        return self._runtime.state
+
+    @property
+    def step(self) -> int:
+        """Resolves (and engine steps) so far: the step debug violations name."""
+        return self._runtime.step
+
+    @serialized
+    def buffers(self, *, copy: bool = False) -> dict[str, jax.Array]:
+        """The present buffers by name, global [DP*R, ...] (DLPack-exportable on one device).
+
+        Args:
+          copy: False: the map's own buffers (as `state`): the next op donates them, so they
+            are valid only until then, and a live DLPack export of one blocks that op's
+            donation (release it first). True: copies made on the device under the map's
+            lock (no host sync): the caller's own, valid whatever ops follow, from any
+            thread (a monitor's read while other threads serve).
+        """
+        out = {k: v for k, v in self._runtime.state._asdict().items() if v is not None}
+        return {k: jax.tree.map(jnp.copy, v) for k, v in out.items()} if copy else out
+
+    def reset(self) -> None:
+        """Re-create the initial state: every slot's rows and lengths as at construction.
+
+        Every request the map was relaying is forgotten (start each again with a prefill);
+        the step count and pending debug errors are kept. The recovery from `StateLost`,
+        which every op raises once a failed call consumed the state; also serves to drop
+        every request at once.
+        """
+        with self._runtime.lock:  # not refused when lost: it is the way back
+            self._runtime.reset()
+
+    def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
+        """The jitted entry points by name (for compile counting and HLO inspection).
+
+        `resolve` takes a traced mode, `resolve_fixed_{extend,decode}` a mode known on the
+        host; a debug map's `unchecked_*` are its tail ops for slots already checked.
+        """
+        keys = [Key(op, 0) for op in ("publish", "stash", "finish", "sentinels", "seq_lens_at")]
+        keys += [Key("resolve", 0, mode=m) for m in ("traced", "extend", "decode")]
+        if self.debug:
+            keys += [k._replace(checked=False) for k in keys]
+        return {k.name: self._registry.jitted(k) for k in keys}
+
+    # -------------------------------------------------------------------------------- run
+    def _run(self, placed: Placed, op: str, *, new_step: bool = False) -> Any:
+        """Placed call `placed` on its executable; its debug error recorded as `op`'s."""
+        key = placed.key
+        exe = self._registry.executable(key, placed.pack)
+        ops = (op,) if self.debug and key.checked else ()
+        return self._runtime.run(
+            exe, placed.args, ops, call=op, with_state=takes_state(key.op), new_step=new_step
+        )
+
+    @serialized
+    def check(self) -> None:
+        """Raise InvariantViolation listing every failed debug check since the last call.
+
+        A host sync. Names each violation's invariant, step (resolves so far), op and, on
+        a map with several DP ranks, the rank. Without debug: nothing to check.
+        """
+        self._runtime.check()
+
+    # ------------------------------------------------------------------------ engine step
+    def engine_step(
+        self,
+        forward: Forward,
+        *,
+        inputs: Sequence[StepInput] = (),
+        donate_argnums: Sequence[int] = (),
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> EngineStep:
+        """The engine's jitted step with this map's relay inside: the recommended way in.
+
+        One dispatch per step: resolve at the head, `forward` on the resolved ids and
+        lengths, publish, stash and (sentinel protocol) the sentinels at the tail; the map's
+        state and the arguments named by `donate_argnums` donated. The class's rules hold
+        unchanged (this map's placement, registry and runtime serve it): see `EngineStep`.
+
+        Args:
+          forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced inside the
+            step: `resolved` the filled ids, lengths (and draft); `batch` the placed batch
+            (its `forward_mode` a fixed mode when known on the host, else traced); `inputs`
+            the declared inputs by name; `args` the step's own arguments.
+          inputs: the engine's own per-row or per-token host arrays (`StepInput`).
+          donate_argnums: indices into the step's `args` to donate (the KV cache).
+          compiler_options: XLA options of the step; default `fm_jax.compiler_options()`
+            for the map's platform (on CPU that keeps the step's elementwise ops on the
+            calling thread: pass `{}` for a model that wants XLA's thread pool).
+
+        Returns:
+          EngineStep: `step(batch, *args, inputs=...) -> StepResult(out, next batch)`.
+        """
+        return EngineStep(
+            forward,
+            ops=self.ops,
+            placement=self._placement,
+            runtime=self._runtime,
+            protocol=self._protocol,
+            inputs=inputs,
+            donate_argnums=donate_argnums,
+            options=self._options if compiler_options is None else compiler_options,
+        )
+
+    # ---------------------------------------------------------------------------- warm-up
+    @serialized
+    def warm_up(
+        self,
+        *,
+        guard: bool = False,
+        traced_modes: bool = True,
+        threads: int | None = None,
+        partial_stashes: Sequence[Collection[str]] = (),
+    ) -> WarmUpReport:
+        """Compile every executable serving calls, for every bucket, ahead of time.
+
+        The calls (`warm_up.empty_tails`, `empty_batches`): publish, stash, finish and the
+        sentinels per batch bucket (a debug map's tail ops also unchecked; a spec map's
+        `seq_lens_at` too); resolve per token bucket (which fixes its rows) and resolve
+        variant (mode fixed not DECODE, fixed DECODE, traced; token slots in the gather
+        protocol), with and without a draft on a spec map. Each is an empty batch placed
+        as serving places its inputs (and, with `pack_inputs`, packed too); traced,
+        lowered and compiled on `threads` threads; nothing runs and no buffer changes.
+        Logs the report at INFO on the "fm_jax" logger.
+
+        Args:
+          guard: afterwards, serve only the warmed executables: a call that would compile
+            (a shape, dtype or sharding not warmed) raises FutureMapError naming the op,
+            its sizes and the buckets, before anything runs.
+          traced_modes: also warm resolve with a traced forward mode (a jax array, and a
+            mesh's ranks in different kinds); False for an engine that gives every batch
+            a host ForwardMode on one device.
+          threads: compile threads; default min(8, CPU count).
+          partial_stashes: spec: the partial stashes the engine makes, each the names of
+            the fields its drafts give (e.g. `[("bonus_tokens",)]` for a bonus-only
+            stash): stash and finish are warmed for each too (a partial stash is an
+            executable of its own). A set a stash would refuse is refused here.
+
+        Returns:
+          What was compiled, what came from JAX's persistent cache, and the time.
+        """
+        calls = class_calls(
+            self._placement,
+            self._runtime.state,
+            debug=self.debug,
+            traced_modes=traced_modes,
+            partial=partial_stashes,
+        )
+        summary = self._registry.warm_up(calls, guard=guard, threads=threads)
+        _log.info("%s", summary)
+        return summary

@@ -1,0 +1,222 @@
+"""Warm-up: placement applied to empty batches of every bucket.
+
+What serving reaches for a map's buckets, as calls of zeros (every slot the padding slot,
+every id and length 0): the tail ops (publish, stash, finish, the sentinels, and
+`seq_lens_at` on a spec map) once per batch bucket; resolve once per token bucket and
+resolve variant of the protocol (the token bucket fixes its rows,
+`buckets.resolve_sizes`), with and without a draft on a spec map; in the gather protocol
+a non-spec DECODE (which places no ids) once per batch bucket. So the count grows with
+the sum of the buckets, not their product. Each call goes through the map's placement,
+so the keys and packing layouts warmed are the ones serving's calls of those sizes get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fm_jax.host.buckets import decode_ids, resolve_sizes
+from fm_jax.host.host_inputs import HostInputs
+from fm_jax.host.keys import FIXED_MODES, takes_state
+from fm_jax.host.packing import pack_host
+from fm_jax.map.registry import Call
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.protocol import Protocol
+from fm_jax.ops.relay_fields import element_dtype
+from fm_jax.ops.types import Batch, ForwardMode, SpecConfig, draft_payload
+
+
+class EmptyBatch(NamedTuple):
+    """A resolve of zeros at one bucket: the batch and its per-rank (rows, tokens)."""
+
+    batch: Batch
+    rows: int
+    tokens: int
+
+
+class EmptyTail(NamedTuple):
+    """A tail op of zeros at one batch bucket: publish (`payload` None), stash (`lens`
+    None), finish, or the sentinels / `seq_lens_at` (both None)."""
+
+    op: str
+    indices: np.ndarray
+    lens: Any
+    payload: Any
+    rows: int
+    confidence: Any = None
+
+
+def empty_tails(
+    inputs: HostInputs,
+    protocol: Protocol,
+    spec: SpecConfig | None,
+    partial: Sequence[Collection[str]] = (),
+) -> Iterator[EmptyTail]:
+    """The class's tail ops at every batch bucket; stash and finish also once per partial
+    stash in `partial` (the field names its drafts give)."""
+    dp, dt = inputs.dp, inputs.dtype
+    for b in inputs.batch_buckets:
+        zeros = np.zeros(dp * b, dt)
+        payload = zeros if spec is None else _empty_draft(dp * b, spec, dt)
+        yield EmptyTail("publish", zeros, zeros, None, b)
+        yield EmptyTail("stash", zeros, None, payload, b)
+        yield EmptyTail("finish", zeros, zeros, payload, b)
+        if spec is not None and spec.confidence:  # publish and finish with confidence rows
+            rows = np.zeros((dp * b, spec.confidence), np.float32)
+            yield EmptyTail("publish", zeros, zeros, None, b, rows)
+            yield EmptyTail("finish", zeros, zeros, payload, b, rows)
+        for names in partial:
+            assert spec is not None  # class_calls refuses partial stashes without spec
+            part = _empty_draft(dp * b, spec, dt, names)
+            yield EmptyTail("stash", zeros, None, part, b)
+            yield EmptyTail("finish", zeros, zeros, part, b)
+            if spec.confidence:
+                rows = np.zeros((dp * b, spec.confidence), np.float32)
+                yield EmptyTail("finish", zeros, zeros, part, b, rows)
+        if protocol.invalidates:
+            yield EmptyTail("sentinels", zeros, None, None, b)
+        if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
+            yield EmptyTail("seq_lens_at", zeros, None, None, b)
+
+
+def empty_batches(
+    inputs: HostInputs,
+    protocol: Protocol,
+    spec: SpecConfig | None,
+    *,
+    traced_modes: bool,
+    step: bool = False,
+) -> Iterator[EmptyBatch]:
+    """Every resolve serving reaches: per token bucket and resolve variant, with and
+    without a draft on a spec map; a DECODE that places no ids per batch bucket. `step`:
+    an engine step's, whose executables fix each mode that is not DECODE, not its kind
+    (`Protocol.step_modes`)."""
+    dp, dt = inputs.dp, inputs.dtype
+    batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
+    drafts = [False, True] if spec is not None else [False]
+    if protocol.gathers_decode_ids:
+        for b in batch_buckets:
+            zeros = np.zeros(dp * b, dt)
+            draft = zeros if spec is not None else None
+            yield EmptyBatch(Batch(ForwardMode.DECODE, zeros, None, zeros, draft), b, b)
+    largest = batch_buckets[-1]
+    _, decode_tokens = resolve_sizes(largest, largest, batch_buckets, token_buckets)
+    traced = jnp.zeros((dp,) if dp > 1 else (), jnp.int32)
+    # The (rows, tokens) pairs serving reaches: one per token bucket that is a pair's own
+    # (a token bucket the batch buckets skip past pairs with the next one's rows).
+    pairs = dict.fromkeys(resolve_sizes(0, t, batch_buckets, token_buckets) for t in token_buckets)
+    for b, t in pairs:
+        rows, toks = np.zeros(dp * b, dt), np.zeros(dp * t, dt)
+        for with_draft in drafts:
+            for mode, with_slots in protocol.resolve_variants(spec, t, decode_tokens, traced_modes):
+                # A non-spec decode row carries one id: b ids, padded to the t bucket.
+                ids = rows if mode == "decode" and spec is None else toks
+                kinds: list[Any] = [traced if mode == "traced" else FIXED_MODES[mode]]
+                if mode == "extend":
+                    kinds = (
+                        list(protocol.step_modes(spec, with_slots))
+                        if step
+                        else [ForwardMode.MIXED if with_slots else ForwardMode.EXTEND]
+                    )
+                for kind in kinds:
+                    batch = Batch(
+                        kind,
+                        rows,
+                        ids,
+                        rows,
+                        rows if with_draft else None,
+                        toks if with_slots else None,
+                    )
+                    yield EmptyBatch(batch, b, t)
+                if mode == "traced" and dp > 1:
+                    # Ranks of different kinds, all on the host: the same executable, its
+                    # modes (one per rank, one id per row) fed from the host.
+                    per_rank = np.full(dp, ForwardMode.MIXED if with_slots else ForwardMode.EXTEND)
+                    per_rank[0] = ForwardMode.DECODE
+                    slots = rows if with_slots else None
+                    mixed = batch._replace(forward_mode=per_rank.astype(np.int32), input_ids=rows)
+                    yield EmptyBatch(mixed._replace(token_slots=slots), b, t)
+
+
+def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -> dict[str, Any]:
+    """An engine step's declared inputs as zeros for an empty batch (a batch that places
+    no ids has T = B)."""
+    per = {"row": rows, "token": rows if batch.input_ids is None else tokens}
+    return {d.name: np.zeros((dp * per[d.per], *d.shape), d.dtype) for d in declared}
+
+
+def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[Batch, Any]:
+    """The batch of `e` and its declared `inputs` as a caller that feeds jax arrays passes
+    them: each host array on the device with the map's layout of every batch field, ids
+    of one per row (a DECODE, or ranks of several kinds one of which is DECODE) as a
+    step's sentinels give them: padded to the token bucket of the rows
+    (`buckets.decode_ids`)."""
+    batch, dp = e.batch, host.dp
+    ids = batch.input_ids
+    if ids is not None and len(ids) == dp * e.rows:  # one id per row: a DECODE (rank)
+        per_rank = decode_ids(e.rows, host.token_buckets)
+        batch = batch._replace(input_ids=np.zeros(dp * per_rank, host.dtype))
+    sharding = host.layout.sharding
+    return jax.tree_util.tree_map(  # type: ignore[no-any-return]
+        lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x,
+        (batch, inputs),
+    )
+
+
+def class_calls(
+    placement: Any,
+    state: Any,
+    *,
+    debug: bool,
+    traced_modes: bool,
+    partial: Sequence[Collection[str]] = (),
+) -> list[Any]:
+    """The class's warm-up: every empty tail and batch placed through `placement` as
+    serving places its calls (a debug map's tail ops both checked and not; each call also
+    packed where the map packs), the partial stashes in `partial` too. Returns registry
+    calls (key, packing, arguments, 0)."""
+    inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
+    if partial and spec is None:
+        raise FutureMapError("partial_stashes: a map without spec stashes tokens only")
+    if isinstance(partial, str) or any(isinstance(n, str) for n in partial):
+        raise FutureMapError(
+            f"partial_stashes must be a sequence of field-name collections, got {partial!r}"
+        )
+    placed = []
+    for t in empty_tails(inputs, protocol, spec, partial):
+        if t.op in ("sentinels", "seq_lens_at"):
+            p = placement.slots_op(t.op, t.indices, t.rows, pack=False)
+        else:
+            p = placement.tail(
+                t.op, t.indices, t.lens, t.payload, t.rows, pack=False, confidence=t.confidence
+            )
+        both = debug and t.op != "seq_lens_at"
+        placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
+    for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
+        placed.append(placement.resolve(e.batch, e.rows, e.tokens, pack=False))
+    calls: list[Call] = []
+    for p in placed:
+        head = (state,) if takes_state(p.key.op) else ()
+        calls.append((p.key, None, (*head, *p.args), 0))
+        host = pack_host(p.args) if placement.pack_inputs else None
+        if host is not None:
+            calls.append((p.key, host[0], (*head, host[1]), 0))
+    return calls
+
+
+def _empty_draft(
+    n: int, spec: SpecConfig, dt: np.dtype, names: Collection[str] | None = None
+) -> Any:
+    """A draft of zeros giving the fields `names` (None: every declared field); a name the
+    spec does not declare is given too, for placement to refuse by name."""
+    fields = {f.name: f for f in spec.fields()}
+    given = fields if names is None else names
+    out: dict[str, Any] = {}
+    for name in given:
+        f = fields.get(name)
+        out[name] = np.zeros(n, dt) if f is None else np.zeros((n, *f.shape), element_dtype(f, dt))
+    return draft_payload(out)

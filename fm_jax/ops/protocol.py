@@ -1,0 +1,279 @@
+"""The two relay protocols as objects: every rule that differs between them, in one place.
+
+docs/CONTRACT.md, 'Two protocols'. In the sentinel protocol the host leaves `-slot`
+placeholders in the next batch (`invalidate`, or the third write of `finish`) and resolve
+fills them; in the gather protocol the host leaves nothing: resolve gathers a DECODE
+batch's ids at its slots, and a MIXED batch's running rows' ids at its `token_slots`.
+
+A `Protocol` answers what the host path asks (which ids a batch brings, which values its
+ids may take, what its token slots must be), what the tail of a step leaves (sentinels or
+nothing), and which resolve variants warm-up compiles. `parse_protocol` turns the public
+string into one of the two objects, once, where a map is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fm_jax.ops import refusals, resolve_ops
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.types import ForwardMode, SpecConfig
+
+PROTOCOLS = ("sentinel", "gather")
+"""The relay protocols' public names."""
+
+
+class Part(NamedTuple):
+    """One part of a batch as the host knows it before placing it: a Batch, or one DP
+    rank's Batch of a mapping.
+
+    Attributes:
+      modes: its forward modes known on the host (one, or one per DP rank where a Batch
+        gives them as an array); None: traced (known only on the device).
+      scalar: its mode is one value (not an array of one per rank).
+      ids: it brings input ids.
+      slots: it brings token slots.
+      where: the prefix naming it in refusals: "" for a Batch, "batch[rank r]." for a
+        rank of a mapping.
+    """
+
+    modes: tuple[ForwardMode, ...] | None
+    scalar: bool
+    ids: bool
+    slots: bool
+    where: str
+
+
+class Rules(NamedTuple):
+    """What a protocol's rules leave to a batch's placement once its layout passed them.
+
+    Attributes:
+      places_ids: the batch places input ids (False: a gathered DECODE, T = B).
+      zero_ids: the parts without ids that place zeros, one per row (never read).
+      ids_per_row: a DECODE batch (or rank) carries one id per row (host counts).
+      zero_slots: (part, where, its kinds) whose token slots must gather nothing: all 0
+        (a jax array, not read, is refused).
+      mixed_order: a spec MIXED batch lists its running rows last, in token-slot order
+        (host values).
+    """
+
+    places_ids: bool = True
+    zero_ids: tuple[int, ...] = ()
+    ids_per_row: bool = False
+    zero_slots: tuple[tuple[int, str, str], ...] = ()
+    mixed_order: bool = False
+
+
+class Protocol:
+    """A relay protocol: the host's rules, the tail's output and the warm-up variants.
+
+    Attributes (the rules as data):
+      name: 'sentinel' or 'gather', as the public API spells it.
+      invalidates: the tail leaves -slot sentinels that resolve fills; a batch always
+        brings ids.
+      gathers_decode_ids: resolve gathers a DECODE batch's ids at its slots: a non-spec
+        DECODE batch brings none, and only a DECODE batch known on the host may.
+      takes_token_slots: a MIXED batch names its running rows' slots per token
+        (`token_slots`) instead of carrying sentinels in its ids.
+      serves_spec_mixed: a spec map serves MIXED batches (resolve binds their running
+        rows' lengths).
+    """
+
+    name: str = ""
+    invalidates = False
+    gathers_decode_ids = False
+    takes_token_slots = False
+    serves_spec_mixed = False
+
+    def __repr__(self) -> str:
+        return f"Protocol({self.name!r})"
+
+    # ------------------------------------------------------------------ host rules
+    def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
+        """Host token ids by value (the rule of what an id may be in this protocol)."""
+        raise NotImplementedError
+
+    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
+        """Every rule of this protocol on a batch's layout, asked once before anything is
+        placed: refuses what the kinds and the fields given break, and returns the rules
+        left for the host values (`host_checks.batch_values`).
+
+        Args:
+          spec: the map's spec fields, or None.
+          parts: the batch (one part) or, `by_rank`, each DP rank's batch of a mapping.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the device
+    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
+        """Inside jit, after resolve's common head (`ops.resolve`): fill the batch's inputs
+        from the buffers as this protocol does (`resolve_ops`); (state, Resolved)."""
+        raise NotImplementedError
+
+    def sentinels(self, indices: jax.Array, ids: int) -> Any:
+        """Inside a step's tail, on one rank's `indices`: what the next batch's ids (`ids`
+        of them, from `buckets.decode_ids`) and lengths become, as `next_batch` takes
+        them (None: the batch is left as it is)."""
+        return None
+
+    def next_batch(self, batch: Any, sentinels: Any) -> Any:
+        """The batch the host schedules next, after the tail left `sentinels`."""
+        return batch
+
+    # ------------------------------------------------------------------ warm-up
+    def resolve_variants(
+        self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
+    ) -> list[tuple[str, bool]]:
+        """The (resolve mode, with token slots) pairs serving reaches at a token bucket:
+        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced'."""
+        raise NotImplementedError
+
+    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
+        """The modes an engine step (whose forward sees its mode) serves where a resolve's
+        variant is 'extend': every mode that is not DECODE and that this protocol takes
+        with (or without) token slots."""
+        raise NotImplementedError
+
+
+class _Sentinel(Protocol):
+    name = "sentinel"
+    invalidates = True
+
+    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
+        return resolve_ops.resolve_sentinel(cfg, state, batch, idx, mode, chk)
+
+    def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
+        """A sentinel -s names a slot s in [0, R)."""
+        if ids.size and ids.min() <= -pool_size:
+            raise FutureMapError(
+                f"{name} holds sentinels {ids[ids <= -pool_size].tolist()} naming slots "
+                f"outside [0, {pool_size})"
+            )
+
+    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
+        """No token slots (a MIXED batch's running rows carry sentinels), no spec MIXED
+        batch; a non-spec DECODE batch's ids are one per row."""
+        for p in parts:
+            if p.slots:
+                raise refusals.token_slots_in_sentinel_protocol(p.where or "batch.")
+        if spec is not None and any(ForwardMode.MIXED in (p.modes or ()) for p in parts):
+            raise refusals.spec_mixed_in_sentinel_protocol()
+        return Rules(ids_per_row=spec is None)
+
+    def sentinels(self, indices: jax.Array, ids: int) -> Any:
+        # One array for ids and lengths where they have the same size (one output, not
+        # two); else (the ids -slot padded with 0 to `ids`, the lengths).
+        lens = -jnp.asarray(indices)
+        pad = ids - lens.shape[0]
+        return lens if pad <= 0 else (jnp.pad(lens, (0, pad)), lens)
+
+    def next_batch(self, batch: Any, sentinels: Any) -> Any:
+        ids, lens = sentinels if type(sentinels) is tuple else (sentinels, sentinels)
+        b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
+        return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
+
+    def resolve_variants(
+        self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
+    ) -> list[tuple[str, bool]]:
+        # A non-spec decode row is one token: DECODE only up to the largest batch's tokens.
+        out = [("extend", False)]
+        if spec is not None or tokens <= decode_tokens:
+            out.append(("decode", False))
+        return out + ([("traced", False)] if traced else [])
+
+    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
+        mixed = [ForwardMode.MIXED] if spec is None else []  # a spec MIXED is refused
+        return [ForwardMode.EXTEND, *mixed, ForwardMode.IDLE]
+
+
+class _Gather(Protocol):
+    name = "gather"
+    gathers_decode_ids = True
+    takes_token_slots = True
+    serves_spec_mixed = True
+
+    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
+        return resolve_ops.resolve_gather(cfg, state, batch, idx, mode, chk)
+
+    def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
+        """No sentinels: every id is >= 0 (a decode row's id is gathered at its slot)."""
+        if ids.size and ids.min() < 0:
+            raise FutureMapError(
+                f"{name} holds negative ids {ids[ids < 0][:8].tolist()}: the gather protocol "
+                "has no sentinels (a decode row's id is gathered at its slot)"
+            )
+
+    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
+        """A non-spec DECODE batch known on the host places no ids (they are gathered at
+        its slots; ids given are refused); any other batch brings its ids, except a DECODE
+        rank of a mapping (zeros, never read). A MIXED batch brings token slots, a DECODE
+        batch none, and slots given without a MIXED rank gather nothing (all 0)."""
+        places_ids, zero_ids, zero_slots = True, [], []
+        for i, p in enumerate(parts):
+            if p.modes is None:  # traced: its kind is known only on the device
+                if not p.ids:
+                    raise refusals.no_ids_with_traced_mode(p.where)
+                continue
+            decode = p.scalar and p.modes == (ForwardMode.DECODE,)
+            if decode and not by_rank and (not p.ids or spec is None):
+                if p.ids:
+                    raise refusals.ids_for_gathered_decode(p.where)
+                if p.slots:
+                    raise refusals.token_slots_for_decode(p.where)
+                places_ids = False  # T = B: the ids are gathered on the device
+                continue
+            if not p.ids:  # only a DECODE batch (or rank) comes without ids
+                kinds = set(p.modes) - (set() if p.scalar else {ForwardMode.IDLE})
+                if kinds - {ForwardMode.DECODE}:
+                    raise refusals.no_ids_for_kind("/".join(sorted(k.name for k in kinds)), p.where)
+                zero_ids.append(i)
+            elif decode and spec is None:  # a mapping's non-spec DECODE rank
+                raise refusals.ids_for_gathered_decode(p.where)
+            if not p.slots and ForwardMode.MIXED in p.modes:
+                raise refusals.mixed_without_token_slots(p.where)
+            if p.slots and p.modes == (ForwardMode.DECODE,):
+                raise refusals.token_slots_for_decode(p.where)
+            if p.slots and ForwardMode.MIXED not in p.modes:
+                kinds_named = "/".join(sorted({m.name for m in p.modes}))
+                zero_slots.append((i, p.where, kinds_named))
+        mixed = any(ForwardMode.MIXED in (p.modes or ()) for p in parts)
+        return Rules(
+            places_ids=places_ids,
+            zero_ids=tuple(zero_ids),
+            zero_slots=tuple(zero_slots),
+            mixed_order=spec is not None and mixed,
+        )
+
+    def resolve_variants(
+        self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
+    ) -> list[tuple[str, bool]]:
+        # A MIXED batch (not DECODE, or traced) brings token slots; a non-spec DECODE
+        # places no ids (its own variant, per batch bucket).
+        out = [("extend", False), ("extend", True)]
+        if spec is not None:
+            out.append(("decode", False))
+        return out + ([("traced", False), ("traced", True)] if traced else [])
+
+    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
+        # Token slots come with a MIXED batch, and only with one.
+        return [ForwardMode.MIXED] if with_slots else [ForwardMode.EXTEND, ForwardMode.IDLE]
+
+
+SENTINEL: Protocol = _Sentinel()
+GATHER: Protocol = _Gather()
+_BY_NAME = {p.name: p for p in (SENTINEL, GATHER)}
+
+
+def parse_protocol(protocol: object) -> Protocol:
+    """The Protocol named `protocol` (or `protocol` itself); FutureMapError otherwise."""
+    if isinstance(protocol, Protocol):
+        return protocol
+    found = _BY_NAME.get(protocol) if isinstance(protocol, str) else None
+    if found is None:
+        raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return found

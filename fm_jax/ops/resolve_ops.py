@@ -1,0 +1,278 @@
+"""The two protocols' resolve bodies: what fills a batch's inputs at forward entry.
+
+Each runs after `ops.resolve`'s common head (argument checks, the mode, the ids) with the
+batch's slots `idx`, its mode (a host int, or traced) and the op's debug checks `chk`
+(None without debug); each returns (state, Resolved). The state changes only in debug
+mode: the consume poison written back where the resolve read. `protocol.Protocol.resolve`
+picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fm_jax.ops import checks, refusals
+from fm_jax.ops import shapes as s
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.rows import (
+    POISON,
+    OpsConfig,
+    check_indices,
+    consumed_reads,
+    gather,
+    gather_draft,
+    poison,
+    poison_lengths,
+)
+from fm_jax.ops.types import Batch, ForwardMode, FutureMapState, Resolved
+
+Reads = list[tuple[str, jax.Array, jax.Array, Any]]
+"""Every read of a consume-tracked buffer: (field, values, slots read, whether this batch
+does the read: a traced mode's other kind does not)."""
+
+
+def resolve_sentinel(
+    cfg: OpsConfig, state: FutureMapState, batch: Batch, idx: jax.Array, mode: Any, chk: Any
+) -> tuple[FutureMapState, Resolved]:
+    """The sentinel protocol's resolve.
+
+    1. DECODE: `seq_lens := new_seq_lens[req_pool_indices]` (debug: live rows > 0).
+    2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
+       Spec: with `batch.draft_indices`, gather the draft extras and bonus tokens.
+    3. Debug: consume check on what was gathered, then -1 written back to the batch's
+       slots (spec: the draft's) and, non-spec, to the slots its sentinels read.
+    """
+    dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
+    known = isinstance(mode, int | np.integer)
+    if spec is not None and known and mode == ForwardMode.MIXED:
+        raise refusals.spec_mixed_in_sentinel_protocol()
+    if spec is not None and chk is not None and not known:
+        checks.no_spec_mixed(mode, dt, chk)
+    if known:
+        # The mode is known when traced: only a DECODE executable gathers lengths.
+        decode = int(mode) == ForwardMode.DECODE
+        is_decode: jax.Array = jnp.asarray(decode)
+        seq_lens = gather(state.new_seq_lens, idx) if decode else jnp.asarray(batch.seq_lens, dt)
+    else:
+        decode = True  # may be: the branch below decides on the device
+        is_decode = jnp.asarray(mode == ForwardMode.DECODE)
+        # A branch, not a per-row select: only DECODE gathers, and the op stays a few
+        # flops per row (XLA:CPU runs computations under ~1000 flops inline).
+        seq_lens = jax.lax.cond(
+            is_decode,
+            lambda: gather(state.new_seq_lens, idx),
+            lambda: jnp.asarray(batch.seq_lens, dt),
+        )
+    k_len = None
+    if chk is not None:
+        k_len = checks.positive_lengths(is_decode, seq_lens, idx, chk)
+    if spec is None:
+        return _fill_sentinels(cfg, state, batch, idx, seq_lens, chk)
+    # Spec, debug: a DECODE consumes the lengths it restored (-1 written back at its live
+    # slots; another kind's rows aim at slot R, dropped).
+    restored = jnp.where(is_decode & (idx > 0), idx, r) if chk is not None and decode else None
+    if chk is not None:
+        checks.sentinels_in_range(jnp.asarray(batch.input_ids, dt), r, chk)
+    if batch.draft_indices is None:
+        if chk is not None:
+            maxima = chk.run()
+            if restored is not None:
+                state = poison_lengths(state, restored, maxima, k_len)
+        # A prefill batch: no draft input.
+        return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
+    didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
+    check_indices(cfg, "draft_indices", didx, chk)
+    s.check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
+    draft, _ = gather_draft(cfg, state, didx)
+    if chk is not None:
+        reads = consumed_reads(cfg, draft, didx)
+        k = None
+        if reads:  # a spec may track no field (an n-gram draft's)
+            values = jnp.concatenate([v for v, _ in reads])
+            slots = jnp.concatenate([sl for _, sl in reads])
+            k = checks.consumed_values_valid(values, slots, chk)
+        maxima = chk.run()
+        for f in cfg.consumed:
+            state = poison(state, didx, maxima, k, f)
+        if restored is not None:
+            state = poison_lengths(state, restored, maxima, k_len)
+    return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
+
+
+def _fill_sentinels(
+    cfg: OpsConfig,
+    state: FutureMapState,
+    batch: Batch,
+    idx: jax.Array,
+    seq_lens: jax.Array,
+    chk: Any,
+) -> tuple[FutureMapState, Resolved]:
+    """A non-spec batch's ids: each sentinel -s replaced by `output_tokens[s]`."""
+    dt, r = cfg.dtype, cfg.pool_size
+    ids = jnp.asarray(batch.input_ids, dt)
+    if chk is not None:
+        checks.sentinels_in_range(ids, r, chk)
+    is_ref = ids < 0
+    # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
+    input_ids = jnp.where(is_ref, gather(state.output_tokens, -ids), ids)
+    if chk is not None:
+        # A row with ids >= 0 keeps ids >= 0, so it is never flagged; a reference row's
+        # source slot is -ids (>= 1 once sentinels are in range).
+        k = checks.consumed_values_valid(input_ids, -ids, chk)
+        # Poisoned: the batch's slots and the slots its sentinels read (on a valid batch,
+        # among them; rows that read nothing aim at slot R, dropped).
+        read = jnp.where(is_ref, -ids, r)
+        slots = jnp.concatenate([jnp.asarray(idx, dt), read])
+        state = poison(state, slots, chk.run(), k)
+    return state, Resolved(input_ids, seq_lens)
+
+
+def resolve_gather(
+    cfg: OpsConfig, state: FutureMapState, batch: Batch, idx: jax.Array, mode: Any, chk: Any
+) -> tuple[FutureMapState, Resolved]:
+    """The gather protocol's resolve: build the forward's inputs at its entry.
+
+    Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`
+    (padding rows 0, padded with 0 to T); MIXED the given ids where `token_slots` is 0,
+    else `output_tokens[token_slots]`. Token slots apply to any batch that is not DECODE
+    (an executable that fixes 'not DECODE' serves EXTEND, MIXED and IDLE alike); only a
+    MIXED batch has a nonzero one. Lengths: as given, except a spec DECODE batch's (it has
+    a draft input): `new_seq_lens[draft_indices]`, the verified lengths last published;
+    and a spec MIXED batch's running rows (`_bind_running_lengths`). Debug: every gather
+    from `output_tokens` is consume-checked, and -1 written back at exactly the live
+    slots it read (`_consume_reads`). A traced mode gathers for DECODE and MIXED both and
+    selects per row: O(B + T) either way.
+    """
+    dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
+    ids = jnp.asarray(batch.input_ids, dt)
+    t, b = ids.shape[0], idx.shape[0]
+    ts_in = batch.token_slots
+    known = isinstance(mode, int | np.integer)
+    is_decode: Any = mode == ForwardMode.DECODE
+    # Gathers at its token slots. A mode fixed when traced is 'DECODE or not' (one
+    # executable serves EXTEND, MIXED and IDLE; the host refuses token slots on a batch
+    # that is not MIXED); a traced mode gathers only when MIXED (debug reports token slots
+    # on another kind).
+    takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
+    if known:
+        if mode == ForwardMode.MIXED and ts_in is None:
+            raise refusals.mixed_without_token_slots()
+        if ts_in is not None and is_decode:
+            raise refusals.token_slots_for_decode()
+    if chk is not None:
+        checks.ids_not_negative(ids, chk)
+    reads: Reads = []
+    out = ids
+    ts_read: jax.Array | None = None  # the token slots, where this executable reads them
+    if ts_in is not None and (not known or takes_slots):
+        s.check_1d_int("token_slots", ts_in, dt)
+        s.check_rows("token_slots", ts_in, t)
+        ts = jnp.asarray(ts_in, dt)
+        if chk is not None:
+            checks.valid_slots("token_slots", ts, r, dt, chk)
+            if not known:
+                checks.token_slots_only_mixed(mode, ts, dt, chk)
+        got = gather(state.output_tokens, ts)
+        # A token slot of 0 keeps the host's id: slot 0 (padding) is never gathered, and
+        # the consume check skips its reads.
+        reads.append(("bonus_tokens", got, ts, takes_slots))
+        ts_read = ts
+        out = jnp.where(takes_slots & (ts > 0), got, out)
+    elif chk is not None and not known:
+        checks.token_slots_only_mixed(mode, None, dt, chk)
+    if spec is None and (not known or is_decode):
+        if t < b:
+            raise FutureMapError(
+                f"input_ids has {t} entries, fewer than the {b} rows a DECODE batch gathers"
+            )
+        got = gather(state.output_tokens, idx)
+        reads.append(("bonus_tokens", got, idx, is_decode))
+        # Padding rows (slot 0) get id 0, as in the sentinel protocol, not slot 0's garbage.
+        got = jnp.where(idx > 0, got, 0)
+        out = jnp.where(is_decode, jnp.pad(got, (0, t - b)), out)
+    seq_lens = jnp.asarray(batch.seq_lens, dt)
+    consumed: tuple[jax.Array, int | None] | None = None  # spec DECODE lengths read (debug)
+    if spec is not None and ts_read is not None:
+        seq_lens = _bind_running_lengths(cfg, state, idx, ts_read, takes_slots, seq_lens, chk)
+    draft = None
+    if batch.draft_indices is not None:
+        didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
+        check_indices(cfg, "draft_indices", didx, chk)
+        s.check_rows("draft_indices", didx, b)
+        # A spec DECODE batch's lengths are the verified ones last published; any other
+        # kind keeps the host's (a rank prefilling beside a spec decoding one).
+        draft, (got,) = gather_draft(cfg, state, didx, state.new_seq_lens)
+        seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
+        if chk is not None:
+            k_len = checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
+            reads += _draft_reads(cfg, draft, didx, ts_read, takes_slots)
+            if not known or is_decode:  # the verified lengths it read are consumed
+                consumed = (jnp.where(is_decode & (didx > 0), didx, r), k_len)
+    if chk is not None:
+        state, maxima = _consume_reads(cfg, state, reads, chk)
+        if consumed is not None:
+            state = poison_lengths(state, consumed[0], maxima, consumed[1])
+    return state, Resolved(out, seq_lens, draft)
+
+
+def _bind_running_lengths(
+    cfg: OpsConfig,
+    state: FutureMapState,
+    idx: jax.Array,
+    ts_read: jax.Array,
+    takes_slots: Any,
+    seq_lens: jax.Array,
+    chk: Any,
+) -> jax.Array:
+    """Spec MIXED: the host planned this batch before the last verify's accept lengths
+    landed, so its running rows' lengths are bound here: the published length plus the
+    token this forward feeds. SGLang's layout: prefill rows, then one running row per
+    nonzero token slot in order; padding rows (slot 0) are not counted."""
+    dt = cfg.dtype
+    live = idx > 0
+    order = jnp.cumsum(live, dtype=dt) - 1  # a live row's place among the live rows
+    first = jnp.sum(live, dtype=dt) - jnp.sum(ts_read > 0, dtype=dt)
+    running = takes_slots & live & (order >= first)
+    fresh = gather(state.new_seq_lens, idx)
+    if chk is not None:
+        checks.running_rows_match(running, idx, ts_read, order - first, chk)
+        checks.positive_lengths(jnp.asarray(True), jnp.where(running, fresh, 1), idx, chk)
+    return jnp.where(running, fresh + 1, seq_lens)
+
+
+def _draft_reads(
+    cfg: OpsConfig, draft: Any, didx: jax.Array, ts_read: jax.Array | None, takes_slots: Any
+) -> Reads:
+    """The draft gather's reads of consume-tracked fields. A slot the token slots read too
+    is read twice: in order, the draft's read finds the poison the first read left (one
+    compare per row and token: debug only)."""
+    consumed = list(cfg.consumed)
+    drafted = consumed_reads(cfg, draft, didx)
+    if ts_read is not None and "bonus_tokens" in consumed:
+        twice = takes_slots & (didx[:, None] == ts_read[None, :]).any(axis=1)
+        k_bonus = consumed.index("bonus_tokens")
+        v, sl = drafted[k_bonus]
+        drafted[k_bonus] = (jnp.where(twice, POISON, v), sl)
+    return [(name, v, sl, True) for name, (v, sl) in zip(consumed, drafted, strict=True)]
+
+
+def _consume_reads(
+    cfg: OpsConfig, state: FutureMapState, reads: Reads, chk: Any
+) -> tuple[FutureMapState, jax.Array | None]:
+    """Debug: the consume check over every read, then -1 at the live slots read (a read
+    not done aims at slot R, dropped). Returns the state and the op's check maxima."""
+    k = None
+    if reads:
+        # A read this batch does not do (a traced mode's other kind) names slot 0.
+        values = jnp.concatenate([v for _, v, _, _ in reads])
+        sources = jnp.concatenate([jnp.where(a, sl, 0) for _, _, sl, a in reads])
+        k = checks.consumed_values_valid(values, sources, chk)
+    maxima = chk.run()
+    for name in dict.fromkeys(f for f, _, _, _ in reads):
+        hit = [jnp.where(a & (sl > 0), sl, cfg.pool_size) for f, _, sl, a in reads if f == name]
+        state = poison(state, jnp.concatenate(hit), maxima, k, name)
+    return state, maxima
