@@ -9,8 +9,9 @@ gathers decode ids, a MIXED batch's running tokens and spec lengths by slot). Wh
 that SGLang's class does not: every input's rank, shape, dtype and device, the forward mode
 and spec payload shapes (always, metadata only); and, on CPU tensors (no device sync there)
 or in debug mode on any device, their values: slots in [0, R), no live slot twice in a
-batch, sentinels naming a slot in [0, R), values fitting an int32 buffer, relayed tokens
-and lengths >= 0, no negative input id in the gather protocol. All of them run before
+batch, sentinels naming a slot in [0, R), int rows of any int dtype whose values fit the
+buffer's dtype (then cast), relayed tokens and lengths >= 0, no negative input id in the
+gather protocol. All of them run before
 anything is written.
 """
 

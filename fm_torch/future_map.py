@@ -19,9 +19,11 @@ Checks SGLang's class does not have ('Checks beyond SGLang' in the contract). Al
 (metadata only, no device sync): rank, shape, dtype and device of every input, the forward
 mode, spec payload shapes against the lazily fixed K, H and hidden dtype. On CPU tensors,
 and in debug mode on any device (they read values): slots in [0, R) (publish, stash,
-resolve, invalidate, resolve_seq_lens_cpu), no live slot twice in a batch, int64 values
-(tokens, lengths, top-k ids, input ids) fit an int32 buffer, sentinels name slots in
-[0, R), tokens and lengths relayed are >= 0, and (gather protocol) input ids are >= 0.
+resolve, invalidate, resolve_seq_lens_cpu), no live slot twice in a batch, int values
+(slots, tokens, lengths, top-k ids, input ids, an int field's rows) of any int dtype fit the
+buffer's dtype (then cast: a uint8 token or an int64 length into an int32 buffer; a value
+that does not fit is refused), sentinels name slots in [0, R), tokens and lengths relayed
+are >= 0, and (gather protocol) input ids are >= 0.
 Every check runs before anything is written: a rejected call leaves the buffers and the
 batch as they were.
 Debug-mode invariants (consume tracking, positive restored or gathered lengths): on CPU they raise
@@ -167,6 +169,22 @@ class FutureMap:
                 return buf[i : i + 1].clone()
         return buf[indices]
 
+    def _ints(self, name: str, t: torch.Tensor, checked: bool | None = None) -> torch.Tensor:
+        """1-D int rows of any int dtype as the map computes with them: where values are
+        checked (`checked`, default the map's rule), every value fits the map's dtype
+        (FutureMapError naming `name` otherwise); rows neither int32 nor int64 are cast to
+        the map's dtype (torch indexes and computes with those two only)."""
+        if self._values_checked if checked is None else checked:
+            v.check_fits(name, t, self.dtype)
+        return v.as_ints(t, self.dtype)
+
+    def _slots(self, name: str, t: torch.Tensor, checked: bool | None = None) -> torch.Tensor:
+        """Slots as `_ints`, and where values are checked each in [0, R), no live slot twice."""
+        t = self._ints(name, t, checked)
+        if self._values_checked if checked is None else checked:
+            v.check_slots(name, t, self.pool_size)
+        return t
+
     # ----------------------------------------------------------------------------- streams
     def _make_forward_stream(self) -> torch.cuda.Stream | None:
         if self.device.type != "cuda":
@@ -213,8 +231,8 @@ class FutureMap:
             if not self.needs_confidence_relay:
                 raise not_declared()
             confidence, gen = self.confidence_relay.check(confidence, generation, indices.shape[0])
+        indices = self._slots("indices", indices)
         if self._values_checked:
-            v.check_slots("indices", indices, self.pool_size)
             v.check_fits("new_seq_lens", new_seq_lens, self.dtype)
             v.check_non_negative("new_seq_lens", new_seq_lens)
         relay = self._relay
@@ -246,7 +264,7 @@ class FutureMap:
             )
         v.check_flag("wait", wait)
         indices = v.check_1d_int("indices", indices, torch.device("cpu"))
-        v.check_slots("indices", indices, self.pool_size)
+        indices = self._slots("indices", indices, checked=True)  # host slots: always read
         return self.confidence_relay.resolve(indices, wait)
 
     def stash(self, indices: torch.Tensor, payload: torch.Tensor | DraftPayload) -> None:
@@ -273,20 +291,20 @@ class FutureMap:
                 )
             tokens, name = v.check_1d_int("tokens", payload, self.device), "tokens"
             v.check_rows("tokens", tokens, rows)
+        indices = self._slots("indices", indices)
         if self._values_checked:
-            v.check_slots("indices", indices, self.pool_size)
             if tokens is not None:
                 v.check_fits(name, tokens, self.dtype)
                 v.check_non_negative(name, tokens)
             if isinstance(payload, DraftPayload):
                 if payload.topk_index is not None:
-                    v.check_fits("draft.topk_index", payload.topk_index.reshape(-1), self.dtype)
+                    v.check_fits("draft.topk_index", payload.topk_index, self.dtype)
                 if payload.verified_id is not None:
                     v.check_fits("draft.verified_id", payload.verified_id, self.dtype)
                     v.check_non_negative("draft.verified_id", payload.verified_id)
                 for name, x in (payload.extras or {}).items():
-                    if name in self.extras:
-                        v.check_fits(f"draft.{name}", x.reshape(-1), self.extras[name].dtype)
+                    if name in self.extras and self.extras[name].dtype in v.INTEGERS:
+                        v.check_fits(f"draft.{name}", x, self.extras[name].dtype)
                     if name in self.consumed:
                         v.check_non_negative(f"draft.{name}", x.reshape(-1))
         # Every check has passed: only now is anything written.
@@ -332,9 +350,7 @@ class FutureMap:
                 raise FutureMapError("draft.topk_p must be a 2-D tensor [B, K]")
             k = topk_p.shape[1] if self.topk_p is None else self.topk_p.shape[1]
             v.check_tensor("draft.topk_p", topk_p, self.device, (rows, k), (torch.float32,))
-            v.check_tensor(
-                "draft.topk_index", draft.topk_index, self.device, (rows, k), v.INT_DTYPES
-            )
+            v.check_tensor("draft.topk_index", draft.topk_index, self.device, (rows, k), v.INTEGERS)
         hidden = draft.hidden_states
         if hidden is not None and self.hidden_states is not None:
             v.check_tensor(
@@ -483,12 +499,12 @@ class FutureMap:
             v.check_rows("draft.indices", draft_indices, indices.shape[0])
             if not self._spec_shaped:
                 raise FutureMapError("resolve of spec extras before any draft was stashed")
+        indices = self._slots("req_pool_indices", indices)
+        if draft_indices is not None:
+            draft_indices = self._slots("draft.indices", draft_indices)
+        ids = self._ints("input_ids", ids)
         if self._values_checked:
-            v.check_slots("req_pool_indices", indices, self.pool_size)
-            if draft_indices is not None:
-                v.check_slots("draft.indices", draft_indices, self.pool_size)
             v.check_sentinels("input_ids", ids, self.pool_size)
-            v.check_fits("input_ids", ids, self.dtype)
             v.check_fits("seq_lens", host_lens, self.dtype)
 
         seq_lens = self._rows(self.new_seq_lens, indices) if is_decode else None
@@ -599,17 +615,18 @@ class FutureMap:
             # Spec MIXED: the running rows are the batch's last rows, in mix order.
             v.check_at_most("mix_running_indices", mix, indices.shape[0])
             host_tails = self._check_host_fields(batch, indices.shape[0])
-        if self._values_checked:
-            v.check_slots("req_pool_indices", indices, self.pool_size)
-            if mix is not None:
-                v.check_slots("mix_running_indices", mix, self.pool_size)
-                if self.spec:
-                    v.check_running_rows(indices, mix)
-            if draft_indices is not None:
-                v.check_slots("draft.indices", draft_indices, self.pool_size)
-            if ids is not None:
+        indices = self._slots("req_pool_indices", indices)
+        if mix is not None:
+            mix = self._slots("mix_running_indices", mix)
+            if self.spec and self._values_checked:
+                v.check_running_rows(indices, mix)
+        if draft_indices is not None:
+            draft_indices = self._slots("draft.indices", draft_indices)
+        if ids is not None:
+            ids = self._ints("input_ids", ids)
+            if self._values_checked:
                 v.check_no_sentinels("input_ids", ids)
-                v.check_fits("input_ids", ids, self.dtype)
+        if self._values_checked:
             v.check_fits("seq_lens", host_lens, self.dtype)
 
         # Gathers, in SGLang's order: the forward's ids, then the spec state. Each read of
@@ -691,7 +708,9 @@ class FutureMap:
         cpu = torch.device("cpu")
         if batch.seq_lens_cpu is not None:
             v.check_rows(
-                "seq_lens_cpu", v.check_1d_int("seq_lens_cpu", batch.seq_lens_cpu, cpu), rows
+                "seq_lens_cpu",
+                v.check_1d_int("seq_lens_cpu", batch.seq_lens_cpu, cpu, v.INT_DTYPES),
+                rows,
             )
         prefix = batch.prefix_lens
         if prefix is not None and (
@@ -736,9 +755,7 @@ class FutureMap:
                 "invalidate: the gather protocol leaves no sentinels; after a forward the "
                 "host leaves the batch's ids empty and resolve gathers them"
             )
-        indices = v.check_1d_int("indices", indices, self.device)
-        if self._values_checked:
-            v.check_slots("indices", indices, self.pool_size)
+        indices = self._slots("indices", v.check_1d_int("indices", indices, self.device))
         sentinel = -indices.to(self.dtype)
         batch.input_ids = sentinel
         batch.seq_lens = sentinel.clone()
@@ -751,9 +768,7 @@ class FutureMap:
         must hold a length >= 0 ('consume lengths (WRWR)': published, and not consumed by
         a resolve since). Both raise InvariantViolation here, on any device.
         """
-        indices = v.check_1d_int("indices", indices, self.device)
-        if self._values_checked:
-            v.check_slots("indices", indices, self.pool_size)
+        indices = self._slots("indices", v.check_1d_int("indices", indices, self.device))
         if self.debug and self.spec and indices.numel():
             fresh, self._publish_fresh = self._publish_fresh, False
             if not fresh:

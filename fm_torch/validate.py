@@ -1,8 +1,9 @@
 """Input checks for the PyTorch FutureMap.
 
 Structural checks (rank, shape, dtype, device) read only metadata and are always on.
-Value checks (slot range, duplicate live slots, int32 fit, sentinel range, no negative
-token or length relayed, no negative input id in the gather protocol) read tensor contents;
+Value checks (slot range, duplicate live slots, int values that fit the buffer dtype,
+sentinel range, no negative token or length relayed, no negative input id in the gather
+protocol) read tensor contents;
 they run on CPU tensors (no device sync there) and, on other devices, only in debug mode,
 where a host sync is acceptable.
 
@@ -20,12 +21,18 @@ from fm_torch.batch import ForwardMode
 from fm_torch.errors import FutureMapError
 
 INT_DTYPES = (torch.int32, torch.int64)
+"""A map's token and length buffers' dtypes: what int rows are computed and indexed in."""
 INTEGERS = tuple(
     getattr(torch, n)
     for n in ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
     if hasattr(torch, n)
 )
-"""Every integer dtype this torch has: what an int relay field's rows may come in."""
+"""Every integer dtype this torch has (never bool): what per-row ints (slots, ids, tokens,
+lengths, an int relay field's rows) may come in, cast where every value fits
+(docs/CONTRACT.md, 'Checks beyond SGLang')."""
+_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n))
+"""Unsigned dtypes torch has few ops for (no min or max on CPU): int64 holds them exactly."""
+_UINT64 = getattr(torch, "uint64", None)
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROTOCOLS = ("sentinel", "gather")
 
@@ -73,14 +80,18 @@ def check_protocol(protocol: object) -> str:
     return protocol
 
 
-def check_1d_int(name: str, t: object, device: torch.device) -> torch.Tensor:
-    """Return `t` if it is a 1-D int32/int64 tensor on `device`, else raise FutureMapError."""
+def check_1d_int(
+    name: str, t: object, device: torch.device, dtypes: tuple[torch.dtype, ...] = INTEGERS
+) -> torch.Tensor:
+    """Return `t` if it is a 1-D tensor of one of `dtypes` (default: any integer dtype,
+    whose values `check_fits` then judges) on `device`, else raise FutureMapError."""
     if not isinstance(t, torch.Tensor):
         raise FutureMapError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1:
         raise FutureMapError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.dtype not in INT_DTYPES:
-        raise FutureMapError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dtype not in dtypes:
+        want = "int32 or int64" if dtypes == INT_DTYPES else "an integer dtype"
+        raise FutureMapError(f"{name} must have {want}, got {t.dtype}")
     if t.device != device:
         raise FutureMapError(f"{name} is on {t.device}, the FutureMap is on {device}")
     return t
@@ -147,18 +158,33 @@ def field_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 
 
 def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:
-    """Value check: every value is representable in `dtype` (int64 into int32)."""
-    if values.numel() == 0 or values.dtype == dtype:
+    """Value check: every value of int rows (any integer dtype) is representable in the
+    int `dtype` (an int64 or uint32 value into an int32 buffer); none is read where the
+    rows' dtype holds only such values."""
+    info, held = torch.iinfo(dtype), torch.iinfo(values.dtype)
+    if values.numel() == 0 or (info.min <= held.min and held.max <= info.max):
         return
-    info = torch.iinfo(dtype)
-    if int(values.min()) < info.min or int(values.max()) > info.max:
+    if values.dtype == _UINT64:
+        bits = values.view(torch.int64)  # a value above int64's max reads negative
+        fits = not bool(((bits < 0) | (bits > info.max)).any())
+    else:
+        if values.dtype in _WIDE_UNSIGNED:
+            values = values.to(torch.int64)  # exact
+        fits = info.min <= int(values.min()) and int(values.max()) <= info.max
+    if not fits:
         raise FutureMapError(f"{name} holds values that do not fit the {dtype} buffer")
+
+
+def as_ints(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Int rows in a dtype torch indexes and computes with: `t` itself when int32 or int64,
+    else cast to `dtype` (after `check_fits`, where values are checked: the cast is exact)."""
+    return t if t.dtype in INT_DTYPES else t.to(dtype)
 
 
 def check_non_negative(name: str, values: torch.Tensor) -> None:
     """Value check: tokens and lengths a forward relays are >= 0 (a stashed -1 would read
-    as the consume poison, a negative length as a sentinel)."""
-    if values.numel() and int(values.min()) < 0:
+    as the consume poison, a negative length as a sentinel). Unsigned rows pass unread."""
+    if values.numel() and values.dtype.is_signed and int(values.min()) < 0:
         bad = torch.unique(values[values < 0])[:8].tolist()
         raise FutureMapError(f"{name} holds negative values {bad}: token ids and lengths are >= 0")
 

@@ -483,7 +483,7 @@ REFUSALS: dict[str, tuple[Callable[[], FutureMap], Callable[[], ScheduleBatch], 
     "mix_running_indices float": (
         plain_ready,
         lambda: with_mix(ForwardMode.MIXED, torch.tensor([2.0])),
-        "mix_running_indices must be int32 or int64",
+        "mix_running_indices must have an integer dtype",
     ),
     "mix_running_indices a list": (
         plain_ready,
