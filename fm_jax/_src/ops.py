@@ -98,6 +98,7 @@ def future_map(
 
     Args:
       pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
+        Every slot fits `dtype`: R - 1 <= its largest value.
       dtype: int32 (default) or int64 (needs JAX's x64 mode) for tokens, lengths, top-k ids.
       spec: the spec extras' static shapes, or None for non-spec decoding.
       debug: poison `output_tokens` and `new_seq_lens` with -1 and add the checkify
@@ -114,6 +115,11 @@ def future_map(
     if not isinstance(debug, bool):
         raise FutureMapError(f"debug must be a bool, got {debug!r}")
     dt = int_dtype(dtype)
+    if pool_size - 1 > np.iinfo(dt).max:
+        raise FutureMapError(
+            f"pool_size {pool_size}: slots 0..{pool_size - 1} must fit the map's {dt} "
+            f"(pool_size - 1 <= {np.iinfo(dt).max}); use a smaller pool or dtype=int64"
+        )
     proto = parse_protocol(protocol)
     if spec is not None:
         spec = check_spec(spec)
