@@ -44,11 +44,11 @@ OWNABLE = ("new_seq_lens", "output_tokens")
 """The relay buffers an engine's forward may own (`StepInput(name, per="slot")`)."""
 
 
-def check_declared(inputs: Sequence[StepInput], dtype: np.dtype) -> tuple[StepInput, ...]:
+def check_declared(inputs: Sequence[StepInput], map_dtype: np.dtype) -> tuple[StepInput, ...]:
     """The engine's declared inputs checked and normalised (tuple shapes, numpy dtypes):
     StepInputs of distinct names, per 'row', 'token' or 'slot' (a relay buffer of
-    `OWNABLE`, declared as the map stores it: shape (), the map's `dtype`), shapes and
-    dtypes JAX keeps."""
+    `OWNABLE`, declared as the map stores it: shape (), the map's int dtype `map_dtype`,
+    whatever the inputs declared before it), shapes and dtypes JAX keeps."""
     out, seen = [], set()
     for d in inputs:
         if not isinstance(d, StepInput):
@@ -65,10 +65,11 @@ def check_declared(inputs: Sequence[StepInput], dtype: np.dtype) -> tuple[StepIn
                     f"StepInput {d.name!r}: per='slot' hands the forward one of the map's "
                     f"relay buffers {OWNABLE}, not {d.name!r}"
                 )
-            if tuple(d.shape) != () or np.dtype(d.dtype) != dtype:
+            if tuple(d.shape) != () or np.dtype(d.dtype) != map_dtype:
                 raise FutureMapError(
-                    f"StepInput {d.name!r}: the map's {d.name} buffer is one {dtype} per "
-                    f"slot: declare shape () and dtype {dtype}, got {d.shape} {d.dtype}"
+                    f"StepInput {d.name!r}: the map's {d.name} buffer is one {map_dtype} "
+                    f"per slot: declare shape () and dtype {map_dtype}, got {d.shape} "
+                    f"{d.dtype}"
                 )
         try:
             shape = tuple(int(n) for n in d.shape)

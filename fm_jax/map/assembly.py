@@ -92,6 +92,15 @@ def assemble(
     token_buckets = bk.normalize_buckets(
         bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
     )
+    if token_buckets[-1] < batch_buckets[-1]:
+        # A batch has at least one token per row (a DECODE row one): its rows are padded to
+        # a batch bucket and its tokens to a token bucket >= those rows (resolve_sizes).
+        raise FutureMapError(
+            f"token_buckets {token_buckets} must reach the largest batch bucket "
+            f"{batch_buckets[-1]}: a batch of B rows carries at least B tokens (a DECODE "
+            "row one), so the largest token bucket must be >= the largest batch bucket "
+            "(or a resolve of those rows, and warm_up, could not be placed)"
+        )
     inputs = HostInputs(
         layout,
         pool_size,

@@ -36,6 +36,7 @@ from fm_jax.map.entry_points import tail
 from fm_jax.map.registry import Call, Registry, WarmUpReport
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.map.warm_up import empty_batches, empty_inputs, on_device
+from fm_jax.ops import refusals
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
@@ -171,7 +172,7 @@ class EngineStep:
           generation: a map with a confidence relay: the host's per-slot generation
             counters (as `FutureMap.publish` takes them), snapshotted with the confidence
             rows when the forward returns some. Required there (checked before the step
-            runs); not read on other maps.
+            runs); refused on other maps.
 
         Returns:
           StepResult: the forward's `out` and the batch for the next step.
@@ -180,8 +181,10 @@ class EngineStep:
         with runtime.lock:  # one op at a time on the map (see FutureMap)
             if runtime.lost is not None:
                 runtime.refuse_if_lost()
-            placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
             ring = runtime.confidence
+            if ring is None and generation is not None:
+                raise refusals.generation_without_confidence("the engine step", relay=False)
+            placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
             gens = None if ring is None else ring.generations(generation, placed.idx)
             exe = self._registry.executable(placed.key, placed.pack, len(args))
             ops = ("resolve", "finish") if runtime.debug is not None else ()

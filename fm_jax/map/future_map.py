@@ -58,6 +58,7 @@ class FutureMap(MapCore):
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1); slot 0 is padding.
+        Every slot fits `dtype`: R - 1 <= its largest value.
       mesh: a `jax.sharding.Mesh` for one pool per DP rank; None: one device.
       dp_axis: the mesh's data-parallel axis, or None (one pool replicated everywhere).
       tp_axis: the mesh's tensor-parallel axis (buffers replicated on it), or None.
@@ -66,6 +67,7 @@ class FutureMap(MapCore):
       debug: consume tracking and invariant checks.
       batch_buckets: allowed per-rank batch sizes (rows); default powers of two up to 1024.
       token_buckets: allowed per-rank flat token counts; default powers of two up to 8192.
+        The largest is at least the largest batch bucket (a batch has a token per row).
       device: without a mesh, where the buffers live; default JAX's default device.
       protocol: 'sentinel' (default: `invalidate` leaves -slot placeholders that resolve
         fills) or 'gather' (resolve gathers decode ids, MIXED running rows' ids and spec
@@ -103,8 +105,11 @@ class FutureMap(MapCore):
             rows, in the same form, written at `indices`; the confidence buffer's copy to
             the host ring starts (`resolve_confidence_cpu`). None: the rows stay.
           generation: with `confidence`, the host's per-slot generation counters ([R]
-            ints per DP rank, [DP*R] or a mapping DP rank -> [R]), snapshotted with it.
+            ints per DP rank, [DP*R] or a mapping DP rank -> [R]), snapshotted with it;
+            refused without it.
         """
+        if generation is not None and confidence is None:
+            raise self._generation_alone("publish")
         placed = self._placement.tail(
             "publish", indices, new_seq_lens, None, rows, confidence=confidence
         )
@@ -118,6 +123,10 @@ class FutureMap(MapCore):
             self._runtime.state, copied = out
             self._confidence_published(copied, gens, placed)
         self._runtime.published(placed.idx, placed.lens)
+
+    def _generation_alone(self, call: str) -> FutureMapError:
+        """The refusal of `generation=` given to `call` without `confidence=`."""
+        return refusals.generation_without_confidence(call, self._runtime.confidence is not None)
 
     def _generations(self, generation: Any, placed: Placed) -> dict[int, np.ndarray]:
         """The generations snapshotted with confidence rows (placed: the map has the relay),
@@ -187,7 +196,10 @@ class FutureMap(MapCore):
         `stash(indices, payload)` and `invalidate(batch, indices)`, for engines that hold
         lengths and tokens (or the whole draft) together; one dispatch instead of three.
         Returns the invalidated batch; in the gather protocol (no sentinels) `batch` as given.
+        `generation` without `confidence` is refused, as by `publish`.
         """
+        if generation is not None and confidence is None:
+            raise self._generation_alone("finish")
         placed = self._placement.tail(
             "finish", indices, new_seq_lens, payload, rows, confidence=confidence
         )
@@ -255,12 +267,14 @@ class FutureMap(MapCore):
         """The draft fields a resolve gathers on DP rank `rank`, in stash order: every
         consume-tracked field (each stash writes them), and each other field once a stash
         wrote it on that rank since the map was made or `reset` (before, a resolve's draft
-        has it None: SGLang's DSA availability flag). () without spec."""
+        has it None: SGLang's DSA availability flag). () without spec. `rank` is an int in
+        [0, DP); anything else is refused naming it."""
+        dp = self.layout.dp
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
+            raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
         if self.spec is None:
             return ()
-        if not 0 <= rank < self.layout.dp:
-            raise FutureMapError(f"rank must be a DP rank in [0, {self.layout.dp}), got {rank}")
-        relayed = set(self._runtime.relayed(rank))
+        relayed = set(self._runtime.relayed(int(rank)))
         return tuple(f.name for f in self.spec.fields() if f.consumed or f.name in relayed)
 
     @serialized
@@ -324,6 +338,10 @@ class FutureMap(MapCore):
             `token_slots`), as `resolve` takes it; or a mapping DP rank -> such a Batch.
           prefix_lens: the host's prefix lengths, one per row (a mapping, with one); None:
             none rebound.
+
+        The batch is checked as `resolve` checks it, and its host lengths (`seq_lens`,
+        `prefix_lens`) must be >= 0: a FutureMapError names the field before anything is
+        read.
 
         Returns:
           MixedTails (a mapping DP rank -> MixedTails for a mapping).

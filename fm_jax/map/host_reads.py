@@ -17,13 +17,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.host_checks import batch_values
 from fm_jax.host.placement import Placement
 from fm_jax.host.plans import Placed
 from fm_jax.map.confidence import ResolvedConfidence
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.protocol import Rules
 from fm_jax.ops.sharding import per_rank
 from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput, host_mode
 
@@ -78,7 +76,10 @@ class HostReads:
     def mixed_tails(
         self, run: Run, batch: Batch | Mapping[int, Batch], prefix_lens: Any
     ) -> MixedTails | dict[int, MixedTails]:
-        """`FutureMap.resolve_mixed_tails_cpu`: every argument checked before the read."""
+        """`FutureMap.resolve_mixed_tails_cpu`: every argument checked before the read:
+        the batch as `resolve` checks it (placed by the same general path, nothing run:
+        slots in range, no live slot twice, token slots one per input id, the running rows
+        last in token-slot order), and the host lengths it rebinds >= 0."""
         if self._placement.spec is None or not self._placement.protocol.serves_spec_mixed:
             raise FutureMapError(
                 "resolve_mixed_tails_cpu: a spec MIXED batch is a feature of a spec map of "
@@ -101,9 +102,14 @@ class HostReads:
         for d, b in batches.items():
             where = f"batch[rank {d}]." if by_rank else "batch."
             rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
-            idx, _, ts, _ = rows[d]
-            # the running rows last, in token-slot order, as resolve binds them
-            batch_values(Rules(mixed_order=True), [ForwardMode.MIXED], (), idx, ts)
+        # resolve's own checks of the batch (its general path places it; nothing runs)
+        self._placement.resolve(batch, pack=False)
+        checks = self._placement.inputs.checks
+        for d, (_, lens, ts, pre) in rows.items():
+            where, rank = (f"batch[rank {d}].", f"[rank {d}]") if by_rank else ("batch.", "")
+            for name, x in ((f"{where}seq_lens", lens), (f"prefix_lens{rank}", pre)):
+                if x is not None:  # host lengths, rebound and summed: >= 0
+                    checks.check("relayed", name, x, np.dtype(np.int64))
             running[d] = ts[ts > 0]
         got: Any = {}
         if any(len(x) for x in running.values()):

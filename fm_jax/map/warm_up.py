@@ -180,12 +180,13 @@ def class_calls(
     packed where the map packs), the partial stashes in `partial` too. Returns registry
     calls (key, packing, arguments, 0)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
+    if not _names_per_stash(partial):
+        raise FutureMapError(
+            "partial_stashes must be a sequence of field-name collections (e.g. "
+            f"[('bonus_tokens',)]; () for none), got {partial!r}"
+        )
     if partial and spec is None:
         raise FutureMapError("partial_stashes: a map without spec stashes tokens only")
-    if isinstance(partial, str) or any(isinstance(n, str) for n in partial):
-        raise FutureMapError(
-            f"partial_stashes must be a sequence of field-name collections, got {partial!r}"
-        )
     placed = []
     for t in empty_tails(inputs, protocol, spec, partial):
         if t.op in ("sentinels", "seq_lens_at"):
@@ -206,6 +207,19 @@ def class_calls(
         if host is not None:
             calls.append((p.key, host[0], (*head, host[1]), 0))
     return calls
+
+
+def _names_per_stash(partial: Any) -> bool:
+    """Whether `partial` is what `warm_up(partial_stashes=)` takes: a sequence (not a
+    string) of collections (not strings) of field names (strings)."""
+    if isinstance(partial, str | bytes) or not isinstance(partial, Sequence):
+        return False
+    return all(
+        isinstance(names, Collection)
+        and not isinstance(names, str | bytes)
+        and all(isinstance(n, str) for n in names)
+        for names in partial
+    )
 
 
 def _empty_draft(

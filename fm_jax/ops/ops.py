@@ -72,7 +72,7 @@ def future_map(
 
     Args:
       pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
-        On a mesh: slots per DP rank.
+        On a mesh: slots per DP rank. Every slot fits `dtype`: R - 1 <= its largest value.
       mesh: a `jax.sharding.Mesh` to hold one pool per DP rank (sharding.py's layout: the
         state and every row argument are global arrays, rank d's block its own pool, each op
         run per rank with `jax.shard_map` and no collective); None (default): one pool.
@@ -100,6 +100,11 @@ def future_map(
     if not isinstance(debug, bool):
         raise FutureMapError(f"debug must be a bool, got {debug!r}")
     dt = int_dtype(dtype)
+    if pool_size - 1 > np.iinfo(dt).max:
+        raise FutureMapError(
+            f"pool_size {pool_size}: slots 0..{pool_size - 1} must fit the map's {dt} "
+            f"(pool_size - 1 <= {np.iinfo(dt).max}); use a smaller pool or dtype=int64"
+        )
     proto = parse_protocol(protocol)
     if spec is not None:
         spec = check_spec(spec)

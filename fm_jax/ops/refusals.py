@@ -104,6 +104,21 @@ def confidence_not_declared() -> FutureMapError:
     )
 
 
+def generation_without_confidence(call: str, relay: bool) -> FutureMapError:
+    """`generation=` given where no confidence rows go with it (the generations are only
+    ever snapshotted with confidence rows): `call` (publish, finish) without `confidence=`
+    on a map with the relay (`relay`), or any call of a map without one."""
+    if relay:
+        return FutureMapError(
+            f"{call}: generation given without confidence: the generations are snapshotted "
+            "with confidence rows only; pass both, or neither"
+        )
+    return FutureMapError(
+        f"{call}: generation given but the map relays no confidence (declare its width, "
+        "SpecConfig(..., confidence=gamma)); pass generation only with confidence rows"
+    )
+
+
 def tracked_field_missing(name: str) -> FutureMapError:
     """A draft stash leaves out a consume-tracked field, which every stash writes: every
     draft gather reads and consumes it."""
