@@ -15,7 +15,9 @@
 # host_path (where the class's host time goes), packed_layout (spec extras in one row per
 # slot: kernels), engine_step, one_row (one-row ops and engine-owned relay buffers: compiled
 # ops, host and waited time), confidence (the confidence ring's read with its copy not done:
-# host time, both twins), mutations, sweeps.
+# host time, both twins), mutations, sweeps, gemma_random (fm-serve-bench: the Gemma 3 270M
+# architecture with random bfloat16 weights, sync vs overlap at B = 8, 32, 128; needs no
+# weights package, gguf or tokenizer; not in a part, name it).
 #
 # Every step has its own time limit (seconds, overridable as LIMIT_<step>=N) and writes
 # OUT/<step>.log (parity with its progress bar, so a step stopped at its limit shows how far it
@@ -104,6 +106,11 @@ run_step() {
             --json "$out/mutations_cuda.json"
         ;;
     sweeps) step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps" ;;
+    gemma_random)
+        step gemma_random 240 "$py" -m fm_bench.serve.gemma.bench --random-weights --dtype bfloat16 \
+            --batch-sizes 8,32,128 --max-tokens 32 --repeats 1 --max-seq-len 128 --row-tile 16 \
+            --prefill-budget 256 --out "$out" --tag cuda
+        ;;
     checks) for s in versions cuda_tests suite; do run_step $s; done ;;
     bench) for s in headline protocols startup serve host_lengths inplace host_path packed_layout engine_step one_row confidence; do run_step $s; done ;;
     extra) for s in mutations sweeps; do run_step $s; done ;;

@@ -14,6 +14,25 @@ first sync run's S (`--host-cost sleep` yields the core, as a host with cores of
 would). Every run's tokens are compared with the first synchronous run's. `--startup`
 also times two fresh processes of `fm-serve` on an empty cache: the first start (unpack
 the GGUF, compile) and the second (read the cache).
+
+`--random-weights` serves the same architecture (Gemma 3 270M, `GemmaConfig()`) with random
+weights (`load.random_model`): no weights package, gguf or tokenizer needed. Its prompts are
+random token ids (8 to 32 of them, seeded) and it has no stop token, so every request runs to
+`--max-tokens` (the figures are throughput, the tokens meaningless); its results are named
+gemma_random_<dtype>_<tag>, beside the real model's gemma_serve_<tag>. `--dtype bfloat16`
+computes in bfloat16 (weights, activations, KV cache; norms and softmax in float32).
+
+Engine settings (`config.engine_for`): `--batch-sizes` sets max_running (and the decode
+bucket, rounded up to a multiple of `--row-tile`); a step that prefills carries up to
+`--prefill-budget` prompt tokens beside the running decodes (its token bucket is
+prefill_budget + B, rounded up to the row tile). Every matmul runs on tiles of `--row-tile`
+rows (batch invariance: sync and overlap serve the same tokens), unrolled, so a bucket of
+T tokens costs T / row_tile tiles per matmul: on a GPU, where each tile is a kernel launch,
+take a larger tile. `--max-seq-len` must hold a prompt and its output (32 + max tokens).
+On a GPU, e.g. (2B prompts of ~20 tokens prefill in a few steps even at B = 128):
+
+  fm-serve-bench --random-weights --dtype bfloat16 --batch-sizes 8,32,128 --max-tokens 32 \
+      --repeats 1 --max-seq-len 128 --row-tile 16 --prefill-budget 256
 """
 
 from __future__ import annotations
@@ -68,7 +87,12 @@ def environment() -> dict[str, str]:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    versions = {p: metadata.version(p) for p in ("jax", "jaxlib", "numpy", "gguf")}
+    versions = {}
+    for p in ("jax", "jaxlib", "numpy", "gguf"):
+        try:
+            versions[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            versions[p] = "not installed"
     return {
         "device": f"{d.platform} ({d.device_kind})",
         "host": f"{cpu}, {os.cpu_count()} logical CPUs",
@@ -91,11 +115,14 @@ def run_batch_size(
     """Serve 2 x `batch` requests sync and overlap at each host-cost ratio; the record."""
     from fm_bench.serve.config import engine_for
     from fm_bench.serve.engine import Engine, ServeResult
-    from fm_bench.serve.gemma.serve import make_requests
+    from fm_bench.serve.gemma.serve import make_requests, random_requests
     from fm_bench.serve.host_cost import HostCost
     from fm_bench.serve.sweep import SweepRun, diff_outputs
 
-    requests = make_requests(loaded, bench_prompts(2 * batch), max_tokens)
+    if loaded.tokenizer is None:  # random weights: random token-id prompts
+        requests = random_requests(loaded, 2 * batch, max_tokens)
+    else:
+        requests = make_requests(loaded, bench_prompts(2 * batch), max_tokens)
     cfg = engine_for(batch, prefill_budget, loaded.model.row_tile)
     engine = Engine(loaded.model, loaded.params, cfg, protocol="gather")
     t0 = time.perf_counter()
@@ -137,6 +164,7 @@ def run_batch_size(
     return {
         "batch": batch,
         "requests": len(requests),
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
         "output_tokens": ref.tokens,
         "stopped_early": sum(1 for o in ref.outputs.values() if o[-1] in stops),
         "tokens_equal": not mismatches,
@@ -178,16 +206,25 @@ def measure_startup(max_tokens: int = 8) -> dict[str, Any]:
 def markdown(doc: dict[str, Any], plot_name: str | None) -> str:
     """The result file: environment, settings, the table, start-up and the plot."""
     env = doc["environment"]
+    dtype = doc.get("dtype", "float32")
+    if doc.get("weights") == "random":
+        model = f"Gemma 3 270M architecture (random weights, {dtype}; no stop token)"
+        prompts = "random token-id prompts of 8 to 32 tokens"
+    else:
+        cast = f", computed in {dtype}" if dtype != "float32" else ""
+        model = f"Gemma 3 270M (Q4_K_M GGUF, dequantized to float32{cast})"
+        prompts = "real prompts"
     lines = [
-        "# Gemma 3 270M served with fm_jax: synchronous vs overlap",
+        f"# Gemma 3 270M{' (random weights)' if doc.get('weights') == 'random' else ''} "
+        "served with fm_jax: synchronous vs overlap",
         "",
         f"Device: {env['device']}; host: {env['host']}. Python {env['python']}, jax "
         f"{env['jax']}, jaxlib {env['jaxlib']}, numpy {env['numpy']}, gguf {env['gguf']}. "
         f"Taken {doc['date']}, `{doc['command']}`.",
         "",
-        f"Model: Gemma 3 270M (Q4_K_M GGUF, dequantized to float32), KV cache of "
+        f"Model: {model}, KV cache of "
         f"{doc['max_seq_len']} positions per slot, row tile {doc['row_tile']}. Per batch "
-        f"size B: 2B requests (real prompts), greedy, at most {doc['max_tokens']} new "
+        f"size B: 2B requests ({prompts}), greedy, at most {doc['max_tokens']} new "
         f"tokens each, prefill budget {doc['prefill_budget']} tokens per step; of "
         f"{doc['repeats']} back-to-back sync/overlap pairs, the one of median speed-up. "
         "Relay protocol: gather.",
@@ -269,18 +306,27 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Gemma 3 270M on {doc['environment']['device']}: sync vs overlap (fm_jax)")
+    what = f" (random weights, {doc.get('dtype')})" if doc.get("weights") == "random" else ""
+    fig.suptitle(f"Gemma 3 270M{what} on {doc['environment']['device']}: sync vs overlap (fm_jax)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def plot_if_possible(doc: dict[str, Any], path: Path) -> Path | None:
+    """`plot`, or None when matplotlib is not installed (the markdown then has no plot)."""
+    try:
+        return plot(doc, path)
+    except ImportError:
+        return None
+
+
 def rewrite(json_path: Path) -> Path:
     """Write the markdown and the plot again from a result JSON (no run)."""
     doc = json.loads(json_path.read_text())
-    png = plot(doc, json_path.with_suffix(".png"))
-    json_path.with_suffix(".md").write_text(markdown(doc, png.name))
+    png = plot_if_possible(doc, json_path.with_suffix(".png"))
+    json_path.with_suffix(".md").write_text(markdown(doc, png.name if png else None))
     return json_path.with_suffix(".md")
 
 
@@ -304,20 +350,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host-cost", choices=("spin", "sleep"), default="sleep")
     p.add_argument("--repeats", type=int, default=3, help="sync/overlap pairs (odd)")
     p.add_argument("--startup", action="store_true", help="also time two fresh starts")
-    p.add_argument("--out", type=Path, help="write gemma_serve_<tag>.{json,md,png} here")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the 270M architecture with random weights and token-id prompts (no weights "
+        "package, gguf or tokenizer); results named gemma_random_<dtype>_<tag>",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights, activations and KV cache (norms and softmax in float32)",
+    )
+    p.add_argument(
+        "--out", type=Path, help="write gemma_serve_<tag>.{json,md,png} (or gemma_random_...) here"
+    )
     p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
     args = p.parse_args(argv)
+    if args.startup and args.random_weights:
+        p.error("--startup times fm-serve on the real weights; leave out --random-weights")
     import jax
 
-    from fm_bench.serve.gemma.load import load_model
+    from fm_bench.serve.gemma import load
 
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    loaded = load_model(max_seq_len=args.max_seq_len, row_tile=args.row_tile)
-    log(f"model loaded in {loaded.load_s:.2f} s")
+    if args.random_weights:
+        loaded = load.random_model(
+            max_seq_len=args.max_seq_len, row_tile=args.row_tile, dtype=args.dtype
+        )
+        log(f"random weights ({args.dtype}) built in {loaded.load_s:.2f} s")
+    else:
+        loaded = load.with_dtype(
+            load.load_model(max_seq_len=args.max_seq_len, row_tile=args.row_tile), args.dtype
+        )
+        log(f"model loaded in {loaded.load_s:.2f} s")
     batches = [
         run_batch_size(
             loaded,
@@ -335,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": environment(),
         "date": time.strftime("%Y-%m-%d"),
         "command": "fm-serve-bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "weights": "random" if args.random_weights else "gguf",
+        "dtype": args.dtype,
         "max_tokens": args.max_tokens,
         "prefill_budget": args.prefill_budget,
         "max_seq_len": args.max_seq_len,
@@ -350,11 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         tag = args.tag or jax.devices()[0].platform
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"gemma_serve_{tag}"
+        name = f"gemma_random_{args.dtype}_{tag}" if args.random_weights else f"gemma_serve_{tag}"
+        stem = args.out / name
         Path(f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
-        png = plot(doc, Path(f"{stem}.png"))
-        Path(f"{stem}.md").write_text(markdown(doc, png.name))
-        log(f"wrote {stem}.{{json,md,png}}")
+        png = plot_if_possible(doc, Path(f"{stem}.png"))
+        Path(f"{stem}.md").write_text(markdown(doc, png.name if png else None))
+        log(f"wrote {stem}.{{json,md,png}}" if png else f"wrote {stem}.{{json,md}} (no matplotlib)")
     return 0 if all(b["tokens_equal"] for b in doc["batches"]) else 1
 
 

@@ -11,6 +11,13 @@ RMS-normed queries and keys and RoPE (the local or global base), RMS norm of its
 residual; RMS norm, gated GELU (tanh) MLP, RMS norm of its output, residual. The embedding
 is scaled by sqrt(d_model) and tied to the LM head. Every matmul and row norm runs on fixed
 row tiles (`tiles.by_tiles`), so a row's logits do not depend on the rest of the batch.
+
+The forward computes in the weights' dtype (float32, or bfloat16: `fm-serve-bench --dtype
+bfloat16`): activations, matmuls and the KV cache (`GemmaModel.dtype`, which must be the
+params' dtype). RMS norms, RoPE, the attention scores and softmax run in float32 and cast
+back (transformers runs its norms and softmax in float32 too); the logits come back as
+float32 for sampling. In float32 every cast is the identity: the float32 forward is the
+plain float32 one, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,13 +47,15 @@ class GemmaModel(NamedTuple):
       cfg: the architecture.
       max_seq_len: S, KV cache positions per slot (prompt + output must fit).
       row_tile: rows per matmul tile; every batch and token bucket is a multiple of it.
-      stop_ids: tokens that end a request (end of sequence, end of turn).
+      stop_ids: tokens that end a request (end of sequence, end of turn); may be empty.
+      dtype: the compute and KV cache dtype, "float32" or "bfloat16": the params' dtype.
     """
 
     cfg: GemmaConfig
     max_seq_len: int = 512
     row_tile: int = 8
     stop_ids: tuple[int, ...] = (1,)
+    dtype: str = "float32"
 
     @property
     def vocab(self) -> int:
@@ -57,7 +66,8 @@ class GemmaModel(NamedTuple):
         """A zeroed KV cache with one row per request-pool slot."""
         c = self.cfg
         shape = (c.n_layers, pool_size, self.max_seq_len, c.n_kv_heads, c.head_dim)
-        return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        dt = jnp.dtype(self.dtype)
+        return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
     def forward(
         self,
@@ -82,18 +92,23 @@ class GemmaModel(NamedTuple):
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) over the last axis, times `scale` (the GGUF's multiplier)."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+    """x / rms(x) over the last axis, times `scale` (the GGUF's multiplier); computed in
+    float32, returned in x's dtype."""
+    xf, f32 = x.astype(jnp.float32), jnp.float32
+    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * scale.astype(f32)
+    return out.astype(x.dtype)
 
 
 def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding of x [T, heads, D] by halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    """Rotary embedding of x [T, heads, D] by halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s);
+    computed in float32, returned in x's dtype."""
+    dtype, x = x.dtype, x.astype(jnp.float32)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).astype(dtype)
 
 
 def _layer_tables(cfg: GemmaConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -121,11 +136,14 @@ def _forward(
     h, kvh, hd = c.n_heads, c.n_kv_heads, c.head_dim
     groups = h // kvh
     eps = c.norm_eps
+    dt = params.embed.dtype
+    if cache.k.dtype != dt:
+        raise ValueError(f"the KV cache is {cache.k.dtype}, the params {dt}: set GemmaModel.dtype")
 
     def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
         return by_tiles(lambda a: _rms_norm(a, scale, eps), x, tile)
 
-    x = params.embed[input_ids] * jnp.float32(np.sqrt(c.d_model))
+    x = params.embed[input_ids] * jnp.asarray(np.sqrt(c.d_model), dt)
     span = jnp.arange(m.max_seq_len)[None, :]  # [1, S]
     causal = span <= positions[:, None]  # [T, S]: within the token's own slot
     inv_freq, window = _layer_tables(c)
@@ -145,10 +163,12 @@ def _forward(
         keys = k_all[i, token_slots]  # [T, S, kvh, D]: each token's own slot
         values = v_all[i, token_slots]
         qg = q.reshape(t, kvh, groups, hd)
-        scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys) * jnp.float32(c.query_scale)
+        scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32)
+        scores = scores * jnp.float32(c.query_scale)
         visible = causal & (span > positions[:, None] - win)  # [T, S]
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        attn = jnp.einsum("tkgs,tskd->tkgd", jax.nn.softmax(scores, axis=-1), values)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        attn = jnp.einsum("tkgs,tskd->tkgd", probs, values)
         x = x + norm(dense(attn.reshape(t, h * hd), w.wo, tile), w.post_attn_norm)
         f = norm(x, w.ffn_norm)
         gated = jax.nn.gelu(dense(f, w.w_gate, tile), approximate=True) * dense(f, w.w_up, tile)
@@ -158,5 +178,6 @@ def _forward(
     layers = (jnp.arange(c.n_layers), params.blocks, jnp.asarray(inv_freq), jnp.asarray(window))
     (x, k_all, v_all), _ = jax.lax.scan(block, (x, cache.k, cache.v), layers)
     last = norm(x[last_token], params.final_norm)
-    logits = by_tiles(lambda a: a @ params.embed.T, last, tile)
+    head = lambda a: jnp.matmul(a, params.embed.T, preferred_element_type=jnp.float32)  # noqa: E731
+    logits = by_tiles(head, last, tile)
     return logits, KVCache(k_all, v_all)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from fm_bench.serve.config import engine_for
 from fm_bench.serve.engine import Engine, ServeResult
 from fm_bench.serve.gemma.load import Loaded
@@ -82,9 +84,44 @@ def make_requests(
 ) -> list[Request]:
     """One request per prompt (tokenized, `<bos>` first); request i samples with seed + i."""
     tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError("the model has no tokenizer (random weights): use random_requests")
     return [
         Request(i, tuple(tok.encode(p)), max_tokens, temperature, seed + i)
         for i, p in enumerate(prompts)
+    ]
+
+
+def random_requests(
+    loaded: Loaded,
+    n: int,
+    max_tokens: int,
+    *,
+    prompt_len: tuple[int, int] = (8, 32),
+    temperature: float = 0.0,
+    seed: int = 0,
+    first_id: int = 3,
+) -> list[Request]:
+    """`n` requests whose prompts are random token ids, no tokenizer needed (random weights).
+
+    Prompt lengths are drawn uniformly from `prompt_len` (inclusive) and the ids from
+    [first_id, vocab) (Gemma's pad, end of sequence and `<bos>` are 0, 1, 2), all from a
+    numpy generator seeded with `seed`; request i samples with seed + i, as `make_requests`.
+    """
+    lo, hi = prompt_len
+    if n < 1 or not 1 <= lo <= hi:
+        raise ValueError(f"need n >= 1 and 1 <= prompt lengths, got {n}, {prompt_len}")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=n)
+    return [
+        Request(
+            i,
+            tuple(int(t) for t in rng.integers(first_id, loaded.model.vocab, size=int(k))),
+            max_tokens,
+            temperature,
+            seed + i,
+        )
+        for i, k in enumerate(lengths)
     ]
 
 
@@ -137,5 +174,6 @@ def serve_prompts(
         if bar is not None:
             bar.close()
     outputs = [result.outputs[r.rid] for r in requests]
-    texts = [loaded.tokenizer.decode(o, skip_special=True) for o in outputs]
+    tok = loaded.tokenizer
+    texts = [tok.decode(o, skip_special=True) if tok is not None else "" for o in outputs]
     return PromptRun(outputs, texts, result, warm)
