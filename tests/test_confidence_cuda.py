@@ -97,6 +97,11 @@ def test_fm_torch_read_with_the_copy_not_done_returns_none_at_once():
     with fm.forward_stream():
         fm.publish(slots, lens, confidence=quick, generation=gen)
         fm.publish(slots, lens, confidence=quick, generation=gen)
+        # Every kernel launched below while the chain runs was launched once before: with
+        # CUDA's lazy module loading a kernel's first launch blocks the host until the
+        # device is idle (an H200 ran the whole chain inside the rows' copy, so the ring
+        # copy was done by the read).
+        x[0, :GAMMA].expand(2, GAMMA).contiguous()
     torch.cuda.synchronize(dev)
     with fm.forward_stream():
         a = x
