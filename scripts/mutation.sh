@@ -97,6 +97,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         # the twins' shared judgements (int casts, declared dtypes, one id per row).
         jax-inputs|jax-host-checks) local r=tests/test_reliability.py
                      echo "tests/test_fm_jax_plans.py tests/test_fm_jax_inputs.py tests/test_fm_jax_host_checks.py
+                           tests/test_fm_jax_host_inputs.py
                            tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                            $table::test_fm_jax_class_refuses_and_keeps_every_byte
                            $r::test_host_negative_tokens_and_lengths_are_refused_by_both_twins

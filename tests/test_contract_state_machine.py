@@ -73,7 +73,6 @@ from jax.experimental import checkify
 
 import fm_jax as fj
 import fm_torch as ft
-from fm_jax.host import host_inputs
 
 R = 5  # live slots 1..4
 ROWS = TOKENS = 4  # the one bucket: every call compiles once
@@ -828,8 +827,18 @@ def test_every_implementation_follows_the_contract_model() -> None:
 
 
 # ------------------------------------------------------------------ the machine is not blind
-def _returns_its_own_rows(self: Any, host: np.ndarray, like: Any) -> Any:
-    return host if like.counts is None else host[: like.counts[0]]
+def _returns_its_own_rows(read: Any) -> Any:
+    """`read` (`FutureMap.resolve_seq_lens_cpu`) handing out a view of rows the map keeps
+    (one array per map, refilled by each read) instead of the caller's own array."""
+    kept: dict[int, np.ndarray] = {}
+
+    def mutant(self: Any, *args: Any, **kwargs: Any) -> Any:
+        got = np.asarray(read(self, *args, **kwargs))
+        rows = kept.setdefault(id(self), np.zeros(64, got.dtype))
+        rows[: len(got)] = got
+        return rows[: len(got)]
+
+    return mutant
 
 
 def test_the_machine_fails_on_a_map_whose_reads_share_its_rows(
@@ -837,7 +846,8 @@ def test_the_machine_fails_on_a_map_whose_reads_share_its_rows(
 ) -> None:
     """The reads' checks are not blind: a map handing `resolve_seq_lens_cpu` a view of its
     own host rows instead of the caller's own array fails the machine."""
-    monkeypatch.setattr(host_inputs.HostInputs, "unpad", _returns_its_own_rows)
+    read = fj.FutureMap.resolve_seq_lens_cpu
+    monkeypatch.setattr(fj.FutureMap, "resolve_seq_lens_cpu", _returns_its_own_rows(read))
     test = get_state_machine_test(
         ContractMachine, settings=settings(SETTINGS, max_examples=100, phases=[Phase.generate])
     )

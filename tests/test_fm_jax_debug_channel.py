@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
+from jax.sharding import Mesh
 
 import fm_jax as fj
 from fm_jax.map.debug_channel import DebugChannel
-from fm_jax.ops.sharding import single_device_layout
 
 
 def _op(x: jax.Array) -> jax.Array:
@@ -25,7 +25,7 @@ def _op(x: jax.Array) -> jax.Array:
 def _both(x: jax.Array) -> tuple[str | None, str | None]:
     """The error message of the plain checkified op, and of the packed-then-unpacked one."""
     checked = checkify.checkify(_op, errors=checkify.user_checks)
-    channel = DebugChannel(single_device_layout(jax.devices()[0]))
+    channel = DebugChannel(fj.mesh_layout(Mesh(np.array(jax.devices()[:1]), ("dp",)), "dp"))
     plain, _ = jax.jit(checked)(x)
     p, _ = jax.jit(channel.checked(_op))(x)
     assert p.ndim == 1 and jnp.issubdtype(p.dtype, jnp.integer)  # one small int array

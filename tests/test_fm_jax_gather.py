@@ -312,20 +312,6 @@ def test_a_resolve_refused_when_traced_takes_no_step() -> None:
     fm.check()
 
 
-def test_which_inputs_a_debug_map_checks_on_the_device() -> None:
-    """`on_device`: an input holding a jax array anywhere (alone, in a tuple, a list, a
-    mapping, a DraftPayload) is checked on the device; host rows, lists of numbers and
-    empty containers are not."""
-    from fm_jax.host.host_inputs import on_device
-
-    dev = jax.device_put(a(1))
-    assert on_device(dev) and on_device((a(1), dev)) and on_device({0: dev})
-    assert on_device(fj.DraftPayload(dev, a(1), a(1)))
-    assert not on_device(a(1)) and not on_device([1, 2]) and not on_device((a(1), a(2)))
-    assert not on_device({0: a(1)}) and not on_device(()) and not on_device(None)
-    assert not on_device(3)
-
-
 def test_a_negative_id_refusal_lists_the_negative_ones_only() -> None:
     """The gather protocol's negative-id refusal lists the negative ids (not 0), at most
     eight of them."""
@@ -534,22 +520,3 @@ def test_debug_reports_negative_device_ids() -> None:
     )
     with pytest.raises(checkify.JaxRuntimeError, match="negative id -4"):
         err.throw()
-
-
-def test_buckets_that_skip_a_token_bucket_still_serve_a_traced_decode() -> None:
-    """Defect (found beside reliability round two): with batch buckets (4, 8, 32) and token
-    buckets (4, 16, 64), 16 tokens paired with 32 rows, so a gather warm-up with traced
-    modes failed (a DECODE gathers one id per row: T >= B) and so did serving such a batch.
-    Tokens now go up to the bucket that holds the rows: warm-up and a traced DECODE of 10
-    rows run, the DECODE from the warmed executables."""
-    from fm_jax.host.buckets import resolve_sizes
-
-    assert resolve_sizes(10, 10, (4, 8, 32), (4, 16, 64)) == (32, 64)
-    assert resolve_sizes(3, 3, (4, 8, 32), (4, 16, 64)) == (4, 4)
-    fm = fj.FutureMap(64, protocol="gather", batch_buckets=(4, 8, 32), token_buckets=(4, 16, 64))
-    fm.warm_up(guard=True)
-    idx = np.arange(1, 11, dtype=np.int32)
-    fm.publish(idx, idx)
-    fm.stash(idx, idx + 100)
-    out = fm.resolve(fj.Batch(jnp.int32(D), idx, np.zeros(10, np.int32), idx))
-    assert host(out.input_ids)[:10] == (idx + 100).tolist()

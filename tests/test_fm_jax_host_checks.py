@@ -14,7 +14,6 @@ import pytest
 
 import fm_jax as fj
 from fm_jax.host import host_checks
-from fm_jax.ops.protocol import Rules
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 R = 16
@@ -86,7 +85,7 @@ def test_a_relayed_field_is_an_int() -> None:
 def test_the_order_check_names_the_rank_of_several() -> None:
     """A spec MIXED batch of two DP ranks: a rank that is not MIXED is skipped, a MIXED
     rank in order passes, and one out of order is refused naming its rank."""
-    rules = Rules(mixed_order=True)
+    rules = host_checks.Rules(mixed_order=True)
     rows = np.array([5, 3, 2, 0, 4, 6, 1, 0], np.int32)  # 4 rows per rank
 
     def run(modes: list[Any], toks: list[int]) -> None:

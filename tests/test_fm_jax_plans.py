@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fm_jax as fj
-from fm_jax.ops.errors import FutureMapError
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 R = 16
@@ -40,8 +39,8 @@ def _both(placement: Any, method: str, general: str, *args: Any, **kwargs: Any) 
     call) agree: the same Placed, or the same error."""
     try:
         want = getattr(placement, general)(*args, **kwargs)
-    except FutureMapError as e:
-        with pytest.raises(FutureMapError) as err:
+    except fj.FutureMapError as e:
+        with pytest.raises(fj.FutureMapError) as err:
             getattr(placement, method)(*args, **kwargs)
         assert str(err.value) == str(e)
         return

@@ -1,6 +1,7 @@
 """fm_jax's structure, held: no import circle among its modules, and no module reading
 another class's private members (docs/CONTRACT.md's layering: placement, registry and
-runtime are used through their public methods).
+runtime are used through their public methods). Its tests follow the layers: a test file
+tests the public API or one module, named after it.
 
 Read from the source with `ast`; nothing is imported or run.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fm_jax"
+TESTS = Path(__file__).resolve().parent
 NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
 
 
@@ -151,3 +153,35 @@ def test_every_module_lives_in_a_layer() -> None:
     ops/, host/ or map/."""
     names = [n for n in _modules() if n != "fm_jax"]
     assert [n for n in names if n.split(".")[1] not in LAYERS] == []
+
+
+def _tests_internal_imports() -> dict[str, set[str]]:
+    """Each tests/*.py file's imports of fm_jax modules below the package's face (anywhere
+    in the file, a function's own imports included; `fm_jax` itself is the face)."""
+    modules = set(_modules())
+    return {
+        path.name: _imports("fm_jax", ast.parse(path.read_text(), str(path)), modules)
+        for path in sorted(TESTS.glob("*.py"))
+    }
+
+
+def test_a_test_file_imports_at_most_one_module_below_the_face() -> None:
+    """Pins tests reaching past the module they test into its neighbours (a debug channel
+    test building its layout with `ops.sharding`, a warm-up test asking `host.keys` and
+    `ops.protocol`): a test file imports the public package and at most one internal
+    module, the one it tests; what else it needs comes through the public API."""
+    many = {f: sorted(m) for f, m in _tests_internal_imports().items() if len(m) > 1}
+    assert many == {}
+
+
+def test_a_test_file_of_an_internal_module_is_named_after_it() -> None:
+    """Pins a module's tests scattered among files named for something else (`pack` tested
+    in the engine step's file, `resolve_sizes` in the gather protocol's): a test file that
+    imports one module below the face is tests/test_fm_jax_<module>.py."""
+    misnamed = {
+        f: f"test_fm_jax_{m.rsplit('.', 1)[-1]}.py"
+        for f, ms in _tests_internal_imports().items()
+        for m in ms
+        if len(ms) == 1 and f != f"test_fm_jax_{m.rsplit('.', 1)[-1]}.py"
+    }
+    assert misnamed == {}

@@ -370,36 +370,3 @@ def test_the_guard_refuses_an_array_on_another_device_by_name() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["refused", "0", "True"]
-
-
-@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
-def test_warm_up_and_serving_key_executables_by_one_typed_key(protocol: str) -> None:
-    """Warm-up plans, the class's calls and the serving guard share one key type
-    (`keys.Key`): every planned key is one, and after a guarded warm-up each op of a
-    serving loop finds its executable under the key the call builds (a key built apart,
-    e.g. a bare tuple, would find nothing and be refused)."""
-    from fm_jax.host.keys import Key
-
-    fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(4,), protocol=protocol)
-    fm.warm_up(guard=True)
-    serving = fm._registry._serving
-    assert serving is not None and all(type(k) is Key for k, _ in serving)
-    slots = np.array([1, 2], np.int32)
-    ids = None if protocol == "gather" else -slots
-    fm.publish(slots, np.array([3, 4], np.int32))
-    fm.stash(slots, np.array([5, 6], np.int32))
-    fm.resolve(fj.Batch(fj.ForwardMode.DECODE, slots, ids, np.array([3, 4], np.int32)))
-    assert (Key("publish", 2), None) in serving and (("publish", 2), None) not in serving
-
-
-def test_the_protocols_rules_are_answered_in_one_place() -> None:
-    """Each rule that differs between the protocols is one property of its Protocol
-    object, parsed once from the public string."""
-    from fm_jax.ops.protocol import parse_protocol as relay_protocol
-
-    s, g = relay_protocol("sentinel"), relay_protocol("gather")
-    assert s.invalidates and not g.invalidates
-    assert g.gathers_decode_ids and g.takes_token_slots and g.serves_spec_mixed
-    assert not (s.gathers_decode_ids or s.takes_token_slots or s.serves_spec_mixed)
-    with pytest.raises(fj.FutureMapError, match="protocol must be one of"):
-        relay_protocol("gathered")

@@ -268,24 +268,6 @@ def test_an_engine_forward_may_stash_part_of_its_draft() -> None:
     assert np.asarray(fm.state.output_tokens)[SLOTS].tolist() == (lens + 7).tolist()
 
 
-def test_a_field_is_relayed_per_rank_once_a_stash_there_carried_it() -> None:
-    """Per DP rank, as each SGLang rank's own map makes its buffers: a stash with no row on
-    a rank (its count 0) relays nothing there; a field left out stays unrelayed; once
-    every rank has every optional field the record is dropped (one check per call)."""
-    from fm_jax.host.host_inputs import Rows
-    from fm_jax.map.runtime import MapRuntime
-
-    rt = MapRuntime(lambda: None, None, None, None, optional=("topk_p", "dsa"), dp=2)  # type: ignore[arg-type]
-    rt.stashed(Rows(None, 2, (2, 0), True), ("dsa",))
-    assert rt.relayed(0) == ("topk_p",) and rt.relayed(1) == ()
-    rt.stashed(Rows(None, 2, (0, 1), True), ())
-    assert rt.relayed(1) == ("topk_p", "dsa") and rt.unstashed is not None
-    rt.stashed(Rows(None, 2, None, False), ())  # jax-array slots: every rank
-    assert rt.unstashed is None and rt.relayed(0) == ("topk_p", "dsa")
-    rt.reset()
-    assert rt.relayed(0) == rt.relayed(1) == ()
-
-
 def test_fm_torch_makes_an_engine_field_buffer_when_a_draft_first_carries_it() -> None:
     """As SGLang makes `draft_probs_buf` and `dsa_topk_indices_buf`: an untracked engine
     field first carried by a later draft gets its buffer then (zeros elsewhere), which

@@ -1,8 +1,8 @@
-"""The one-row path: a batch of one row (a static shape; the default buckets start at 1)
-compiles to a dynamic slice or a select and dynamic-update-slice, not a gather or a
-scatter (XLA's simplifiers rewrite a one-index gather or scatter so), with the bytes of
-the contract's rule at every slot, out-of-range ones included: a write drops, a read
-clips (a plain dynamic-update-slice would clamp a write into slot 0 or R-1)."""
+"""The one-row path (fm_jax/ops/rows.py): a batch of one row (a static shape; the default
+buckets start at 1) compiles to a dynamic slice or a select and dynamic-update-slice, not a
+gather or a scatter (XLA's simplifiers rewrite a one-index gather or scatter so), with the
+bytes of the contract's rule at every slot, out-of-range ones included: a write drops, a
+read clips (a plain dynamic-update-slice would clamp a write into slot 0 or R-1)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,26 @@
+"""A caller's inputs met directly (fm_jax/host/host_inputs.py): which of them a debug map
+checks on the device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import fm_jax as fj
+from fm_jax.host.host_inputs import on_device
+
+
+def a(*x: int) -> np.ndarray:
+    return np.array(x, np.int32)
+
+
+def test_which_inputs_a_debug_map_checks_on_the_device() -> None:
+    """`on_device`: an input holding a jax array anywhere (alone, in a tuple, a list, a
+    mapping, a DraftPayload) is checked on the device; host rows, lists of numbers and
+    empty containers are not."""
+    dev = jax.device_put(a(1))
+    assert on_device(dev) and on_device((a(1), dev)) and on_device({0: dev})
+    assert on_device(fj.DraftPayload(dev, a(1), a(1)))
+    assert not on_device(a(1)) and not on_device([1, 2]) and not on_device((a(1), a(2)))
+    assert not on_device({0: a(1)}) and not on_device(()) and not on_device(None)
+    assert not on_device(3)
