@@ -27,7 +27,7 @@ from fm_jax.host.host_inputs import HostInputs, Rows
 from fm_jax.host.keys import Key
 from fm_jax.host.plans import Placed
 from fm_jax.host.step_inputs import StepInput, given_inputs
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Part, Protocol, Rules
 from fm_jax.ops.types import Batch, ForwardMode, SpecConfig, host_mode
@@ -257,7 +257,7 @@ class BatchPlacement:
         (or, token slots, where no rank is MIXED: every slot given is 0, by the rules)."""
         draft, slots = given.draft, given.token_slots
         if self.spec is None and (draft if given.ranks is not None else draft is not None):
-            raise refusals.draft_indices_on_plain_map()
+            raise errors.draft_indices_on_plain_map()
         if given.ranks is None:
             return (slots if ids is not None else None), draft
         dt = self.inputs.dtype

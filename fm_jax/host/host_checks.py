@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol, Rules
 from fm_jax.ops.types import ForwardMode
@@ -133,7 +133,7 @@ class HostChecks:
         """`a`, refused unless it has `dtype`, the declared dtype of a field that is not an
         int (its rows are never cast: a cast could change their values or bits)."""
         if a.dtype != dtype:
-            raise refusals.not_the_declared_dtype(name, a.dtype, dtype)
+            raise errors.not_the_declared_dtype(name, a.dtype, dtype)
         return a
 
 

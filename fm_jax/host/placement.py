@@ -26,7 +26,7 @@ from fm_jax.host.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax.host.keys import Key
 from fm_jax.host.plans import Placed, Plan, Role, signature
 from fm_jax.host.step_inputs import StepInput
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.ops import CONFIDENCE_DTYPE, confidence_width, payload_rows
@@ -176,7 +176,7 @@ class Placement:
     ) -> Placed:
         inputs = self.inputs
         if confidence is not None and not confidence_width(self.spec):
-            raise refusals.confidence_not_declared()
+            raise errors.confidence_not_declared()
         idx = inputs.slots("indices", indices, rows)
         if idx.empty:
             return Placed(Key(op, idx.size), (), None, idx)  # DP idle: nothing to relay
@@ -209,7 +209,7 @@ class Placement:
         inputs = self.inputs
         drafts = list(payload.values()) if isinstance(payload, Mapping) else [payload]
         if not drafts and self.spec is not None:
-            raise refusals.tokens_on_spec_map(per_rank=True)
+            raise errors.tokens_on_spec_map(per_rank=True)
         for p in drafts:  # each rank's payload: its kind and declared fields, as the ops judge
             payload_rows(self.spec, p)
         if self.spec is None:

@@ -36,7 +36,7 @@ from fm_jax.map.entry_points import tail
 from fm_jax.map.registry import Call, Registry, WarmUpReport
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.map.warm_up import empty_batches, empty_inputs, on_device
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
@@ -183,7 +183,7 @@ class EngineStep:
                 runtime.refuse_if_lost()
             ring = runtime.confidence
             if ring is None and generation is not None:
-                raise refusals.generation_without_confidence("the engine step", relay=False)
+                raise errors.generation_without_confidence("the engine step", relay=False)
             placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
             gens = None if ring is None else ring.generations(generation, placed.idx)
             exe = self._registry.executable(placed.key, placed.pack, len(args))

@@ -23,7 +23,7 @@ import numpy as np
 from fm_jax.host.plans import Placed
 from fm_jax.map.confidence import ResolvedConfidence
 from fm_jax.map.map_core import MapCore, serialized
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.types import Batch, DraftPayload, MixedTails, Resolved, RowsInput, draft_payload
 
@@ -126,7 +126,7 @@ class FutureMap(MapCore):
 
     def _generation_alone(self, call: str) -> FutureMapError:
         """The refusal of `generation=` given to `call` without `confidence=`."""
-        return refusals.generation_without_confidence(call, self._runtime.confidence is not None)
+        return errors.generation_without_confidence(call, self._runtime.confidence is not None)
 
     def _generations(self, generation: Any, placed: Placed) -> dict[int, np.ndarray]:
         """The generations snapshotted with confidence rows (placed: the map has the relay),
@@ -286,7 +286,7 @@ class FutureMap(MapCore):
         gather protocol, which leaves no sentinels.
         """
         if not self._protocol.invalidates:
-            raise refusals.invalidate_in_gather_protocol()
+            raise errors.invalidate_in_gather_protocol()
         return self._sentinels(batch, indices, rows)
 
     def _sentinels(self, batch: Batch, indices: RowsInput, rows: int | None) -> Batch:

@@ -1,4 +1,9 @@
-"""Errors raised by fm_jax."""
+"""The errors fm_jax raises, and the refusals that several of its modules make, each
+worded once.
+
+A refusal is a function returning the FutureMapError to raise: the class makes it on the
+host before placing, the pure ops when traced, with the same words; `where` prefixes the
+field with the batch it came from (e.g. "batch[rank 1]." on a mapping of DP ranks)."""
 
 from __future__ import annotations
 
@@ -66,3 +71,135 @@ class InvariantViolation(RuntimeError):
         self.slots = list(slots)
         self.violations: list[InvariantViolation] = list(violations) or [self]
         super().__init__(message)
+
+
+# ------------------------------------------------------------------ refusals
+def draft_on_plain_map() -> FutureMapError:
+    """stash got a DraftPayload on a map built without spec."""
+    return FutureMapError("stash got a DraftPayload but the map was built without spec")
+
+
+def tokens_on_spec_map(per_rank: bool = False) -> FutureMapError:
+    """stash on a spec map got something other than a DraftPayload."""
+    tail = " (per rank on a mapping)" if per_rank else ""
+    return FutureMapError(f"stash on a spec map takes a DraftPayload{tail}")
+
+
+def draft_indices_on_plain_map() -> FutureMapError:
+    """A batch brings draft indices to a map built without spec."""
+    return FutureMapError("batch.draft_indices given but the map was built without spec")
+
+
+def token_slots_in_sentinel_protocol(where: str = "batch.") -> FutureMapError:
+    """A batch brings token slots to a sentinel-protocol map."""
+    return FutureMapError(
+        f"{where}token_slots is for the gather protocol; this map relays by sentinels"
+    )
+
+
+def token_slots_for_decode(where: str = "") -> FutureMapError:
+    """A DECODE batch brings token slots (gather protocol: it gathers at its slots)."""
+    return FutureMapError(
+        f"{where}token_slots given for a DECODE batch: it gathers at req_pool_indices"
+    )
+
+
+def mixed_without_token_slots(where: str = "") -> FutureMapError:
+    """A MIXED batch in the gather protocol comes without token slots."""
+    head = f"{where}token_slots missing: a" if where else "a"
+    return FutureMapError(
+        f"{head} MIXED batch in the gather protocol needs token_slots (the running rows' "
+        "slots at their token positions, 0 elsewhere)"
+    )
+
+
+def ids_for_gathered_decode(where: str = "") -> FutureMapError:
+    """A non-spec DECODE batch brings ids in the gather protocol (they are gathered)."""
+    return FutureMapError(
+        f"{where}input_ids given for a DECODE batch: in the gather protocol its ids are "
+        "gathered at req_pool_indices (pass None)"
+    )
+
+
+def spec_mixed_in_sentinel_protocol() -> FutureMapError:
+    """A spec MIXED batch reaches a sentinel-protocol map."""
+    return FutureMapError(
+        "a spec MIXED batch is a gather-protocol feature (its running rows' lengths are "
+        "bound at resolve); this map relays by sentinels"
+    )
+
+
+def no_ids_with_traced_mode(where: str = "") -> FutureMapError:
+    """A gather-protocol batch without ids whose mode is traced (its kind is known only on
+    the device, so it cannot be the DECODE batch that may come without ids)."""
+    return FutureMapError(
+        f"{where}input_ids is None with a traced forward_mode: a batch whose kind is "
+        "known only on the device brings its ids (any id >= 0 at DECODE rows: they are "
+        "gathered)"
+    )
+
+
+def no_ids_for_kind(kinds: str, where: str = "") -> FutureMapError:
+    """A gather-protocol batch of kind(s) `kinds` (not DECODE) without ids."""
+    return FutureMapError(
+        f"{where}input_ids is None with forward_mode {kinds}: only a DECODE batch comes "
+        "without ids in the gather protocol"
+    )
+
+
+def invalidate_in_gather_protocol() -> FutureMapError:
+    """`invalidate` on a gather-protocol map, which leaves no sentinels."""
+    return FutureMapError(
+        "invalidate: the gather protocol leaves no sentinels (resolve gathers the decode ids "
+        "at forward entry)"
+    )
+
+
+def not_the_declared_dtype(name: str, given: object, declared: object) -> FutureMapError:
+    """A field that is not an int got rows of another dtype than its declared one (such
+    rows are never cast: a cast could change their values or bits)."""
+    return FutureMapError(
+        f"{name} has dtype {given}, declared {declared}: give its rows in that dtype"
+    )
+
+
+def confidence_not_declared() -> FutureMapError:
+    """Confidence rows given to a map whose spec declares no confidence relay."""
+    return FutureMapError(
+        "confidence given but the map relays none: declare its width, "
+        "SpecConfig(..., confidence=gamma)"
+    )
+
+
+def generation_without_confidence(call: str, relay: bool) -> FutureMapError:
+    """`generation=` given where no confidence rows go with it (the generations are only
+    ever snapshotted with confidence rows): `call` (publish, finish) without `confidence=`
+    on a map with the relay (`relay`), or any call of a map without one."""
+    if relay:
+        return FutureMapError(
+            f"{call}: generation given without confidence: the generations are snapshotted "
+            "with confidence rows only; pass both, or neither"
+        )
+    return FutureMapError(
+        f"{call}: generation given but the map relays no confidence (declare its width, "
+        "SpecConfig(..., confidence=gamma)); pass generation only with confidence rows"
+    )
+
+
+def tracked_field_missing(name: str) -> FutureMapError:
+    """A draft stash leaves out a consume-tracked field, which every stash writes: every
+    draft gather reads and consumes it."""
+    return FutureMapError(
+        f"draft.{name} is missing: a consume-tracked field, which every draft stash writes "
+        "(each draft gather consumes it)"
+    )
+
+
+def topk_half(given: str, missing: str) -> FutureMapError:
+    """A draft stash gives one of the two top-k fields without the other."""
+    return FutureMapError(f"draft.{given} given without draft.{missing}: top-k comes whole")
+
+
+def empty_draft() -> FutureMapError:
+    """A draft stash that writes no field."""
+    return FutureMapError("the draft stashed relays no field")

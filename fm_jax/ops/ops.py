@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fm_jax.ops import checks, refusals, row_kernel
+from fm_jax.ops import checks, errors, row_kernel
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops import shapes as s
 from fm_jax.ops.errors import FutureMapError
@@ -164,7 +164,7 @@ def check_confidence(spec: SpecConfig | None, confidence: Any, rows: int) -> Non
     declares `confidence`; refused on any other map (FutureMapError naming the field)."""
     gamma = confidence_width(spec)
     if not gamma:
-        raise refusals.confidence_not_declared()
+        raise errors.confidence_not_declared()
     s.check_array("confidence", confidence, (rows, gamma))
     s.check_declared_dtype("confidence", confidence, CONFIDENCE_DTYPE)
 
@@ -278,9 +278,9 @@ def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[Future
     idx: jax.Array = batch.req_pool_indices  # type: ignore[assignment]  # traced here
     chk = checks.OpChecks() if cfg.debug else None
     if cfg.spec is None and batch.draft_indices is not None:
-        raise refusals.draft_indices_on_plain_map()
+        raise errors.draft_indices_on_plain_map()
     if batch.token_slots is not None and not protocol.takes_token_slots:
-        raise refusals.token_slots_in_sentinel_protocol()
+        raise errors.token_slots_in_sentinel_protocol()
     check_indices(cfg, "req_pool_indices", idx, chk)
     mode = batch.forward_mode
     if isinstance(mode, int | np.integer):  # a host int branches when traced
@@ -293,9 +293,9 @@ def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[Future
         if not protocol.gathers_decode_ids:
             raise FutureMapError("batch.input_ids is None: a sentinel-protocol batch has ids")
         if not isinstance(mode, int | np.integer):
-            raise refusals.no_ids_with_traced_mode("batch.")
+            raise errors.no_ids_with_traced_mode("batch.")
         if mode != ForwardMode.DECODE:
-            raise refusals.no_ids_for_kind(ForwardMode(mode).name, "batch.")
+            raise errors.no_ids_for_kind(ForwardMode(mode).name, "batch.")
         batch = batch._replace(input_ids=jnp.zeros(jnp.shape(idx)[0], dt))
     s.check_1d_int("input_ids", batch.input_ids, dt)
     s.check_1d_int("seq_lens", batch.seq_lens, dt)
@@ -306,7 +306,7 @@ def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[Future
 def invalidate(cfg: OpsConfig, batch: Batch, indices: Any) -> Batch:
     """Leave sentinels for the next step: ids and lengths := -indices (padding: 0)."""
     if not cfg.protocol.invalidates:
-        raise refusals.invalidate_in_gather_protocol()
+        raise errors.invalidate_in_gather_protocol()
     s.check_1d_int("indices", indices, cfg.dtype)
     sentinel = -jnp.asarray(indices).astype(cfg.dtype)
     return batch._replace(input_ids=sentinel, seq_lens=sentinel)

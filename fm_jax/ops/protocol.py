@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import refusals, resolve_ops
+from fm_jax.ops import errors, resolve_ops
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.types import ForwardMode, SpecConfig
 
@@ -160,9 +160,9 @@ class _Sentinel(Protocol):
         batch; a non-spec DECODE batch's ids are one per row."""
         for p in parts:
             if p.slots:
-                raise refusals.token_slots_in_sentinel_protocol(p.where or "batch.")
+                raise errors.token_slots_in_sentinel_protocol(p.where or "batch.")
         if spec is not None and any(ForwardMode.MIXED in (p.modes or ()) for p in parts):
-            raise refusals.spec_mixed_in_sentinel_protocol()
+            raise errors.spec_mixed_in_sentinel_protocol()
         return Rules(ids_per_row=spec is None)
 
     def sentinels(self, indices: jax.Array, ids: int) -> Any:
@@ -217,27 +217,27 @@ class _Gather(Protocol):
         for i, p in enumerate(parts):
             if p.modes is None:  # traced: its kind is known only on the device
                 if not p.ids:
-                    raise refusals.no_ids_with_traced_mode(p.where)
+                    raise errors.no_ids_with_traced_mode(p.where)
                 continue
             decode = p.scalar and p.modes == (ForwardMode.DECODE,)
             if decode and not by_rank and (not p.ids or spec is None):
                 if p.ids:
-                    raise refusals.ids_for_gathered_decode(p.where)
+                    raise errors.ids_for_gathered_decode(p.where)
                 if p.slots:
-                    raise refusals.token_slots_for_decode(p.where)
+                    raise errors.token_slots_for_decode(p.where)
                 places_ids = False  # T = B: the ids are gathered on the device
                 continue
             if not p.ids:  # only a DECODE batch (or rank) comes without ids
                 kinds = set(p.modes) - (set() if p.scalar else {ForwardMode.IDLE})
                 if kinds - {ForwardMode.DECODE}:
-                    raise refusals.no_ids_for_kind("/".join(sorted(k.name for k in kinds)), p.where)
+                    raise errors.no_ids_for_kind("/".join(sorted(k.name for k in kinds)), p.where)
                 zero_ids.append(i)
             elif decode and spec is None:  # a mapping's non-spec DECODE rank
-                raise refusals.ids_for_gathered_decode(p.where)
+                raise errors.ids_for_gathered_decode(p.where)
             if not p.slots and ForwardMode.MIXED in p.modes:
-                raise refusals.mixed_without_token_slots(p.where)
+                raise errors.mixed_without_token_slots(p.where)
             if p.slots and p.modes == (ForwardMode.DECODE,):
-                raise refusals.token_slots_for_decode(p.where)
+                raise errors.token_slots_for_decode(p.where)
             if p.slots and ForwardMode.MIXED not in p.modes:
                 kinds_named = "/".join(sorted({m.name for m in p.modes}))
                 zero_slots.append((i, p.where, kinds_named))

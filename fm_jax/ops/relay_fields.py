@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -216,12 +216,12 @@ def carried(fields: tuple[RelayField, ...], draft: Any) -> tuple[RelayField, ...
         if get(draft, f.name) is not None:
             out.append(f)
         elif f.consumed:
-            raise refusals.tracked_field_missing(f.name)
+            raise errors.tracked_field_missing(f.name)
     for given, missing in (("topk_p", "topk_index"), ("topk_index", "topk_p")):
         if getattr(draft, given) is not None and getattr(draft, missing) is None:
-            raise refusals.topk_half(given, missing)
+            raise errors.topk_half(given, missing)
     if not out:
-        raise refusals.empty_draft()
+        raise errors.empty_draft()
     return tuple(out)
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import checks, refusals
+from fm_jax.ops import checks, errors
 from fm_jax.ops import shapes as s
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.rows import (
@@ -49,7 +49,7 @@ def resolve_sentinel(
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     known = isinstance(mode, int | np.integer)
     if spec is not None and known and mode == ForwardMode.MIXED:
-        raise refusals.spec_mixed_in_sentinel_protocol()
+        raise errors.spec_mixed_in_sentinel_protocol()
     if spec is not None and chk is not None and not known:
         checks.no_spec_mixed(mode, dt, chk)
     if known:
@@ -160,9 +160,9 @@ def resolve_gather(
     takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
     if known:
         if mode == ForwardMode.MIXED and ts_in is None:
-            raise refusals.mixed_without_token_slots()
+            raise errors.mixed_without_token_slots()
         if ts_in is not None and is_decode:
-            raise refusals.token_slots_for_decode()
+            raise errors.token_slots_for_decode()
     if chk is not None:
         checks.ids_not_negative(ids, chk)
     reads: Reads = []

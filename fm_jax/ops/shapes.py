@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import refusals
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 
 
@@ -72,4 +72,4 @@ def check_scalar_int(name: str, x: Any) -> None:
 def check_declared_dtype(name: str, x: Any, dtype: np.dtype) -> None:
     """Raise unless `x` has `dtype`, the declared dtype of a field that is not an int."""
     if _dtype(x) != dtype:
-        raise refusals.not_the_declared_dtype(name, _dtype(x), dtype)
+        raise errors.not_the_declared_dtype(name, _dtype(x), dtype)

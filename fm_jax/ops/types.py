@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import refusals, row_kernel
+from fm_jax.ops import errors, row_kernel
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.relay_fields import STANDARD, RelayField, standard_fields
@@ -255,12 +255,12 @@ def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]
     `draft.<name>` (None where not given). What every entry point of stash checks first."""
     if spec is None:
         if isinstance(payload, DraftPayload):
-            raise refusals.draft_on_plain_map()
+            raise errors.draft_on_plain_map()
         if payload is None:
             raise FutureMapError("tokens is missing: stash on a map without spec takes [B] ints")
         return [("tokens", payload)]
     if not isinstance(payload, DraftPayload):
-        raise refusals.tokens_on_spec_map()
+        raise errors.tokens_on_spec_map()
     fields = spec.fields()
     rf.check_declared(fields, payload)
     return [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields]
