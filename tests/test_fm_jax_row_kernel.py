@@ -280,6 +280,7 @@ def test_on_a_gpu_each_spec_op_is_one_kernel_in_place_with_the_same_bytes() -> N
         spec = fj.SpecConfig(8, 4096, jnp.bfloat16, kernel=kernel)
         ops = fj.future_map(pool, spec=spec, protocol="gather")
         stash = jax.jit(ops.stash, donate_argnums=(0,))
+
         def resolve_decode(s: Any, bt: Any, ops: Any = ops) -> Any:  # lengths, draft
             return ops.resolve(s, bt._replace(forward_mode=fj.ForwardMode.DECODE))[1][1:]
 
