@@ -6,7 +6,8 @@ steps, a trivial forward `(ids * 31 + 7) % V` plus three engine arrays per row):
 - `fm_jax_step`: `FutureMap.engine_step` fed numpy (the batch and the engine's arrays), as a
   host scheduler feeds it: host checks, padding, one packed transfer, one dispatch.
 - `no_map_packed` (its baseline): the same forward in the engine's own jit, fed the same
-  numpy arrays packed into one transfer; no relay. `fm_jax_step - no_map_packed` is the
+  numpy arrays packed into one transfer by the engine's own packing (`fm_bench.packing`,
+  as vLLM's TPU runner packs its host arrays); no relay. `fm_jax_step - no_map_packed` is the
   map's marginal cost.
 - `no_map_arrays`: that baseline with one numpy argument per array (no packing): what
   packing saves.
@@ -58,9 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax as fj
+from fm_bench.packing import pack, unpack
 from fm_bench.plan import EngineStepPlan
 from fm_bench.report import write_result
-from fm_jax.host.packing import pack, unpack
 
 VOCAB = 32000
 DECODE = fj.ForwardMode.DECODE
@@ -100,8 +101,8 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
     def no_map(ids: Any, extra: Any) -> Any:
         return _tokens(ids, extra)
 
-    spec, _, _ = pack((np_batch.input_ids, host))
-    packed_fn = jax.jit(lambda p: no_map(*unpack(spec, p, ())), compiler_options=options)
+    spec, _ = pack((np_batch.input_ids, host))
+    packed_fn = jax.jit(lambda p: no_map(*unpack(spec, p)), compiler_options=options)
     arrays_fn = jax.jit(no_map, compiler_options=options)
 
     def packed_call() -> Any:
@@ -116,9 +117,9 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
         tokens = no_map(ids, extra)
         return kv.at[slots].set(tokens), tokens
 
-    cspec, _, _ = pack((slots, np_batch.input_ids, host))
+    cspec, _ = pack((slots, np_batch.input_ids, host))
     carry_packed = jax.jit(
-        lambda kv, p: carry(kv, *unpack(cspec, p, ())), donate_argnums=0, compiler_options=options
+        lambda kv, p: carry(kv, *unpack(cspec, p)), donate_argnums=0, compiler_options=options
     )
     carry_arrays = jax.jit(carry, donate_argnums=0, compiler_options=options)
     kv = {"packed": jnp.zeros(pool, jnp.int32), "jax": jnp.zeros(pool, jnp.int32)}

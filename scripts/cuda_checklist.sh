@@ -90,7 +90,7 @@ run_step() {
         step startup 150 "$py" -m fm_bench.startup --runs 1 --maps plain spec spec_pallas debug \
             --json "$out/startup_cuda.json"
         ;;
-    serve) step serve 90 "$py" -m fm_bench.serve.cli --out "$out" --tag cuda ;;
+    serve) step serve 90 "$py" -m fm_serve.cli --out "$out" --tag cuda ;;
     host_lengths)
         step host_lengths 45 "$py" -m fm_bench.host_lengths --out "$out/host_lengths"
         moved "$out/host_lengths" host_lengths
@@ -107,7 +107,7 @@ run_step() {
         ;;
     sweeps) step sweeps 300 "$py" -m fm_bench.cli --no-startup --no-protocols --out "$out/sweeps" ;;
     gemma_random)
-        step gemma_random 240 "$py" -m fm_bench.serve.gemma.bench --random-weights --dtype bfloat16 \
+        step gemma_random 240 "$py" -m fm_serve.gemma.bench --random-weights --dtype bfloat16 \
             --batch-sizes 8,32,128 --max-tokens 32 --repeats 1 --max-seq-len 128 --row-tile 16 \
             --prefill-budget 256 --out "$out" --tag cuda
         ;;

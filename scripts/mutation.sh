@@ -239,7 +239,7 @@ rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
         cp -a tests/. "$dir/mutants/tests/"
         # Today's code beside today's tests: every package file but the mutated one (the
         # same as the run's), in the snapshot and in mutmut's copy of it.
-        git ls-files -z --cached --others --exclude-standard -- fm_jax fm_torch fm_parity fm_bench |
+        git ls-files -z --cached --others --exclude-standard -- fm_jax fm_torch fm_parity fm_bench fm_serve |
             while IFS= read -r -d '' f; do
                 [ "$f" = "$file" ] && continue
                 for d in "$dir" "$dir/mutants"; do
@@ -296,7 +296,7 @@ main() {
         cat >>"$dir/pyproject.toml" <<EOF
 
 [tool.mutmut]
-source_paths = ["fm_jax", "fm_torch", "fm_parity", "fm_bench"]
+source_paths = ["fm_jax", "fm_torch", "fm_parity", "fm_bench", "fm_serve"]
 only_mutate = ["$file"]
 mutate_only_covered_lines = true
 $(selection "$g")

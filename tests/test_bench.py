@@ -181,27 +181,6 @@ def test_whole_buffer_ops_counts_the_naive_copy() -> None:
     assert inplace.whole_buffer_ops(hlo, pool)
 
 
-def test_thread_split_benchmark_runs_on_tiny_sizes() -> None:
-    """fm_bench.thread_split: both option sets measured per pool, splits counted."""
-    from fm_bench import thread_split
-
-    rows = thread_split.measure(batch=8, pools=[64, 128], reps=3)
-    assert [r["pool"] for r in rows] == [64, 128]
-    assert all(r["default_us"] > 0 and r["fm_jax_us"] > 0 for r in rows)
-    assert all(r["fm_jax_splits"] == 0 for r in rows)
-
-
-def test_lock_cost_benchmark_runs_on_tiny_sizes() -> None:
-    """fm_bench.lock_cost: the locked and unlocked publish and their paired difference, each
-    with a host figure, and the bare lock's round trip."""
-    from fm_bench import lock_cost
-
-    r = lock_cost.measure(batch=8, pool=64, reps=3)
-    assert set(r["series"]) == {"unlocked", "locked", "locked - unlocked"}
-    assert all(s["host_us"] is not None for s in r["series"].values())
-    assert r["series"]["locked"]["median_us"] > 0 and r["bare_lock_ns"]["median"] > 0
-
-
 def test_headline_only_json_has_the_headline_group_in_the_row_schema(tmp_path: Path) -> None:
     """`--headline-only --json` writes the usual document: its results are the headline
     group's step rows, and no other file is written."""
@@ -757,6 +736,30 @@ def test_cli_engine_step_only_writes_its_rows(tmp_path: Any) -> None:
     assert any(
         f["figure"].startswith("fm_jax_step marginal host") for f in doc["engine_step"]["figures"]
     )
+
+
+def test_baseline_packing_round_trips_in_one_int32_buffer() -> None:
+    """fm_bench.packing, the packed baselines' own: every leaf end to end in one int32
+    buffer (one transfer), each back at its shape, dtype and bits inside the jit; a leaf it
+    cannot pack is refused, not packed wrong."""
+    import jax
+    import numpy as np
+
+    from fm_bench.packing import pack, unpack
+
+    tree = (
+        np.arange(-4, 4, dtype=np.int32),
+        {"a": np.arange(6, dtype=np.uint32).reshape(2, 3), "b": np.float32([0.5, -1e30])},
+    )
+    layout, buf = pack(tree)
+    assert buf.dtype == np.int32 and buf.shape == (8 + 6 + 2,)
+    got = jax.jit(lambda p: unpack(layout, p))(buf)
+    for want, have in zip(jax.tree.leaves(tree), jax.tree.leaves(got), strict=True):
+        assert have.dtype == want.dtype and have.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(have), want)
+    for bad in (np.arange(3, dtype=np.int64), np.zeros(3, np.int16)):
+        with pytest.raises(TypeError):
+            pack((bad,))
 
 
 def test_host_lengths_bench_runs_at_a_tiny_size() -> None:

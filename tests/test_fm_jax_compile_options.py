@@ -73,10 +73,17 @@ def test_without_the_options_xla_splits_the_same_ops() -> None:
 
 @cpu_only
 def test_an_engine_step_jitted_with_the_options_is_not_split() -> None:
-    from fm_bench.thread_split import engine_step
-
+    # A minimal engine step around the ops: resolve, publish and stash of values computed
+    # from what was resolved (as a model's outputs are), invalidate.
     ops = fj.future_map(POOL)
-    step = engine_step(ops)
+
+    def step(state: fj.FutureMapState, batch: fj.Batch) -> Any:
+        state, res = ops.resolve(state, batch)
+        idx = batch.req_pool_indices
+        state = ops.publish(state, idx, res.seq_lens + 1)
+        state = ops.stash(state, idx, res.input_ids + 1)
+        return state, ops.invalidate(batch, idx)
+
     idx = jnp.asarray(np.arange(1, B + 1, dtype=np.int32))
     batch = fj.Batch(jnp.int32(1), idx, -idx, -idx)
     jitted = jax.jit(step, donate_argnums=(0,), compiler_options=fj.compiler_options())

@@ -369,14 +369,15 @@ def test_fm_jax_leaves_global_config_alone():
     assert {n: getattr(jax.config, n) for n in names} == before
 
 
-def test_import_pulls_in_no_torch_parity_or_bench():
-    """`import fm_jax` (and building and running a map) must not import torch, parity or
-    bench: fm_jax is what a JAX engine imports."""
+def test_import_pulls_in_no_torch_parity_bench_or_serving_loop():
+    """`import fm_jax` (and building and running a map) must not import torch, parity,
+    bench or the serving loop: fm_jax is what a JAX engine imports."""
     code = (
         "import sys, numpy as np, fm_jax as fj\n"
         "fm = fj.FutureMap(4, batch_buckets=(1,), token_buckets=(1,))\n"
         "fm.publish(np.array([1]), np.array([2]))\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'fm_parity', 'fm_bench')]\n"
+        "tools = ('torch', 'fm_parity', 'fm_bench', 'fm_serve')\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in tools]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -185,3 +185,76 @@ def test_a_test_file_of_an_internal_module_is_named_after_it() -> None:
         if len(ms) == 1 and f != f"test_fm_jax_{m.rsplit('.', 1)[-1]}.py"
     }
     assert misnamed == {}
+
+
+ROOT = PACKAGE.parent
+FACE_USERS = ("fm_bench", "fm_serve", "fm_parity")
+"""The repository's packages built on fm_jax: each uses fm_jax through its public API only."""
+
+
+def _public_names() -> set[str]:
+    """The names fm_jax/__init__.py lists in `__all__`: the package's face."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("fm_jax/__init__.py has no __all__")
+
+
+def _below_the_face(tree: ast.Module, public: set[str]) -> list[str]:
+    """What `tree` takes from fm_jax past its face: an import of a module below it, a name
+    imported from `fm_jax` that `__all__` does not list, or such a name read as an attribute
+    of the imported package (`fj.ops.x`)."""
+    found, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("fm_jax."):
+                    found.append(f"line {node.lineno}: import {a.name}")
+                elif a.name == "fm_jax":
+                    aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("fm_jax."):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+            elif node.module == "fm_jax":
+                found += [
+                    f"line {node.lineno}: from fm_jax import {a.name}"
+                    for a in node.names
+                    if a.name not in public
+                ]
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr not in public
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_below_the_face_finds_internal_imports() -> None:
+    """The control for the test below: each way past the face is found, the face is not."""
+    src = (
+        "import fm_jax as fj\nimport fm_jax.ops.ops\nfrom fm_jax.host.packing import pack\n"
+        "from fm_jax import FutureMap, host\nfj.FutureMap\nfj.map.future_map\n"
+    )
+    found = _below_the_face(ast.parse(src), _public_names())
+    assert [f.split(":")[0] for f in found] == ["line 2", "line 3", "line 4", "line 6"]
+
+
+@pytest.mark.parametrize("package", FACE_USERS)
+def test_packages_use_fm_jax_through_its_face_only(package: str) -> None:
+    """Pins a benchmark, the serving loop or parity reaching into fm_jax's internals
+    (fm_bench's engine-step baseline packed with `fm_jax.host.packing`): they measure, serve
+    and check the package a user installs, through the names `fm_jax.__all__` lists."""
+    public = _public_names()
+    found = {
+        str(path.relative_to(ROOT)): hits
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (hits := _below_the_face(ast.parse(path.read_text(), str(path)), public))
+    }
+    assert found == {}

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fm_bench.serve.gemma.config import GemmaConfig
-from fm_bench.serve.gemma.model import GemmaModel
-from fm_bench.serve.gemma.params import Blocks, GemmaParams
-from fm_bench.serve.gemma.tokenizer import Tokenizer, TokenizerTables
-from fm_bench.serve.step import sample
+from fm_serve.gemma.config import GemmaConfig
+from fm_serve.gemma.model import GemmaModel
+from fm_serve.gemma.params import Blocks, GemmaParams
+from fm_serve.gemma.tokenizer import Tokenizer, TokenizerTables
+from fm_serve.step import sample
 
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 NORMAL, CONTROL, USER, BYTE = 1, 3, 4, 6
@@ -127,7 +127,7 @@ def _write_gguf(path: Path, cfg: GemmaConfig, p: GemmaParams, tables: TokenizerT
     q8 = gguf.GGMLQuantizationType.Q8_0
     w.add_tensor("token_embd.weight", gguf.quants.quantize(p.embed, q8), raw_dtype=q8)
     w.add_tensor("output_norm.weight", p.final_norm)
-    from fm_bench.serve.gemma.params import GGUF_BLOCK_NAMES, MATRICES
+    from fm_serve.gemma.params import GGUF_BLOCK_NAMES, MATRICES
 
     for field, name in GGUF_BLOCK_NAMES.items():
         for i, arr in enumerate(getattr(p.blocks, field)):
@@ -143,7 +143,7 @@ def _write_gguf(path: Path, cfg: GemmaConfig, p: GemmaParams, tables: TokenizerT
 def test_a_gguf_is_unpacked_once_and_read_back_from_the_cache(tmp_path: Path) -> None:
     """Pins an unpack that transposes, drops or reorders a tensor, a config read wrongly from
     the metadata, or a second start that unpacks again instead of reading the cache."""
-    from fm_bench.serve.gemma.load import load_model
+    from fm_serve.gemma.load import load_model
 
     cfg = _tiny_config()
     tables = _tokenizer([("a", NORMAL)]).tables

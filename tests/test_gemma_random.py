@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fm_bench.serve.gemma import bench, load
-from fm_bench.serve.gemma.config import GemmaConfig
-from fm_bench.serve.gemma.serve import make_requests, random_requests
+from fm_serve.gemma import bench, load
+from fm_serve.gemma.config import GemmaConfig
+from fm_serve.gemma.serve import make_requests, random_requests
 
 TINY = GemmaConfig(
     vocab=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128

@@ -25,11 +25,11 @@ transformers = pytest.importorskip(
 
 import jax  # noqa: E402
 
-from fm_bench.serve.config import engine_for  # noqa: E402
-from fm_bench.serve.engine import Engine  # noqa: E402
-from fm_bench.serve.gemma import files  # noqa: E402
-from fm_bench.serve.gemma.load import Loaded, load_model  # noqa: E402
-from fm_bench.serve.requests import Request  # noqa: E402
+from fm_serve.config import engine_for  # noqa: E402
+from fm_serve.engine import Engine  # noqa: E402
+from fm_serve.gemma import files  # noqa: E402
+from fm_serve.gemma.load import Loaded, load_model  # noqa: E402
+from fm_serve.requests import Request  # noqa: E402
 
 GREEDY_STEPS = 24
 LOGIT_ATOL = 2e-3  # logits span about +-30; float32 on both sides, summed in other orders

@@ -17,12 +17,12 @@ from tests.gemma_weights import require_weights
 
 require_weights()
 
-from fm_bench.serve.config import engine_for  # noqa: E402
-from fm_bench.serve.engine import Engine, ServeResult  # noqa: E402
-from fm_bench.serve.gemma import cli  # noqa: E402
-from fm_bench.serve.gemma.load import Loaded, load_model  # noqa: E402
-from fm_bench.serve.requests import Request  # noqa: E402
-from fm_bench.serve.sweep import diff_outputs  # noqa: E402
+from fm_serve.config import engine_for  # noqa: E402
+from fm_serve.engine import Engine, ServeResult  # noqa: E402
+from fm_serve.gemma import cli  # noqa: E402
+from fm_serve.gemma.load import Loaded, load_model  # noqa: E402
+from fm_serve.requests import Request  # noqa: E402
+from fm_serve.sweep import diff_outputs  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

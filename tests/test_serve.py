@@ -1,4 +1,4 @@
-"""The overlap-scheduled serving demo (fm_bench/serve) on a tiny model: token equality and JSON.
+"""The overlap-scheduled serving demo (fm_serve) on a tiny model: token equality and JSON.
 
 Engines share compiled steps (cached per config), so the module compiles each step variant
 once: sync, and overlap with debug off and on in each relay protocol (sentinel, gather).
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import fm_jax
-from fm_bench.serve import cli
-from fm_bench.serve.config import TINY_REQUESTS, tiny_engine, tiny_model
-from fm_bench.serve.engine import Engine, ServeResult
-from fm_bench.serve.host_cost import HostCost
-from fm_bench.serve.model import toy
-from fm_bench.serve.requests import Request, RequestState, make_requests
-from fm_bench.serve.scheduler import Scheduler
-from fm_bench.serve.sweep import diff_outputs
+from fm_serve import cli
+from fm_serve.config import TINY_REQUESTS, tiny_engine, tiny_model
+from fm_serve.engine import Engine, ServeResult
+from fm_serve.host_cost import HostCost
+from fm_serve.model import toy
+from fm_serve.requests import Request, RequestState, make_requests
+from fm_serve.scheduler import Scheduler
+from fm_serve.sweep import diff_outputs
 
 N_REQUESTS = 64
 
@@ -263,7 +263,7 @@ def test_cli_gather_protocol_serves_the_same_tokens(tmp_path: Any) -> None:
 def test_the_half_matrix_meets_every_four_settings() -> None:
     """Pins the half fraction's design: any four of the five axes meet in all 16 of their
     combinations, so the suite's half matrix misses only a fault of all five at once."""
-    from fm_bench.serve.matrix import AXES, cells
+    from fm_serve.matrix import AXES, cells
 
     half = cells(half=True)
     assert len(half) == 16 and len(set(half)) == 16 and set(half) < set(cells())
@@ -279,7 +279,7 @@ def test_correctness_matrix_overlap_equals_sync_in_every_setting() -> None:
     tests its async scheduling; the lost-relay tests above show the token check can fail.
     The suite serves the half fraction (16 cells, every four settings met; the CLI's
     `--matrix` serves all 32)."""
-    from fm_bench.serve.matrix import cells, run_matrix
+    from fm_serve.matrix import cells, run_matrix
 
     # 8 requests: 3 slots still serve nearly 3 requests each (heavy reuse), prompts still
     # chunk and the MIXED cells still serve MIXED batches (run_matrix checks it), in fewer

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_bench.serve.gemma.config import GemmaConfig
-from fm_bench.serve.gemma.params import Blocks, GemmaParams
-from fm_bench.serve.tiles import by_tiles, dense
+from fm_serve.gemma.config import GemmaConfig
+from fm_serve.gemma.params import Blocks, GemmaParams
+from fm_serve.tiles import by_tiles, dense
 
 
 class KVCache(NamedTuple):

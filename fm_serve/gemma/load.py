@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_bench.serve.gemma import files, unpack
-from fm_bench.serve.gemma.config import GemmaConfig
-from fm_bench.serve.gemma.model import GemmaModel
-from fm_bench.serve.gemma.params import Blocks, GemmaParams
-from fm_bench.serve.gemma.tokenizer import Tokenizer
+from fm_serve.gemma import files, unpack
+from fm_serve.gemma.config import GemmaConfig
+from fm_serve.gemma.model import GemmaModel
+from fm_serve.gemma.params import Blocks, GemmaParams
+from fm_serve.gemma.tokenizer import Tokenizer
 
 END_OF_TURN = "<end_of_turn>"
 

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fm_bench.serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
-from fm_bench.serve.engine import Engine, ServeResult
-from fm_bench.serve.model import toy
-from fm_bench.serve.requests import Request, make_requests
-from fm_bench.serve.sweep import diff_outputs
+from fm_serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
+from fm_serve.engine import Engine, ServeResult
+from fm_serve.model import toy
+from fm_serve.requests import Request, make_requests
+from fm_serve.sweep import diff_outputs
 
 AXES = ("protocol", "debug", "chunked", "mixed", "reuse")
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fm_bench.serve.config import (
+from fm_serve.config import (
     DEFAULT_REQUESTS,
     TINY_REQUESTS,
     EngineConfig,
@@ -18,8 +18,8 @@ from fm_bench.serve.config import (
     tiny_engine,
     tiny_model,
 )
-from fm_bench.serve.host_cost import KINDS
-from fm_bench.serve.requests import make_requests
+from fm_serve.host_cost import KINDS
+from fm_serve.requests import make_requests
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 
@@ -116,11 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     threads = _configure_xla_threads(args.xla_cpu_threads)
     # jax is imported only now, so that the XLA flags above apply
-    from fm_bench.serve import report
-    from fm_bench.serve.sweep import run_sweep
+    from fm_serve import report
+    from fm_serve.sweep import run_sweep
 
     if args.matrix:
-        from fm_bench.serve.matrix import run_matrix
+        from fm_serve.matrix import run_matrix
 
         got = run_matrix(log=lambda m: print(m, file=sys.stderr, flush=True))
         bad = {k: v for k, v in got.items() if v}

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from fm_bench.serve.gemma.config import GemmaConfig, config_from_metadata
-from fm_bench.serve.gemma.params import GGUF_BLOCK_NAMES, MATRICES, Blocks, GemmaParams
-from fm_bench.serve.gemma.tokenizer import TokenizerTables
+from fm_serve.gemma.config import GemmaConfig, config_from_metadata
+from fm_serve.gemma.params import GGUF_BLOCK_NAMES, MATRICES, Blocks, GemmaParams
+from fm_serve.gemma.tokenizer import TokenizerTables
 
 CONFIG_FILE = "config.json"  # written last: its presence marks a complete directory
 TOKENIZER_FILE = "tokenizer.json"

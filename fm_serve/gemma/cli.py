@@ -65,9 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve the prompts; with --compare, return 1 unless every mode's tokens are equal."""
     args = parse_args(argv)
     import fm_jax
-    from fm_bench.serve.gemma import files
-    from fm_bench.serve.gemma.load import load_model
-    from fm_bench.serve.gemma.serve import serve_prompts
+    from fm_serve.gemma import files
+    from fm_serve.gemma.load import load_model
+    from fm_serve.gemma.serve import serve_prompts
 
     if not args.no_compile_cache:
         fm_jax.use_persistent_cache(files.cache_root() / "xla")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fm_bench.serve.sweep import SweepResult
+from fm_serve.sweep import SweepResult
 
 COLUMNS = (
     "host/fwd",

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from fm_bench.serve.config import engine_for
-from fm_bench.serve.engine import Engine, ServeResult
-from fm_bench.serve.gemma.load import Loaded
-from fm_bench.serve.requests import Request
+from fm_serve.config import engine_for
+from fm_serve.engine import Engine, ServeResult
+from fm_serve.gemma.load import Loaded
+from fm_serve.requests import Request
 
 
 @dataclass

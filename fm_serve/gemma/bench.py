@@ -113,11 +113,11 @@ def run_batch_size(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """Serve 2 x `batch` requests sync and overlap at each host-cost ratio; the record."""
-    from fm_bench.serve.config import engine_for
-    from fm_bench.serve.engine import Engine, ServeResult
-    from fm_bench.serve.gemma.serve import make_requests, random_requests
-    from fm_bench.serve.host_cost import HostCost
-    from fm_bench.serve.sweep import SweepRun, diff_outputs
+    from fm_serve.config import engine_for
+    from fm_serve.engine import Engine, ServeResult
+    from fm_serve.gemma.serve import make_requests, random_requests
+    from fm_serve.host_cost import HostCost
+    from fm_serve.sweep import SweepRun, diff_outputs
 
     if loaded.tokenizer is None:  # random weights: random token-id prompts
         requests = random_requests(loaded, 2 * batch, max_tokens)
@@ -185,7 +185,7 @@ def measure_startup(max_tokens: int = 8) -> dict[str, Any]:
             cmd = [
                 sys.executable,
                 "-m",
-                "fm_bench.serve.gemma.cli",
+                "fm_serve.gemma.cli",
                 "--max-tokens",
                 str(max_tokens),
             ]
@@ -371,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--startup times fm-serve on the real weights; leave out --random-weights")
     import jax
 
-    from fm_bench.serve.gemma import load
+    from fm_serve.gemma import load
 
     t0 = time.perf_counter()
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax
-from fm_bench.serve.served import ServedModel
+from fm_serve.served import ServedModel
 
 Ints = Any
 """A host int array (np.ndarray) when built, a traced jax.Array inside the jitted step."""

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import fm_jax
-from fm_bench.serve.config import EngineConfig
-from fm_bench.serve.host_cost import HostCost
-from fm_bench.serve.requests import Request, RequestState
-from fm_bench.serve.step import StepInputs
+from fm_serve.config import EngineConfig
+from fm_serve.host_cost import HostCost
+from fm_serve.requests import Request, RequestState
+from fm_serve.step import StepInputs
 
 
 @dataclass

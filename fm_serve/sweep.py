@@ -17,11 +17,11 @@ from typing import Any
 
 import jax
 
-from fm_bench.serve.config import EngineConfig, ModelConfig
-from fm_bench.serve.engine import Engine, ServeResult
-from fm_bench.serve.host_cost import HostCost
-from fm_bench.serve.model import toy
-from fm_bench.serve.requests import Request
+from fm_serve.config import EngineConfig, ModelConfig
+from fm_serve.engine import Engine, ServeResult
+from fm_serve.host_cost import HostCost
+from fm_serve.model import toy
+from fm_serve.requests import Request
 
 
 @dataclass

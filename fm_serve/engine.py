@@ -24,12 +24,12 @@ import jax
 import numpy as np
 
 import fm_jax
-from fm_bench.serve.config import EngineConfig
-from fm_bench.serve.host_cost import HostCost
-from fm_bench.serve.requests import Request
-from fm_bench.serve.scheduler import ScheduledBatch, Scheduler
-from fm_bench.serve.served import ServedModel
-from fm_bench.serve.step import StepInputs, make_overlap_step, make_sync_step
+from fm_serve.config import EngineConfig
+from fm_serve.host_cost import HostCost
+from fm_serve.requests import Request
+from fm_serve.scheduler import ScheduledBatch, Scheduler
+from fm_serve.served import ServedModel
+from fm_serve.step import StepInputs, make_overlap_step, make_sync_step
 
 Progress = Callable[[int], None]
 """Called after each step's tokens are taken, with the number of new output tokens."""

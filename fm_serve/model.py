@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_bench.serve.config import ModelConfig
-from fm_bench.serve.tiles import by_tiles, dense
+from fm_serve.config import ModelConfig
+from fm_serve.tiles import by_tiles, dense
 
 
 class Layer(NamedTuple):
