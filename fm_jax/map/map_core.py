@@ -196,7 +196,7 @@ class MapCore:
         self.pack_inputs: bool = placement.pack_inputs
         self._options = options
         self._placement: Placement = placement
-        self._optional = frozenset(rf.optional(self.spec.fields())) if self.spec else frozenset()
+        self._optional = frozenset(optional)
         self._runtime: MapRuntime = runtime
         self._registry: Registry = registry
         self._reads = HostReads(placement, runtime)
