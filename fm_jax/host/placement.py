@@ -29,9 +29,17 @@ from fm_jax.host.step_inputs import StepInput
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.ops import CONFIDENCE_DTYPE, confidence_width, payload_rows
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.types import Batch, DraftPayload, ForwardMode, SpecConfig, draft_payload
+from fm_jax.ops.types import (
+    CONFIDENCE_DTYPE,
+    Batch,
+    DraftPayload,
+    ForwardMode,
+    SpecConfig,
+    confidence_width,
+    draft_payload,
+    payload_rows,
+)
 
 MAX_LAYOUTS = 4096
 """Layouts a map remembers (seen once, or planned). A serving loop repeats a few hundred

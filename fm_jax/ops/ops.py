@@ -28,6 +28,7 @@ from fm_jax.ops import relay_fields as rf
 from fm_jax.ops import shapes as s
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import parse_protocol
+from fm_jax.ops.resolve_ops import resolve_gather, resolve_sentinel
 from fm_jax.ops.rows import (
     POISON,
     OpsConfig,
@@ -39,6 +40,8 @@ from fm_jax.ops.rows import (
 )
 from fm_jax.ops.sharding import lift, mesh_layout
 from fm_jax.ops.types import (
+    CONFIDENCE_BITS,
+    CONFIDENCE_DTYPE,
     Batch,
     DraftPayload,
     ForwardMode,
@@ -47,6 +50,7 @@ from fm_jax.ops.types import (
     Resolved,
     SpecConfig,
     check_spec,
+    confidence_width,
     host_mode,
     int_dtype,
     payload_rows,
@@ -145,18 +149,6 @@ def init(cfg: OpsConfig) -> FutureMapState:
     if gamma:  # zeros, like every buffer not consume-tracked
         state = state._replace(confidence=jnp.zeros((r, gamma), CONFIDENCE_BITS))
     return state
-
-
-CONFIDENCE_DTYPE = np.dtype(np.float32)
-"""The dtype of a confidence row (SGLang's confidence buffer: float32)."""
-
-CONFIDENCE_BITS = np.dtype(np.uint32)
-"""What the confidence buffer holds: each float32's raw bits (written bit for bit)."""
-
-
-def confidence_width(spec: SpecConfig | None) -> int:
-    """gamma, the width of a slot's confidence row; 0 when the map relays none."""
-    return 0 if spec is None else spec.confidence
 
 
 def check_confidence(spec: SpecConfig | None, confidence: Any, rows: int) -> None:
@@ -273,7 +265,7 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
 def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
     """Fill the batch's placeholders from the buffers, at forward entry: the batch's fields
     checked (shapes and dtypes when traced; debug: its slots and mode on the device), then
-    the protocol's resolve (`Protocol.resolve`, resolve_ops.py)."""
+    the protocol's resolve body (resolve_ops.py)."""
     dt, protocol = cfg.dtype, cfg.protocol
     idx: jax.Array = batch.req_pool_indices  # type: ignore[assignment]  # traced here
     chk = checks.OpChecks() if cfg.debug else None
@@ -300,7 +292,9 @@ def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[Future
     s.check_1d_int("input_ids", batch.input_ids, dt)
     s.check_1d_int("seq_lens", batch.seq_lens, dt)
     s.check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
-    return protocol.resolve(cfg, state, batch, idx, mode, chk)  # type: ignore[no-any-return]
+    # The sentinel protocol fills -slot placeholders; the gather protocol gathers at slots.
+    fill = resolve_sentinel if protocol.invalidates else resolve_gather
+    return fill(cfg, state, batch, idx, mode, chk)
 
 
 def invalidate(cfg: OpsConfig, batch: Batch, indices: Any) -> Batch:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import errors, resolve_ops
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.types import ForwardMode, SpecConfig
 
@@ -110,11 +110,6 @@ class Protocol:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the device
-    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
-        """Inside jit, after resolve's common head (`ops.resolve`): fill the batch's inputs
-        from the buffers as this protocol does (`resolve_ops`); (state, Resolved)."""
-        raise NotImplementedError
-
     def sentinels(self, indices: jax.Array, ids: int) -> Any:
         """Inside a step's tail, on one rank's `indices`: what the next batch's ids (`ids`
         of them, from `buckets.decode_ids`) and lengths become, as `next_batch` takes
@@ -143,9 +138,6 @@ class Protocol:
 class _Sentinel(Protocol):
     name = "sentinel"
     invalidates = True
-
-    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
-        return resolve_ops.resolve_sentinel(cfg, state, batch, idx, mode, chk)
 
     def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
         """A sentinel -s names a slot s in [0, R)."""
@@ -196,9 +188,6 @@ class _Gather(Protocol):
     gathers_decode_ids = True
     takes_token_slots = True
     serves_spec_mixed = True
-
-    def resolve(self, cfg: Any, state: Any, batch: Any, idx: jax.Array, mode: Any, chk: Any) -> Any:
-        return resolve_ops.resolve_gather(cfg, state, batch, idx, mode, chk)
 
     def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
         """No sentinels: every id is >= 0 (a decode row's id is gathered at its slot)."""

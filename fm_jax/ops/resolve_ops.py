@@ -3,8 +3,8 @@
 Each runs after `ops.resolve`'s common head (argument checks, the mode, the ids) with the
 batch's slots `idx`, its mode (a host int, or traced) and the op's debug checks `chk`
 (None without debug); each returns (state, Resolved). The state changes only in debug
-mode: the consume poison written back where the resolve read. `protocol.Protocol.resolve`
-picks one.
+mode: the consume poison written back where the resolve read. `ops.resolve` picks one by
+the map's protocol.
 """
 
 from __future__ import annotations

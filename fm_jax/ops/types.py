@@ -248,6 +248,18 @@ def int_dtype(dtype: object) -> np.dtype:
     return d
 
 
+CONFIDENCE_DTYPE = np.dtype(np.float32)
+"""The dtype of a confidence row (SGLang's confidence buffer: float32)."""
+
+CONFIDENCE_BITS = np.dtype(np.uint32)
+"""What the confidence buffer holds: each float32's raw bits (written bit for bit)."""
+
+
+def confidence_width(spec: SpecConfig | None) -> int:
+    """gamma, the width of a slot's confidence row; 0 when the map relays none."""
+    return 0 if spec is None else spec.confidence
+
+
 def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
     """Stash's payload as its per-row values by field name, once its kind is checked:
     tokens (`tokens`) on a map without spec; on a spec map a DraftPayload giving no field
