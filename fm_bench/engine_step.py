@@ -19,10 +19,9 @@ steps, a trivial forward `(ids * 31 + 7) % V` plus three engine arrays per row):
 - `sglang_jax_fused`: sglang-jax's fused decode as it runs: the relay written inline in the
   model's jit (`where(ids < 0, map[-ids], ids)` at the head, `map.at[slots].set(tokens)` at
   the tail), the map not donated (a new map each step).
-- `fm_jax_class` / `fm_jax_class_packed`: the class's one-op entry points as an engine that
-  calls them one by one does: `resolve` of the numpy batch, the forward in its own jit,
-  `finish` with the host slots and the forward's tokens and lengths on the device; the map
-  without and with `pack_inputs` (the numpy batch in one transfer instead of three).
+- `fm_jax_class`: the class's one-op entry points as an engine that calls them one by one
+  does: `resolve` of the numpy batch, the forward in its own jit, `finish` with the host
+  slots and the forward's tokens and lengths on the device.
 
 The scheduler's work between steps (`gap_us`, default 50 µs of busy host time before each
 enqueue, untimed) is part of the loop for every series, because on XLA:CPU it changes what
@@ -173,28 +172,21 @@ def build(batch: int, pool: int) -> dict[str, Callable[[], Any]]:
 
     out["sglang_jax_fused"] = sglang_call
 
-    # The class's one-op entry points, unpacked and packed.
+    # The class's one-op entry points.
     def class_forward(ids: jax.Array, lens: jax.Array, extra: Any) -> Any:
         return _tokens(ids, extra), lens + 1
 
     class_fn = jax.jit(class_forward, compiler_options=options)
-    for name, packing in (("fm_jax_class", False), ("fm_jax_class_packed", True)):
-        cm = fj.FutureMap(
-            pool,
-            batch_buckets=[batch],
-            token_buckets=[batch],
-            pack_inputs=packing,
-            needs_cpu_seq_lens=False,
-        )
-        cm.finish(fj.Batch(DECODE, slots, slots, slots), slots, slots, slots)
+    cm = fj.FutureMap(pool, batch_buckets=[batch], token_buckets=[batch], needs_cpu_seq_lens=False)
+    cm.finish(fj.Batch(DECODE, slots, slots, slots), slots, slots, slots)
 
-        def class_call(cm: fj.FutureMap = cm) -> Any:
-            res = cm.resolve(np_batch)
-            tokens, lens = class_fn(res.input_ids, res.seq_lens, dev)
-            cm.finish(np_batch, slots, lens, tokens)
-            return tokens
+    def class_call() -> Any:
+        res = cm.resolve(np_batch)
+        tokens, lens = class_fn(res.input_ids, res.seq_lens, dev)
+        cm.finish(np_batch, slots, lens, tokens)
+        return tokens
 
-        out[name] = class_call
+    out["fm_jax_class"] = class_call
     return out
 
 
@@ -256,7 +248,6 @@ RATIOS = (
     ("fm_jax_fused marginal host (us)", "fm_jax_fused", "no_map_jax", "diff", "host_us"),
     ("sglang_jax_fused marginal host (us)", "sglang_jax_fused", "no_map_jax", "diff", "host_us"),
     ("packed / one transfer per array, host", "no_map_packed", "no_map_arrays", "ratio", "host_us"),
-    ("class packed / unpacked, host", "fm_jax_class_packed", "fm_jax_class", "ratio", "host_us"),
     ("fm_jax_step / fm_jax_class, host", "fm_jax_step", "fm_jax_class", "ratio", "host_us"),
     (
         "fm_jax_step / sglang_jax_fused, pipe",

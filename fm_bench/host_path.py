@@ -11,8 +11,7 @@ per protocol and debug setting (B rows, pool R, DECODE steps):
   state): the class's executables without the class;
 - `class`: `FutureMap.resolve` + `FutureMap.finish`;
 - `class_host`: the same class step fed numpy arrays (the batch and the tail's slots,
-  lengths and tokens), as a host scheduler feeds it, with the map's defaults (on a GPU
-  `pack_inputs`: one transfer per call).
+  lengths and tokens), as a host scheduler feeds it, with the map's defaults.
 
 `class - ops` is the class's own Python (argument checks, padding, keys, the lock, debug
 bookkeeping); `ops - floor` is what its executables cost beyond a bare dispatch (more

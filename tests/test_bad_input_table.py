@@ -3,9 +3,7 @@
 Each row of `CASES` is one bad input to one op. It runs through every entry point that
 takes that form of input (`applies`):
 - `jax`: the fm_jax class on one device (numpy host rows), each call's arrays passed on
-  their own (`pack_inputs=False`);
-- `packed`: the same class packing each call's host arrays into one buffer
-  (`pack_inputs=True`, the default off CPU);
+  their own;
 - `step`: an engine step on one device (`FutureMap.engine_step`) whose forward is the
   identity on the relay (it publishes and stashes what it resolved) except where the
   row's bad input is what the forward returns: a batch's rows are the step's batch, a
@@ -42,8 +40,8 @@ from fm_bench.child import call_in_child
 
 R = 6
 K, H = 2, 3
-WHERE = ("jax", "packed", "step", "mesh", "mesh step", "ops", "torch")
-CLASS = ("jax", "packed", "mesh")  # the class's own calls
+WHERE = ("jax", "step", "mesh", "mesh step", "ops", "torch")
+CLASS = ("jax", "mesh")  # the class's own calls
 HOST = tuple(w for w in WHERE if w != "ops")  # host rows: only what checks values sees them
 STEP = ("step", "mesh step")  # what only an engine step takes (the class takes lists)
 DP, TP = 4, 2
@@ -480,7 +478,7 @@ def jax_outcome(fm: Any, case: Bad, where: str, n: int = 1) -> dict[str, Any]:
     return {"kind": kind, "message": msg, "refused": refused, "intact": intact}
 
 
-CALLS = {"jax": call_jax, "packed": call_jax, "mesh": call_jax, "step": call_step}
+CALLS = {"jax": call_jax, "mesh": call_jax, "step": call_step}
 CALLS["mesh step"] = call_step
 
 
@@ -491,13 +489,11 @@ def good_case(case: Bad, where: str) -> Bad:
     return Bad(op, "", spec=case.spec)
 
 
-def make_jax_map(spec: bool, mesh: Any = None, pack: bool = False) -> Any:
+def make_jax_map(spec: bool, mesh: Any = None) -> Any:
     """An fm_jax map with distinct values in every buffer (the spec extras of one draft)."""
     cfg = fj.SpecConfig(K, H, jnp.dtype(jnp.bfloat16)) if spec else None
     kw = {} if mesh is None else {"mesh": mesh, "dp_axis": "dp", "tp_axis": "tp"}
-    fm = fj.FutureMap(
-        R, spec=cfg, batch_buckets=(2, 4), token_buckets=(2, 4), pack_inputs=pack, **kw
-    )
+    fm = fj.FutureMap(R, spec=cfg, batch_buckets=(2, 4), token_buckets=(2, 4), **kw)
     n = fm.layout.dp
     fm.publish(tile(a(1, 2, 3, 4), n), tile(a(11, 12, 13, 14), n))
     if spec:
@@ -509,24 +505,20 @@ def make_jax_map(spec: bool, mesh: Any = None, pack: bool = False) -> Any:
 
 
 # ------------------------------------------------------------------- fm_jax, one device
-ONE_DEVICE = ("jax", "packed", "step")
+ONE_DEVICE = ("jax", "step")
 
 
 @pytest.fixture(scope="module")
 def jax_maps() -> dict[tuple[str, bool], Any]:
-    """A map per one-device entry point and spec (the packed one packing every call)."""
-    return {
-        (w, spec): make_jax_map(spec, pack=w == "packed")
-        for w in ONE_DEVICE
-        for spec in (False, True)
-    }
+    """A map per one-device entry point and spec."""
+    return {(w, spec): make_jax_map(spec) for w in ONE_DEVICE for spec in (False, True)}
 
 
 @pytest.mark.parametrize(("where", "name"), [(w, k) for w in ONE_DEVICE for k in cases(w)])
 def test_fm_jax_class_refuses_and_keeps_every_byte(
     jax_maps: dict[tuple[str, bool], Any], where: str, name: str
 ) -> None:
-    """Pins a bad input that the one-device class (its calls packed or not) or its engine
+    """Pins a bad input that the one-device class or its engine
     step takes (writing or casting silently), or refuses with a raw error, a message that
     does not name the field, or after a write."""
     case = CASES[name]

@@ -6,13 +6,12 @@ one fault: a slot out of range, a live slot twice, a negative token or length, a
 naming no slot, a DECODE batch with more ids than rows, a forward mode that is none; and,
 as good input, a sentinel naming a slot outside its batch) through every implementation
 in `IMPLS`, all in debug mode:
-- fm_jax's FutureMap class, host numpy rows, unpacked (`pack_inputs=False`), without
-  host lengths (`needs_cpu_seq_lens=False`: every read gathers from the buffer);
-- the class's engine step (`FutureMap.engine_step`) on a map that packs its host inputs
-  (`pack_inputs=True`), keeps host lengths (the default) and has buckets 2 and 4 (a
-  batch's rows may follow its token bucket): a step is one dispatch, resolve + a forward
-  that writes the resolved lengths + 1 and the host's tokens + the tail; every other rule
-  is the class's op on that map, packed;
+- fm_jax's FutureMap class, host numpy rows, without host lengths
+  (`needs_cpu_seq_lens=False`: every read gathers from the buffer);
+- the class's engine step (`FutureMap.engine_step`) on a map that keeps host lengths
+  (the default) and has buckets 2 and 4 (a batch's rows may follow its token bucket):
+  a step is one dispatch, resolve + a forward that writes the resolved lengths + 1 and
+  the host's tokens + the tail; every other rule is the class's op on that map;
 - fm_jax's pure ops, jitted once per op at fixed padded shapes, under checkify;
 - fm_torch (CPU tensors).
 A step on the others is resolve, then the tail (the class's `finish`; publish, stash and
@@ -266,9 +265,7 @@ class Impl:
 
 
 @functools.cache
-def _class_map(
-    pack_inputs: bool, needs_cpu_seq_lens: bool, buckets: tuple[int, ...] = (ROWS,)
-) -> fj.FutureMap:
+def _class_map(needs_cpu_seq_lens: bool, buckets: tuple[int, ...] = (ROWS,)) -> fj.FutureMap:
     """One class map per variant for every example (reset by `ClassImpl.reset`): a fresh
     map per example would compile its executables again. `buckets`: its batch and token
     buckets (the largest `ROWS`, the pure ops' padded size)."""
@@ -277,7 +274,6 @@ def _class_map(
         debug=True,
         batch_buckets=buckets,
         token_buckets=buckets,
-        pack_inputs=pack_inputs,
         needs_cpu_seq_lens=needs_cpu_seq_lens,
     )
 
@@ -602,9 +598,9 @@ class TorchImpl(Impl):
 
 
 IMPLS: list[Callable[[], Impl]] = [
-    lambda: ClassImpl("class (unpacked, no host lengths)", _class_map(False, False)),
+    lambda: ClassImpl("class (no host lengths)", _class_map(False)),
     lambda: StepImpl(
-        "engine step (class packed, host lengths, buckets 2 and 4)", _class_map(True, True, (2, 4))
+        "engine step (class, host lengths, buckets 2 and 4)", _class_map(True, (2, 4))
     ),
     OpsImpl,
     TorchImpl,
@@ -814,8 +810,8 @@ class ContractMachine(RuleBasedStateMachine):
 
 
 def test_every_implementation_follows_the_contract_model() -> None:
-    """Random good and bad op sequences and engine steps: the fm_jax class (unpacked and
-    packed, with and without host lengths), its engine step, its pure ops and fm_torch
+    """Random good and bad op sequences and engine steps: the fm_jax class (with and
+    without host lengths), its engine step, its pure ops and fm_torch
     agree with the plain-Python model on every output, every live buffer slot, every
     refusal and every debug violation; every read returns the caller's own array."""
     test = seed(SEED)(get_state_machine_test(ContractMachine, settings=SETTINGS))
@@ -857,7 +853,7 @@ def test_the_machine_fails_on_a_map_whose_reads_share_its_rows(
 
 def _stepper() -> StepImpl:
     """The machine's engine step at the model's start."""
-    impl = StepImpl("engine step", _class_map(True, True, (2, 4)))
+    impl = StepImpl("engine step", _class_map(True, (2, 4)))
     impl.reset()
     return impl
 

@@ -74,10 +74,9 @@ SHARED = {
     **SHARED,
     batch=BUCKETS,
     tokens=BUCKETS,
-    pack=st.one_of(st.none(), st.booleans(), JUNK),
 )
 def test_a_map_is_built_or_refused_clearly(
-    pool: Any, dtype: Any, spec: Any, debug: Any, batch: Any, tokens: Any, protocol: Any, pack: Any
+    pool: Any, dtype: Any, spec: Any, debug: Any, batch: Any, tokens: Any, protocol: Any
 ) -> None:
     """Every argument combination gives a working map (one publish and resolve run; a spec
     map also stashes a draft of every declared field and resolves it) or a FutureMapError;
@@ -94,7 +93,6 @@ def test_a_map_is_built_or_refused_clearly(
             batch_buckets=batch,
             token_buckets=tokens,
             protocol=protocol,
-            pack_inputs=pack,
         )
     except fj.FutureMapError:
         return

@@ -52,14 +52,13 @@ def _both(placement: Any, method: str, general: str, *args: Any, **kwargs: Any) 
     assert _flat(got.lens) == _flat(want.lens)
 
 
-def _map(protocol: str, debug: bool, pack: bool, spec: bool) -> fj.FutureMap:
+def _map(protocol: str, debug: bool, spec: bool) -> fj.FutureMap:
     return fj.FutureMap(
         R,
         batch_buckets=[2, 4, 8],
         token_buckets=[4, 8, 16],
         protocol=protocol,
         debug=debug,
-        pack_inputs=pack,
         spec=fj.SpecConfig(topk=2) if spec else None,
     )
 
@@ -71,17 +70,16 @@ slots_strategy = st.lists(st.integers(-2, R + 1), min_size=3, max_size=3)
 @given(
     protocol=st.sampled_from(["sentinel", "gather"]),
     debug=st.booleans(),
-    pack=st.booleans(),
     slots=slots_strategy,
     ids=st.lists(st.integers(-R - 1, 40), min_size=5, max_size=5),
     lens=st.lists(st.integers(-3, 40), min_size=3, max_size=3),
 )
 def test_a_resolve_plan_places_like_the_general_path(
-    protocol: str, debug: bool, pack: bool, slots: list[int], ids: list[int], lens: list[int]
+    protocol: str, debug: bool, slots: list[int], ids: list[int], lens: list[int]
 ) -> None:
     """Pins a plan skipping a value check or padding differently from the first call of
     its layout: EXTEND batches of one layout, any values."""
-    fm = _map(protocol, debug, pack, spec=False)
+    fm = _map(protocol, debug, spec=False)
     p = fm._placement
     first = fj.Batch(
         E, np.array([1, 2, 3], np.int32), np.arange(5, dtype=np.int32), np.ones(3, np.int32)
@@ -96,17 +94,16 @@ def test_a_resolve_plan_places_like_the_general_path(
 @settings(max_examples=40, deadline=None)
 @given(
     debug=st.booleans(),
-    pack=st.booleans(),
     slots=slots_strategy,
     toks=st.lists(st.integers(-2, 40), min_size=3, max_size=3),
     wide=st.booleans(),
 )
 def test_a_tail_plan_places_like_the_general_path(
-    debug: bool, pack: bool, slots: list[int], toks: list[int], wide: bool
+    debug: bool, slots: list[int], toks: list[int], wide: bool
 ) -> None:
     """Pins a tail plan (finish, publish) skipping the relayed-values or slot checks, or
     casting int64 rows without the general path's fit check."""
-    fm = _map("sentinel", debug, pack, spec=False)
+    fm = _map("sentinel", debug, spec=False)
     p = fm._placement
     dt = np.int64 if wide else np.int32
     ok = np.array([1, 2, 3], dt)
@@ -125,7 +122,7 @@ def test_a_tail_plan_places_like_the_general_path(
 def test_a_step_plan_places_declared_inputs_and_device_leaves(debug: bool) -> None:
     """An engine step's plan: its declared inputs padded and packed, a traced mode and jax
     slots passed beside the buffer, as the general path does."""
-    fm = _map("gather", debug, True, spec=False)
+    fm = _map("gather", debug, spec=False)
     p = fm._placement
     declared = (fj.StepInput("pos", "token"), fj.StepInput("temp", "row", (2,), np.float32))
     ids = np.array([5, 6, 0, 7], np.int32)
@@ -148,7 +145,7 @@ def test_a_step_plan_places_declared_inputs_and_device_leaves(debug: bool) -> No
 
 def test_a_layout_seen_before_takes_its_plan() -> None:
     """A steady-state call is placed by its recorded plan: the general path is not taken."""
-    fm = _map("sentinel", False, False, spec=False)
+    fm = _map("sentinel", False, spec=False)
     slots = np.array([1, 2], np.int32)
     for _ in range(2):  # the second call of a layout records its plan
         fm.resolve(fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32)))

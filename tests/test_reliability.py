@@ -366,22 +366,19 @@ def test_a_forward_failing_while_traced_leaves_the_step_count_as_it_was() -> Non
 # --------------------------------------------------------------------- complex host leaves
 def test_complex_host_rows_are_packed_like_every_other_dtype() -> None:
     """Pins a complex host leaf in a packed call raising JAX's raw TypeError (no bitcast
-    makes a complex number): a declared complex64 field stashed and resolved through a
-    packed map keeps the unpacked map's bytes, its warm-up compiles, and an engine step
-    takes a complex StepInput."""
+    makes a complex number): a declared complex64 field stashed and resolved keeps its
+    bytes, its warm-up compiles, and an engine step (always packed) takes a complex
+    StepInput and returns its bytes."""
     field = fj.RelayField("phase", (2,), np.complex64)
     spec = fj.SpecConfig(topk=0, extra=(field,))
     z = np.array([[1 + 2j, -0.0 + 3j], [complex(np.inf, -1), 0j]], np.complex64)
     z.view(np.uint32).reshape(-1)[1] = 0x7FC00123  # a NaN payload in an imaginary part
-    got = {}
-    for packs in (False, True):
-        fm = fj.FutureMap(R, spec=spec, pack_inputs=packs, batch_buckets=(2,), token_buckets=(2,))
-        fm.warm_up(guard=True)
-        fm.stash(a(1, 2), fj.DraftPayload(bonus_tokens=a(5, 6), extras={"phase": z}))
-        r = fm.resolve(fj.Batch(DECODE, a(1, 2), a(0, 0), a(1, 1), draft_indices=a(1, 2)))
-        assert r.draft is not None and r.draft.extras is not None
-        got[packs] = np.asarray(r.draft.extras["phase"])[:2].tobytes()
-    assert got[True] == got[False] == z.tobytes()
+    fm = fj.FutureMap(R, spec=spec, batch_buckets=(2,), token_buckets=(2,))
+    fm.warm_up(guard=True)
+    fm.stash(a(1, 2), fj.DraftPayload(bonus_tokens=a(5, 6), extras={"phase": z}))
+    r = fm.resolve(fj.Batch(DECODE, a(1, 2), a(0, 0), a(1, 1), draft_indices=a(1, 2)))
+    assert r.draft is not None and r.draft.extras is not None
+    assert np.asarray(r.draft.extras["phase"])[:2].tobytes() == z.tobytes()
     fm = fj.FutureMap(R, batch_buckets=(2,), token_buckets=(2,))
     declared = [fj.StepInput("w", "row", (), np.complex64)]
     step = fm.engine_step(

@@ -4,7 +4,7 @@ The gather protocol's twin of tests/test_contract_state_machine.py (whose model,
 strategies and helpers it imports): a hypothesis rule-based state machine drives publish /
 stash / resolve / resolve_seq_lens_cpu / invalidate and engine steps through
 - fm_jax's FutureMap class (protocol="gather", debug, host rows, host forward modes;
-  packed or not by variant), a step its `engine_step` (resolve, a forward whose lengths
+  ), a step its `engine_step` (resolve, a forward whose lengths
   are the resolved ones + 1 and whose payload is the host's tokens or draft, publish and
   stash: one dispatch);
 - fm_jax's pure ops under checkify, with the forward mode traced (one device only);
@@ -42,7 +42,7 @@ the caller's own (fresh, writable), updated in place by the test before the next
 and the host arrays of a publish or a step are overwritten after it (the engine refilling
 them): neither may change what the map returns.
 
-Variants (the class map packed: non-spec on one device, spec on the mesh): non-spec; spec,
+Variants: non-spec; spec,
 with a declared payload of verified ids (consume-tracked), an engine's float32 field
 `score` and consume-tracked int field `steps`, top-k and bf16 hidden states whose values
 include NaNs with payloads (quiet and signalling), infinities and -0.0, compared bit for
@@ -494,10 +494,9 @@ DRAFT_SHAPE_FAULTS = {
 
 # ------------------------------------------------------------ the implementations' setup
 @functools.cache
-def _class_map(spec: bool, dp: int, pack: bool = False) -> fj.FutureMap:
+def _class_map(spec: bool, dp: int) -> fj.FutureMap:
     """One class map per variant for every example (brought back to the model's start by
-    the machine's `start`): a fresh map per example would compile its executables again.
-    `pack`: its host inputs packed into one buffer (`pack_inputs`)."""
+    the machine's `start`): a fresh map per example would compile its executables again."""
     mesh = None
     if dp > 1:
         from fm_parity.mesh import make_mesh
@@ -512,7 +511,6 @@ def _class_map(spec: bool, dp: int, pack: bool = False) -> fj.FutureMap:
         protocol="gather",
         batch_buckets=(ROWS,),
         token_buckets=(TOKENS,),
-        pack_inputs=pack,
     )
 
 
@@ -551,9 +549,9 @@ STEP_INPUTS = {  # the engine's host inputs: the step's payload
 
 
 @functools.cache
-def _engine_step(spec: bool, dp: int, pack: bool) -> fj.EngineStep:
+def _engine_step(spec: bool, dp: int) -> fj.EngineStep:
     """The class map's engine step (compiled once per variant)."""
-    return _class_map(spec, dp, pack).engine_step(_forward, inputs=STEP_INPUTS[spec])
+    return _class_map(spec, dp).engine_step(_forward, inputs=STEP_INPUTS[spec])
 
 
 @functools.cache
@@ -760,16 +758,13 @@ class GatherMachine(RuleBasedStateMachine):
 
     SPEC: ClassVar[bool] = False
     DP: ClassVar[int] = 1
-    # The class map's pack_inputs: each variant one way (non-spec on one device and spec
-    # on a mesh packed, the other two not).
-    PACK: ClassVar[bool] = True
     FAULTS: ClassVar[list[str | None]] = RESOLVE_FAULTS
 
     def __init__(self) -> None:
         super().__init__()
         self.models = [GatherModel(spec=self.SPEC) for _ in range(self.DP)]
-        self.fm = _class_map(self.SPEC, self.DP, self.PACK)
-        self.engine = _engine_step(self.SPEC, self.DP, self.PACK)
+        self.fm = _class_map(self.SPEC, self.DP)
+        self.engine = _engine_step(self.SPEC, self.DP)
         self.published = [LIVE] * self.DP  # each rank's slots of the last publish
         self.returned: list[Any] = []  # the arrays the last read returned (the caller's)
         self.tms = [
@@ -1515,15 +1510,15 @@ class GatherMachine(RuleBasedStateMachine):
 
 
 class SpecGatherMachine(GatherMachine):
-    SPEC, PACK = True, False
+    SPEC = True
 
 
 class MeshGatherMachine(GatherMachine):
-    DP, PACK = 2, False
+    DP = 2
 
 
 class MeshSpecGatherMachine(GatherMachine):
-    SPEC, DP, PACK = True, 2, True
+    SPEC, DP = True, 2
 
 
 def _run_machine(cls: type[GatherMachine], examples: int, **kw: Any) -> None:
@@ -1605,7 +1600,6 @@ def test_the_machine_fails_on_a_broken_model(
 
     class Broken(GatherMachine):
         SPEC = spec
-        PACK = (SpecGatherMachine if spec else GatherMachine).PACK
         FAULTS = faults
 
         def __init__(self) -> None:
@@ -1619,7 +1613,7 @@ def test_the_machine_fails_on_a_broken_model(
 # -------------------------------------------------------------------- the 2-rank mesh
 def _f2_repro() -> dict[str, Any]:
     """Finding F2 on a 2-rank mesh: rank 0 MIXED without token slots, rank 1 with them."""
-    fm = _class_map(False, 2, MeshGatherMachine.PACK)
+    fm = _class_map(False, 2)
     fm.check()
     fm.publish({0: a([3]), 1: a([3])}, {0: a([4]), 1: a([4])})
     fm.stash({0: a([3]), 1: a([3])}, {0: a([30]), 1: a([31])})
@@ -1648,7 +1642,7 @@ def _f3_repro() -> dict[str, Any]:
     """Finding F3: a DECODE rank with all-zero token slots, one device vs a mesh rank."""
     out = {}
     one = fj.FutureMap(R, protocol="gather", batch_buckets=(ROWS,), token_buckets=(TOKENS,))
-    mesh = _class_map(False, 2, MeshGatherMachine.PACK)
+    mesh = _class_map(False, 2)
     mesh.check()
     decode = fj.Batch(fj.ForwardMode.DECODE, a([3]), None, a([4]), token_slots=a([0]))
     extend = fj.Batch(fj.ForwardMode.EXTEND, a([2]), a([7]), a([1]))
@@ -1669,7 +1663,7 @@ def _f3_repro() -> dict[str, Any]:
 def _f4_repro() -> dict[str, Any]:
     """Finding F4: on a 2-rank spec mesh, rank 0 a spec DECODE with its draft, rank 1 a
     prefill without one (fm_torch: each rank's map takes its own batch)."""
-    fm = _class_map(True, 2, MeshSpecGatherMachine.PACK)
+    fm = _class_map(True, 2)
     with contextlib.suppress(fj.InvariantViolation):
         fm.check()
     fm.publish({0: a([3]), 1: a([3])}, {0: a([4]), 1: a([4])})
@@ -1697,7 +1691,7 @@ def _f4_repro() -> dict[str, Any]:
 def _f7_repro() -> dict[str, Any]:
     """Finding F7: rank 0 DECODE, rank 1 IDLE with all-zero token slots ('none, or all
     0'); fm_torch's rank maps take both."""
-    fm = _class_map(False, 2, MeshGatherMachine.PACK)
+    fm = _class_map(False, 2)
     with contextlib.suppress(fj.InvariantViolation):
         fm.check()
     fm.publish({0: a([3])}, {0: a([4])})

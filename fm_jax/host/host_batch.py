@@ -73,13 +73,11 @@ class BatchPlacement:
         tokens: int | None,
         step: Sequence[StepInput] | None,
         inputs: Mapping[str, Any] | None,
-        pack: bool,
     ) -> Placed:
         """A batch checked by value and padded to buckets, its key, and (`Placed.check`)
-        the value rules a plan of its layout repeats. A resolve's arguments, `(batch,)`,
-        sent as one packed buffer where `pack` says so and every leaf is on the host; an
-        engine step's (`step`, with its declared `inputs`) always packed, its device
-        leaves beside."""
+        the value rules a plan of its layout repeats. A resolve's arguments are `(batch,)`;
+        an engine step's (`step`, with its declared `inputs`) one packed host buffer, its
+        device leaves beside."""
         given = self.given(batch)
         rules = self.protocol.rules(self.spec, given.parts, by_rank=given.ranks is not None)
         ids = self._ids(given, rules)
@@ -124,10 +122,7 @@ class BatchPlacement:
         if step is not None:  # always packed: its device leaves beside the buffer
             spec, buf, device = packing.pack((placed, declared))
             return Placed(key, (buf, device), spec, idx, check=check)
-        host = packing.pack_host((placed,)) if pack else None
-        if host is None:
-            return Placed(key, (placed,), None, idx, check=check)
-        return Placed(key, (host[1],), host[0], idx, check=check)
+        return Placed(key, (placed,), None, idx, check=check)
 
     # ------------------------------------------------------------------ as given
     def given(self, batch: Batch | Mapping[int, Batch]) -> Given:

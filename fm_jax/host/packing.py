@@ -109,17 +109,6 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
     return PackSpec(treedef, tuple(spec), offset * WORD), packed, tuple(device)
 
 
-def pack_host(tree: Any) -> tuple[PackSpec, np.ndarray] | None:
-    """`tree` packed when every leaf is on the host and there is one; else None (checked
-    before anything is copied)."""
-    flat = jax.tree_util.tree_leaves(tree)
-    if not flat or not all(isinstance(x, np.ndarray | np.generic) for x in flat):
-        return None
-    spec, packed, _ = pack(tree)
-    assert packed is not None
-    return spec, packed
-
-
 def _leaf(packed: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """Inside jit: the leaf at word `offset` of `packed` (uint32), at its shape and dtype."""
     if dtype.kind == "c":

@@ -3,8 +3,9 @@
 The one place where a batch (or a mapping DP rank -> Batch), the tail's slots, lengths and
 payload, and an engine step's declared inputs become what an executable takes. Sizes,
 modes and buckets are worked out here, once per call; the protocol's host rules are asked
-here; the arguments come out either as placed arrays or as one packed host buffer
-(`packing`). Nothing runs and nothing is written: a refusal leaves the map as it was.
+here; a class call's arguments come out as placed arrays, an engine step's as one packed
+host buffer (`packing`) and its device leaves. Nothing runs and nothing is written: a
+refusal leaves the map as it was.
 
 A call whose layout was seen before (the same op, field kinds, shapes and dtypes) takes
 its recorded `Plan` (plans.py): only the value checks, the padding copy and one lookup.
@@ -20,7 +21,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host import packing
 from fm_jax.host.host_batch import BatchPlacement
 from fm_jax.host.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax.host.keys import Key
@@ -58,8 +58,7 @@ class Placement:
       inputs: the map's host-input forms and value checks.
       protocol: the map's relay protocol.
       spec: the map's spec fields, or None.
-      pack_inputs: a class call whose arrays are all on the host is sent as one packed
-        buffer (an engine step is always packed).
+      debug: the map checks its invariants on the device.
     """
 
     def __init__(
@@ -68,7 +67,6 @@ class Placement:
         protocol: Protocol,
         spec: SpecConfig | None,
         *,
-        pack_inputs: bool,
         debug: bool,
     ) -> None:
         self.inputs = inputs
@@ -79,7 +77,6 @@ class Placement:
         self.protocol = protocol
         self.spec = spec
         self.fields = spec.fields() if spec is not None else ()
-        self.pack_inputs = pack_inputs
         self.dp = inputs.dp
         self._batches = BatchPlacement(inputs, protocol, spec)
         self._plans: dict[Any, Any] = {}  # layout -> Plan, _SEEN_ONCE, or None (not planned)
@@ -93,14 +90,13 @@ class Placement:
         *,
         step: Sequence[StepInput] | None = None,
         inputs: Mapping[str, Any] | None = None,
-        pack: bool | None = None,
+        general: bool = False,
     ) -> Placed:
         """A resolve, or (with `step`, the engine's declared inputs) an engine step.
 
-        `pack` overrides the map's `pack_inputs` for a class resolve (warm-up places each
-        call both ways); a call with an override takes the general path."""
-        if pack is not None:
-            return self._place_resolve(batch, rows, tokens, step, inputs, pack)
+        `general` (warm-up) takes the general path and leaves the layout unrecorded."""
+        if general:
+            return self._place_resolve(batch, rows, tokens, step, inputs)
         values = _resolve_values(batch, step, inputs)
         sig = signature("step" if step is not None else "resolve", values, rows, tokens)
         plan = self._plans.get(sig, _UNSEEN) if sig is not None else None
@@ -121,14 +117,14 @@ class Placement:
         payload: Any,
         rows: int | None = None,
         *,
-        pack: bool | None = None,
+        general: bool = False,
         confidence: Any = None,
     ) -> Placed:
         """publish (`payload` None), stash (`lens` None) or finish: slots, lengths, payload
-        and (publish, finish) confidence rows (`pack` as for `resolve`). A call with
+        and (publish, finish) confidence rows (`general` as for `resolve`). A call with
         confidence rows takes the general path."""
-        if pack is not None or confidence is not None:
-            return self._place_tail(op, indices, lens, payload, rows, pack, confidence)
+        if general or confidence is not None:
+            return self._place_tail(op, indices, lens, payload, rows, confidence)
         values = (indices, lens, *_payload_values(self.fields, payload))
         sig = signature(op, values, rows, None, kinds=_payload_kind(payload))
         plan = self._plans.get(sig, _UNSEEN) if sig is not None else None
@@ -141,15 +137,11 @@ class Placement:
             self._plans[sig] = _SEEN_ONCE
         return placed
 
-    def slots_op(
-        self, op: str, indices: Any, rows: int | None = None, *, pack: bool | None = None
-    ) -> Placed:
-        """The sentinels or `seq_lens_at` of slots `indices` (`pack` as for `resolve`)."""
+    def slots_op(self, op: str, indices: Any, rows: int | None = None) -> Placed:
+        """The sentinels or `seq_lens_at` of slots `indices`."""
         idx = self.inputs.slots("indices", indices, rows)
         checked = self._checked(idx, False) if op == "sentinels" else True
-        return self._packed(
-            Placed(Key(op, idx.size, checked=checked), (idx.array,), None, idx), pack
-        )
+        return Placed(Key(op, idx.size, checked=checked), (idx.array,), None, idx)
 
     def _checked(self, idx: Rows, values_on_device: bool) -> bool:
         """Whether a debug map's tail op checks its slots on the device: always for values
@@ -160,17 +152,6 @@ class Placement:
             return True
         return idx.counts is None and idx.array is not self.last_checked()
 
-    # ------------------------------------------------------------------ packing
-    def _packed(self, placed: Placed, pack: bool | None = None) -> Placed:
-        """`placed` with its arguments sent as one packed buffer where the map packs (or
-        `pack` says so) and every leaf is on the host."""
-        host = (
-            packing.pack_host(placed.args) if (self.pack_inputs if pack is None else pack) else None
-        )
-        if host is None:
-            return placed
-        return placed._replace(args=(host[1],), pack=host[0])
-
     # ------------------------------------------------------------------ the tail
     def _place_tail(
         self,
@@ -179,7 +160,6 @@ class Placement:
         lens: Any,
         payload: Any,
         rows: int | None,
-        pack: bool | None = None,
         confidence: Any = None,
     ) -> Placed:
         inputs = self.inputs
@@ -210,7 +190,7 @@ class Placement:
             confidence=confidence is not None,
             omits=omits,
         )
-        return self._packed(Placed(key, tuple(args), None, idx, placed_lens), pack)
+        return Placed(key, tuple(args), None, idx, placed_lens)
 
     def _payload(self, payload: Any, idx: Rows) -> Any:
         """Stash's payload (tokens or a DraftPayload) laid out like `idx`."""
@@ -250,12 +230,9 @@ class Placement:
         tokens: int | None,
         step: Sequence[StepInput] | None = None,
         inputs: Mapping[str, Any] | None = None,
-        pack: bool | None = None,
     ) -> Placed:
-        """The general path (`host_batch`) of a resolve or an engine step (a resolve
-        packed where the map packs, or `pack` says so)."""
-        packs = self.pack_inputs if pack is None else pack
-        return self._batches.place(batch, rows, tokens, step, inputs, packs)
+        """The general path (`host_batch`) of a resolve or an engine step."""
+        return self._batches.place(batch, rows, tokens, step, inputs)
 
     # ------------------------------------------------------------------ plans
     def _resolve_plan(

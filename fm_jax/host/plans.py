@@ -234,8 +234,6 @@ class Plan:
                 x = np.ascontiguousarray(placed[i]).reshape(-1).view(np.uint8)
                 raw += [x, np.zeros(-x.size % WORD, np.uint8)]
             packed = np.concatenate(raw).view(np.uint32)
-        if self.key.op != "step":
-            return (packed,)
         return (packed, tuple(placed[i] for i in self._device))
 
 

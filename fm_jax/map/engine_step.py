@@ -139,7 +139,7 @@ class EngineStep:
         self._protocol = protocol
         self._options = dict(options)
         self._tail = tail(ops, protocol, placement.inputs.token_buckets, what="", owned=self._owned)
-        self._registry = Registry(self._build, self._not_warmed, packed_names=False)
+        self._registry = Registry(self._build, self._not_warmed)
         # The declared fields each executable family's forward leaves out of its payload
         # (recorded when traced: a payload's fields are its pytree structure).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}

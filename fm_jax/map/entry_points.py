@@ -1,8 +1,8 @@
 """The class's jitted executables over its layout's ops, state donated: one per key family.
 
-`entry_point(key, pack)` builds the jitted function that serves every key of one family
-(an op, its mode, checked or not), fed either placed arrays or one packed host buffer laid
-out by `pack`; jit's own cache then holds one executable per shape. Every argument but a
+`entry_points(...)` gives the builder of the jitted function that serves every key of one
+family (an op, its mode, checked or not), fed placed arrays; jit's own cache then holds one
+executable per shape. Every argument but a
 traced mode is placed with the layout's sharding by the jit itself: a host (numpy)
 argument is transferred in JAX's C++ dispatch path, with no Python `device_put`, and a jax
 array already there is taken as it is. One call is one dispatch.
@@ -16,8 +16,8 @@ from typing import Any
 import jax
 
 from fm_jax.host.buckets import decode_ids
-from fm_jax.host.keys import FIXED_MODES, Key, takes_state, writes_state
-from fm_jax.host.packing import PackSpec, unpack
+from fm_jax.host.keys import FIXED_MODES, Key, writes_state
+from fm_jax.host.packing import PackSpec
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.ops import checks
 from fm_jax.ops import relay_fields as rf
@@ -234,24 +234,9 @@ def entry_points(
         if checked:
             assert debug is not None
             fn = debug.checked(fn)
+        assert pack is None, "a class call is fed placed arrays"
         donate = (0,) if writes_state(key.op, checked) else ()
-        if pack is not None:
-            packed = _fed_packed(fn, pack, takes_state(key.op))
-            shardings: Any = (None, layout.replicated) if takes_state(key.op) else layout.replicated
-            return jax.jit(
-                packed, in_shardings=shardings, donate_argnums=donate, compiler_options=options
-            )
         shardings = (sh, batch_sh) if key.op == "resolve" else sh
         return jax.jit(fn, in_shardings=shardings, donate_argnums=donate, compiler_options=options)
 
     return build
-
-
-def _fed_packed(fn: Callable[..., Any], pack: PackSpec, with_state: bool) -> Callable[..., Any]:
-    """`fn` fed its host arguments as one packed buffer laid out by `pack`: `(state,
-    packed)`, or `(packed,)` for an op without state. The buffer goes to every device
-    (replicated: each rank slices its own rows); the ops' shard_maps place the unpacked
-    arguments."""
-    if not with_state:
-        return lambda packed: fn(*unpack(pack, packed, ()))
-    return lambda state, packed: fn(state, *unpack(pack, packed, ()))

@@ -5,9 +5,9 @@ DP rank its own pool of `pool_size` slots, replicated over the other axes (the l
 `fm_jax.future_map(..., mesh=)`). Methods, argument rules and return types are the same in
 both; `host_inputs` says what a caller may pass.
 
-A call goes one way: the caller's arguments -> `placement` (checked, padded, packed, a
-key) -> the `registry`'s executable for that key -> `runtime.run` (the state donated, the
-debug error recorded) -> the result. `map_core.MapCore` holds the three (and the state,
+A call goes one way: the caller's arguments -> `placement` (checked, padded, a key) ->
+the `registry`'s executable for that key -> `runtime.run` (the state donated, the debug
+error recorded) -> the result. `map_core.MapCore` holds the three (and the state,
 warm-up and engine step); this class adds the ops an engine calls each step (and the host
 reads, `host_reads`) and says which op is which.
 """
@@ -72,11 +72,6 @@ class FutureMap(MapCore):
       protocol: 'sentinel' (default: `invalidate` leaves -slot placeholders that resolve
         fills) or 'gather' (resolve gathers decode ids, MIXED running rows' ids and spec
         lengths at forward entry; no invalidate). docs/CONTRACT.md, 'Two protocols'.
-      pack_inputs: a call whose arrays are all on the host sends them to the device as
-        one packed buffer (`packing`) instead of one transfer per array. Default: on
-        where a transfer costs more than packing (GPU, TPU: about 55 us of host time per
-        numpy argument), off on CPU (about 2.5 us, less than the packing itself). One
-        process only: across processes each array is sharded as given.
       needs_cpu_seq_lens: the engine reads lengths on the host (`resolve_seq_lens_cpu`):
         each publish starts copying its lengths to the host, so a read of the slots last
         published waits for the publishing step only (`host_lengths`). False (SGLang's

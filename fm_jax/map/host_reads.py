@@ -103,7 +103,7 @@ class HostReads:
             where = f"batch[rank {d}]." if by_rank else "batch."
             rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
         # resolve's own checks of the batch (its general path places it; nothing runs)
-        self._placement.resolve(batch, pack=False)
+        self._placement.resolve(batch, general=True)
         checks = self._placement.inputs.checks
         for d, (_, lens, ts, pre) in rows.items():
             where, rank = (f"batch[rank {d}].", f"[rank {d}]") if by_rank else ("batch.", "")

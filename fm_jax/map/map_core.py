@@ -2,7 +2,7 @@
 
 `MapCore` assembles a map from its constructor's arguments (each checked there: a
 FutureMapError names the first that is wrong) and holds its parts: the layout and its
-lifted ops, the placement (the caller's arguments checked, padded, packed, a key), the
+lifted ops, the placement (the caller's arguments checked, padded, a key), the
 registry (the executable of each key), the runtime (the state, the lock, the debug
 channel) and the host reads. It serves what is not a step's op: the state and its
 buffers, `reset`, the executables, the debug `check`, `warm_up` and the engine step
@@ -87,7 +87,6 @@ class MapCore:
         token_buckets: Sequence[int] | None = None,
         device: jax.Device | None = None,
         protocol: str = "sentinel",
-        pack_inputs: bool | None = None,
         needs_cpu_seq_lens: bool = True,
     ) -> None:
         if mesh is not None and device is not None:
@@ -147,11 +146,6 @@ class MapCore:
             raise FutureMapError(
                 f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
             ) from None
-        if pack_inputs is not None and not isinstance(pack_inputs, bool):
-            raise FutureMapError(f"pack_inputs must be a bool or None, got {pack_inputs!r}")
-        packs = inputs.single_process and (
-            platform != "cpu" if pack_inputs is None else pack_inputs
-        )
         options = compiler_options(platform)
         if not isinstance(needs_cpu_seq_lens, bool):
             raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
@@ -171,7 +165,7 @@ class MapCore:
             layout.dp,
             spec=local.spec is not None,
         )
-        placement = Placement(inputs, proto, local.spec, pack_inputs=packs, debug=debug)
+        placement = Placement(inputs, proto, local.spec, debug=debug)
         placement.last_checked = runtime.last_checked
         # Debug: the tail ops' only checks are slot checks; slots already checked take
         # executables without them (a checked one costs ~35 us more per call on XLA:CPU).
@@ -193,7 +187,6 @@ class MapCore:
         self.batch_buckets = inputs.batch_buckets
         self.token_buckets = inputs.token_buckets
         self.local_ranks: tuple[int, ...] = layout.local_ranks()
-        self.pack_inputs: bool = placement.pack_inputs
         self._options = options
         self._placement: Placement = placement
         self._optional = frozenset(optional)
@@ -332,7 +325,7 @@ class MapCore:
         `seq_lens_at` too); resolve per token bucket (which fixes its rows) and resolve
         variant (mode fixed not DECODE, fixed DECODE, traced; token slots in the gather
         protocol), with and without a draft on a spec map. Each is an empty batch placed
-        as serving places its inputs (and, with `pack_inputs`, packed too); traced,
+        as serving places its inputs; traced,
         lowered and compiled on `threads` threads; nothing runs and no buffer changes.
         Logs the report at INFO on the "fm_jax" logger.
 

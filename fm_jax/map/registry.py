@@ -39,8 +39,7 @@ class WarmUpReport:
       compiled: XLA compiles seen during warm-up.
       from_cache: executables loaded from JAX's persistent compilation cache instead.
       seconds: wall time of the warm-up.
-      by_op: executables per name (as in `FutureMap.executables()`; the class's fed one
-        packed host buffer as "name (packed)").
+      by_op: executables per name (as in `FutureMap.executables()`).
     """
 
     executables: int
@@ -90,19 +89,13 @@ class Registry:
         mode and checks) fed as `pack` lays out (None: placed arrays), taking `nargs`
         arguments of the caller's own after those (an engine step's); once per family.
       refusal: key -> the serving guard's message for a key warm-up did not compile.
-      packed_names: warm-up reports name packed executables "name (packed)".
     """
 
     def __init__(
-        self,
-        build: Callable[[Key, PackSpec | None, int], Any],
-        refusal: Callable[[Key], str],
-        *,
-        packed_names: bool = True,
+        self, build: Callable[[Key, PackSpec | None, int], Any], refusal: Callable[[Key], str]
     ) -> None:
         self._build = build
         self._refusal = refusal
-        self._packed_names = packed_names
         self._jitted: dict[tuple[Any, ...], Any] = {}
         self._serving: dict[tuple[Key, PackSpec | None], Guarded] | None = None
 
@@ -144,9 +137,8 @@ class Registry:
         with counting_compiles() as counter, ThreadPoolExecutor(max_workers=workers) as pool:
             compiled = list(pool.map(lambda lo: lo.compile(), lowered))
         by_op: dict[str, int] = {}
-        for key, pack, _, _ in calls:
-            name = key.name if pack is None or not self._packed_names else f"{key.name} (packed)"
-            by_op[name] = by_op.get(name, 0) + 1
+        for key, _, _, _ in calls:
+            by_op[key.name] = by_op.get(key.name, 0) + 1
         self._serving = None
         if guard:
             self._serving = {

@@ -22,7 +22,6 @@ import numpy as np
 from fm_jax.host.buckets import decode_ids, resolve_sizes
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.keys import FIXED_MODES, takes_state
-from fm_jax.host.packing import pack_host
 from fm_jax.map.registry import Call
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
@@ -176,8 +175,8 @@ def class_calls(
     partial: Sequence[Collection[str]] = (),
 ) -> list[Any]:
     """The class's warm-up: every empty tail and batch placed through `placement` as
-    serving places its calls (a debug map's tail ops both checked and not; each call also
-    packed where the map packs), the partial stashes in `partial` too. Returns registry
+    serving places its calls (a debug map's tail ops both checked and not), the partial
+    stashes in `partial` too. Returns registry
     calls (key, packing, arguments, 0)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
     if not _names_per_stash(partial):
@@ -190,22 +189,19 @@ def class_calls(
     placed = []
     for t in empty_tails(inputs, protocol, spec, partial):
         if t.op in ("sentinels", "seq_lens_at"):
-            p = placement.slots_op(t.op, t.indices, t.rows, pack=False)
+            p = placement.slots_op(t.op, t.indices, t.rows)
         else:
             p = placement.tail(
-                t.op, t.indices, t.lens, t.payload, t.rows, pack=False, confidence=t.confidence
+                t.op, t.indices, t.lens, t.payload, t.rows, general=True, confidence=t.confidence
             )
         both = debug and t.op != "seq_lens_at"
         placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
-        placed.append(placement.resolve(e.batch, e.rows, e.tokens, pack=False))
+        placed.append(placement.resolve(e.batch, e.rows, e.tokens, general=True))
     calls: list[Call] = []
     for p in placed:
         head = (state,) if takes_state(p.key.op) else ()
         calls.append((p.key, None, (*head, *p.args), 0))
-        host = pack_host(p.args) if placement.pack_inputs else None
-        if host is not None:
-            calls.append((p.key, host[0], (*head, host[1]), 0))
     return calls
 
 
