@@ -7,7 +7,7 @@ layout no plan takes: a mapping of DP ranks, lists, a plain int mode):
    and what it leaves to the values;
 3. its sizes (`buckets.resolve_sizes`: one pair per token bucket), then every field placed
    by `HostInputs` (forms, value checks, padding) and the value rules judged
-   (`host_checks.batch_values`);
+   (`validate.batch_values`);
 4. its key: the mode (one executable per kind; an engine step's, per mode) and sizes.
 """
 
@@ -22,11 +22,10 @@ import numpy as np
 
 from fm_jax.host import packing
 from fm_jax.host.buckets import resolve_sizes
-from fm_jax.host.host_checks import batch_values
 from fm_jax.host.host_inputs import HostInputs, Rows
 from fm_jax.host.keys import Key
 from fm_jax.host.plans import Placed
-from fm_jax.host.step_inputs import StepInput, given_inputs
+from fm_jax.host.validate import StepInput, batch_values, given_inputs
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Part, Protocol, Rules

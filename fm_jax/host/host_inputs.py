@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from fm_jax.host.buckets import bucket_for
-from fm_jax.host.host_checks import INTS, HostChecks, row_kind
+from fm_jax.host.validate import INTS, HostChecks, row_kind
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import storable

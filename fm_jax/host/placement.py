@@ -25,7 +25,7 @@ from fm_jax.host.host_batch import BatchPlacement
 from fm_jax.host.host_inputs import HostInputs, Rows, on_device, row_kind
 from fm_jax.host.keys import Key
 from fm_jax.host.plans import Placed, Plan, Role, signature
-from fm_jax.host.step_inputs import StepInput
+from fm_jax.host.validate import StepInput
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError

@@ -31,7 +31,7 @@ import numpy as np
 from fm_jax.host.keys import FIXED_MODES, Key
 from fm_jax.host.packing import PackSpec, unpack
 from fm_jax.host.placement import Placement
-from fm_jax.host.step_inputs import StepInput, check_declared
+from fm_jax.host.validate import StepInput, check_declared
 from fm_jax.map.entry_points import tail
 from fm_jax.map.registry import Call, Registry, WarmUpReport
 from fm_jax.map.runtime import MapRuntime

@@ -101,7 +101,7 @@ class Protocol:
     def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
         """Every rule of this protocol on a batch's layout, asked once before anything is
         placed: refuses what the kinds and the fields given break, and returns the rules
-        left for the host values (`host_checks.batch_values`).
+        left for the host values (`validate.batch_values`).
 
         Args:
           spec: the map's spec fields, or None.

@@ -1,4 +1,4 @@
-"""The host value checks (fm_jax/host/host_checks.py) met directly, where a map of this
+"""The host value checks (fm_jax/host/validate.py) met directly, where a map of this
 process cannot reach them: a recorded plan's checker against the general path's check, and
 the batch rules of a map of several DP ranks (the in-process maps have one; the 8-device
 subprocess tests build the others, end to end)."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
-from fm_jax.host import host_checks
+from fm_jax.host import validate
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 R = 16
@@ -75,21 +75,21 @@ def test_a_relayed_field_is_an_int() -> None:
     """Relayed rows (tokens, lengths, a consumed field's) are ints judged >= 0; an int
     field's rows are ints, cast where they fit; a field of another dtype takes its own
     dtype only."""
-    assert host_checks.row_kind(None, True) == "relayed"
-    assert host_checks.row_kind(np.dtype(np.int16), True) == "relayed"
-    assert host_checks.row_kind(np.dtype(np.uint8), False) == "ints"
-    assert host_checks.row_kind(np.dtype(np.float32), False) == "values"
-    assert host_checks.row_kind(np.dtype(np.float16), False) == "values"
+    assert validate.row_kind(None, True) == "relayed"
+    assert validate.row_kind(np.dtype(np.int16), True) == "relayed"
+    assert validate.row_kind(np.dtype(np.uint8), False) == "ints"
+    assert validate.row_kind(np.dtype(np.float32), False) == "values"
+    assert validate.row_kind(np.dtype(np.float16), False) == "values"
 
 
 def test_the_order_check_names_the_rank_of_several() -> None:
     """A spec MIXED batch of two DP ranks: a rank that is not MIXED is skipped, a MIXED
     rank in order passes, and one out of order is refused naming its rank."""
-    rules = host_checks.Rules(mixed_order=True)
+    rules = validate.Rules(mixed_order=True)
     rows = np.array([5, 3, 2, 0, 4, 6, 1, 0], np.int32)  # 4 rows per rank
 
     def run(modes: list[Any], toks: list[int]) -> None:
-        host_checks.batch_values(rules, modes, [None], rows, np.array(toks, np.int32))
+        validate.batch_values(rules, modes, [None], rows, np.array(toks, np.int32))
 
     run([E, M], [0, 0, 0, 0, 0, 6, 1, 0])  # rank 1 in order; rank 0 not MIXED
     run([E, M], [9, 9, 0, 0, 0, 0, 6, 1])  # rank 0's slots are not read
@@ -103,13 +103,13 @@ def test_the_order_check_names_the_rank_of_several() -> None:
     with pytest.raises(fj.FutureMapError, match=r"^batch\[rank 0\]\.token_slots"):
         run([M, M], [0, 2, 3, 0, 6, 1, 0, 0])
     # Jax arrays are not read here (debug checks the order on the device).
-    host_checks.batch_values(rules, [M, M], [None], jnp.asarray(rows), np.zeros(8, np.int32))
+    validate.batch_values(rules, [M, M], [None], jnp.asarray(rows), np.zeros(8, np.int32))
 
 
 def test_one_id_per_decode_row_names_the_rank_of_several() -> None:
     """A DECODE rank's batch has one id per row: with several DP ranks the refusal names
     the rank; a rank that is not DECODE may carry any count; one mode stands for all."""
-    check = host_checks._one_id_per_row
+    check = validate._one_id_per_row
     check((2, 3), (2, 3), [True, True])
     check((2, 3), (2, 2), [True, False])  # rank 1 is not DECODE
     check(None, (2, 2), [True])  # ids on the device: not counted here
