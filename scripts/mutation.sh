@@ -62,7 +62,7 @@ file_of() {
         jax-resolve) echo fm_jax/ops/resolve_ops.py ;;
         jax-checks) echo fm_jax/ops/checks.py ;;
         jax-inputs) echo fm_jax/host/host_inputs.py ;;
-        jax-host-checks) echo fm_jax/host/host_checks.py ;;
+        jax-host-checks) echo fm_jax/host/validate.py ;;
         jax-kernel) echo fm_jax/ops/row_kernel.py ;;
         jax-runtime) echo fm_jax/map/runtime.py ;;
         jax-step) echo fm_jax/map/engine_step.py ;;
@@ -96,7 +96,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         # Host inputs and their value checks: the class's and the engine step's refusals,
         # the twins' shared judgements (int casts, declared dtypes, one id per row).
         jax-inputs|jax-host-checks) local r=tests/test_reliability.py
-                     echo "tests/test_fm_jax_plans.py tests/test_fm_jax_inputs.py tests/test_fm_jax_host_checks.py
+                     echo "tests/test_fm_jax_plans.py tests/test_fm_jax_inputs.py tests/test_fm_jax_validate.py
                            tests/test_fm_jax_host_inputs.py
                            tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                            $table::test_fm_jax_class_refuses_and_keeps_every_byte

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from fm_jax.host.plans import Placed
-from fm_jax.map.confidence import ResolvedConfidence
+from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.map_core import MapCore, serialized
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
@@ -74,7 +74,7 @@ class FutureMap(MapCore):
         lengths at forward entry; no invalidate). docs/CONTRACT.md, 'Two protocols'.
       needs_cpu_seq_lens: the engine reads lengths on the host (`resolve_seq_lens_cpu`):
         each publish starts copying its lengths to the host, so a read of the slots last
-        published waits for the publishing step only (`host_lengths`). False (SGLang's
+        published waits for the publishing step only (`host_copies`). False (SGLang's
         `needs_cpu_seq_lens` off): no copy at all; `resolve_seq_lens_cpu` then gathers
         from the buffer, a sync behind everything queued.
     """

@@ -19,7 +19,7 @@ import numpy as np
 
 from fm_jax.host.placement import Placement
 from fm_jax.host.plans import Placed
-from fm_jax.map.confidence import ResolvedConfidence
+from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.sharding import per_rank

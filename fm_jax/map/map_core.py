@@ -28,11 +28,10 @@ from fm_jax.host.placement import Placement
 from fm_jax.host.plans import Placed
 from fm_jax.host.validate import StepInput
 from fm_jax.map.compile_options import compiler_options
-from fm_jax.map.confidence import ConfidenceRing
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.engine_step import EngineStep, Forward
 from fm_jax.map.entry_points import entry_points
-from fm_jax.map.host_lengths import HostLengths
+from fm_jax.map.host_copies import ConfidenceRing, HostLengths
 from fm_jax.map.host_reads import HostReads
 from fm_jax.map.registry import Registry, WarmUpReport
 from fm_jax.map.runtime import MapRuntime

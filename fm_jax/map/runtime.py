@@ -23,9 +23,8 @@ from typing import Any
 import jax
 
 from fm_jax.host.host_inputs import Rows
-from fm_jax.map.confidence import ConfidenceRing
 from fm_jax.map.debug_channel import DebugChannel
-from fm_jax.map.host_lengths import HostLengths
+from fm_jax.map.host_copies import ConfidenceRing, HostLengths
 from fm_jax.ops.checks import FRESH_PUBLISH
 from fm_jax.ops.errors import FutureMapError, StateLost
 from fm_jax.ops.types import FutureMapState

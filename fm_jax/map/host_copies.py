@@ -1,20 +1,25 @@
-"""The confidence relay's host side (DSpark): a ring of host copies the host reads without
-waiting.
+"""Host copies the device starts and the host reads without a stall: the last published
+lengths (`HostLengths`) and the confidence ring (`ConfidenceRing`).
 
-A publish with confidence rows writes them into the map's confidence buffer ([R, gamma]
-float32, as its bits) and returns a copy of the whole buffer; the ring takes each local DP
-rank's block of it (one device's shard: [R, gamma]) and starts its device-to-host copy
-(`jax.Array.copy_to_host_async`). The ring keeps the last `DEPTH` such blocks per DP
-rank, each with a snapshot of the host's per-slot generation counter as it stood at that
-publish (SGLang's `req_to_token_pool.req_generation`, bumped when a slot goes to a new
-request). A read takes the entry `LAG` publishes back: the publish before the last, whose
-copy has had a whole step to land. It never waits unless asked: an entry whose copy is not
-done yet reads as None, as do the first `LAG` publishes. The generation read with a row says
-which request the host had in that slot when the row was copied: a row of a slot reused
-since reads with an older generation than the slot's current one.
+Lengths. A publish starts the host copy of its lengths (`jax.Array.copy_to_host_async`: a
+copy in flight, not a wait) and keeps it with the slots it was published at, as SGLang
+copies them on a side stream into pinned memory gated on the publish; a later
+`resolve_seq_lens_cpu` of exactly those slots takes the copy, waiting only for the
+computation that produced them, not for everything queued. Host lengths given to a publish
+are kept as a host copy (the caller may refill its arrays). Only the most recent publish is
+kept: a read of other slots, or after another publish, gathers from the buffer. A caller's
+device lengths may be donated or deleted after the call: the copy goes with them, and the
+read gathers from the map's buffer, which holds the same lengths.
 
-Only publishes with confidence rows move the ring, and only on the ranks that had rows in
-them (an idle rank's ring stays, as SGLang's per-rank map returns before its copy).
+Confidence (DSpark). A publish with confidence rows writes them into the map's confidence
+buffer ([R, gamma] float32, as its bits) and returns a copy of the whole buffer; the ring
+takes each local DP rank's block and starts its host copy. It keeps the last `DEPTH` blocks
+per rank, each with a snapshot of the host's per-slot generation counter at that publish
+(SGLang's `req_to_token_pool.req_generation`, bumped when a slot goes to a new request). A
+read takes the entry `LAG` publishes back, whose copy has had a whole step to land; it never
+waits unless asked (an entry not landed, and the first `LAG` publishes, read as None). The
+generation read with a row says which request held the slot when the row was copied. Only
+publishes with confidence rows move the ring, and only on the ranks that had rows in them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,79 @@ import numpy as np
 
 from fm_jax.host.host_inputs import Rows
 from fm_jax.ops.errors import FutureMapError
+
+
+class _Published(NamedTuple):
+    idx: Rows  # the slots, as placed (host: padded; a jax array: taken as given)
+    lens: Any  # the lengths, placed like idx: a host array, or a jax array copying to host
+
+
+class HostLengths:
+    """The most recent publish's lengths (one map; single process)."""
+
+    def __init__(self) -> None:
+        self._last: _Published | None = None
+
+    def published(self, idx: Rows, lens: Any) -> None:
+        """A publish wrote `lens` at `idx` (both as placed): keep them, a device array with
+        its host copy started."""
+        if isinstance(lens, jax.Array):
+            lens.copy_to_host_async()
+        else:  # the caller's own array may be reused for the next batch: keep a copy
+            lens = np.array(lens)
+        if idx.counts is not None:
+            idx = idx._replace(array=np.array(idx.array))
+        self._last = _Published(idx, lens)
+
+    def forget(self) -> None:
+        """The buffer may no longer hold what was last published (a debug resolve
+        consumed it): the next read gathers from the buffer."""
+        self._last = None
+
+    def read(self, idx: Rows, subset: bool = False) -> np.ndarray | None:
+        """The lengths last published at exactly the slots `idx` (as placed, padded), or
+        None when the last publish was at other slots (or there was none). `subset`: host
+        slots each among the last publish's (of its rank) do too."""
+        last = self._last
+        if subset and last is not None and idx.counts is not None:
+            return self._among(last, idx)
+        if last is None or last.idx.size != idx.size:
+            return None
+        if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
+            same = idx.array is last.idx.array
+        else:
+            same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
+        if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
+            return None  # other slots, or the caller's array donated since: the buffer
+        return np.asarray(last.lens)
+
+    @staticmethod
+    def _among(last: _Published, idx: Rows) -> np.ndarray | None:
+        """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
+        slots too); None when one is not there or the lengths were donated since."""
+        counts = last.idx.counts
+        if counts is None or idx.counts is None:
+            return None
+        if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
+            return None
+        have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
+        want = np.asarray(idx.array)
+        out = np.zeros(want.shape, lens.dtype)
+        s0, s1 = last.idx.size, idx.size
+        for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
+            if not n1:
+                continue
+            if not n0:
+                return None
+            slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
+            w = want[d * s1 : d * s1 + n1]
+            order = np.argsort(slots, kind="stable")
+            at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
+            if not np.array_equal(slots[order[at]], w):
+                return None
+            out[d * s1 : d * s1 + n1] = got[order[at]]
+        return out
+
 
 LAG = 2
 """Publishes back a read looks (SGLang's CONFIDENCE_RELAY_RING_LAG)."""
