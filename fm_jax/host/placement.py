@@ -329,6 +329,8 @@ def _resolve_values(
     head = tuple(batch)
     if step is None:
         return head
+    if inputs is None:  # no inputs given: as `{}` (refused later if some are declared)
+        inputs = {}
     if type(inputs) is not dict or len(inputs) != len(step):
         return ()
     try:
