@@ -1,4 +1,4 @@
-"""A batch placed by the general path (fm_jax/host/host_batch.py): its protocol's rules
+"""A batch's placement decided (fm_jax/host/host_batch.py): its protocol's rules
 asked once, each of its host modes parsed once."""
 
 from __future__ import annotations
@@ -54,6 +54,6 @@ def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
             monkeypatch.setattr(module, "host_mode", host_mode)
     ids = None if protocol == "gather" else -a(1, 2)  # gather: a DECODE's ids are gathered
     batch = fj.Batch(np.array([DECODE], np.int32), a(1, 2), ids, a(3, 4))
-    fm._placement._place_resolve(batch, None, None)
+    fm._placement.resolve(batch)
     assert asked == ["rules"]
     assert len(parsed) == 1, parsed

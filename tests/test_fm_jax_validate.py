@@ -109,10 +109,16 @@ def test_the_order_check_names_the_rank_of_several() -> None:
 def test_one_id_per_decode_row_names_the_rank_of_several() -> None:
     """A DECODE rank's batch has one id per row: with several DP ranks the refusal names
     the rank; a rank that is not DECODE may carry any count; one mode stands for all."""
-    check = validate._one_id_per_row
+    rules = validate.Rules(ids_per_row=True)
+
+    def check(ids: Any, rows: Any, decode: list[bool]) -> None:
+        modes = [D if d else E for d in decode]
+        validate.one_id_per_row(rules, modes, ids, rows)
+
     check((2, 3), (2, 3), [True, True])
     check((2, 3), (2, 2), [True, False])  # rank 1 is not DECODE
     check(None, (2, 2), [True])  # ids on the device: not counted here
+    validate.one_id_per_row(validate.Rules(), [D], (3,), (2,))  # a protocol without the rule
     for decode in ([True, True], [False, True], [True]):
         with pytest.raises(
             fj.FutureMapError,

@@ -1,13 +1,12 @@
-"""A batch placed by the general path, in one direction: as given, ruled, placed, keyed.
+"""A batch's placement decided, in one direction: as given, ruled, sized, keyed.
 
-What `Placement` does with a batch the first time its layout is seen (and every time for a
-layout no plan takes: a mapping of DP ranks, lists, a plain int mode):
+What `Placement` does with a batch whose layout it has not decided before (and every time
+for a call with no layout: a mapping of DP ranks, lists, a plain int mode):
 1. the batch as given (`Given`): each part's fields, its forward modes parsed once;
 2. the protocol's rules on that layout, asked once (`Protocol.rules`): what it refuses,
-   and what it leaves to the values;
-3. its sizes (`buckets.resolve_sizes`: one pair per token bucket), then every field placed
-   by `HostInputs` (forms, value checks, padding) and the value rules judged
-   (`validate.batch_values`);
+   and what it leaves to the values (`validate.batch_values`, run with the decision);
+3. its sizes (`buckets.resolve_sizes`: one pair per token bucket), then every field's
+   `HostInputs` decision (forms, shapes, counts, its placer);
 4. its key: the mode (one executable per kind; an engine step's, per mode) and sizes.
 """
 
@@ -20,12 +19,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fm_jax.host import packing
 from fm_jax.host.buckets import resolve_sizes
-from fm_jax.host.host_inputs import HostInputs, Rows
+from fm_jax.host.decisions import Decision, constant
+from fm_jax.host.host_inputs import Field, HostInputs
 from fm_jax.host.keys import Key
-from fm_jax.host.plans import Placed
-from fm_jax.host.validate import StepInput, batch_values, given_inputs
+from fm_jax.host.validate import StepInput, batch_values, given_inputs, one_id_per_row
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Part, Protocol, Rules
@@ -65,18 +63,19 @@ class BatchPlacement:
         self.spec = spec
         self.dp = inputs.dp
 
-    def place(
+    def decide(
         self,
         batch: Batch | Mapping[int, Batch],
         rows: int | None,
         tokens: int | None,
         step: Sequence[StepInput] | None,
         inputs: Mapping[str, Any] | None,
-    ) -> Placed:
-        """A batch checked by value and padded to buckets, its key, and (`Placed.check`)
-        the value rules a plan of its layout repeats. A resolve's arguments are `(batch,)`;
-        an engine step's (`step`, with its declared `inputs`) one packed host buffer, its
-        device leaves beside."""
+    ) -> tuple[Decision, tuple[Any, ...]]:
+        """The decision of a resolve (or, with `step` and its declared `inputs`, an engine
+        step) from the batch's layout, and the values it places in decision order: the
+        batch's fields, then the declared inputs (a mapping's filled for every rank).
+        Every refusal of a form, shape, count or bucket is made here; the values' own
+        checks are the decision's to run."""
         given = self.given(batch)
         rules = self.protocol.rules(self.spec, given.parts, by_rank=given.ranks is not None)
         ids = self._ids(given, rules)
@@ -85,43 +84,91 @@ class BatchPlacement:
         modes = self._rank_modes(given)
         key, mode = self._mode_key(given.traced, modes, exact=step is not None)
         token_slots, draft = self._filled(given, ids)
-        idx, placed_ids, lens, slots, draft_rows, declared = self._fields(
-            given, ids, token_slots, draft, rows, tokens, step, inputs
-        )
-        slot_rows = None if slots is None else slots.array
-        batch_values(
-            rules,
-            modes,
-            _part_slots(given),
-            idx.array,
-            slot_rows,
-            counts=None
-            if placed_ids is None or given.traced is not None
-            else (placed_ids.counts, idx.counts),
-        )
+        host = self.inputs
+        idx = host.flat("req_pool_indices", given.slots, rows, slots=True)
+        fid = None if ids is None else host.flat("input_ids", ids, tokens, slots=False)
+        placers: list[Any] = [
+            None if given.traced is not None else constant(mode),
+            idx.place,
+            None if fid is None else fid.place,
+            host.matched("seq_lens", given.lens, idx),
+            None,
+            None,
+        ]
+        if given.ranks is None and ids is not given.ids:  # zeros, never read: placed once
+            placers[2] = constant(None if fid is None else fid.rows(ids).array)
+        if fid is not None and token_slots is not None:
+            placers[5] = host.token_slots("token_slots", token_slots, fid).place
+        elif given.ranks is None and token_slots is None and given.token_slots is not None:
+            placers[5] = constant(None)  # a gathered DECODE: no ids, no token slots
+        if draft is not None:
+            fdraft = host.flat("draft_indices", draft, idx.size, slots=True)
+            if None not in (fdraft.counts, idx.counts) and fdraft.counts != idx.counts:
+                raise FutureMapError(
+                    f"draft_indices has {fdraft.counts} rows per rank, req_pool_indices "
+                    f"{idx.counts}: one draft slot per row"
+                )
+            placers[4] = fdraft.place
+        if fid is not None and given.traced is None:
+            one_id_per_row(rules, modes, fid.counts, idx.counts)
+        by_name = given_inputs(step, inputs) if step is not None else {}
+        names = [d.name for d in step or ()]
+        for d in step or ():
+            like = idx if d.per == "row" or fid is None else fid
+            placers.append(self._declared(d, by_name[d.name], like))
         key = key._replace(
             op="resolve" if step is None else "step",
             rows=idx.size,
-            tokens=idx.size if placed_ids is None else placed_ids.size,
-            draft=draft_rows is not None,
-            slots=slots is not None,
-            ids=placed_ids is not None,
-        )
-        placed = Batch(
-            mode,
-            idx.array,
-            None if placed_ids is None else placed_ids.array,
-            lens,
-            draft_rows,
-            slot_rows,
+            tokens=idx.size if fid is None else fid.size,
+            draft=draft is not None,
+            slots=fid is not None and token_slots is not None,
+            ids=fid is not None,
         )
         check = None
-        if given.ranks is None and (rules.zero_slots or rules.mixed_order):
-            check = functools.partial(_plan_check, rules, modes)
-        if step is not None:  # always packed: its device leaves beside the buffer
-            spec, buf, device = packing.pack((placed, declared))
-            return Placed(key, (buf, device), spec, idx, check=check)
-        return Placed(key, (placed,), None, idx, check=check)
+        if rules.zero_slots or rules.mixed_order:
+            parts = None if given.ranks is None else _part_slots(given)
+            check = functools.partial(_batch_check, rules, modes, parts)
+
+        def assemble(p: list[Any]) -> tuple[Any, ...]:
+            b = Batch(*p[:6])
+            return (b,) if step is None else (b, dict(zip(names, p[6:], strict=True)))
+
+        decision = Decision(
+            key,
+            placers,
+            assemble,
+            idx=idx,
+            idx_at=1,
+            batch_check=check,
+            packed=step is not None,
+        )
+        head = (
+            None if given.ranks is not None else batch.forward_mode,  # type: ignore[union-attr]
+            given.slots,
+            ids,
+            given.lens,
+            draft,
+            token_slots if given.ranks is not None else given.token_slots,
+        )
+        return decision, head + tuple(by_name[n] for n in names)
+
+    def _declared(self, d: StepInput, x: Any, like: Field) -> Any:
+        """The placer of an engine's declared input `x`: a jax array taken as it is (its
+        dtype and shape checked), host rows (or a mapping of ranks) of the declared trailing
+        shape, cast to its dtype where no value can change, laid out like `like`."""
+        name = f"inputs[{d.name!r}]"
+        if isinstance(x, jax.Array):
+            if x.dtype != d.dtype or x.shape[1:] != d.shape:
+                raise FutureMapError(
+                    f"{name} is {x.dtype}{list(x.shape)}, declared {d.dtype} rows of "
+                    f"shape {list(d.shape)}"
+                )
+        elif not isinstance(x, Mapping):
+            self.inputs.declared(name, x, d.shape, d.dtype)
+        else:
+            for r, v in x.items():
+                self.inputs.declared(f"{name}[rank {r}]", v, d.shape, d.dtype)
+        return self.inputs.matched(name, x, like, d.dtype, per=d.per, cast=d.dtype)
 
     # ------------------------------------------------------------------ as given
     def given(self, batch: Batch | Mapping[int, Batch]) -> Given:
@@ -270,58 +317,6 @@ class BatchPlacement:
                 )
         return slots, {r: draft.get(r, np.zeros(len(given.slots[r]), dt)) for r in given.ranks}
 
-    def _fields(
-        self,
-        given: Given,
-        ids: Any,
-        token_slots: Any,
-        draft: Any,
-        rows: int | None,
-        tokens: int | None,
-        step: Sequence[StepInput] | None,
-        inputs: Mapping[str, Any] | None,
-    ) -> tuple[Rows, Rows | None, Any, Rows | None, Any, dict[str, Any]]:
-        """Every field placed by `HostInputs`, in one pass: the slots, ids, lengths, token
-        slots (like the ids), draft slots (like the slots) and an engine step's declared
-        inputs (like the rows or the tokens)."""
-        host = self.inputs
-        idx = host.slots("req_pool_indices", given.slots, rows)
-        placed_ids = None if ids is None else host.token_ids("input_ids", ids, tokens)
-        lens = host.matched("seq_lens", given.lens, idx)
-        slots = None
-        if token_slots is not None and placed_ids is not None:
-            slots = host.token_slots("token_slots", token_slots, placed_ids)
-        draft_rows = None
-        if draft is not None:
-            placed = host.slots("draft_indices", draft, idx.size)
-            if None not in (placed.counts, idx.counts) and placed.counts != idx.counts:
-                raise FutureMapError(
-                    f"draft_indices has {placed.counts} rows per rank, req_pool_indices "
-                    f"{idx.counts}: one draft slot per row"
-                )
-            draft_rows = placed.array
-        declared: dict[str, Any] = {}
-        if step is not None:
-            by_name = given_inputs(step, inputs)
-            for d in step:
-                like = idx if d.per == "row" or placed_ids is None else placed_ids
-                x, name = by_name[d.name], f"inputs[{d.name!r}]"
-                if isinstance(x, jax.Array):
-                    if x.dtype != d.dtype or x.shape[1:] != d.shape:
-                        raise FutureMapError(
-                            f"{name} is {x.dtype}{list(x.shape)}, declared {d.dtype} rows of "
-                            f"shape {list(d.shape)}"
-                        )
-                elif not isinstance(x, Mapping):
-                    x = host.declared(name, x, d.shape, d.dtype)
-                else:
-                    x = {
-                        r: host.declared(f"{name}[rank {r}]", v, d.shape, d.dtype)
-                        for r, v in x.items()
-                    }
-                declared[d.name] = host.matched(name, x, like, d.dtype, per=d.per)
-        return idx, placed_ids, lens, slots, draft_rows, declared
-
     # ------------------------------------------------------------------ the key
     def _mode_key(self, traced: Any, modes: list[ForwardMode], *, exact: bool) -> tuple[Key, Any]:
         """The resolve's key (its mode) and the mode the executable takes (None: fixed).
@@ -348,9 +343,14 @@ def _part_slots(given: Given) -> list[Any]:
     return [given.token_slots.get(r) for r in given.ranks]
 
 
-def _plan_check(rules: Rules, modes: list[ForwardMode], values: Sequence[Any]) -> None:
-    """A Batch's value rules on a call's values in plan order (its fields, then inputs)."""
-    batch_values(rules, modes, (values[5],), values[1], values[5])
+def _batch_check(
+    rules: Rules, modes: list[ForwardMode], parts: Any, values: Sequence[Any], placed: list[Any]
+) -> None:
+    """A batch's value rules on a call's values: its parts' token slots as given (a
+    Batch's, from its values; a mapping's, decided with it) and its placed slots and token
+    slots (`validate.batch_values`)."""
+    given = (values[5],) if parts is None else parts
+    batch_values(rules, modes, given, placed[1], placed[5])
 
 
 def _zeros(rows: Any, dtype: np.dtype) -> Any:

@@ -1,25 +1,25 @@
-"""What a FutureMap's caller passes, turned into what its executables take.
+"""What a FutureMap's caller passes, decided once per layout and placed by one placer.
 
 Three forms, judged by the same rules on one device and on a mesh (one device is the
 one-rank layout):
 - a host array (numpy, a list): global rows, each DP rank's rows end to end, the same
-  number per rank (one device: any number). Checked by value here, each rank's part padded
-  with zero rows (slot 0, token 0) to a bucket, and handed to the executable as a host
-  array: the jit transfers it while dispatching.
+  number per rank (one device: any number). Checked by value (`validate`), each rank's part
+  padded with zero rows (slot 0, token 0) to a bucket, and handed to the executable as a
+  host array: the jit transfers it while dispatching.
 - a jax array: global rows as the executable takes them, each rank's part already a
   bucket size; not read here (no sync), taken as it is.
 - a mapping DP rank -> host array (rank-local slots): the ranks of this process; a local
   rank left out is idle (all padding). Every rank is padded to one size.
 
-Host value checks (slot range, duplicate live slots, int fit, sentinel range, no negative
-token or length relayed, one input id per row of a non-spec DECODE batch) raise
-`FutureMapError` naming the field before anything reaches the device. A jax array is not
-read: in debug mode the op checks it on the device.
+Each method decides from an input's form, shape and dtype alone (refusing what they
+break, naming the field) and returns its `Field`: its sizes and its placer, the one
+function that checks a value of that layout (`validate`) and pads it, before anything
+reaches the device. A jax array is not read: in debug mode the op checks it on the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +31,9 @@ from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import storable
 from fm_jax.ops.sharding import MeshLayout
+
+Placer = Callable[[Any], Any] | None
+"""A value of a decided layout -> what the executable takes; None: taken as it is."""
 
 
 class Rows(NamedTuple):
@@ -58,8 +61,24 @@ class Rows(NamedTuple):
         return self.counts is None or bool(self.counts[rank])
 
 
+class Field(NamedTuple):
+    """One input decided from its form: its row layout (as `Rows` has it) and the placer
+    of values of this layout (None: a jax array, taken as it is)."""
+
+    size: int
+    counts: tuple[int, ...] | None
+    by_rank: bool
+    place: Placer
+
+    def rows(self, x: Any) -> Rows:
+        """`x` placed, with this field's row layout."""
+        return Rows(
+            x if self.place is None else self.place(x), self.size, self.counts, self.by_rank
+        )
+
+
 class HostInputs:
-    """Input preparation for one map: its layout, pool size, int dtype and buckets."""
+    """Input decisions for one map: its layout, pool size, int dtype and buckets."""
 
     def __init__(
         self,
@@ -83,29 +102,47 @@ class HostInputs:
         self._safe = self.checks.safe
         self._zeros = np.zeros(0, dtype)
 
-    # ----------------------------------------------------------------- value checks
-    def host_rows(
-        self, name: str, a: np.ndarray, size: int, kind: str, into: np.dtype | None = None
-    ) -> np.ndarray:
-        """Global host rows (each DP rank's rows end to end, as many per rank) checked as
-        `kind` (`HostChecks.check`, rows of dtype `into`) and padded per rank to `size`
-        rows: what a recorded plan does."""
-        if self.dp == 1:
-            a = self.checks.check(kind, name, a, into)
-            if a.shape[0] == size:
-                return a
-            out = np.zeros((size, *a.shape[1:]), a.dtype)
-            out[: a.shape[0]] = a
+    # ----------------------------------------------------------------- the placer
+    def placer(
+        self, name: str, kind: str, size: int, into: np.dtype | None, x: Any, cast: Any = None
+    ) -> Callable[[Any], Any]:
+        """The placer of values shaped like `x` (host rows, global or a mapping of ranks):
+        each rank's rows checked as `kind` (`HostChecks.check`, into `into`) and padded to
+        `size` rows. `cast`: the declared dtype host rows are first cast to where no value
+        can change (an engine's step input)."""
+        check = self.checks.check
+        ranked = (lambda d: f"{name}[rank {d}]") if self.dp > 1 else (lambda d: name)
+
+        empty = self._zeros if into is None else np.zeros(0, into)
+
+        def by_rank(parts: dict[int, np.ndarray]) -> Any:
+            done = {d: check(kind, ranked(d), p, into) for d, p in parts.items()}
+            return self._pad(done, size, next(iter(done.values()), empty)[:0])
+
+        if isinstance(x, Mapping):  # not memoized: the parts decided are this call's
+            parts = self._rank_parts(name, x, cast)
+            return lambda _: by_rank(parts)
+        if self.dp > 1:
+            return lambda v: by_rank(self._split(name, _host(name, v, cast)))
+        a = _host(name, x, cast)
+        checker = self.checks.checker(kind, name, a.dtype, into)
+        n, tail = a.shape[0], a.shape[1:]
+
+        def pad(v: np.ndarray) -> np.ndarray:
+            out = np.zeros((size, *tail), v.dtype)
+            out[:n] = v
             return out
-        parts = {
-            d: self.checks.check(kind, f"{name}[rank {d}]", p, into)
-            for d, p in self._split(name, a).items()
-        }
-        first = parts[0]
-        return self._pad(parts, size, first[:0])
+
+        if type(x) is not np.ndarray or (cast is not None and a.dtype != x.dtype):
+            checker = checker or (lambda v: v)
+            inner = checker if n == size else lambda v: pad(checker(v))
+            return lambda v: inner(_host(name, v, cast))
+        if checker is not None and n != size:
+            return lambda v: pad(checker(v))
+        return checker if n == size else pad  # type: ignore[return-value]
 
     # ----------------------------------------------------------------- forms
-    def _rank_parts(self, name: str, x: Mapping[Any, Any]) -> dict[int, np.ndarray]:
+    def _rank_parts(self, name: str, x: Mapping[Any, Any], cast: Any = None) -> dict[int, Any]:
         """A per-rank mapping's host arrays by rank, keys checked."""
         out = {}
         for rank, a in x.items():
@@ -116,10 +153,10 @@ class HostInputs:
                     f"{name} has rows for DP rank {rank}, which is not one of this process's "
                     f"ranks {sorted(self.local_ranks)}"
                 )
-            out[int(rank)] = _host(name, a)
+            out[int(rank)] = _host(name, a, cast)
         return out
 
-    def _jax(self, name: str, x: jax.Array, buckets: tuple[int, ...], size: int | None) -> Rows:
+    def _jax(self, name: str, x: jax.Array, buckets: tuple[int, ...], size: int | None) -> Field:
         """A jax array of global rows, taken as it is: its shape and dtype are checked."""
         shape = x.shape
         if len(shape) != 1 or x.dtype not in INTS:
@@ -136,7 +173,7 @@ class HostInputs:
                 f"{name} has {shape[0]} entries, not a bucket size {buckets} ({want} for each "
                 f"of {self.dp} DP rank(s)): pad it (fm_jax.pad_to_bucket) or pass a host array"
             )
-        return Rows(x, per, None, False)
+        return Field(per, None, False, None)
 
     def _pad(self, parts: dict[int, np.ndarray], size: int, like: np.ndarray) -> Any:
         if self.dp == 1:
@@ -179,48 +216,34 @@ class HostInputs:
             )
         return {d: a[d * per : (d + 1) * per] for d in range(self.dp)}
 
-    def _flat(
-        self,
-        name: str,
-        x: Any,
-        buckets: tuple[int, ...],
-        size: int | None,
-        *,
-        slots: bool,
-    ) -> Rows:
-        """A 1-D int input (slots or token ids) placed for the executable."""
+    def _parts(self, name: str, x: Any) -> tuple[dict[int, np.ndarray], bool]:
+        """A host input's per-rank parts, and whether it came as a mapping of ranks."""
+        if isinstance(x, Mapping):
+            return self._rank_parts(name, x), True
+        return self._split(name, _host(name, x)), False
+
+    def flat(self, name: str, x: Any, size: int | None, *, slots: bool) -> Field:
+        """A 1-D int input: slot indices (rank-local: in [0, R), no live slot twice per
+        rank) or flat token ids (sentinels name a slot; the gather protocol: no id is
+        negative), padded to a batch or a token bucket."""
+        buckets = self.batch_buckets if slots else self.token_buckets
         if isinstance(x, jax.Array) and x.size:
             return self._jax(name, x, buckets, size)
-        by_rank = isinstance(x, Mapping)
-        parts = self._rank_parts(name, x) if by_rank else self._split(name, _host(name, x))
+        parts, by_rank = self._parts(name, x)
         for rank, a in parts.items():
-            where = f"{name}[rank {rank}]" if self.dp > 1 else name
             if a.ndim != 1:
+                where = f"{name}[rank {rank}]" if self.dp > 1 else name
                 raise FutureMapError(f"{where} must be 1-D, got shape {a.shape}")
-            parts[rank] = self.checks.check("slots" if slots else "ids", where, a)
         counts = tuple(parts[d].shape[0] if d in parts else 0 for d in range(self.dp))
         rows = self._size(max(counts), buckets, size, "rows" if slots else "tokens")
-        return Rows(self._pad(parts, rows, self._zeros), rows, counts, by_rank)
+        place = self.placer(name, "slots" if slots else "ids", rows, None, x)
+        return Field(rows, counts, by_rank, place)
 
-    # ----------------------------------------------------------------- public
-    def slots(self, name: str, x: Any, size: int | None = None) -> Rows:
-        """Slot indices (rank-local), checked: in [0, R), no live slot twice per rank."""
-        return self._flat(name, x, self.batch_buckets, size, slots=True)
-
-    def token_ids(self, name: str, x: Any, size: int | None = None) -> Rows:
-        """Flat token ids (sentinels for decode rows), checked: sentinels name a slot
-        (the gather protocol: no id is negative)."""
-        return self._flat(name, x, self.token_buckets, size, slots=False)
-
-    def token_slots(self, name: str, x: Any, ids: Rows) -> Rows:
+    def token_slots(self, name: str, x: Any, ids: Field) -> Field:
         """Per-token slots placed like the token ids `ids` (the same entries per rank),
         checked as slots: in [0, R), no live slot twice per rank."""
         if ids.counts is not None and not isinstance(x, jax.Array):
-            parts = (
-                self._rank_parts(name, x)
-                if isinstance(x, Mapping)
-                else self._split(name, _host(name, x))
-            )
+            parts, _ = self._parts(name, x)
             counts = tuple(
                 (parts[d].shape[0] if parts[d].ndim else -1) if d in parts else 0
                 for d in range(self.dp)
@@ -230,19 +253,20 @@ class HostInputs:
                     f"{name} has {counts} entries per rank, input_ids {ids.counts}: one slot "
                     "per token position (0 where the id is the host's)"
                 )
-        return self._flat(name, x, self.token_buckets, ids.size, slots=True)
+        return self.flat(name, x, ids.size, slots=True)
 
     def matched(
         self,
         name: str,
         x: Any,
-        like: Rows,
+        like: Field | Rows,
         dtype: np.dtype | None = None,
         *,
         relayed: bool = False,
         per: str = "row",
-    ) -> Any:
-        """A per-row input ([rows, ...]) laid out like `like`: the same rows per rank.
+        cast: Any = None,
+    ) -> Placer:
+        """The placer of a per-row input ([rows, ...]) laid out like `like`.
 
         Args:
           name: the field, named in errors.
@@ -253,6 +277,7 @@ class HostInputs:
             own (`HostChecks.check`).
           relayed: tokens or lengths a forward relays: host values must be >= 0.
           per: 'row' or 'token': what one row of `x` stands for, named in errors.
+          cast: host rows cast first to this dtype where no value can change.
         """
         ints = dtype is None or np.dtype(dtype).kind in "iu"
         into = None if dtype is None else np.dtype(dtype)
@@ -271,7 +296,7 @@ class HostInputs:
             if not x.shape or x.shape[0] != want:
                 raise count(name, x.shape[:1], want)
             if not ints:
-                return x  # its dtype is judged when traced (the pure ops' check)
+                return None  # its dtype is judged when traced (the pure ops' check)
             if x.dtype.kind not in "iu":
                 raise FutureMapError(f"{name} must have an integer dtype, got {x.dtype}")
             if not (x.dtype in self._safe if into is None else np.can_cast(x.dtype, into, "safe")):
@@ -280,16 +305,19 @@ class HostInputs:
                     "cannot hold without a value check: cast it on the device or pass a host "
                     "array"
                 )
-            return x
+            return None
         if like.counts is None:  # rows of jax-array slots: already padded, not read
-            a = _host(name, x)
+            a = _host(name, x, cast)
             if a.ndim < 1 or a.shape[0] != self.dp * like.size:
                 raise count(name, a.shape[:1], self.dp * like.size)
-            return self.checks.check(kind, name, a, into)
+            check = self.checks.check
+            return lambda v: check(kind, name, _host(name, v, cast), into)
         if isinstance(x, Mapping) != like.by_rank:
             form = "a mapping DP rank -> rows" if like.by_rank else "global rows"
             raise FutureMapError(f"{name} must be given like the indices: {form}")
-        parts = self._rank_parts(name, x) if like.by_rank else self._split(name, _host(name, x))
+        parts = (
+            self._rank_parts(name, x, cast) if like.by_rank else self._split(name, _host(name, x))
+        )
         tail = None
         for d, n in enumerate(like.counts):
             where = f"{name}[rank {d}]" if self.dp > 1 else name
@@ -298,24 +326,23 @@ class HostInputs:
                     have = f"input_ids have {n} tokens" if per == "token" else f"indices have {n}"
                     raise FutureMapError(f"{name} has no rows for DP rank {d}, {have}")
                 continue
-            a = parts[d]
+            a = _host(where, parts[d], cast) if not like.by_rank else parts[d]
             if a.ndim < 1 or a.shape[0] != n:
                 raise count(where, a.shape[:1], n)
-            a = parts[d] = self.checks.check(kind, where, a, into)
+            if ints and a.dtype.kind not in "iu":
+                raise FutureMapError(f"{where} must have an integer dtype, got {a.dtype}")
             if tail is not None and (a.shape[1:], a.dtype) != tail:
                 raise FutureMapError(f"{name}: ranks disagree on row shape or dtype")
             tail = (a.shape[1:], a.dtype)
-        first = next(iter(parts.values()), None)
-        if first is None:  # no rank given (all idle): int rows are all padding
-            if not ints:
-                raise FutureMapError(f"{name} is given for no rank")
-            first = self._zeros if into is None else np.zeros(0, into)
-        return self._pad(parts, like.size, first[:0])
+        if not parts and not ints:  # no rank given (all idle)
+            raise FutureMapError(f"{name} is given for no rank")
+        return self.placer(name, kind, like.size, into, x, cast)
 
-    def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An engine's declared host input with its trailing shape checked, cast to its
-        dtype where no value can change (numpy's 'safe' casting); `matched` then judges its
-        dtype (ints of another int dtype cast where their values fit)."""
+    def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """An engine's declared host input with its trailing shape checked; returns the
+        dtype to cast it to first (its declared one, where no value can change: numpy's
+        'safe' casting), or None; `matched` then judges its dtype (ints of another int
+        dtype cast where their values fit)."""
         a = _host(name, x)
         if a.ndim < 1:
             raise FutureMapError(
@@ -327,14 +354,11 @@ class HostInputs:
                 f"{name} has rows of shape {list(a.shape[1:])}, declared rows of shape "
                 f"{list(shape)}"
             )
-        if a.dtype != dtype and np.can_cast(a.dtype, dtype, "safe"):
-            a = a.astype(dtype)
-        return a
+        return dtype if a.dtype != dtype and np.can_cast(a.dtype, dtype, "safe") else None
 
     def unpad(self, host: np.ndarray, like: Rows) -> Any:
         """Host rows laid out like `like`, padding removed, in the form `like` was given:
-        arrays of the caller's own (fresh and writable whatever `host` is, so an update in
-        place changes nothing the map keeps and works on every path)."""
+        fresh, writable arrays of the caller's own."""
         if like.counts is None:
             return np.array(host)
         size = like.size
@@ -350,22 +374,9 @@ class HostInputs:
         return np.concatenate([blocks[d] for d in range(self.dp)])
 
 
-def on_device(x: Any) -> bool:
-    """Whether `x` (an input as the caller gave it: rows, a DraftPayload, a mapping or a
-    tuple of them) holds a jax array: not read on the host, so a debug map checks it on the
-    device."""
-    if type(x) is np.ndarray:  # the per-step case, kept short
-        return False
-    if isinstance(x, jax.Array):
-        return True
-    if isinstance(x, Mapping):
-        x = list(x.values())
-    return isinstance(x, tuple | list) and any(on_device(v) for v in x)
-
-
-def _host(name: str, x: Any) -> np.ndarray:
-    """`x` as a host array of numbers (a dtype a buffer stores: `relay_fields.storable`);
-    a refused object names the field."""
+def _host(name: str, x: Any, cast: Any = None) -> np.ndarray:
+    """`x` as a host array of numbers (a dtype a buffer stores: `relay_fields.storable`),
+    cast to `cast` where given and no value can change; a refused object names the field."""
     if isinstance(x, np.ndarray):
         a = x
     else:
@@ -375,4 +386,6 @@ def _host(name: str, x: Any) -> np.ndarray:
             raise FutureMapError(f"{name} is not an array: {bad}") from None
     if not storable(a.dtype):
         raise FutureMapError(f"{name} is not a numeric array ({a.dtype} dtype)")
+    if cast is not None and a.dtype != cast and np.can_cast(a.dtype, cast, "safe"):
+        a = a.astype(cast)
     return a

@@ -15,6 +15,7 @@ of the same layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -39,15 +40,21 @@ class PackSpec:
         a device leaf, passed on its own.
       nbytes: the packed buffer's size in bytes, a whole number of words (0: nothing
         packed).
+      words, same: every host leaf is of a 4-byte dtype (its words go in as they are);
+        and of one dtype (the leaves concatenated, viewed once).
     """
 
-    __slots__ = ("_hash", "leaves", "nbytes", "treedef")
+    __slots__ = ("_hash", "leaves", "nbytes", "same", "treedef", "words")
 
     def __init__(self, treedef: Any, leaves: tuple[Leaf, ...], nbytes: int) -> None:
         self.treedef = treedef
         self.leaves = leaves
         self.nbytes = nbytes
         self._hash = hash((treedef, leaves, nbytes))
+        dtypes = {leaf[2] for leaf in leaves if leaf is not None}
+        # Every host leaf a whole number of words: the buffer is their words end to end.
+        self.words = all(d.itemsize == WORD for d in dtypes)
+        self.same = self.words and len(dtypes) == 1
 
     def __hash__(self) -> int:
         return self._hash
@@ -81,7 +88,7 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
     """
     flat, treedef = jax.tree_util.tree_flatten(tree)
     spec: list[Leaf] = []
-    host: list[tuple[int, np.ndarray]] = []
+    host: list[np.ndarray] = []
     device: list[Any] = []
     offset = 0  # words
     for x in flat:
@@ -89,24 +96,30 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
             a = np.asarray(x)
             # The dtype itself (hashable, no name lookup; bf16's .str is the opaque '|V2').
             spec.append((offset, a.shape, a.dtype))
-            host.append((offset, a))
+            host.append(a)
             offset += _words(a.nbytes)
         else:
             spec.append(None)
             device.append(x)
-    packed = None
-    if host:
-        a = host[0][1]
-        if len(host) == 1 and a.flags.c_contiguous and a.nbytes % WORD == 0 and a.nbytes:
-            packed = a.reshape(-1).view(np.uint32)  # one whole-word leaf: no copy
-        else:
-            packed = np.zeros(offset, np.uint32)
-            raw = packed.view(np.uint8)
-            for at, a in host:
-                raw[at * WORD : at * WORD + a.nbytes] = (
-                    np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                )
-    return PackSpec(treedef, tuple(spec), offset * WORD), packed, tuple(device)
+    packed = PackSpec(treedef, tuple(spec), offset * WORD)
+    return packed, pack_leaves(packed, host), tuple(device)
+
+
+def pack_leaves(spec: PackSpec, host: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The host leaves of a call laid out by `spec` (in its order) in one uint32 buffer:
+    each leaf on a word, zero pad bytes; None when no leaf is on the host."""
+    if not host:
+        return None
+    if spec.same:  # one 4-byte dtype: their words end to end
+        return np.concatenate(host, axis=None).view(np.uint32)
+    if spec.words:
+        parts = [np.ravel(a).view(np.uint32) for a in host]
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+    raw: list[np.ndarray] = []
+    for a in host:
+        x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        raw += [x, np.zeros(-x.size % WORD, np.uint8)]
+    return np.concatenate(raw).view(np.uint32)
 
 
 def _leaf(packed: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:

@@ -5,9 +5,9 @@ Values: slot range and duplicates, ints that fit, the protocol's rule for ids, r
 tokens and lengths >= 0, a field's rows in its declared dtype, a batch's values against
 its protocol's rules (`batch_values`). A field's dtype rule (docs/CONTRACT.md, 'Relay
 fields'): an int field takes rows of any int dtype, cast when every value fits; any other
-field takes only its own dtype. `HostChecks.check(kind, name, a)` is what the general
-placement path calls on each rank's rows; `checker(kind, name, dtype)` is the same check
-with the dispatch on kind and dtype done once, for a recorded plan (`plans`).
+field takes only its own dtype. `HostChecks.check(kind, name, a)` checks one rank's rows;
+`checker(kind, name, dtype)` is the same check with the dispatch on kind and dtype done
+once, for a placer of one layout (`host_inputs`).
 
 Declared inputs (`StepInput`): the engine's own per-step host arrays, their declaration
 checked once (`check_declared`) and what a call gives for them (`given_inputs`); placed
@@ -94,8 +94,7 @@ class HostChecks:
         self, kind: str, name: str, a: np.ndarray, into: np.dtype | None = None
     ) -> np.ndarray:
         """One rank's host rows checked by value as a `kind` of input, in the dtype the
-        map stores them; the one place host values are judged (the general path and the
-        recorded plans both come here).
+        map stores them; the one place host values are judged (every placer comes here).
 
         Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
         rule for ids), 'ints' (ints that fit `into`, default the map's int dtype),
@@ -149,21 +148,17 @@ def batch_values(
     given: Sequence[Any],
     idx: Any,
     slots: Any,
-    counts: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None,
 ) -> None:
     """A batch's host values against its protocol's rules (`Protocol.rules`): token slots
-    that must gather nothing are all 0, a DECODE rank's batch has one input id per row, and
-    a spec MIXED batch's running rows are its last live rows in token-slot order, as
-    resolve binds their lengths there.
+    that must gather nothing are all 0, and a spec MIXED batch's running rows are its last
+    live rows in token-slot order, as resolve binds their lengths there.
 
     Args:
       rules: the rules its layout left.
       modes: its forward modes, one per DP rank (or one standing for every rank).
       given: each part's token slots as given (`Rules.zero_slots` indexes them).
-      idx, slots: its slots and token slots (host or placed; jax arrays are not read:
-        debug checks the order on the device, 'batch fields').
-      counts: its (ids, rows) per DP rank, for `Rules.ids_per_row` (None, or a None in
-        it: not known here, a jax array or a traced mode).
+      idx, slots: its placed slots and token slots (jax arrays are not read: debug
+        checks the order on the device, 'batch fields').
     """
     for i, where, kinds in rules.zero_slots:
         if not _all_zero(given[i]):
@@ -171,8 +166,6 @@ def batch_values(
                 f"{where}token_slots of a batch of kind {kinds} name slots (or are a jax "
                 "array, not read here): only a MIXED batch has running rows to gather"
             )
-    if rules.ids_per_row and counts is not None:
-        _one_id_per_row(*counts, [m == ForwardMode.DECODE for m in modes])
     if not rules.mixed_order or slots is None:
         return
     if isinstance(idx, jax.Array) or isinstance(slots, jax.Array):
@@ -194,17 +187,18 @@ def batch_values(
             )
 
 
-def _one_id_per_row(
-    ids: tuple[int, ...] | None, rows: tuple[int, ...] | None, decode: Sequence[bool]
+def one_id_per_row(
+    rules: Rules,
+    modes: Sequence[ForwardMode],
+    ids: tuple[int, ...] | None,
+    rows: tuple[int, ...] | None,
 ) -> None:
-    """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`).
-
-    Args:
-      ids, rows: real ids and rows per DP rank (None: a jax array, not read).
-      decode: per DP rank, whether its batch is DECODE; one entry stands for every rank.
-    """
-    if ids is None or rows is None:
+    """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`), judged from
+    its real ids and rows per DP rank (None: a jax array, not read) and its modes (one per
+    DP rank, or one standing for every rank)."""
+    if not rules.ids_per_row or ids is None or rows is None:
         return
+    decode = [m == ForwardMode.DECODE for m in modes]
     for d, (t, b) in enumerate(zip(ids, rows, strict=True)):
         if decode[d if len(decode) > 1 else 0] and t != b:
             where = f" on DP rank {d}" if len(ids) > 1 else ""

@@ -11,7 +11,7 @@
    `donate_argnums` donated.
 
 The map adds no dispatch and no host sync: its host work is the checks and the packing
-(for a layout seen before, its recorded plan: `plans`), its device work the relay's
+(for a layout seen before, one lookup of its decision: `decisions`), its device work the relay's
 gathers and scatters fused into the engine's computation. Executables are keyed like
 resolve's (mode, per-rank rows and tokens, draft, token slots) plus the packing layout, in
 a registry of the step's own; `warm_up` compiles them all for the map's buckets and, with

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.plans import Placed
+from fm_jax.host.decisions import Placed
 from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.map_core import MapCore, serialized
 from fm_jax.ops import errors
@@ -42,7 +42,7 @@ class FutureMap(MapCore):
     left out are idle). Outputs are global jax arrays, padded per rank to the bucket;
     padding rows carry slot 0 and token 0 (`fm_jax.per_rank` splits them by rank). A call
     of a layout seen before (the same fields, shapes and dtypes) does only the value checks,
-    the padding and one lookup (`plans`).
+    the padding and one lookup (`decisions`).
 
     Debug mode adds no host sync per step: each op's checkify error stays on device and is
     reported by `check()`, or by `resolve_seq_lens_cpu` (which syncs anyway).

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fm_jax.host.decisions import Placed
 from fm_jax.host.placement import Placement
-from fm_jax.host.plans import Placed
 from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.ops.errors import FutureMapError
@@ -103,7 +103,7 @@ class HostReads:
             where = f"batch[rank {d}]." if by_rank else "batch."
             rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
         # resolve's own checks of the batch (its general path places it; nothing runs)
-        self._placement.resolve(batch, general=True)
+        self._placement.resolve(batch)
         checks = self._placement.inputs.checks
         for d, (_, lens, ts, pre) in rows.items():
             where, rank = (f"batch[rank {d}].", f"[rank {d}]") if by_rank else ("batch.", "")

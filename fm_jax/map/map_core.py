@@ -22,10 +22,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fm_jax.host import buckets as bk
+from fm_jax.host.decisions import Placed
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.keys import Key, takes_state
 from fm_jax.host.placement import Placement
-from fm_jax.host.plans import Placed
 from fm_jax.host.validate import StepInput
 from fm_jax.map.compile_options import compiler_options
 from fm_jax.map.debug_channel import DebugChannel

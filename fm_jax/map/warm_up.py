@@ -191,13 +191,11 @@ def class_calls(
         if t.op in ("sentinels", "seq_lens_at"):
             p = placement.slots_op(t.op, t.indices, t.rows)
         else:
-            p = placement.tail(
-                t.op, t.indices, t.lens, t.payload, t.rows, general=True, confidence=t.confidence
-            )
+            p = placement.tail(t.op, t.indices, t.lens, t.payload, t.rows, confidence=t.confidence)
         both = debug and t.op != "seq_lens_at"
         placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
-        placed.append(placement.resolve(e.batch, e.rows, e.tokens, general=True))
+        placed.append(placement.resolve(e.batch, e.rows, e.tokens))
     calls: list[Call] = []
     for p in placed:
         head = (state,) if takes_state(p.key.op) else ()

@@ -1,9 +1,10 @@
-"""Recorded plans place a call exactly as the general path does, or refuse it alike.
+"""A layout's decision, remembered, places a call exactly as a fresh decision does.
 
-A plan is the steady state of placement: a layout seen before is placed with only its
-value checks, its padding and its packing (`fm_jax.host.plans`). These tests drive calls
-of one layout with other values, valid and not, through both paths and compare what comes
-out: the same key, packing layout and argument bytes, or the same refusal.
+Placement decides a layout once (`fm_jax.host.decisions`); a later call of the layout runs
+that decision: its value checks, its padding and its packing. These tests drive calls of
+one layout with other values, valid and not, through the remembered decision and a fresh
+one, and compare what comes out: the same key, packing layout and argument bytes, or the
+same refusal.
 """
 
 from __future__ import annotations
@@ -34,11 +35,27 @@ def _flat(x: Any) -> list[tuple[Any, ...]]:
     return out
 
 
-def _both(placement: Any, method: str, general: str, *args: Any, **kwargs: Any) -> None:
-    """The plan's placement (`method`) and the general path's (`general`, on the same
+def _fresh_resolve(p: Any, batch: Any, rows: Any, tokens: Any, **kw: Any) -> Any:
+    """The call placed by a decision made afresh for it."""
+    decision, given = p._batches.decide(batch, rows, tokens, kw.get("step"), kw.get("inputs"))
+    return decision.run(given)
+
+
+def _fresh_tail(p: Any, op: str, indices: Any, lens: Any, payload: Any, rows: Any) -> Any:
+    """The tail call placed by a decision made afresh for it."""
+    idx = p.inputs.flat("indices", indices, rows, slots=True)
+    decision, given = p._decide_tail(op, idx, indices, lens, payload, None)
+    return decision.run(given)
+
+
+FRESH = {"resolve": _fresh_resolve, "tail": _fresh_tail}
+
+
+def _both(placement: Any, method: str, *args: Any, **kwargs: Any) -> None:
+    """The remembered decision's placement (`method`) and a fresh decision's (on the same
     call) agree: the same Placed, or the same error."""
     try:
-        want = getattr(placement, general)(*args, **kwargs)
+        want = FRESH[method](placement, *args, **kwargs)
     except fj.FutureMapError as e:
         with pytest.raises(fj.FutureMapError) as err:
             getattr(placement, method)(*args, **kwargs)
@@ -74,21 +91,20 @@ slots_strategy = st.lists(st.integers(-2, R + 1), min_size=3, max_size=3)
     ids=st.lists(st.integers(-R - 1, 40), min_size=5, max_size=5),
     lens=st.lists(st.integers(-3, 40), min_size=3, max_size=3),
 )
-def test_a_resolve_plan_places_like_the_general_path(
+def test_a_remembered_resolve_decision_places_like_a_fresh_one(
     protocol: str, debug: bool, slots: list[int], ids: list[int], lens: list[int]
 ) -> None:
-    """Pins a plan skipping a value check or padding differently from the first call of
-    its layout: EXTEND batches of one layout, any values."""
+    """Pins a remembered decision skipping a value check or padding differently from
+    the first call of its layout: EXTEND batches of one layout, any values."""
     fm = _map(protocol, debug, spec=False)
     p = fm._placement
     first = fj.Batch(
         E, np.array([1, 2, 3], np.int32), np.arange(5, dtype=np.int32), np.ones(3, np.int32)
     )
-    p.resolve(first)
-    p.resolve(first)  # a layout's second call records its plan
-    assert any(type(v).__name__ == "Plan" for v in p._plans.values())
+    p.resolve(first)  # a layout's first call is decided and remembered
+    assert p._decided
     b = fj.Batch(E, np.array(slots, np.int32), np.array(ids, np.int32), np.array(lens, np.int32))
-    _both(p, "resolve", "_place_resolve", b, None, None)
+    _both(p, "resolve", b, None, None)
 
 
 @settings(max_examples=40, deadline=None)
@@ -98,11 +114,11 @@ def test_a_resolve_plan_places_like_the_general_path(
     toks=st.lists(st.integers(-2, 40), min_size=3, max_size=3),
     wide=st.booleans(),
 )
-def test_a_tail_plan_places_like_the_general_path(
+def test_a_remembered_tail_decision_places_like_a_fresh_one(
     debug: bool, slots: list[int], toks: list[int], wide: bool
 ) -> None:
-    """Pins a tail plan (finish, publish) skipping the relayed-values or slot checks, or
-    casting int64 rows without the general path's fit check."""
+    """Pins a tail decision (finish, publish) skipping the relayed-values or slot checks, or
+    casting int64 rows without a fresh decision's fit check."""
     fm = _map("sentinel", debug, spec=False)
     p = fm._placement
     dt = np.int64 if wide else np.int32
@@ -112,16 +128,16 @@ def test_a_tail_plan_places_like_the_general_path(
         p.tail(op, ok, ok, payload)
         s, t = np.array(slots, dt), np.array(toks, dt)
         pay = None if payload is None else t
-        _both(p, "tail", "_place_tail", op, s, t, pay, None)
+        _both(p, "tail", op, s, t, pay, None)
     big = np.array([1, 2, 2**40], np.int64)
     if wide:
-        _both(p, "tail", "_place_tail", "finish", ok, big, ok, None)
+        _both(p, "tail", "finish", ok, big, ok, None)
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_a_step_plan_places_declared_inputs_and_device_leaves(debug: bool) -> None:
-    """An engine step's plan: its declared inputs padded and packed, a traced mode and jax
-    slots passed beside the buffer, as the general path does."""
+def test_a_step_decision_places_declared_inputs_and_device_leaves(debug: bool) -> None:
+    """An engine step's decision: its declared inputs padded and packed, a traced mode and
+    jax slots passed beside the buffer, as a fresh decision does."""
     fm = _map("gather", debug, spec=False)
     p = fm._placement
     declared = (fj.StepInput("pos", "token"), fj.StepInput("temp", "row", (2,), np.float32))
@@ -136,42 +152,42 @@ def test_a_step_plan_places_declared_inputs_and_device_leaves(debug: bool) -> No
         p.resolve(batch, step=declared, inputs=inputs)
         for s in ([1, 2, 4], [1, 1, 4], [1, 2, R]):
             b = batch._replace(req_pool_indices=np.array(s, np.int32))
-            _both(p, "resolve", "_place_resolve", b, None, None, step=declared, inputs=inputs)
+            _both(p, "resolve", b, None, None, step=declared, inputs=inputs)
         # A MIXED batch whose token slots name no running row the batch holds last.
         if mode is M:
             bad = batch._replace(token_slots=np.array([0, 0, 2, 0], np.int32))
-            _both(p, "resolve", "_place_resolve", bad, None, None, step=declared, inputs=inputs)
+            _both(p, "resolve", bad, None, None, step=declared, inputs=inputs)
 
 
-def test_a_layout_seen_before_takes_its_plan() -> None:
-    """A steady-state call is placed by its recorded plan: the general path is not taken."""
+def test_a_layout_seen_before_is_not_decided_again() -> None:
+    """A steady-state call is placed by its remembered decision: nothing is decided."""
     fm = _map("sentinel", False, spec=False)
     slots = np.array([1, 2], np.int32)
-    for _ in range(2):  # the second call of a layout records its plan
+    for _ in range(2):  # the first call of a layout is decided and remembered
         fm.resolve(fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32)))
     calls = []
-    general = fm._placement._place_resolve
-    fm._placement._place_resolve = lambda *a: calls.append(a) or general(*a)  # type: ignore[method-assign]
+    decide = fm._placement._batches.decide
+    fm._placement._batches.decide = lambda *a: calls.append(a) or decide(*a)  # type: ignore[method-assign]
     fm.resolve(fj.Batch(E, slots, np.array([5, 6], np.int32), np.ones(2, np.int32)))
     assert calls == []
     fm.resolve(fj.Batch(E, slots, np.array([5, 6, 7], np.int32), np.ones(2, np.int32)))
-    assert len(calls) == 1  # a new layout (three ids): the general path places it
+    assert len(calls) == 1  # a new layout (three ids): it is decided
 
 
 @pytest.mark.parametrize("given", [None, {}], ids=["inputs=None", "inputs={}"])
-def test_an_engine_step_without_declared_inputs_takes_its_plan(given: Any) -> None:
-    """Pins an engine step declaring no inputs placed by the general path at every call
-    (its call's inputs, None, were not read as `{}`: no layout, no plan), about 100 us of
-    host time a step on the 2-core CI VM."""
+def test_an_engine_step_without_declared_inputs_is_decided_once(given: Any) -> None:
+    """Pins an engine step declaring no inputs decided afresh at every call (its call's
+    inputs, None, were not read as `{}`: no layout), about 100 us of host time a step on
+    the 2-core CI VM."""
     fm = _map("sentinel", False, spec=False)
     step = fm.engine_step(lambda r, b, i: fj.StepOutput(r.seq_lens + 1, r.input_ids, r.seq_lens))
     slots = np.array([1, 2], np.int32)
     batch = fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32))
-    for _ in range(2):  # the second call of a layout records its plan
+    for _ in range(2):  # the first call of a layout is decided and remembered
         step(batch, inputs=given)
     calls = []
-    general = fm._placement._place_resolve
-    fm._placement._place_resolve = lambda *a: calls.append(a) or general(*a)  # type: ignore[method-assign]
+    decide = fm._placement._batches.decide
+    fm._placement._batches.decide = lambda *a: calls.append(a) or decide(*a)  # type: ignore[method-assign]
     out = step(batch._replace(input_ids=np.array([5, 6], np.int32)), inputs=given)
     assert calls == []
     assert np.asarray(out.out)[:2].tolist() == [1, 1]

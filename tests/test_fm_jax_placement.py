@@ -1,4 +1,4 @@
-"""A caller's inputs met directly (fm_jax/host/host_inputs.py): which of them a debug map
+"""A caller's inputs met directly (fm_jax/host/placement.py): which of them a debug map
 checks on the device."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 import fm_jax as fj
-from fm_jax.host.host_inputs import on_device
+from fm_jax.host.placement import on_device
 
 
 def a(*x: int) -> np.ndarray:
