@@ -222,11 +222,13 @@ class HostInputs:
             return self._rank_parts(name, x), True
         return self._split(name, _host(name, x)), False
 
-    def flat(self, name: str, x: Any, size: int | None, *, slots: bool) -> Field:
+    def flat(
+        self, name: str, x: Any, size: int | None, *, slots: bool, per_token: bool = False
+    ) -> Field:
         """A 1-D int input: slot indices (rank-local: in [0, R), no live slot twice per
         rank) or flat token ids (sentinels name a slot; the gather protocol: no id is
-        negative), padded to a batch or a token bucket."""
-        buckets = self.batch_buckets if slots else self.token_buckets
+        negative), padded to a batch bucket, or (ids, `per_token` slots) a token bucket."""
+        buckets = self.batch_buckets if slots and not per_token else self.token_buckets
         if isinstance(x, jax.Array) and x.size:
             return self._jax(name, x, buckets, size)
         parts, by_rank = self._parts(name, x)
@@ -253,7 +255,7 @@ class HostInputs:
                     f"{name} has {counts} entries per rank, input_ids {ids.counts}: one slot "
                     "per token position (0 where the id is the host's)"
                 )
-        return self.flat(name, x, ids.size, slots=True)
+        return self.flat(name, x, ids.size, slots=True, per_token=True)
 
     def matched(
         self,

@@ -94,7 +94,7 @@ class Placement:
         if decision is not None:
             return decision.run(values)
         decision, given = self._batches.decide(batch, rows, tokens, step, inputs)
-        if type(values[0]) is ForwardMode or isinstance(values[0], jax.Array):
+        if sig is not None and (type(values[0]) is ForwardMode or isinstance(values[0], jax.Array)):
             self._remember(sig, decision)  # a plain int or per-rank modes pick by value
         return decision.run(given)
 
