@@ -113,7 +113,7 @@ def pack_leaves(spec: PackSpec, host: Sequence[np.ndarray]) -> np.ndarray | None
     if spec.same:  # one 4-byte dtype: their words end to end
         return np.concatenate(host, axis=None).view(np.uint32)
     if spec.words:
-        parts = [np.ravel(a).view(np.uint32) for a in host]
+        parts = [(a if a.ndim == 1 else a.reshape(-1)).view(np.uint32) for a in host]
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
     raw: list[np.ndarray] = []
     for a in host:
