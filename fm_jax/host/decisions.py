@@ -8,7 +8,8 @@ placer, how the arguments are assembled, the protocol's rules on kinds and count
 checks and padding; a jax array as it is), the batch's value rules, the packing. The first
 call of a layout runs the decision it was just given; a later call of the layout looks the
 decision up and runs it; a call with no layout (a mapping of ranks, a list, a plain int
-mode) is decided afresh each time. There is no other placer.
+mode) is decided afresh each time. There is no other placer. Each input's part of a
+decision is a `Field` (`host_inputs` decides it); what it places is `Rows`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,57 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fm_jax.host.host_inputs import Field, Rows
 from fm_jax.host.keys import Key
 from fm_jax.host.packing import PackSpec, pack, pack_leaves
 from fm_jax.ops.types import ForwardMode
 
 Layout = tuple[Any, ...]
 """A call's layout (`signature`): hashable."""
+
+
+Placer = Callable[[Any], Any] | None
+"""A value of a decided layout -> what the executable takes; None: taken as it is."""
+
+
+class Rows(NamedTuple):
+    """One placed input, and the row layout that inputs matched to it must follow.
+
+    Attributes:
+      array: what the executable takes (a host array, or the caller's jax array).
+      size: rows per DP rank after padding (a bucket size).
+      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
+      by_rank: given as a mapping DP rank -> rows.
+    """
+
+    array: Any
+    size: int
+    counts: tuple[int, ...] | None
+    by_rank: bool
+
+    @property
+    def empty(self) -> bool:
+        """No real row on any rank (an idle call)."""
+        return self.counts is not None and not any(self.counts)
+
+    def has_rows(self, rank: int) -> bool:
+        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
+        return self.counts is None or bool(self.counts[rank])
+
+
+class Field(NamedTuple):
+    """One input decided from its form: its row layout (as `Rows` has it) and the placer
+    of values of this layout (None: a jax array, taken as it is)."""
+
+    size: int
+    counts: tuple[int, ...] | None
+    by_rank: bool
+    place: Placer
+
+    def rows(self, x: Any) -> Rows:
+        """`x` placed, with this field's row layout."""
+        return Rows(
+            x if self.place is None else self.place(x), self.size, self.counts, self.by_rank
+        )
 
 
 class Placed(NamedTuple):

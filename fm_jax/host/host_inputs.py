@@ -20,61 +20,18 @@ reaches the device. A jax array is not read: in debug mode the op checks it on t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
 from fm_jax.host.buckets import bucket_for
+from fm_jax.host.decisions import Field, Placer, Rows
 from fm_jax.host.validate import INTS, HostChecks, row_kind
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import storable
 from fm_jax.ops.sharding import MeshLayout
-
-Placer = Callable[[Any], Any] | None
-"""A value of a decided layout -> what the executable takes; None: taken as it is."""
-
-
-class Rows(NamedTuple):
-    """One placed input, and the row layout that inputs matched to it must follow.
-
-    Attributes:
-      array: what the executable takes (a host array, or the caller's jax array).
-      size: rows per DP rank after padding (a bucket size).
-      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
-      by_rank: given as a mapping DP rank -> rows.
-    """
-
-    array: Any
-    size: int
-    counts: tuple[int, ...] | None
-    by_rank: bool
-
-    @property
-    def empty(self) -> bool:
-        """No real row on any rank (an idle call)."""
-        return self.counts is not None and not any(self.counts)
-
-    def has_rows(self, rank: int) -> bool:
-        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
-        return self.counts is None or bool(self.counts[rank])
-
-
-class Field(NamedTuple):
-    """One input decided from its form: its row layout (as `Rows` has it) and the placer
-    of values of this layout (None: a jax array, taken as it is)."""
-
-    size: int
-    counts: tuple[int, ...] | None
-    by_rank: bool
-    place: Placer
-
-    def rows(self, x: Any) -> Rows:
-        """`x` placed, with this field's row layout."""
-        return Rows(
-            x if self.place is None else self.place(x), self.size, self.counts, self.by_rank
-        )
 
 
 class HostInputs:
