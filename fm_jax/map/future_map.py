@@ -7,20 +7,22 @@ both; `host_inputs` says what a caller may pass.
 
 A call goes one way: the caller's arguments -> `placement` (checked, padded, a key) ->
 the `registry`'s executable for that key -> `runtime.run` (the state donated, the debug
-error recorded) -> the result. `map_core.MapCore` holds the three (and the state,
-warm-up and engine step); this class adds the ops an engine calls each step (and the host
-reads, `host_reads`) and says which op is which.
+error recorded) -> the result. `map_core.MapCore` holds the three (and the state and
+warm-up); this class adds the ops an engine calls each step, the host reads
+(`host_reads`) and the engine step over the same parts, and says which op is which.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from fm_jax.host.decisions import Placed
+from fm_jax.host.validate import StepInput
+from fm_jax.map.engine_step import EngineStep, Forward
 from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.map_core import MapCore, serialized
 from fm_jax.ops import errors
@@ -78,6 +80,47 @@ class FutureMap(MapCore):
         `needs_cpu_seq_lens` off): no copy at all; `resolve_seq_lens_cpu` then gathers
         from the buffer, a sync behind everything queued.
     """
+
+    # ----------------------------------------------------------------------- engine step
+    def engine_step(
+        self,
+        forward: Forward,
+        *,
+        inputs: Sequence[StepInput] = (),
+        donate_argnums: Sequence[int] = (),
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> EngineStep:
+        """The engine's jitted step with this map's relay inside: the recommended way in.
+
+        One dispatch per step: resolve at the head, `forward` on the resolved ids and
+        lengths, publish, stash and (sentinel protocol) the sentinels at the tail; the map's
+        state and the arguments named by `donate_argnums` donated. The class's rules hold
+        unchanged (this map's placement, registry and runtime serve it): see `EngineStep`.
+
+        Args:
+          forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced inside the
+            step: `resolved` the filled ids, lengths (and draft); `batch` the placed batch
+            (its `forward_mode` a fixed mode when known on the host, else traced); `inputs`
+            the declared inputs by name; `args` the step's own arguments.
+          inputs: the engine's own per-row or per-token host arrays (`StepInput`).
+          donate_argnums: indices into the step's `args` to donate (the KV cache).
+          compiler_options: XLA options of the step; default `fm_jax.compiler_options()`
+            for the map's platform (on CPU that keeps the step's elementwise ops on the
+            calling thread: pass `{}` for a model that wants XLA's thread pool).
+
+        Returns:
+          EngineStep: `step(batch, *args, inputs=...) -> StepResult(out, next batch)`.
+        """
+        return EngineStep(
+            forward,
+            ops=self.ops,
+            placement=self._placement,
+            runtime=self._runtime,
+            protocol=self._protocol,
+            inputs=inputs,
+            donate_argnums=donate_argnums,
+            options=self._options if compiler_options is None else compiler_options,
+        )
 
     # -------------------------------------------------------------------------------- ops
     @serialized

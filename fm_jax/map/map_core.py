@@ -5,15 +5,15 @@ FutureMapError names the first that is wrong) and holds its parts: the layout an
 lifted ops, the placement (the caller's arguments checked, padded, a key), the
 registry (the executable of each key), the runtime (the state, the lock, the debug
 channel) and the host reads. It serves what is not a step's op: the state and its
-buffers, `reset`, the executables, the debug `check`, `warm_up` and the engine step
-(`engine_step`). `FutureMap` adds the ops an engine calls each step.
+buffers, `reset`, the executables, the debug `check` and `warm_up`. `FutureMap` adds the
+ops an engine calls each step and the engine step (`engine_step`) over these parts.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -26,10 +26,8 @@ from fm_jax.host.decisions import Placed
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.keys import Key, takes_state
 from fm_jax.host.placement import Placement
-from fm_jax.host.validate import StepInput
 from fm_jax.map.compile_options import compiler_options
 from fm_jax.map.debug_channel import DebugChannel
-from fm_jax.map.engine_step import EngineStep, Forward
 from fm_jax.map.entry_points import entry_points
 from fm_jax.map.host_copies import ConfidenceRing, HostLengths
 from fm_jax.map.host_reads import HostReads
@@ -267,46 +265,6 @@ class MapCore:
         self._runtime.check()
 
     # ------------------------------------------------------------------------ engine step
-    def engine_step(
-        self,
-        forward: Forward,
-        *,
-        inputs: Sequence[StepInput] = (),
-        donate_argnums: Sequence[int] = (),
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> EngineStep:
-        """The engine's jitted step with this map's relay inside: the recommended way in.
-
-        One dispatch per step: resolve at the head, `forward` on the resolved ids and
-        lengths, publish, stash and (sentinel protocol) the sentinels at the tail; the map's
-        state and the arguments named by `donate_argnums` donated. The class's rules hold
-        unchanged (this map's placement, registry and runtime serve it): see `EngineStep`.
-
-        Args:
-          forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced inside the
-            step: `resolved` the filled ids, lengths (and draft); `batch` the placed batch
-            (its `forward_mode` a fixed mode when known on the host, else traced); `inputs`
-            the declared inputs by name; `args` the step's own arguments.
-          inputs: the engine's own per-row or per-token host arrays (`StepInput`).
-          donate_argnums: indices into the step's `args` to donate (the KV cache).
-          compiler_options: XLA options of the step; default `fm_jax.compiler_options()`
-            for the map's platform (on CPU that keeps the step's elementwise ops on the
-            calling thread: pass `{}` for a model that wants XLA's thread pool).
-
-        Returns:
-          EngineStep: `step(batch, *args, inputs=...) -> StepResult(out, next batch)`.
-        """
-        return EngineStep(
-            forward,
-            ops=self.ops,
-            placement=self._placement,
-            runtime=self._runtime,
-            protocol=self._protocol,
-            inputs=inputs,
-            donate_argnums=donate_argnums,
-            options=self._options if compiler_options is None else compiler_options,
-        )
-
     # ---------------------------------------------------------------------------- warm-up
     @serialized
     def warm_up(
