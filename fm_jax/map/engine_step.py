@@ -33,7 +33,7 @@ from fm_jax.host.packing import PackSpec, unpack
 from fm_jax.host.placement import Placement
 from fm_jax.host.validate import StepInput, check_declared
 from fm_jax.map.entry_points import tail
-from fm_jax.map.registry import Call, Registry, WarmUpReport
+from fm_jax.map.executables import Call, Registry, WarmUpReport
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.map.warm_up import empty_batches, empty_inputs, on_device
 from fm_jax.ops import errors

@@ -26,12 +26,11 @@ from fm_jax.host.decisions import Placed
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.keys import Key, takes_state
 from fm_jax.host.placement import Placement
-from fm_jax.map.compile_options import compiler_options
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.entry_points import entry_points
+from fm_jax.map.executables import Registry, WarmUpReport, compiler_options
 from fm_jax.map.host_copies import ConfidenceRing, HostLengths
 from fm_jax.map.host_reads import HostReads
-from fm_jax.map.registry import Registry, WarmUpReport
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.map.warm_up import class_calls
 from fm_jax.ops import relay_fields as rf

@@ -22,7 +22,7 @@ import numpy as np
 from fm_jax.host.buckets import decode_ids, resolve_sizes
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.keys import FIXED_MODES, takes_state
-from fm_jax.map.registry import Call
+from fm_jax.map.executables import Call
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import element_dtype

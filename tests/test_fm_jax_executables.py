@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fm_jax as fj
-from fm_jax.map.compile_options import CPU_PARALLEL_TASK_PASS
+from fm_jax.map.executables import CPU_PARALLEL_TASK_PASS
 
 SPLIT = "outer_dimension_partitions"  # XLA:CPU marks an instruction split over threads
 POOL = 1 << 18  # 1 MB int32 buffers: XLA:CPU splits their gathers/scatters by default
