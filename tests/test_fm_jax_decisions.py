@@ -4,7 +4,8 @@ Placement decides a layout once (`fm_jax.host.decisions`); a later call of the l
 that decision: its value checks, its padding and its packing. These tests drive calls of
 one layout with other values, valid and not, through the remembered decision and a fresh
 one, and compare what comes out: the same key, packing layout and argument bytes, or the
-same refusal.
+same refusal. Warm-up, the class's calls and the serving guard key executables by one
+typed key (`Key`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fm_jax as fj
+from fm_jax.host.decisions import Key
 
 E, D, M = fj.ForwardMode.EXTEND, fj.ForwardMode.DECODE, fj.ForwardMode.MIXED
 R = 16
@@ -191,3 +193,21 @@ def test_an_engine_step_without_declared_inputs_is_decided_once(given: Any) -> N
     out = step(batch._replace(input_ids=np.array([5, 6], np.int32)), inputs=given)
     assert calls == []
     assert np.asarray(out.out)[:2].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_warm_up_and_serving_key_executables_by_one_typed_key(protocol: str) -> None:
+    """Warm-up plans, the class's calls and the serving guard share one key type
+    (`decisions.Key`): every planned key is one, and after a guarded warm-up each op of a
+    serving loop finds its executable under the key the call builds (a key built apart,
+    e.g. a bare tuple, would find nothing and be refused)."""
+    fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(4,), protocol=protocol)
+    fm.warm_up(guard=True)
+    serving = fm._registry._serving
+    assert serving is not None and all(type(k) is Key for k, _ in serving)
+    slots = np.array([1, 2], np.int32)
+    ids = None if protocol == "gather" else -slots
+    fm.publish(slots, np.array([3, 4], np.int32))
+    fm.stash(slots, np.array([5, 6], np.int32))
+    fm.resolve(fj.Batch(fj.ForwardMode.DECODE, slots, ids, np.array([3, 4], np.int32)))
+    assert (Key("publish", 2), None) in serving and (("publish", 2), None) not in serving

@@ -20,9 +20,8 @@ import jax
 import numpy as np
 
 from fm_jax.host.buckets import resolve_sizes
-from fm_jax.host.decisions import Decision, Field, constant
+from fm_jax.host.decisions import Decision, Field, Key, constant
 from fm_jax.host.host_inputs import HostInputs
-from fm_jax.host.keys import Key
 from fm_jax.host.validate import StepInput, batch_values, given_inputs, one_id_per_row
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError

@@ -18,10 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.decisions import Decision, Field, Placed, Rows, signature
+from fm_jax.host.decisions import Decision, Field, Key, Placed, Rows, signature
 from fm_jax.host.host_batch import BatchPlacement
 from fm_jax.host.host_inputs import HostInputs
-from fm_jax.host.keys import Key
 from fm_jax.host.validate import StepInput
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.host.keys import FIXED_MODES, Key
+from fm_jax.host.decisions import FIXED_MODES, Key
 from fm_jax.host.packing import PackSpec, unpack
 from fm_jax.host.placement import Placement
 from fm_jax.host.validate import StepInput, check_declared

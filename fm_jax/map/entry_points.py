@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from fm_jax.host.buckets import decode_ids
-from fm_jax.host.keys import FIXED_MODES, Key, writes_state
+from fm_jax.host.decisions import FIXED_MODES, Key, writes_state
 from fm_jax.host.packing import PackSpec
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.ops import checks
@@ -215,7 +215,7 @@ def entry_points(
     options: dict[str, str],
 ) -> Callable[[Key, PackSpec | None, int], Any]:
     """The builder of the class's jitted entry points (state, argument 0, donated where
-    the op writes it: `keys.writes_state`), compiled with `options` (the layout
+    the op writes it: `decisions.writes_state`), compiled with `options` (the layout
     platform's `compiler_options`: on CPU on the calling thread, so the cost stays
     O(batch) at any pool size).
 

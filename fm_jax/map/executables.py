@@ -34,7 +34,7 @@ import jax
 from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
 
-from fm_jax.host.keys import Key
+from fm_jax.host.decisions import Key
 from fm_jax.host.packing import PackSpec
 from fm_jax.ops.errors import FutureMapError
 

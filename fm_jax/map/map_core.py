@@ -22,9 +22,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fm_jax.host import buckets as bk
-from fm_jax.host.decisions import Placed
+from fm_jax.host.decisions import Key, Placed, takes_state
 from fm_jax.host.host_inputs import HostInputs
-from fm_jax.host.keys import Key, takes_state
 from fm_jax.host.placement import Placement
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.entry_points import entry_points

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax.host.buckets import decode_ids, resolve_sizes
+from fm_jax.host.decisions import FIXED_MODES, takes_state
 from fm_jax.host.host_inputs import HostInputs
-from fm_jax.host.keys import FIXED_MODES, takes_state
 from fm_jax.map.executables import Call
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
