@@ -13,4 +13,12 @@ check_versions()
 from .engine import attach, build  # noqa: E402
 from .relay import Relay, RelayError, Timeline  # noqa: E402
 
-__all__ = ["EASYDEL_VERSION", "Relay", "RelayError", "Timeline", "UnsupportedEasyDeL", "attach", "build"]
+__all__ = [
+    "EASYDEL_VERSION",
+    "Relay",
+    "RelayError",
+    "Timeline",
+    "UnsupportedEasyDeL",
+    "attach",
+    "build",
+]

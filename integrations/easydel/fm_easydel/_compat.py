@@ -39,7 +39,8 @@ def check_versions() -> None:
     ed = _installed("easydel")
     if ed != EASYDEL_VERSION:
         raise UnsupportedEasyDeL(
-            f"fm_easydel patches easydel {EASYDEL_VERSION} only; found easydel {ed or 'not installed'}"
+            f"fm_easydel patches easydel {EASYDEL_VERSION} only; "
+            f"found easydel {ed or 'not installed'}"
             " (bash scripts/setup_easydel.sh builds the environment it runs in)"
         )
     ejk = _installed("ejkernel")

@@ -116,7 +116,8 @@ def main() -> None:
         f"Tiny random Llama (2 layers, hidden 64, vocab 64), {args.batch} requests x "
         f"{args.tokens} greedy tokens, {args.runs} runs, steps pooled; ms, median (p10-p90). "
         f"{platform.processor() or platform.machine()}, 2 shared cores, "
-        f"`python -m fm_easydel.bench --batch {args.batch} --tokens {args.tokens} --runs {args.runs}`.",
+        f"`python -m fm_easydel.bench --batch {args.batch} --tokens {args.tokens} "
+        f"--runs {args.runs}`.",
         "",
         "| loop | steps | time between dispatches | host time per step |",
         "| --- | ---: | ---: | ---: |",

@@ -44,20 +44,26 @@ def attach(engine: Any) -> Relay:
         raise RelayError("this eSurge already runs on a relay")
     dp = int(getattr(runner.metadata, "data_parallel_size", 1) or 1)
     if dp > 1:
-        raise RelayError(f"data-parallel rows are not supported on the relay (data_parallel_size={dp})")
+        raise RelayError(
+            f"data-parallel rows are not supported on the relay (data_parallel_size={dp})"
+        )
     if getattr(engine, "_distributed_controller", None) is not None:
         raise RelayError("distributed eSurge (distributed_mode=True) is not supported on the relay")
     if not runner.async_scheduling:
-        raise RelayError("the relay needs async_scheduling=True (placeholders for tokens in flight)")
+        raise RelayError(
+            "the relay needs async_scheduling=True (placeholders for tokens in flight)"
+        )
     spec = int(getattr(engine.scheduler, "num_spec_tokens", 0) or 0)
     if spec:
-        raise RelayError(f"speculative decoding is not supported on the relay (num_spec_tokens={spec})")
+        raise RelayError(
+            f"speculative decoding is not supported on the relay (num_spec_tokens={spec})"
+        )
     max_seqs = int(engine.max_num_seqs)
     window = int(runner.num_reqs_max_model_len)
     if window < max_seqs:
         raise RelayError(
-            f"steps spanning several windows are not supported on the relay: max_num_seqs={max_seqs} "
-            f"> rows per window {window} (num_reqs_max_model_len)"
+            "steps spanning several windows are not supported on the relay: "
+            f"max_num_seqs={max_seqs} > rows per window {window} (num_reqs_max_model_len)"
         )
     relay = Relay(max_seqs)
     runner._fm_relay = relay

@@ -32,10 +32,10 @@ def _apply(engine: Any, handle: Any, output: Any) -> None:
         if cand.windows is handle._windows:
             pre = relay.deferred.pop(i)
             break
-    if pre is None and runner._pre_async_results is not None:
-        if runner._pre_async_results.windows is handle._windows:
-            pre = runner._pre_async_results
-            runner._pre_async_results = None
+    last = runner._pre_async_results
+    if pre is None and last is not None and last.windows is handle._windows:
+        pre = last
+        runner._pre_async_results = None
     if pre is None:
         return  # a step with no sampled rows
     buf = runner.sequence_buffer
@@ -100,7 +100,9 @@ def run_loop(engine: Any) -> None:
             engine._update_scheduler_heartbeat()
         if pending is not None:
             _drain(engine, *pending)
-    except Exception as exc:  # the runner's rows and the relay are not consistent after a failed step
+    except (
+        Exception
+    ) as exc:  # the runner's rows and the relay are not consistent after a failed step
         traceback.print_exc()
         engine._abort_scheduler_due_to_error(exc)
 

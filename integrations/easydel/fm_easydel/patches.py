@@ -29,7 +29,9 @@ from .relay import Relay, RelayError
 PLACEHOLDER = 0  # the host id at a position whose token is in flight
 _INSTALLED = False
 # set by engine.build while eSurge's constructor runs: its initiate() attaches the relay first
-ATTACH_ON_INITIATE: contextvars.ContextVar[bool] = contextvars.ContextVar("fm_attach", default=False)
+ATTACH_ON_INITIATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fm_attach", default=False
+)
 
 
 def relay_of(obj: Any) -> Relay | None:
@@ -100,14 +102,19 @@ def install() -> None:
             if relay is None:
                 return original(self, *args, **kwargs)
             if args:
-                raise RelayError("ExecutionManager.execute called positionally; eSurge 0.3.0 passes keywords")
+                raise RelayError(
+                    "ExecutionManager.execute called positionally; eSurge 0.3.0 passes keywords"
+                )
             relay.windows_this_step += 1
             if relay.windows_this_step > 1:
                 raise RelayError(
                     "a step spanning several windows (more scheduled rows than "
                     "num_reqs_max_model_len) is not supported on the relay"
                 )
-            if kwargs.get("prefill_embeds_cpu") is not None or kwargs.get("pixel_values") is not None:
+            if (
+                kwargs.get("prefill_embeds_cpu") is not None
+                or kwargs.get("pixel_values") is not None
+            ):
                 raise RelayError("vision-language inputs are not supported on the relay")
             runner = self._fm_runner
             rows = kwargs["window_row_indices_cpu"]
@@ -158,7 +165,9 @@ def install() -> None:
     def ensure_penalties(original):
         def run(self):
             relay = relay_of(self)
-            rebuilding = not (self._sampler_penalty_state_ready and not self._sampler_penalty_state_dirty)
+            rebuilding = not (
+                self._sampler_penalty_state_ready and not self._sampler_penalty_state_dirty
+            )
             original(self)
             if relay is not None and rebuilding:
                 self._sampler_token_counts = relay.correct_penalty_counts(

@@ -103,7 +103,9 @@ class Relay:
         slot = self.slots.get(req_id)
         if slot is None:
             if not self.free:
-                raise RelayError(f"no free relay slot for request {req_id!r} ({self.pool_size - 1} in use)")
+                raise RelayError(
+                    f"no free relay slot for request {req_id!r} ({self.pool_size - 1} in use)"
+                )
             slot = self.slots[req_id] = self.free.pop()
             self.allocations += 1
             self.slot_history.append(slot)

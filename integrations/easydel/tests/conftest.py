@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-
 from fm_easydel import harness
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import types
 
-import pytest
-
 import fm_easydel
+import pytest
 from fm_easydel import _compat, harness
 
 # Seven requests through four rows: later ones join as earlier ones finish (rows move, slots
@@ -86,10 +85,14 @@ def test_step_dispatched_before_previous_tokens_reach_host(ed, engines):
 
 
 def test_refusals_name_what_is_unsupported(monkeypatch):
-    monkeypatch.setattr(_compat, "_installed", lambda name: "0.2.9" if name == "easydel" else "0.0.80.3")
+    monkeypatch.setattr(
+        _compat, "_installed", lambda name: "0.2.9" if name == "easydel" else "0.0.80.3"
+    )
     with pytest.raises(_compat.UnsupportedEasyDeL, match="easydel 0.2.9"):
         _compat.check_versions()
-    monkeypatch.setattr(_compat, "_installed", lambda name: "0.3.0" if name == "easydel" else "0.0.79")
+    monkeypatch.setattr(
+        _compat, "_installed", lambda name: "0.3.0" if name == "easydel" else "0.0.79"
+    )
     with pytest.raises(_compat.UnsupportedEasyDeL, match="ejkernel 0.0.79"):
         _compat.check_versions()
     monkeypatch.undo()
