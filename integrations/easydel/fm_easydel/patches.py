@@ -14,6 +14,12 @@ Each wrapper calls eSurge's own method and is a no-op for an engine without a re
 - `ExecutionManager._ensure_sampler_penalty_state`: counts rebuilt from the host's tokens
   corrected for the token in flight.
 - `eSurge.initiate`: the reordered loop (`loop.py`).
+- `jax.device_put`, only while a relay engine's step is being dispatched (a thread-local
+  flag): numpy leaves are copied first. eSurge stages every step's host inputs in numpy
+  buffers it reuses (and slices of them); a transfer from host memory may still be pending
+  when `device_put` returns (on the CPU backend it waits behind the computation in flight),
+  so refilling those buffers for step N+1 while step N is in flight would change step N's
+  inputs. As shipped eSurge drains step N before it prepares N+1, so it never meets this.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 from ._compat import import_easydel
@@ -32,6 +39,40 @@ _INSTALLED = False
 ATTACH_ON_INITIATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fm_attach", default=False
 )
+
+
+_DISPATCH = threading.local()
+
+
+def dispatching() -> bool:
+    """Whether this thread is inside a relay engine's step dispatch."""
+    return bool(getattr(_DISPATCH, "active", False))
+
+
+def _private_copies(tree: Any) -> Any:
+    import jax
+    import numpy as np
+
+    return jax.tree_util.tree_map(
+        lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x, tree
+    )
+
+
+def _install_device_put_copy() -> None:
+    import jax
+
+    original = jax.device_put
+    if getattr(original, "__fm_original__", None) is not None:
+        return
+
+    def device_put(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if dispatching():
+            x = _private_copies(x)
+        return original(x, *args, **kwargs)
+
+    functools.update_wrapper(device_put, original)
+    device_put.__fm_original__ = original  # type: ignore[attr-defined]
+    jax.device_put = device_put
 
 
 def relay_of(obj: Any) -> Relay | None:
@@ -67,7 +108,11 @@ def install() -> None:
                 set(self.requests) - set(getattr(scheduler_output, "finished_req_ids", ()) or ())
             )
             relay.windows_this_step = 0
-            out = original(self, scheduler_output, *args, **kwargs)
+            _DISPATCH.active = True
+            try:
+                out = original(self, scheduler_output, *args, **kwargs)
+            finally:
+                _DISPATCH.active = False
             pre = self._pre_async_results
             if pre is not None and scheduler_output.total_num_scheduled_tokens:
                 buf = self.sequence_buffer
@@ -195,4 +240,5 @@ def install() -> None:
     _wrap(ExecutionManager, "sample_tokens", sample_tokens)
     _wrap(ExecutionManager, "_ensure_sampler_penalty_state", ensure_penalties)
     _wrap(eSurge, "initiate", initiate)
+    _install_device_put_copy()
     _INSTALLED = True

@@ -1,9 +1,7 @@
-"""One eSurge as shipped and one on fm_jax's relay, built once for the whole session (each
-build compiles for about a minute on the 2-core CPU)."""
+"""Session fixtures: easydel imported once, the tokenizer saved once. The engines are built
+per module (tests/test_esurge_relay.py): one as shipped, one on the relay."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 from fm_easydel import harness
@@ -21,12 +19,3 @@ def spec(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tokenizer")
     harness.save_tokenizer(directory)
     return harness.EngineSpec(tokenizer_dir=str(directory))
-
-
-@pytest.fixture(scope="session")
-def engines(spec):
-    """(shipped, relay): the same model weights, two engines."""
-    with contextlib.ExitStack() as stack:
-        shipped = stack.enter_context(harness.engine(spec, relay=False))
-        relay = stack.enter_context(harness.engine(spec, relay=True))
-        yield shipped, relay
