@@ -12,6 +12,7 @@ backbone calls; host time per step is that interval less the wait inside it.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import tempfile
 import time
@@ -98,6 +99,7 @@ def main() -> None:
     harness.save_tokenizer(directory)
     spec = harness.EngineSpec(tokenizer_dir=directory)
     rows = []
+    load = [os.getloadavg()[0]]
     for relay in (False, True):
         with harness.engine(spec, relay=relay) as eng:
             workload(ed, eng, args.batch, 4)  # warm
@@ -114,6 +116,7 @@ def main() -> None:
                 probe.close()
             g, h = np.concatenate(gaps), np.concatenate(hosts)
             name = "fm_jax relay, reordered loop" if relay else "shipped (sync loop)"
+            load.append(os.getloadavg()[0])
             rows.append((name, len(g), stats(g), across_runs(gaps), stats(h), across_runs(hosts)))
             print(rows[-1], flush=True)
     lines = [
@@ -122,7 +125,9 @@ def main() -> None:
         f"Tiny random Llama (2 layers, hidden 64, vocab 64), {args.batch} requests x "
         f"{args.tokens} greedy tokens, {args.runs} runs; ms. Pooled: every step of every run, "
         "median (p10-p90). Per run: the median of the run medians [lowest-highest run]. "
-        f"{platform.processor() or platform.machine()}, 2 shared cores, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with "
+        f"other work (1-minute load average at start / after shipped / after relay: "
+        f"{' / '.join(f'{x:.1f}' for x in load)}), "
         f"`python -m fm_easydel.bench --batch {args.batch} --tokens {args.tokens} "
         f"--runs {args.runs}`.",
         "",

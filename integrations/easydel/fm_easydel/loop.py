@@ -60,6 +60,18 @@ def _drain(engine: Any, step: int, handle: Any, sched: Any) -> None:
     relay = relay_of(engine.runner)
     output = engine.runner.wait_for_execution(handle)
     relay.timeline.drained[step] = time.monotonic()
+    bad = [
+        (rid, ids)
+        for rid, ids in zip(output.req_ids, output.sampled_token_ids, strict=False)
+        if any(int(t) < 0 for t in ids)
+    ]
+    if bad:
+        # the sampler marked rows invalid that the host counted as sampled: the step ran on
+        # inputs other than the ones the host built. Fail the engine rather than hand -1 on
+        # (eSurge's detokenizer worker dies on it and generate() then waits forever).
+        raise RelayError(
+            f"step {step}: the device sampled no token for rows the host expected: {bad}"
+        )
     _apply(engine, handle, output)
     with engine._scheduler_lock:
         outs = engine.scheduler.update_from_output(sched, output)

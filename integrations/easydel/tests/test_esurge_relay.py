@@ -153,6 +153,19 @@ def test_refusals_name_what_is_unsupported(monkeypatch):
     fm_easydel.attach(fake())  # the same engine with nothing unsupported is accepted
 
 
+def test_drain_fails_the_engine_on_a_row_the_device_did_not_sample():
+    from fm_easydel import loop
+    from fm_easydel.relay import Timeline
+
+    output = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[5], [-1]])
+    runner = types.SimpleNamespace(
+        _fm_relay=types.SimpleNamespace(timeline=Timeline()),
+        wait_for_execution=lambda handle: output,
+    )
+    with pytest.raises(fm_easydel.RelayError, match=r"step 3: .*'b', \[-1\]"):
+        loop._drain(types.SimpleNamespace(runner=runner), 3, None, None)
+
+
 def test_harness_reaps_worker_processes(shipped, relay_eng):
     # the shipped engine's workers (tokenizer, detokenizer) were reaped when it was closed
     assert shipped.started, "eSurge started no worker processes (tokenizer, detokenizer)"
