@@ -16,8 +16,10 @@ set +e
   | grep -v 'Casting key/value\|Compiling \[' | tee "$out.tmp"
 rc=${PIPESTATUS[0]}
 set -e
+# before "$out" is rewritten (the redirection below truncates it, which git would count)
+dirty=$(git diff --quiet HEAD -- integrations scripts ':!'"$out" || echo ' + uncommitted changes')
 {
-  echo "# scripts/test_easydel.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- integrations scripts || echo ' + uncommitted changes'), exit $rc, $(( $(date +%s) - start )) s"
+  echo "# scripts/test_easydel.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD)$dirty, exit $rc, $(( $(date +%s) - start )) s"
   .venv-easydel/bin/python -c 'import importlib.metadata as m; print("# easydel", m.version("easydel"), "ejkernel", m.version("ejkernel"), "jax", m.version("jax"))'
   tail -n 40 "$out.tmp"
 } > "$out"
