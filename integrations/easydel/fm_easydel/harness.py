@@ -110,7 +110,9 @@ class EngineSpec:
 
 
 @contextlib.contextmanager
-def engine(spec: EngineSpec, *, relay: bool, model: Any = None) -> Iterator[Any]:
+def engine(
+    spec: EngineSpec, *, relay: bool, model: Any = None, copy_inputs: bool = True
+) -> Iterator[Any]:
     """An initiated eSurge: as shipped (`relay=False`: the synchronous loop) or on fm_jax's
     relay with the reordered loop. Terminated on exit, and every worker process it started
     (tokenizer, detokenizer) reaped: stopped politely, then killed after 5 s."""
@@ -142,7 +144,15 @@ def engine(spec: EngineSpec, *, relay: bool, model: Any = None) -> Iterator[Any]
 
             eng = build(**kwargs)
         else:
+            from .patches import install
+
+            install()
             eng = ed.eSurge(**kwargs)
+            # eSurge as shipped, with one change: numpy inputs copied at device_put (see
+            # patches.py). Without it the shipped engine reads buffers it refills after
+            # dispatch (`_update_placeholder` bumps the sequence lengths the sampler's
+            # penalty-count rebuild was handed) and its penalized outputs vary from run to run.
+            eng.runner._fm_copy_inputs = copy_inputs
         started = _children() - before
         eng.initiate()  # already running: eSurge starts its loop in its constructor
         yield eng

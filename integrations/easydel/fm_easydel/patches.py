@@ -103,7 +103,13 @@ def install() -> None:
         def run(self, scheduler_output, *args, **kwargs):
             relay = relay_of(self)
             if relay is None:
-                return original(self, scheduler_output, *args, **kwargs)
+                if not getattr(self, "_fm_copy_inputs", False):
+                    return original(self, scheduler_output, *args, **kwargs)
+                _DISPATCH.active = True  # a shipped engine with the copy only (harness)
+                try:
+                    return original(self, scheduler_output, *args, **kwargs)
+                finally:
+                    _DISPATCH.active = False
             relay.release_absent(
                 set(self.requests) - set(getattr(scheduler_output, "finished_req_ids", ()) or ())
             )
