@@ -149,9 +149,10 @@ def engine(
             install()
             eng = ed.eSurge(**kwargs)
             # eSurge as shipped, with one change: numpy inputs copied at device_put (see
-            # patches.py). Without it the shipped engine reads buffers it refills after
-            # dispatch (`_update_placeholder` bumps the sequence lengths the sampler's
-            # penalty-count rebuild was handed) and its penalized outputs vary from run to run.
+            # patches.py). Without it the shipped engine's penalized outputs varied from run
+            # to run here; the likely cause is the same race: `_update_placeholder` bumps, in
+            # place and right after dispatch, the sequence lengths the sampler's
+            # penalty-count rebuild was handed.
             eng.runner._fm_copy_inputs = copy_inputs
         started = _children() - before
         eng.initiate()  # already running: eSurge starts its loop in its constructor
