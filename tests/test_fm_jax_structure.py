@@ -188,7 +188,7 @@ def test_a_test_file_of_an_internal_module_is_named_after_it() -> None:
 
 
 ROOT = PACKAGE.parent
-FACE_USERS = ("fm_bench", "fm_serve", "fm_parity")
+FACE_USERS = ("fm_bench", "fm_serve", "fm_parity", "integrations/easydel")
 """The repository's packages built on fm_jax: each uses fm_jax through its public API only."""
 
 
