@@ -249,7 +249,7 @@ def _vacuity(
     reqs: Sequence[Request],
     got: ServeResult,
     default: ServeResult,
-    plain_sampled: ServeResult | None,
+    plain_sampled: ServeResult,
 ) -> list[str]:
     """Why a setting's reference serves nothing it should change (empty: it does)."""
     changes = ("presence_penalty", "logprobs_presence", "bad_words", "stop_strings", "abort")
@@ -272,8 +272,8 @@ def _vacuity(
             return [f"{name}: {len(entries)} logprob entries for {got.tokens} tokens"]
         if name == "logprobs" and any(
             e[1][0] != t
-            for v, o in zip(got.logprobs.values(), got.outputs.values(), strict=True)
-            for e, t in zip(v, o, strict=True)
+            for rid, v in got.logprobs.items()
+            for e, t in zip(v, got.outputs[rid], strict=True)
         ):
             return ["logprobs: a greedy token is not its top logprob"]
         if not all(e[0] < 0 and e[2][0] >= e[2][1] for e in entries):

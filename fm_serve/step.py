@@ -125,7 +125,7 @@ sampling features' rows, `sampling.step_inputs`)."""
 class ModelInputs(NamedTuple):
     """The model's per-step arrays (the `MODEL_INPUTS` by name) inside the step."""
 
-    req_pool_indices: jax.Array
+    req_pool_indices: Any  # [B] the batch's slots, padded
     extend_lens: jax.Array
     last_token: jax.Array
     token_rows: jax.Array
