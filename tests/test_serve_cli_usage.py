@@ -9,6 +9,7 @@ reduced random Gemma with a character tokenizer, so no weights are needed.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,39 @@ def test_fm_serve_bench_refuses_prompts_longer_than_the_cache(
     monkeypatch.setattr(load, "random_model", functools.partial(load.random_model, config=TINY))
     argv = ["--random-weights", "--batch-sizes", "2", "--max-seq-len", "20", "--max-tokens", "4"]
     assert "argument --max-seq-len" in _usage_error(bench.main, argv, capsys)
+
+
+def test_fm_serve_serves_every_sampling_setting_the_same_in_every_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    """Pins a sampling flag parsed but not served (or served differently by the overlap
+    loops): penalties, a bad word, logprobs, a stop string and a KV budget that preempts,
+    served by sync, overlap and debug overlap alike (reduced random Gemma)."""
+    monkeypatch.setattr(load, "load_model", _fake_load)
+    doc = tmp_path / "run.json"
+    argv = ["--no-compile-cache", "--compare", "--max-tokens", "6", "--max-running", "2"]
+    argv += ["--prompt", "hello there", "--prompt", "a longer prompt, chunked", "--prompt", "x"]
+    argv += ["--presence-penalty", "-1", "--repetition-penalty", "1.3", "--bad-words", "ab"]
+    argv += ["--logprobs", "2", "--stop", "zz", "--kv-budget", "40", "--prefill-budget", "8"]
+    argv += ["--json", str(doc)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens identical across overlap, sync, debug: yes" in out
+    got = json.loads(doc.read_text())
+    assert got["tokens_equal"]
+    runs = got["runs"]
+    assert [len(lp) for lp in runs["overlap"]["logprobs"]] == [
+        len(o) for o in runs["overlap"]["outputs"]
+    ]
+    assert all(r["retractions"] > 0 for r in runs.values())
+
+
+def test_fm_serve_streams_each_token(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
+    """Pins --stream printing nothing until the run ends (or tokens the completion lacks)."""
+    monkeypatch.setattr(load, "load_model", _fake_load)
+    argv = ["--no-compile-cache", "--stream", "--mode", "sync", "--max-tokens", "3"]
+    assert cli.main([*argv, "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    streamed, completion = out.split("--- [0] 'hi'\n")
+    assert streamed.count("[0]'") == 3
+    assert completion.splitlines()[0]

@@ -106,6 +106,24 @@ def costs(loaded: Any, args: Any, log: Callable[[str], None]) -> int:
     """Each feature's price per step, off vs on (module docstring)."""
     batch = args.batch_sizes[0]
     served = _served(loaded, args, batch, 2 * batch)
+    what = "Gemma 3 270M" + (" (random weights)" if loaded.tokenizer is None else "")
+    stem = f"gemma_feature_costs_{_tag(args)}"
+    measure_costs(served, what, batch, args.max_tokens, args.repeats, args.out, stem, log)
+    return 0
+
+
+def measure_costs(
+    served: Served,
+    what: str,
+    batch: int,
+    max_tokens: int,
+    repeats: int,
+    out: Path | None,
+    stem_name: str,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Each feature's price per step on `served`, off vs on; the document (written as
+    `<out>/<stem_name>.{json,md}` when `out` is given)."""
     words = served.bad_words or ((5,), (6, 7))
     rows = []
     for name, (features, kw) in COST_FEATURES.items():
@@ -115,11 +133,11 @@ def costs(loaded: Any, args: Any, log: Callable[[str], None]) -> int:
         off_reqs = [replace(r, temperature=temp) for r in served.requests]
         engines = {
             "off": Engine(
-                loaded.model, loaded.params, served.engine, protocol="gather", decode=served.decode
+                served.model, served.params, served.engine, protocol="gather", decode=served.decode
             ),
             "on": Engine(
-                loaded.model,
-                loaded.params,
+                served.model,
+                served.params,
                 served.engine,
                 protocol="gather",
                 features=features,
@@ -130,7 +148,7 @@ def costs(loaded: Any, args: Any, log: Callable[[str], None]) -> int:
             e.warm_up(overlap=False)
             e.warm_up(overlap=True)
         got: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for k in range(args.repeats):
+        for k in range(repeats):
             order = ("off", "on") if k % 2 == 0 else ("on", "off")
             for which in order:
                 reqs = on_reqs if which == "on" else off_reqs
@@ -160,20 +178,19 @@ def costs(loaded: Any, args: Any, log: Callable[[str], None]) -> int:
         "environment": environment(),
         "date": time.strftime("%Y-%m-%d"),
         "command": "fm-serve-bench " + " ".join(sys.argv[1:]),
-        "weights": "random" if loaded.tokenizer is None else "gguf",
-        "dtype": loaded.model.dtype,
+        "model": what,
         "batch": batch,
         "requests": len(served.requests),
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
         "features": rows,
     }
     md = [
-        f"# Gemma 3 270M sampling features: price per step ({doc['environment']['device']})",
+        f"# {what}: the sampling features' price per step ({doc['environment']['device']})",
         "",
         f"{doc['environment']['host']}; {doc['date']}; `{doc['command']}`. B = {batch}, "
-        f"{len(served.requests)} requests, up to {args.max_tokens} new tokens, gather "
-        f"protocol; medians of {args.repeats} interleaved off/on runs. Off: the engine "
+        f"{len(served.requests)} requests, up to {max_tokens} new tokens, gather "
+        f"protocol; medians of {repeats} interleaved off/on runs. Off: the engine "
         "without the feature (the same requests); on: the engine with it, every request "
         "using it. Host: the loop's own time per step (overlap: dispatch included); step: "
         "sync dispatch to tokens, overlap wall per step.",
@@ -190,10 +207,10 @@ def costs(loaded: Any, args: Any, log: Callable[[str], None]) -> int:
             f"{r['overlap_off_step_ms']:.1f} / {r['overlap_on_step_ms']:.1f} |"
         )
     print("\n".join(md))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = Path(args.out) / f"gemma_feature_costs_{_tag(args)}"
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        stem = Path(out) / stem_name
         stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
         stem.with_suffix(".md").write_text("\n".join(md) + "\n")
         log(f"wrote {stem}.{{json,md}}")
-    return 0
+    return doc
