@@ -161,6 +161,7 @@ def test_fm_serve_bench_refuses_prompts_longer_than_the_cache(
     assert "argument --max-seq-len" in _usage_error(bench.main, argv, capsys)
 
 
+@pytest.mark.slow  # three loops' warm-up with every feature: a minute or more on 2 cores
 def test_fm_serve_serves_every_sampling_setting_the_same_in_every_mode(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any
 ) -> None:
