@@ -174,7 +174,7 @@ def measure_costs(
         )
     from fm_serve.gemma.bench import environment
 
-    doc = {
+    doc: dict[str, Any] = {
         "environment": environment(),
         "date": time.strftime("%Y-%m-%d"),
         "command": "fm-serve-bench " + " ".join(sys.argv[1:]),
