@@ -48,6 +48,8 @@ class EngineConfig(NamedTuple):
       token_buckets: allowed flat token counts; padding tokens carry slot 0.
       mixed: build MIXED batches (prefill chunks beside running decodes); False: a step
         with a prefill chunk runs no decode row.
+      kv_budget: KV positions all running requests may hold at once (None: no limit
+        beyond the slots); the newest is retracted and later resumed when it would be passed.
     """
 
     max_running: int = 16
@@ -55,6 +57,7 @@ class EngineConfig(NamedTuple):
     batch_buckets: tuple[int, ...] = (16,)  # one row bucket: fewer compiles in the demo
     token_buckets: tuple[int, ...] = (16, 48)  # DECODE steps, steps with a prefill chunk
     mixed: bool = True
+    kv_budget: int | None = None
 
     @property
     def pool_size(self) -> int:
@@ -104,7 +107,9 @@ DEFAULT_REQUESTS = RequestShape(prompt_len=(8, 40), max_new=(4, 24))
 TINY_REQUESTS = RequestShape(prompt_len=(3, 30), max_new=(1, 20))
 
 
-def engine_for(max_running: int, prefill_budget: int, row_tile: int) -> EngineConfig:
+def engine_for(
+    max_running: int, prefill_budget: int, row_tile: int, kv_budget: int | None = None
+) -> EngineConfig:
     """An engine with one batch bucket and two token buckets, every one a multiple of
     `row_tile`: decode steps (one token per row) and steps with a prefill chunk."""
     up = lambda n: n + (-n % row_tile)  # noqa: E731
@@ -114,4 +119,5 @@ def engine_for(max_running: int, prefill_budget: int, row_tile: int) -> EngineCo
         prefill_budget=prefill_budget,
         batch_buckets=(rows,),
         token_buckets=tuple(sorted({rows, up(prefill_budget + max_running)})),
+        kv_budget=kv_budget,
     )

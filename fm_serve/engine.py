@@ -10,6 +10,12 @@
 With debug, the map checks every step on the device and the run calls `FutureMap.check()`
 when it ends (a sync per step would undo the overlap), raising InvariantViolation naming
 the step and op of every violation.
+
+Sampling features (`sampling.Features`, fixed per engine): the sampler state rides through
+both steps donated beside the cache; with logprobs the step's logprob arrays are copied to
+the host with its tokens (a copy started right after the dispatch, read a step late with
+the tokens in overlap, so they add no wait). `abort(rid)` during a run (from `on_token`,
+which streams each token as it is read) finishes a request at once.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import numpy as np
 import fm_jax
 from fm_serve.config import EngineConfig
 from fm_serve.host_cost import HostCost
-from fm_serve.requests import Request
-from fm_serve.scheduler import ScheduledBatch, Scheduler
+from fm_serve.requests import Request, RequestState
+from fm_serve.sampling import NO_FEATURES, Features, init_state
+from fm_serve.scheduler import OnToken, ScheduledBatch, Scheduler
 from fm_serve.served import ServedModel
 from fm_serve.step import StepInputs, make_overlap_step, make_sync_step
 
@@ -48,6 +55,10 @@ class ServeResult:
       host_s: per step, the host's time: building the batch and processing its tokens (sync:
         the step excluded; overlap: each loop turn less its wait, the dispatch included).
       dispatch_s: per step, the time inside the step call (until it returns to the host).
+      logprobs: rid -> per output token (its logprob, the top ids, their logprobs), for
+        requests that asked for logprobs.
+      aborted: rids aborted during the run; retractions: requests retracted (KV budget).
+      prefill_tokens: prompt (and recomputed) tokens the steps prefilled.
     """
 
     outputs: dict[int, list[int]]
@@ -58,6 +69,12 @@ class ServeResult:
     step_s: list[float] = field(default_factory=list)
     host_s: list[float] = field(default_factory=list)
     dispatch_s: list[float] = field(default_factory=list)
+    logprobs: dict[int, list[tuple[float, tuple[int, ...], tuple[float, ...]]]] = field(
+        default_factory=dict
+    )
+    aborted: list[int] = field(default_factory=list)
+    retractions: int = 0
+    prefill_tokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -80,6 +97,9 @@ class Engine:
       debug: checkify the overlap step with fm_jax's debug invariants.
       protocol: the overlap step's relay protocol, "sentinel" or "gather" (docs/CONTRACT.md,
         'Two protocols'); both serve the same tokens.
+      features: the sampling features the steps compute (default: none beyond greedy and
+        seeded sampling); a request needing one the engine lacks is refused by name.
+      decode: token ids -> text, for stop strings.
     """
 
     def __init__(
@@ -90,6 +110,8 @@ class Engine:
         *,
         debug: bool = False,
         protocol: str = "sentinel",
+        features: Features = NO_FEATURES,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ):
         tile = model.row_tile
         bad = [b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % tile]
@@ -100,6 +122,9 @@ class Engine:
         self.debug = debug
         self.protocol = protocol
         self.params = params
+        self.features = features
+        self.decode = decode
+        self._sched: Scheduler | None = None
         # One map for every run: a run leaves each slot's last write unread (its request
         # finished), which the next run's first write to that slot replaces.
         self.fm = fm_jax.FutureMap(
@@ -109,11 +134,26 @@ class Engine:
             batch_buckets=engine_cfg.batch_buckets,
             token_buckets=engine_cfg.token_buckets,
         )
-        self._overlap_step = make_overlap_step(model, self.fm)
-        self._sync_step = make_sync_step(model)
+        self._overlap_step = make_overlap_step(model, self.fm, features)
+        self._sync_step = make_sync_step(model, features)
+
+    def abort(self, rid: int) -> None:
+        """Abort request `rid` of the run in progress (call it from `on_token`): it finishes
+        now with the tokens streamed so far; none of its tokens in flight is kept.
+
+        Raises:
+          KeyError: no run in progress, an unknown rid, or a finished request.
+        """
+        if self._sched is None:
+            raise KeyError(f"abort: no run in progress (request {rid!r})")
+        self._sched.abort(rid)
 
     def _scheduler(
-        self, requests: Sequence[Request], overlap: bool, host_cost: HostCost
+        self,
+        requests: Sequence[Request],
+        overlap: bool,
+        host_cost: HostCost,
+        on_token: OnToken | None,
     ) -> Scheduler:
         vocab = self.model.vocab
         for r in requests:
@@ -122,7 +162,11 @@ class Engine:
             bad = [t for t in r.prompt if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"request {r.rid}: prompt ids {bad[:5]} outside [0, {vocab})")
-        return Scheduler(
+            try:
+                r.sampling.check(vocab, r.temperature, r.seed)
+            except ValueError as err:
+                raise ValueError(f"request {r.rid}: {err}") from None
+        self._sched = Scheduler(
             requests,
             self.engine_cfg,
             overlap=overlap,
@@ -130,6 +174,31 @@ class Engine:
             max_seq_len=self.model.max_seq_len,
             stop_ids=self.model.stop_ids,
             protocol=self.protocol,
+            features=self.features,
+            decode=self.decode,
+            on_token=on_token,
+        )
+        return self._sched
+
+    def _state(self) -> Any:
+        return jax.block_until_ready(
+            init_state(self.features, self.engine_cfg.pool_size, self.model.vocab)
+        )
+
+    def _result(
+        self, sched: Scheduler, wall: float, steps: int, wait: float, modes: dict[str, int]
+    ) -> ServeResult:
+        self._sched = None
+        done: list[RequestState] = sched.done
+        return ServeResult(
+            {st.req.rid: st.output for st in done},
+            wall,
+            steps,
+            wait,
+            modes,
+            logprobs={st.req.rid: st.logprobs for st in done if st.req.sampling.logprobs},
+            aborted=sorted(st.req.rid for st in done if st.aborted),
+            retractions=sched.retractions,
         )
 
     def _fresh_cache(self) -> Any:
@@ -143,10 +212,12 @@ class Engine:
         compile is refused). Sync: one all-padding step per (batch, token) bucket pair;
         padding writes only slot 0, which nothing live reads.
         """
-        cache = self._fresh_cache()
+        cache, state = self._fresh_cache(), self._state()
         if overlap:
-            self._overlap_step.warm_up(self.params, cache, guard=True, traced_modes=False)
+            self._overlap_step.warm_up(self.params, cache, state, guard=True, traced_modes=False)
             return
+        from fm_serve.sampling import HostRows
+
         cfg = self.engine_cfg
         for b, t in itertools.product(cfg.batch_buckets, cfg.token_buckets):
             if b > t:
@@ -165,8 +236,9 @@ class Engine:
                 relay_slots=toks,
                 temperature=np.zeros(b, np.float32),
                 sample_seed=rows,
+                extra=HostRows(self.features, b).arrays,
             )
-            cache, tokens = self._sync_step(self.params, cache, pad)
+            cache, state, _, _ = self._sync_step(self.params, cache, state, pad)
         jax.block_until_ready(cache)
 
     def run_sync(
@@ -174,11 +246,16 @@ class Engine:
         requests: Sequence[Request],
         host_cost: HostCost | None = None,
         progress: Progress | None = None,
+        on_token: OnToken | None = None,
     ) -> ServeResult:
-        """Serve `requests` synchronously: the host waits for each step's tokens."""
-        sched = self._scheduler(requests, False, host_cost or HostCost())
-        cache = self._fresh_cache()
+        """Serve `requests` synchronously: the host waits for each step's tokens.
+
+        `on_token(state, token)` streams each output token as it is read (it may call
+        `abort`)."""
+        sched = self._scheduler(requests, False, host_cost or HostCost(), on_token)
+        cache, state = self._fresh_cache(), self._state()
         steps, wait, modes, step_s, host_s, dispatch_s = 0, 0.0, dict[str, int](), [], [], []
+        prefill = 0
         t0 = time.perf_counter()
         while not sched.idle:
             t_build = time.perf_counter()
@@ -186,38 +263,47 @@ class Engine:
             if batch is None:
                 raise RuntimeError("sync scheduler built no batch while requests remain")
             t_launch = time.perf_counter()
-            cache, tokens = self._sync_step(self.params, cache, batch.inputs)
+            cache, state, tokens, lp = self._sync_step(self.params, cache, state, batch.inputs)
             dispatch_s.append(time.perf_counter() - t_launch)
             host_tokens = np.asarray(tokens)  # the sync point
+            host_lp = None if lp is None else jax.tree.map(np.asarray, lp)
             t_done = time.perf_counter()
             wait += t_done - t_launch
             step_s.append(t_done - t_launch)
-            made = sched.process(batch, host_tokens)
+            prefill += batch.prefill_tokens
+            made = sched.process(batch, host_tokens, host_lp)
             if progress is not None:
                 progress(made)
             host_s.append(time.perf_counter() - t_build - step_s[-1])
             steps += 1
             modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
         wall = time.perf_counter() - t0
-        outputs = {st.req.rid: st.output for st in sched.done}
-        return ServeResult(outputs, wall, steps, wait, modes, step_s, host_s, dispatch_s)
+        res = self._result(sched, wall, steps, wait, modes)
+        res.step_s, res.host_s, res.dispatch_s = step_s, host_s, dispatch_s
+        res.prefill_tokens = prefill
+        return res
 
     def run_overlap(
         self,
         requests: Sequence[Request],
         host_cost: HostCost | None = None,
         progress: Progress | None = None,
+        on_token: OnToken | None = None,
     ) -> ServeResult:
         """Serve `requests` with overlap: build N+1 while N runs, read N's tokens one step late.
+
+        `on_token(state, token)` streams each output token as it is read (it may call
+        `abort`).
 
         Raises:
           fm_jax.InvariantViolation: debug mode, when a step broke a FutureMap invariant.
         """
-        sched = self._scheduler(requests, True, host_cost or HostCost())
-        cache = self._fresh_cache()
+        sched = self._scheduler(requests, True, host_cost or HostCost(), on_token)
+        cache, state = self._fresh_cache(), self._state()
         gather = self.protocol == "gather"
         steps, wait, modes, dispatch_s, host_s = 0, 0.0, dict[str, int](), [], []
-        pending: tuple[ScheduledBatch, jax.Array] | None = None
+        prefill = 0
+        pending: tuple[ScheduledBatch, jax.Array, Any] | None = None
         t0 = time.perf_counter()
         while True:
             t_turn, waited = time.perf_counter(), 0.0
@@ -226,21 +312,26 @@ class Engine:
             if batch is not None:
                 fm_batch, model_inputs = batch.relay_batch(gather)
                 t_launch = time.perf_counter()
-                cache, tokens = self._overlap_step(
-                    fm_batch, self.params, cache, inputs=model_inputs
+                cache, state, tokens, lp = self._overlap_step(
+                    fm_batch, self.params, cache, state, inputs=model_inputs
                 ).out
                 dispatch_s.append(time.perf_counter() - t_launch)
                 tokens.copy_to_host_async()
+                if lp is not None:
+                    for a in lp:
+                        a.copy_to_host_async()
                 steps += 1
+                prefill += batch.prefill_tokens
                 modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
-                launched = (batch, tokens)
+                launched = (batch, tokens, lp)
             if pending is not None:
-                prev, prev_tokens = pending
+                prev, prev_tokens, prev_lp = pending
                 t_wait = time.perf_counter()
                 host_tokens = np.asarray(prev_tokens)  # blocks on step N only, N+1 is queued
+                host_lp = None if prev_lp is None else tuple(np.asarray(a) for a in prev_lp)
                 waited = time.perf_counter() - t_wait
                 wait += waited
-                made = sched.process(prev, host_tokens)
+                made = sched.process(prev, host_tokens, host_lp)
                 if progress is not None:
                     progress(made)
             elif batch is None:  # nothing in flight and nothing to build
@@ -250,6 +341,8 @@ class Engine:
             host_s.append(time.perf_counter() - t_turn - waited)
             pending = launched
         wall = time.perf_counter() - t0
+        self._sched = None
         self.fm.check()  # debug: every violation of the run, by step and op
-        outputs = {st.req.rid: st.output for st in sched.done}
-        return ServeResult(outputs, wall, steps, wait, modes, host_s=host_s, dispatch_s=dispatch_s)
+        res = self._result(sched, wall, steps, wait, modes)
+        res.host_s, res.dispatch_s, res.prefill_tokens = host_s, dispatch_s, prefill
+        return res

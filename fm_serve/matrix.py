@@ -5,19 +5,31 @@ across relay protocol (sentinel, gather) x debug (off, on) x chunked prefill (on
 MIXED batches (on, off) x slot reuse (heavy: a few slots for many requests; none: a slot
 per request). The model is batch-invariant (`tiles.by_tiles`), so every setting's synchronous
 run must also give the same tokens as every other's: one reference for the whole matrix.
+
+The sampling-feature matrix (`run_feature_matrix`), on the toy model or Gemma 3: each of
+the settings {default, presence_penalty -1, bad words, logprobs 2, logprobs 2 with
+presence_penalty -1, seeded sampling with top-p, stop strings, an abort} x preemption
+(off; on: a KV budget that retracts requests) x {sync, overlap, debug overlap}, every
+run's tokens equal to the setting's synchronous run without preemption and its logprobs
+within rel 1e-3 / abs 1e-6; and each setting (and preemption) checked to change what is
+served.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from fm_serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
 from fm_serve.engine import Engine, ServeResult
 from fm_serve.model import toy
 from fm_serve.requests import Request, make_requests
+from fm_serve.sampling import Features, Sampling
 from fm_serve.sweep import diff_outputs
 
 AXES = ("protocol", "debug", "chunked", "mixed", "reuse")
@@ -109,3 +121,249 @@ def run_matrix(
         out[cell.name()] = bad
         log(f"{cell.name()}: {'equal' if not bad else f'{len(bad)} mismatches'}")
     return out
+
+
+# ------------------------------------------------------------------ the sampling features
+SETTINGS = (
+    "default",
+    "presence_penalty",
+    "bad_words",
+    "logprobs",
+    "logprobs_presence",
+    "seeded_top_p",
+    "stop_strings",
+    "abort",
+)
+"""The served settings: greedy unless named, as vLLM's async-scheduling test and beyond."""
+MODES = ("sync", "overlap", "debug")
+
+LOGPROB_RTOL, LOGPROB_ATOL = 1e-3, 1e-6
+
+
+@dataclass
+class Served:
+    """A model to serve the feature matrix on, with its request set.
+
+    `bad_words`: the tokenizer's equivalent of ["the", " the"] (the toy model: its most
+    frequent output tokens); `decode`: ids -> text for stop strings.
+    """
+
+    model: Any
+    params: Any
+    requests: list[Request]
+    engine: EngineConfig
+    kv_budget: int
+    decode: Callable[[Sequence[int]], str]
+    bad_words: tuple[tuple[int, ...], ...] | None = None
+
+
+def toy_decode(ids: Sequence[int]) -> str:
+    """The toy model's text: a character per token id (injective)."""
+    return "".join(chr(0x100 + int(i)) for i in ids)
+
+
+def toy_served(n_requests: int = 8, model: ModelConfig | None = None) -> Served:
+    """The tiny toy model: 3 slots (heavy reuse), chunked prefill, a KV budget of a bit
+    more than the longest request, so the newest running request is retracted often."""
+    model = model or tiny_model()
+    shape = TINY_REQUESTS
+    reqs = make_requests(
+        n_requests, vocab=model.vocab, prompt_len=shape.prompt_len, max_new=shape.max_new
+    )
+    cfg = engine_config(Cell("gather", False, True, True, True), n_requests, model.row_tile)
+    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    return Served(*toy(model), reqs, cfg, longest + 8, toy_decode)
+
+
+def _with(settings: Sampling, reqs: Sequence[Request], **kw: Any) -> list[Request]:
+    return [replace(r, sampling=replace(settings, **kw)) for r in reqs]
+
+
+def setting_requests(
+    name: str, served: Served, reference: ServeResult
+) -> tuple[list[Request], dict[int, int]]:
+    """The requests of a setting, and (abort) rid -> the output tokens after which the
+    request is aborted. `reference`: the default setting's run (stop strings and the toy's
+    bad words are taken from its outputs, so that they occur)."""
+    reqs, none = served.requests, Sampling()
+    if name == "default":
+        return list(reqs), {}
+    if name == "presence_penalty":
+        return _with(none, reqs, presence_penalty=-1.0), {}
+    if name == "bad_words":
+        words = served.bad_words
+        if words is None:  # the toy: its two most frequent output tokens
+            counts = collections.Counter(t for o in reference.outputs.values() for t in o[:-1])
+            words = tuple((t,) for t, _ in counts.most_common(2))
+        return _with(none, reqs, bad_words=words), {}
+    if name == "logprobs":
+        return _with(none, reqs, logprobs=2), {}
+    if name == "logprobs_presence":
+        return _with(none, reqs, logprobs=2, presence_penalty=-1.0), {}
+    if name == "seeded_top_p":
+        return [
+            replace(r, temperature=1.0, seed=100 + r.rid, sampling=replace(none, top_p=0.8))
+            for r in reqs
+        ], {}
+    if name == "stop_strings":
+        out = []
+        for r in reqs:  # the text of two tokens mid-way through the reference output
+            o = reference.outputs[r.rid]
+            k = len(o) // 2
+            stop = (served.decode(o[k : k + 2]),) if len(o) >= 4 else ()
+            out.append(replace(r, sampling=replace(none, stop=stop)))
+        return out, {}
+    if name == "abort":
+        return list(reqs), {r.rid: 2 for r in reqs if r.rid % 3 == 0 and r.max_new_tokens > 3}
+    raise ValueError(f"unknown setting {name!r}; the settings are {SETTINGS}")
+
+
+def logprobs_close(ref: ServeResult, got: ServeResult) -> list[str]:
+    """Mismatches of two runs' logprobs beyond rel 1e-3 / abs 1e-6 (top ids exactly)."""
+    bad = []
+    for rid, want in ref.logprobs.items():
+        have = got.logprobs.get(rid, [])
+        if len(have) != len(want):
+            bad.append(f"request {rid}: {len(want)} logprob entries, got {len(have)}")
+            continue
+        for i, ((a, ids_a, lp_a), (b, ids_b, lp_b)) in enumerate(zip(want, have, strict=True)):
+            close = np.allclose([a, *lp_a], [b, *lp_b], rtol=LOGPROB_RTOL, atol=LOGPROB_ATOL)
+            if ids_a != ids_b or not close:
+                bad.append(f"request {rid} token {i}: {(a, ids_a, lp_a)} vs {(b, ids_b, lp_b)}")
+    return bad
+
+
+def _serve(
+    engine: Engine, mode: str, reqs: Sequence[Request], aborts: dict[int, int]
+) -> ServeResult:
+    def on_token(st: Any, tok: int) -> None:
+        if len(st.output) == aborts.get(st.req.rid, -1):
+            engine.abort(st.req.rid)
+
+    run = engine.run_sync if mode == "sync" else engine.run_overlap
+    return run(reqs, on_token=on_token if aborts else None)
+
+
+def _vacuity(
+    name: str,
+    reqs: Sequence[Request],
+    got: ServeResult,
+    default: ServeResult,
+    plain_sampled: ServeResult,
+) -> list[str]:
+    """Why a setting's reference serves nothing it should change (empty: it does)."""
+    changes = ("presence_penalty", "logprobs_presence", "bad_words", "stop_strings", "abort")
+    if name in changes and diff_outputs("", default, got) == []:
+        return [f"{name}: the tokens equal the default setting's"]
+    if name == "bad_words":
+        words = reqs[0].sampling.bad_words
+        for rid, o in got.outputs.items():
+            seq = list(reqs[rid].prompt) + o
+            for w in words:
+                n = len(w)
+                if any(
+                    tuple(seq[i : i + n]) == w
+                    for i in range(len(reqs[rid].prompt), len(seq) - n + 1)
+                ):
+                    return [f"bad_words: request {rid} produced {w}"]
+    if name in ("logprobs", "logprobs_presence"):
+        entries = [e for v in got.logprobs.values() for e in v]
+        if len(entries) != got.tokens:
+            return [f"{name}: {len(entries)} logprob entries for {got.tokens} tokens"]
+        if name == "logprobs" and any(
+            e[1][0] != t
+            for rid, v in got.logprobs.items()
+            for e, t in zip(v, got.outputs[rid], strict=True)
+        ):
+            return ["logprobs: a greedy token is not its top logprob"]
+        if not all(e[0] < 0 and e[2][0] >= e[2][1] for e in entries):
+            return [f"{name}: logprobs not negative and ordered"]
+    if name == "seeded_top_p" and diff_outputs("", plain_sampled, got) == []:
+        return ["seeded_top_p: the tokens equal seeded sampling without top-p"]
+    if name == "abort" and not got.aborted:
+        return ["abort: no request was aborted"]
+    return []
+
+
+def run_feature_matrix(
+    served: Served,
+    *,
+    settings: Sequence[str] = SETTINGS,
+    modes: Sequence[str] = MODES,
+    protocol: str = "gather",
+    features: Features | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
+    """Serve every setting x preemption (off, on) x mode (sync, overlap, debug overlap); a
+    cell per run, its tokens (and logprobs) compared with the setting's synchronous run
+    without preemption. Non-vacuity: each setting changes what is served against the
+    default (`_vacuity`), and preemption retracts requests and prefills more tokens.
+
+    `features`: the one feature set every run's engine computes (fewer compiles; a feature
+    a setting leaves off then runs with neutral values); None: each setting's least."""
+    engines: dict[tuple[Any, bool], Engine] = {}
+
+    def engine_for_run(features: Features, debug: bool, budget: int | None) -> Engine:
+        key = (features, debug)
+        if key not in engines:
+            engines[key] = Engine(
+                served.model,
+                served.params,
+                served.engine,
+                debug=debug,
+                protocol=protocol,
+                features=features,
+                decode=served.decode,
+            )
+        e = engines[key]
+        e.engine_cfg = served.engine._replace(kv_budget=budget)
+        return e
+
+    none = features or Features()
+    default = engine_for_run(none, False, None).run_sync(served.requests)
+    plain_sampled = default
+    if "seeded_top_p" in settings:  # seeded sampling without top-p, to tell top-p's effect
+        sampled, _ = setting_requests("seeded_top_p", served, default)
+        plain = [replace(r, sampling=Sampling()) for r in sampled]
+        plain_sampled = engine_for_run(none, False, None).run_sync(plain)
+    cells_out: list[dict[str, Any]] = []
+    for name in settings:
+        reqs, aborts = setting_requests(name, served, default)
+        computed = features or Features.of([r.sampling for r in reqs])
+        ref = _serve(engine_for_run(computed, False, None), "sync", reqs, aborts)
+        vacuous = _vacuity(name, reqs, ref, default, plain_sampled)
+        for preempt in (False, True):
+            for mode in modes:
+                budget = served.kv_budget if preempt else None
+                e = engine_for_run(computed, mode == "debug", budget)
+                got = _serve(e, mode, reqs, aborts)
+                tokens = diff_outputs(mode, ref, got)
+                lps = logprobs_close(ref, got)
+                notes = list(vacuous)
+                if preempt and got.retractions == 0:
+                    notes.append("preemption: no request was retracted")
+                if preempt and got.prefill_tokens <= ref.prefill_tokens:
+                    notes.append("preemption: no prefix was recomputed")
+                cell = {
+                    "setting": name,
+                    "preemption": preempt,
+                    "overlap": mode != "sync",
+                    "debug": mode == "debug",
+                    "protocol": protocol,
+                    "tokens_equal": not tokens,
+                    "logprobs_equal": not lps,
+                    "non_vacuous": not notes,
+                    "retractions": got.retractions,
+                    "prefill_tokens": got.prefill_tokens,
+                    "output_tokens": got.tokens,
+                    "aborted": got.aborted,
+                    "mismatches": (tokens + lps)[:5],
+                    "notes": notes,
+                }
+                cells_out.append(cell)
+                ok = cell["tokens_equal"] and cell["logprobs_equal"] and cell["non_vacuous"]
+                log(
+                    f"{name} preemption={'on' if preempt else 'off'} {mode}: "
+                    f"{'ok' if ok else 'FAIL'} ({got.retractions} retractions)"
+                )
+    return cells_out

@@ -6,26 +6,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fm_serve.sampling import Sampling
+
 
 @dataclass(frozen=True)
 class Request:
-    """A generation request: prompt ids and a cap on new tokens (a stop token may end it
-    earlier), sampled greedily (temperature 0) or with a temperature and a seed."""
+    """A generation request: prompt ids and a cap on new tokens (a stop token or string may
+    end it earlier), sampled greedily (temperature 0) or with a temperature and a seed, and
+    the further settings of `sampling` (penalties, bad words, top-k/top-p, logprobs, stop)."""
 
     rid: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    sampling: Sampling = Sampling()
 
 
 @dataclass
 class RequestState:
     """What the host scheduler knows about one request while it is served.
 
-    Invariants: `slot` is >= 1 from admission to retirement; `seq_len_cpu` is the length the
-    next decode row will carry (prompt + tokens scheduled so far); `scheduled` counts output
-    tokens that dispatched steps will produce; `output` holds those already read back.
+    Invariants: `slot` is >= 1 from admission to retirement or retraction (0 while queued);
+    `prefix` is what a prefill in the slot computes (the prompt, or after a retraction the
+    prompt and the outputs read so far); `seq_len_cpu` is the length the next decode row
+    will carry (prefix + tokens scheduled since); `scheduled` counts output tokens that
+    dispatched steps will produce; `output` holds those already read back, `logprobs` their
+    logprobs (when asked for). `finished` is set once, by a stop, the limit or an abort.
     """
 
     req: Request
@@ -34,12 +41,25 @@ class RequestState:
     seq_len_cpu: int = 0
     scheduled: int = 0
     output: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=list)
     finished: bool = False
+    aborted: bool = False
+    retractions: int = 0
+    prefix: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prefix:
+            self.prefix = self.req.prompt
 
     @property
     def prefill_done(self) -> bool:
-        """All prompt tokens are in dispatched steps."""
-        return self.prefilled == len(self.req.prompt)
+        """All prefix tokens are in dispatched steps."""
+        return self.prefilled == len(self.prefix)
+
+    @property
+    def in_flight(self) -> int:
+        """Output tokens of dispatched steps not read back yet."""
+        return self.scheduled - len(self.output)
 
     @property
     def wants_decode(self) -> bool:

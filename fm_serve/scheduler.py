@@ -10,14 +10,26 @@ real last token, which the host read back.
 
 Row order: prefill rows first, then running decode rows (a MIXED batch, SPEC 'Batch kinds').
 Batches are padded to a batch bucket and a token bucket; padding carries slot 0.
+
+KV budget (`EngineConfig.kv_budget`): the KV positions every running request holds after
+the next step may not pass it. When they would, the newest running request is retracted:
+its slot freed at once, it goes back to the front of the queue, and it is resumed by
+prefilling its prompt and the outputs read so far (recomputed), once every token of its
+dispatched steps has been read (overlap: a step later). A retracted or aborted request's
+row in a step already dispatched still runs on the device; nothing reads it back: its slot's
+next request starts with a fresh prefill (`sampling`: fresh state).
+
+Streaming and abort: `process` hands each output token to `on_token` as it is read; `abort`
+finishes a request at once, so no token after it is streamed or kept.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +37,11 @@ import fm_jax
 from fm_serve.config import EngineConfig
 from fm_serve.host_cost import HostCost
 from fm_serve.requests import Request, RequestState
+from fm_serve.sampling import NO_FEATURES, Features, HostRows
 from fm_serve.step import StepInputs
+
+OnToken = Callable[[RequestState, int], None]
+"""Called with a request's state and its new token, as each output token is read."""
 
 
 @dataclass
@@ -47,6 +63,7 @@ class ScheduledBatch:
     rows: list[Row]
     mode: fm_jax.ForwardMode
     n_tokens: int = 0
+    prefill_tokens: int = 0
 
     def relay_batch(self, gather: bool) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
         """The batch as a FutureMap's engine step takes it, with the model's own inputs:
@@ -75,6 +92,7 @@ class ScheduledBatch:
             "token_offsets": inp.token_offsets[:t],
             "temperature": inp.temperature[:b],
             "sample_seed": inp.sample_seed[:b],
+            **{k: v[:b] for k, v in inp.extra.items()},
         }
         return batch, model
 
@@ -98,6 +116,9 @@ class Scheduler:
       host_cost: simulated scheduling cost spent per built batch.
       max_seq_len: the model's KV positions per slot; a request that cannot fit is refused.
       stop_ids: the tokens that stop a request (read back one step late in overlap mode).
+      features: the step's sampling features (their rows are filled per batch).
+      decode: token ids -> text, for stop strings (None: a request with one is refused).
+      on_token: streaming: called with each output token as it is read.
     """
 
     def __init__(
@@ -110,6 +131,9 @@ class Scheduler:
         max_seq_len: int,
         stop_ids: Collection[int],
         protocol: str = "sentinel",
+        features: Features = NO_FEATURES,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        on_token: OnToken | None = None,
     ) -> None:
         if protocol not in ("sentinel", "gather"):
             raise ValueError(f"protocol must be 'sentinel' or 'gather', got {protocol!r}")
@@ -119,21 +143,38 @@ class Scheduler:
             )
         if max(cfg.token_buckets) < cfg.prefill_budget + cfg.max_running:
             raise ValueError("largest token bucket must hold prefill_budget + max_running tokens")
+        budget = cfg.kv_budget
         for r in requests:
             if len(r.prompt) + r.max_new_tokens > max_seq_len:
                 raise ValueError(
                     f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
                     f"exceeds max_seq_len {max_seq_len}"
                 )
+            if budget is not None and len(r.prompt) + r.max_new_tokens > budget:
+                raise ValueError(
+                    f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
+                    f"exceeds the KV budget {budget}"
+                )
+            lacking = features.serves(r.sampling)
+            if lacking is not None:
+                raise ValueError(f"request {r.rid}: the engine was built without {lacking}")
+            if r.sampling.stop and decode is None:
+                raise ValueError(f"request {r.rid}: stop strings need the engine's decode")
+        if len({r.rid for r in requests}) != len(requests):
+            raise ValueError("request ids must be distinct")
+        self.features = features
+        self.decode = decode
+        self.on_token = on_token
+        self.retractions = 0
         self.cfg = cfg
         self.overlap = overlap
         self.gather = overlap and protocol == "gather"
         self.host_cost = host_cost
         self.stop_ids = frozenset(stop_ids)
         self.queue = collections.deque(RequestState(r) for r in requests)
+        self.by_rid = {st.req.rid: st for st in self.queue}
         self.running: list[RequestState] = []  # admission order
         self.free_slots = list(range(cfg.pool_size - 1, 0, -1))  # pop() gives the lowest
-        self.last_token: dict[int, int] = {}  # sync mode: rid -> the token to feed next
         self.done: list[RequestState] = []
 
     @property
@@ -142,22 +183,84 @@ class Scheduler:
         return not self.queue and not self.running
 
     # ---------------------------------------------------------------------------- building
+    def _need(self) -> int:
+        """KV positions the running requests will hold after the next step."""
+        chunks, need = self.cfg.prefill_budget, 0
+        for st in self.running:
+            if st.prefill_done:
+                need += st.seq_len_cpu if st.wants_decode else st.seq_len_cpu - 1
+            else:
+                chunk = min(len(st.prefix) - st.prefilled, chunks)
+                chunks -= chunk
+                need += st.prefilled + chunk
+        return need
+
     def _admit(self) -> None:
+        budget = self.cfg.kv_budget
         while self.queue and self.free_slots:
-            st = self.queue.popleft()
-            st.slot = self.free_slots.pop()
+            st = self.queue[0]
+            if st.in_flight:  # retracted with a step in flight: resume once it is read
+                break
+            st.prefix = st.req.prompt + tuple(st.output)
+            st.prefilled = 0
             self.running.append(st)
+            if budget is not None and len(self.running) > 1 and self._need() > budget:
+                self.running.pop()  # it would be retracted at once: leave it queued
+                break
+            self.queue.popleft()
+            st.slot = self.free_slots.pop()
+
+    def _free(self, st: RequestState) -> None:
+        self.free_slots.append(st.slot)
+        self.free_slots.sort(reverse=True)
+        st.slot = 0
+
+    def _retract_over_budget(self) -> None:
+        """Retract the newest running requests until the next step fits the KV budget."""
+        budget = self.cfg.kv_budget
+        if budget is None:
+            return
+        while len(self.running) > 1 and self._need() > budget:
+            st = self.running.pop()
+            self._free(st)
+            st.retractions += 1
+            self.retractions += 1
+            self.queue.appendleft(st)
+
+    def abort(self, rid: int) -> None:
+        """Finish request `rid` now: nothing it has in flight is read back or streamed.
+
+        Raises:
+          KeyError: no request `rid` in this run, or it has finished (named in the message).
+        """
+        st = self.by_rid.get(rid)
+        if st is None:
+            raise KeyError(f"abort: no request {rid!r} in this run")
+        if st.finished:
+            raise KeyError(f"abort: request {rid!r} has already finished")
+        self._finish(st)
+        st.aborted = True
+
+    def _finish(self, st: RequestState) -> None:
+        st.finished = True
+        if st in self.running:
+            self.running.remove(st)
+            self._free(st)
+        elif st in self.queue:
+            self.queue.remove(st)
+        self.done.append(st)
 
     def build(self) -> ScheduledBatch | None:
         """Admit, pick rows, spend the host cost and return the padded batch (None: no row)."""
         self._admit()
+        self._retract_over_budget()
         budget = self.cfg.prefill_budget
         prefill: list[tuple[RequestState, int]] = []
         for st in self.running:
             if budget == 0:
                 break
             if not st.prefill_done:
-                chunk = min(len(st.req.prompt) - st.prefilled, budget)
+                chunk = min(len(st.prefix) - st.prefilled, budget)
                 prefill.append((st, chunk))
                 budget -= chunk
         decode = [st for st in self.running if st.wants_decode]
@@ -196,24 +299,27 @@ class Scheduler:
         relay = np.zeros(t, np.int32)
         temperature = np.zeros(b, np.float32)
         seed = np.zeros(b, np.int32)
+        extra = HostRows(self.features, b)
         rows: list[Row] = []
         pos = 0
         for i, (st, chunk) in enumerate(prefill):
             lo = st.prefilled
-            ids[pos : pos + chunk] = st.req.prompt[lo : lo + chunk]
+            ids[pos : pos + chunk] = st.prefix[lo : lo + chunk]
             self._row(i, st, chunk, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
             seq_lens[i] = lo + chunk
             temperature[i], seed[i] = st.req.temperature, st.req.seed
+            extra.set(i, st.req.sampling, len(st.req.prompt), fresh=lo == 0)
             st.prefilled += chunk
             final = st.prefill_done
-            if final:  # the last chunk samples the first output token
-                st.scheduled += 1
-                st.seq_len_cpu = len(st.req.prompt) + 1
+            if final:  # the last chunk samples the next output token
+                st.scheduled = len(st.output) + 1
+                st.seq_len_cpu = len(st.prefix) + 1
             rows.append(Row(st, final))
             pos += chunk
         for j, st in enumerate(decode, start=len(prefill)):
             self._row(j, st, 1, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
             temperature[j], seed[j] = st.req.temperature, st.req.seed
+            extra.set(j, st.req.sampling, len(st.req.prompt), fresh=False)
             if self.gather:
                 # No id: resolve gathers it at the row's slot (DECODE: req_pool_indices;
                 # MIXED: relay_slots). The host's length is exact (one more per step).
@@ -224,7 +330,7 @@ class Scheduler:
                 # a MIXED batch carries host lengths; only DECODE restores them on device
                 seq_lens[j] = -st.slot if mode == fm_jax.ForwardMode.DECODE else st.seq_len_cpu
             else:
-                ids[pos] = self.last_token[st.req.rid]
+                ids[pos] = st.output[-1]
                 seq_lens[j] = st.seq_len_cpu
             st.seq_len_cpu += 1
             st.scheduled += 1
@@ -243,8 +349,9 @@ class Scheduler:
             relay_slots=relay,
             temperature=temperature,
             sample_seed=seed,
+            extra=extra.arrays,
         )
-        return ScheduledBatch(inputs, rows, mode, n_tok)
+        return ScheduledBatch(inputs, rows, mode, n_tok, sum(c for _, c in prefill))
 
     @staticmethod
     def _row(
@@ -268,12 +375,15 @@ class Scheduler:
         tok_off[pos : pos + n] = np.arange(n)
 
     # -------------------------------------------------------------------------- results
-    def process(self, batch: ScheduledBatch, tokens: np.ndarray) -> int:
-        """Take a finished step's sampled tokens: append outputs, apply stops, retire;
-        returns the number of output tokens taken.
+    def process(self, batch: ScheduledBatch, tokens: np.ndarray, logprobs: Any = None) -> int:
+        """Take a finished step's sampled tokens (and logprobs: the sampled token's [B], the
+        top ids [B, N], their logprobs [B, N]): append outputs, stream them, apply stops,
+        retire; returns the number of output tokens taken.
 
         A row whose request already finished (overlap: its stop was read one step late, after
-        this step was dispatched) is discarded. Retirement frees the slot for the next build.
+        this step was dispatched; or it was aborted) is discarded. Retirement frees the slot
+        for the next build. A retracted request's row is taken (its token is right: the
+        step ran on its own cache), then it waits in the queue to be resumed.
         """
         taken = 0
         for i, row in enumerate(batch.rows):
@@ -282,12 +392,35 @@ class Scheduler:
                 continue
             tok = int(tokens[i])
             st.output.append(tok)
+            n = st.req.sampling.logprobs
+            if n and logprobs is not None:
+                chosen, top_ids, top_lp = logprobs
+                st.logprobs.append(
+                    (
+                        float(chosen[i]),
+                        tuple(int(t) for t in top_ids[i, :n]),
+                        tuple(float(x) for x in top_lp[i, :n]),
+                    )
+                )
             taken += 1
-            self.last_token[st.req.rid] = tok
-            if tok in self.stop_ids or len(st.output) == st.req.max_new_tokens:
-                st.finished = True
-                self.running.remove(st)
-                self.free_slots.append(st.slot)
-                self.free_slots.sort(reverse=True)
-                self.done.append(st)
+            if self.on_token is not None:
+                self.on_token(st, tok)
+            if st.finished:  # aborted by the callback
+                continue
+            if (
+                tok in self.stop_ids
+                or len(st.output) == st.req.max_new_tokens
+                or self._stop_string(st)
+            ):
+                self._finish(st)
         return taken
+
+    def _stop_string(self, st: RequestState) -> bool:
+        """Whether the output's text now holds one of the request's stop strings (its tail
+        only: a character takes at most 4 byte tokens, and an earlier hit already ended it)."""
+        stops = st.req.sampling.stop
+        if not stops or self.decode is None:
+            return False
+        window = 4 * max(len(s) for s in stops) + 4
+        text = self.decode(st.output[-window:])
+        return any(s in text for s in stops)

@@ -14,9 +14,13 @@ Token positions are computed on device from the resolved lengths, because in the
 protocol a DECODE row's length is itself a sentinel until resolve: position = seq_len -
 extend_len + offset.
 
-Sampling: a row with temperature 0 takes the argmax; any other draws by Gumbel-max from the
-logits / temperature with a key of (its request's seed, the sampled token's position), so a
-request's draws do not depend on the batch it shares or the loop that scheduled it.
+Sampling (`sampling.py`): the step first writes its input tokens into the per-slot sampler
+state (donated with the cache), then processes the logits (penalties, bad words) from it; a
+row with temperature 0 takes the argmax, any other draws by Gumbel-max from the logits /
+temperature (after top-k / top-p) with a key of (its request's seed, the sampled token's
+position), so a request's draws do not depend on the batch it shares or the loop that
+scheduled it. With logprobs, the step also returns the log-softmax of the raw logits at the
+sampled token and the top N, which the host reads with the tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fm_jax
+from fm_serve import sampling
+from fm_serve.sampling import NO_FEATURES, Features, SamplerState
 from fm_serve.served import ServedModel
 
 Ints = Any
@@ -54,6 +60,7 @@ class StepInputs(NamedTuple):
     relay_slots: Ints  # [T] gather-protocol MIXED: a running row's slot at its token, else 0
     temperature: Any  # [B] float32 sampling temperature (0: greedy)
     sample_seed: Ints  # [B] the request's sampling seed
+    extra: dict[str, Any]  # the sampling features' rows (`sampling.step_inputs`) by name
 
 
 def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
@@ -63,55 +70,42 @@ def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
     return jnp.where(inp.token_slots > 0, pos, 0)
 
 
-def sample(
-    logits: jax.Array, temperature: jax.Array, seeds: jax.Array, positions: jax.Array
-) -> jax.Array:
-    """One token per row [B] int32: argmax where temperature is 0, else a Gumbel-max draw
-    keyed by (seed, position). Draws are computed only when some row samples."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def drawn() -> jax.Array:
-        def row(lg: jax.Array, temp: jax.Array, seed: jax.Array, pos: jax.Array) -> jax.Array:
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
-            noise = jax.random.gumbel(key, lg.shape, jnp.float32)
-            hot = lg / jnp.maximum(temp, jnp.float32(1e-6)) + noise
-            return jnp.where(temp > 0, jnp.argmax(hot).astype(jnp.int32), jnp.argmax(lg))
-
-        return jax.vmap(row)(logits, temperature, seeds, positions).astype(jnp.int32)
-
-    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
-
-
 def _run_model(
     params: Any,
     model: ServedModel,
+    features: Features,
     cache: Any,
+    state: SamplerState,
     inp: Any,
     input_ids: jax.Array,
     seq_lens: jax.Array,
-) -> tuple[jax.Array, Any]:
-    """Forward plus sampling: (tokens [B] int32, updated cache)."""
+) -> tuple[Any, SamplerState, jax.Array, Any]:
+    """Forward plus sampling: (cache, sampler state, tokens [B] int32, logprobs or None)."""
+    extra = {**inp.extra, "token_rows": inp.token_rows, "token_slots": inp.token_slots}
+    slots = inp.req_pool_indices
     positions = jnp.clip(_positions(inp, seq_lens), 0, model.max_seq_len - 1)
-    logits, cache = model.forward(
-        params, cache, input_ids, inp.token_slots, positions, inp.last_token
-    )
-    tokens = sample(logits, inp.temperature, inp.sample_seed, seq_lens)
-    return tokens, cache
+    state = sampling.update_state(state, features, extra, slots, input_ids, positions, seq_lens)
+    raw, cache = model.forward(params, cache, input_ids, inp.token_slots, positions, inp.last_token)
+    logits = sampling.process_logits(raw, state, features, extra, slots, seq_lens)
+    filters = (extra["top_k"], extra["top_p"]) if features.filtered else None
+    tokens = sampling.sample(logits, inp.temperature, inp.sample_seed, seq_lens, filters)
+    lp = sampling.logprobs(raw, tokens, features.logprobs) if features.logprobs else None
+    return cache, state, tokens, lp
 
 
 @functools.cache
-def make_sync_step(model: ServedModel) -> Callable[..., tuple[Any, jax.Array]]:
-    """The jitted synchronous step: (params, cache, inputs) -> (cache, tokens); cache donated.
+def make_sync_step(model: ServedModel, features: Features = NO_FEATURES) -> Callable[..., Any]:
+    """The jitted synchronous step: (params, cache, state, inputs) -> (cache, state, tokens,
+    logprobs); cache and sampler state donated.
 
-    Assumes the host filled in real token ids and lengths (no sentinels). Cached per model,
-    so engines with the same model share compiled executables.
+    Assumes the host filled in real token ids and lengths (no sentinels). Cached per model
+    and features, so engines with the same model share compiled executables.
     """
 
-    def step(params: Any, cache: Any, inp: StepInputs) -> Any:
-        tokens, cache = _run_model(params, model, cache, inp, inp.input_ids, inp.seq_lens)
-        return cache, tokens
+    def step(params: Any, cache: Any, state: SamplerState, inp: StepInputs) -> Any:
+        return _run_model(params, model, features, cache, state, inp, inp.input_ids, inp.seq_lens)
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1, 2))
 
 
 MODEL_INPUTS = (
@@ -124,12 +118,14 @@ MODEL_INPUTS = (
     fm_jax.StepInput("sample_seed", "row"),
 )
 """The model's own per-step host arrays, declared to the FutureMap's engine step: padded
-there like the batch's rows or tokens and sent with the batch in one transfer."""
+there like the batch's rows or tokens and sent with the batch in one transfer (with the
+sampling features' rows, `sampling.step_inputs`)."""
 
 
 class ModelInputs(NamedTuple):
     """The model's per-step arrays (the `MODEL_INPUTS` by name) inside the step."""
 
+    req_pool_indices: Any  # [B] the batch's slots, padded
     extend_lens: jax.Array
     last_token: jax.Array
     token_rows: jax.Array
@@ -137,18 +133,23 @@ class ModelInputs(NamedTuple):
     token_offsets: jax.Array
     temperature: jax.Array
     sample_seed: jax.Array
+    extra: dict[str, jax.Array]
 
 
-def make_overlap_step(model: ServedModel, fm: fm_jax.FutureMap) -> fm_jax.EngineStep:
+def make_overlap_step(
+    model: ServedModel, fm: fm_jax.FutureMap, features: Features = NO_FEATURES
+) -> fm_jax.EngineStep:
     """The overlap step: the model's forward inside `fm`'s engine step.
 
-    `step(batch, params, cache, inputs=model inputs) -> StepResult(out=(cache, tokens))`,
-    one dispatch with the cache and the map's state donated. The map resolves the batch at
-    the head (sentinel protocol: the decode rows' `-slot` ids and DECODE lengths; gather: a
-    DECODE batch's ids at its slots, a MIXED batch's running rows' ids at its token slots)
-    and publishes `seq_lens + 1` and stashes the sampled tokens at the tail (docs/CONTRACT.md,
-    'One overlap step'). Positions come from the resolved lengths, on the device.
+    `step(batch, params, cache, state, inputs=model inputs) -> StepResult(out=(cache, state,
+    tokens, logprobs))`, one dispatch with the cache, the sampler state and the map's state
+    donated. The map resolves the batch at the head (sentinel protocol: the decode rows'
+    `-slot` ids and DECODE lengths; gather: a DECODE batch's ids at its slots, a MIXED
+    batch's running rows' ids at its token slots) and publishes `seq_lens + 1` and stashes
+    the sampled tokens at the tail (docs/CONTRACT.md, 'One overlap step'). Positions come
+    from the resolved lengths, on the device.
     """
+    names = {d.name for d in MODEL_INPUTS}
 
     def forward(
         res: fm_jax.Resolved,
@@ -156,11 +157,23 @@ def make_overlap_step(model: ServedModel, fm: fm_jax.FutureMap) -> fm_jax.Engine
         inputs: dict[str, jax.Array],
         params: Any,
         cache: Any,
+        state: SamplerState,
     ) -> fm_jax.StepOutput:
-        inp = ModelInputs(**inputs)
-        tokens, cache = _run_model(params, model, cache, inp, res.input_ids, res.seq_lens)
-        return fm_jax.StepOutput(res.seq_lens + 1, tokens, (cache, tokens))
+        inp = ModelInputs(
+            req_pool_indices=batch.req_pool_indices,
+            **{k: v for k, v in inputs.items() if k in names},
+            extra={k: v for k, v in inputs.items() if k not in names},
+        )
+        cache, state, tokens, lp = _run_model(
+            params, model, features, cache, state, inp, res.input_ids, res.seq_lens
+        )
+        return fm_jax.StepOutput(res.seq_lens + 1, tokens, (cache, state, tokens, lp))
 
     # XLA's defaults for the model (on CPU the map's option would keep its matmuls on the
     # calling thread).
-    return fm.engine_step(forward, inputs=MODEL_INPUTS, donate_argnums=(1,), compiler_options={})
+    return fm.engine_step(
+        forward,
+        inputs=MODEL_INPUTS + sampling.step_inputs(features),
+        donate_argnums=(1, 2),
+        compiler_options={},
+    )

@@ -14,7 +14,7 @@ from fm_serve.gemma.config import GemmaConfig
 from fm_serve.gemma.model import GemmaModel
 from fm_serve.gemma.params import Blocks, GemmaParams
 from fm_serve.gemma.tokenizer import Tokenizer, TokenizerTables
-from fm_serve.step import sample
+from fm_serve.sampling import sample
 
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 NORMAL, CONTROL, USER, BYTE = 1, 3, 4, 6

@@ -125,13 +125,13 @@ def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
     class Recording(Scheduler):
         processed = 0
 
-        def process(self, batch: Any, tokens: Any) -> None:
+        def process(self, batch: Any, tokens: Any, logprobs: Any = None) -> int:
             self.processed += 1
             lag.append(dispatched[0] - self.processed)  # steps dispatched beyond this one
-            super().process(batch, tokens)
+            return super().process(batch, tokens, logprobs)
 
     engine._overlap_step = counting
-    engine._scheduler = lambda reqs, overlap, cost: Recording(
+    engine._scheduler = lambda reqs, overlap, cost, on_token: Recording(
         reqs,
         tiny_engine(),
         overlap=overlap,

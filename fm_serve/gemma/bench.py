@@ -50,6 +50,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from fm_serve.args import float_list, int_at_least, int_list, odd_count
+
 PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -101,6 +103,16 @@ def environment() -> dict[str, str]:
     }
 
 
+def bench_requests(loaded: Any, batch: int, max_tokens: int) -> list[Any]:
+    """The 2 x `batch` requests of a batch size: real prompts, or (random weights, no
+    tokenizer) random token-id prompts."""
+    from fm_serve.gemma.serve import make_requests, random_requests
+
+    if loaded.tokenizer is None:
+        return random_requests(loaded, 2 * batch, max_tokens)
+    return make_requests(loaded, bench_prompts(2 * batch), max_tokens)
+
+
 def run_batch_size(
     loaded: Any,
     batch: int,
@@ -115,14 +127,10 @@ def run_batch_size(
     """Serve 2 x `batch` requests sync and overlap at each host-cost ratio; the record."""
     from fm_serve.config import engine_for
     from fm_serve.engine import Engine, ServeResult
-    from fm_serve.gemma.serve import make_requests, random_requests
     from fm_serve.host_cost import HostCost
     from fm_serve.sweep import SweepRun, diff_outputs
 
-    if loaded.tokenizer is None:  # random weights: random token-id prompts
-        requests = random_requests(loaded, 2 * batch, max_tokens)
-    else:
-        requests = make_requests(loaded, bench_prompts(2 * batch), max_tokens)
+    requests = bench_requests(loaded, batch, max_tokens)
     cfg = engine_for(batch, prefill_budget, loaded.model.row_tile)
     engine = Engine(loaded.model, loaded.params, cfg, protocol="gather")
     t0 = time.perf_counter()
@@ -330,25 +338,17 @@ def rewrite(json_path: Path) -> Path:
     return json_path.with_suffix(".md")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return 0 when every run's tokens equal the sync run's."""
     p = argparse.ArgumentParser(prog="fm-serve-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--batch-sizes", type=_ints, default=[4, 8, 16])
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prefill-budget", type=int, default=32)
-    p.add_argument("--max-seq-len", type=int, default=128)
-    p.add_argument("--row-tile", type=int, default=4)
-    p.add_argument("--ratios", type=_floats, default=[0.0], help="host cost / S list")
+    p.add_argument("--batch-sizes", type=int_list(1), default=[4, 8, 16])
+    p.add_argument("--max-tokens", type=int_at_least(1), default=32)
+    p.add_argument("--prefill-budget", type=int_at_least(1), default=32)
+    p.add_argument("--max-seq-len", type=int_at_least(2), default=128)
+    p.add_argument("--row-tile", type=int_at_least(1), default=4)
+    p.add_argument("--ratios", type=float_list(0.0), default=[0.0], help="host cost / S list")
     p.add_argument("--host-cost", choices=("spin", "sleep"), default="sleep")
-    p.add_argument("--repeats", type=int, default=3, help="sync/overlap pairs (odd)")
+    p.add_argument("--repeats", type=odd_count, default=3, help="sync/overlap pairs (odd)")
     p.add_argument("--startup", action="store_true", help="also time two fresh starts")
     p.add_argument(
         "--random-weights",
@@ -366,9 +366,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", type=Path, help="write gemma_serve_<tag>.{json,md,png} (or gemma_random_...) here"
     )
     p.add_argument("--tag", default=None, help="file tag (default: the device platform)")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="instead of the benchmark: the correctness matrix (sync vs overlap under each "
+        "sampling setting, preemption and debug), written to --out as gemma_matrix_<tag>.json",
+    )
+    p.add_argument(
+        "--costs",
+        action="store_true",
+        help="instead of the benchmark: each sampling feature's price per step (host us, "
+        "step ms; off vs on), written to --out as gemma_feature_costs_<tag>.{json,md}",
+    )
     args = p.parse_args(argv)
     if args.startup and args.random_weights:
         p.error("--startup times fm-serve on the real weights; leave out --random-weights")
+    if args.matrix and args.costs:
+        p.error("argument --matrix: not with --costs (one at a time)")
+    if args.max_tokens >= args.max_seq_len:
+        p.error(
+            f"argument --max-tokens: {args.max_tokens} new tokens do not fit --max-seq-len "
+            f"{args.max_seq_len} with a prompt"
+        )
     import jax
 
     from fm_serve.gemma import load
@@ -384,10 +403,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         log(f"random weights ({args.dtype}) built in {loaded.load_s:.2f} s")
     else:
-        loaded = load.with_dtype(
-            load.load_model(max_seq_len=args.max_seq_len, row_tile=args.row_tile), args.dtype
-        )
+        from fm_serve.gemma.files import ModelFilesMissing
+
+        try:
+            plain = load.load_model(max_seq_len=args.max_seq_len, row_tile=args.row_tile)
+        except ModelFilesMissing as err:
+            print(f"fm-serve-bench: {err} (or run with --random-weights)", file=sys.stderr)
+            return 2
+        loaded = load.with_dtype(plain, args.dtype)
         log(f"model loaded in {loaded.load_s:.2f} s")
+    if args.matrix or args.costs:
+        from fm_serve.gemma import features_bench
+
+        run = features_bench.matrix if args.matrix else features_bench.costs
+        return run(loaded, args, log)
+    for b in args.batch_sizes:
+        longest = max(len(r.prompt) for r in bench_requests(loaded, b, args.max_tokens))
+        if longest + args.max_tokens > args.max_seq_len:
+            p.error(
+                f"argument --max-seq-len: {args.max_seq_len} does not hold a prompt of "
+                f"{longest} tokens + --max-tokens {args.max_tokens} (batch size {b})"
+            )
     batches = [
         run_batch_size(
             loaded,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ from fm_serve.config import engine_for
 from fm_serve.engine import Engine, ServeResult
 from fm_serve.gemma.load import Loaded
 from fm_serve.requests import Request
+from fm_serve.sampling import DEFAULT_SAMPLING, Features, Sampling
 
 
 @dataclass
@@ -28,6 +29,9 @@ class PromptRun:
     texts: list[str]
     result: ServeResult
     warm_up_s: float
+    logprobs: list[list[tuple[float, tuple[int, ...], tuple[float, ...]]]] = field(
+        default_factory=list
+    )
 
     @property
     def host_ms(self) -> float:
@@ -72,6 +76,8 @@ class PromptRun:
             "warm_up_s": self.warm_up_s,
             "outputs": self.outputs,
             "texts": self.texts,
+            "logprobs": self.logprobs,
+            "retractions": r.retractions,
         }
 
 
@@ -81,15 +87,41 @@ def make_requests(
     max_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
+    settings: Sampling = DEFAULT_SAMPLING,
+    bad_words: Sequence[str] = (),
+    stop: Sequence[str] = (),
 ) -> list[Request]:
-    """One request per prompt (tokenized, `<bos>` first); request i samples with seed + i."""
+    """One request per prompt (tokenized, `<bos>` first); request i samples with seed + i.
+
+    Every request takes `settings`, the `bad_words` texts (each tokenized as the tokenizer
+    writes it, no `<bos>`) and the `stop` strings.
+
+    Raises:
+      ValueError: an empty bad word or stop string, or one the tokenizer writes as no token.
+    """
     tok = loaded.tokenizer
     if tok is None:
         raise ValueError("the model has no tokenizer (random weights): use random_requests")
+    words = []
+    for w in bad_words:
+        ids = tuple(tok.encode(w, add_bos=False)) if w else ()
+        if not ids:
+            raise ValueError(f"bad word {w!r}: the tokenizer writes it as no token")
+        words.append(ids)
+    for s in stop:
+        if not s:
+            raise ValueError(f"stop string {s!r}: must not be empty")
+    settings = replace(settings, bad_words=tuple(words), stop=tuple(stop))
     return [
-        Request(i, tuple(tok.encode(p)), max_tokens, temperature, seed + i)
+        Request(i, tuple(tok.encode(p)), max_tokens, temperature, seed + i, settings)
         for i, p in enumerate(prompts)
     ]
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` up to the first of the stop strings it holds (all of it when none)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 def random_requests(
@@ -138,6 +170,11 @@ def serve_prompts(
     protocol: str = "gather",
     progress: bool = False,
     log: Callable[[str], None] = lambda _: None,
+    settings: Sampling = DEFAULT_SAMPLING,
+    bad_words: Sequence[str] = (),
+    stop: Sequence[str] = (),
+    kv_budget: int | None = None,
+    on_text: Callable[[int, str], None] | None = None,
 ) -> PromptRun:
     """Warm up the mode's steps, then serve every prompt to `max_tokens` or a stop token.
 
@@ -152,12 +189,28 @@ def serve_prompts(
       protocol: the FutureMap relay protocol of the overlap modes.
       progress: show a progress bar of the output tokens.
       log: progress messages.
+      settings: penalties, top-k / top-p and logprobs of every request (`Sampling`).
+      bad_words, stop: texts never produced, and texts that end a request.
+      kv_budget: KV positions the running requests may hold (preemption past it).
+      on_text: streaming: called with (prompt index, the text of each new token).
     """
     if mode not in ("sync", "overlap", "debug"):
         raise ValueError(f"mode must be sync, overlap or debug, got {mode!r}")
-    requests = make_requests(loaded, prompts, max_tokens, temperature, seed)
-    cfg = engine_for(max_running, prefill_budget, loaded.model.row_tile)
-    engine = Engine(loaded.model, loaded.params, cfg, debug=mode == "debug", protocol=protocol)
+    requests = make_requests(
+        loaded, prompts, max_tokens, temperature, seed, settings, bad_words, stop
+    )
+    tok = loaded.tokenizer
+    assert tok is not None
+    cfg = engine_for(max_running, prefill_budget, loaded.model.row_tile, kv_budget)
+    engine = Engine(
+        loaded.model,
+        loaded.params,
+        cfg,
+        debug=mode == "debug",
+        protocol=protocol,
+        features=Features.of([r.sampling for r in requests]),
+        decode=tok.decode,
+    )
     t0 = time.perf_counter()
     engine.warm_up(overlap=mode != "sync")
     warm = time.perf_counter() - t0
@@ -168,12 +221,16 @@ def serve_prompts(
 
         bar = tqdm(total=len(requests) * max_tokens, unit="tok", desc=mode, leave=False)
     run = engine.run_sync if mode == "sync" else engine.run_overlap
+    stream = None
+    if on_text is not None:
+        show = on_text
+        stream = lambda st, t: show(st.req.rid, tok.decode([t], skip_special=True))  # noqa: E731
     try:
-        result = run(requests, progress=bar.update if bar is not None else None)
+        result = run(requests, progress=bar.update if bar is not None else None, on_token=stream)
     finally:
         if bar is not None:
             bar.close()
     outputs = [result.outputs[r.rid] for r in requests]
-    tok = loaded.tokenizer
-    texts = [tok.decode(o, skip_special=True) if tok is not None else "" for o in outputs]
-    return PromptRun(outputs, texts, result, warm)
+    texts = [cut_at_stop(tok.decode(o, skip_special=True), stop) for o in outputs]
+    lps = [result.logprobs.get(r.rid, []) for r in requests]
+    return PromptRun(outputs, texts, result, warm, lps)
