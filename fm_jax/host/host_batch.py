@@ -96,10 +96,8 @@ class BatchPlacement:
         ]
         if given.ranks is None and ids is not given.ids:  # zeros, never read: placed once
             placers[2] = constant(None if fid is None else fid.rows(ids).array)
-        if fid is not None and token_slots is not None:
+        if fid is not None and token_slots is not None:  # (a batch without ids has none)
             placers[5] = host.token_slots("token_slots", token_slots, fid).place
-        elif given.ranks is None and token_slots is None and given.token_slots is not None:
-            placers[5] = constant(None)  # a gathered DECODE: no ids, no token slots
         if draft is not None:
             fdraft = host.flat("draft_indices", draft, idx.size, slots=True)
             if None not in (fdraft.counts, idx.counts) and fdraft.counts != idx.counts:
