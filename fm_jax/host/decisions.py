@@ -277,18 +277,19 @@ class Decision:
         lens = None if self.lens_at is None else placed[self.lens_at]
         if not self.packed:
             return Placed(key, self.assemble(placed), None, rows, lens)
-        if self.pack is None:
-            self._layout(placed)
-        assert self.pack is not None
+        if self.pack is None:  # the layout's first call: its packing laid out as it packs
+            spec, buffer, device = pack(self.assemble(placed))
+            self._layout(spec, placed)
+            return Placed(key, (buffer, device), spec, rows, lens)
         buffer = pack_leaves(self.pack, [placed[i] for i in self._host])
         return Placed(key, (buffer, tuple(placed[i] for i in self._device)), self.pack, rows, lens)
 
-    def _layout(self, placed: list[Any]) -> None:
-        """The packing layout of this decision's arguments, from its first call's placed
-        values: which positions are host leaves (packed, in tree order) and which device
-        leaves (beside the buffer)."""
-        self.pack = pack(self.assemble(placed))[0]
+    def _layout(self, spec: PackSpec, placed: list[Any]) -> None:
+        """Record `spec`, the packing of this decision's arguments made from its first
+        call's placed values, and which positions are host leaves (packed, in tree order)
+        and which device leaves (beside the buffer)."""
+        self.pack = spec
         markers = [None if x is None else i for i, x in enumerate(placed)]
         order = jax.tree_util.tree_leaves(self.assemble(markers))
-        for i, leaf in zip(order, self.pack.leaves, strict=True):
+        for i, leaf in zip(order, spec.leaves, strict=True):
             (self._device if leaf is None else self._host).append(i)
