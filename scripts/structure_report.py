@@ -48,7 +48,8 @@ def main() -> None:
     longest = max((chain(m) for m in code), key=len)
     print(f"lines (all .py): {sum(lines.values())}")
     print(f"code modules: {len(code)}; import edges among them: {sum(map(len, code.values()))}")
-    print(f"longest chain ({len(longest)} modules): {' -> '.join(m.split('.', 1)[1] for m in longest)}")
+    route = " -> ".join(m.split(".", 1)[1] for m in longest)
+    print(f"longest chain ({len(longest)} modules): {route}")
     for name in sorted(code, key=lambda n: -lines[n]):
         print(f"  {lines[name]:5d}  {name}")
 
