@@ -13,22 +13,13 @@ from fm_jax.map.future_map import FutureMap
 from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.ops.errors import FutureMapError, InvariantViolation, StateLost
 from fm_jax.ops.ops import POISON, future_map
-from fm_jax.ops.relay_fields import RelayField
+from fm_jax.ops.relay_fields import DraftPayload, RelayField, SpecConfig
 from fm_jax.ops.sharding import (
     MeshLayout,
     mesh_layout,
     per_rank,
 )
-from fm_jax.ops.types import (
-    Batch,
-    DraftPayload,
-    ForwardMode,
-    FutureMapOps,
-    FutureMapState,
-    MixedTails,
-    Resolved,
-    SpecConfig,
-)
+from fm_jax.ops.types import Batch, ForwardMode, FutureMapOps, FutureMapState, MixedTails, Resolved
 
 __all__ = [
     "POISON",

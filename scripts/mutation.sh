@@ -59,11 +59,11 @@ file_of() {
         torch) echo fm_torch/future_map.py ;;
         jax-ops) echo fm_jax/ops/ops.py ;;
         jax-rows) echo fm_jax/ops/rows.py ;;
-        jax-resolve) echo fm_jax/ops/resolve_ops.py ;;
+        jax-resolve) echo fm_jax/ops/resolve.py ;;
         jax-checks) echo fm_jax/ops/checks.py ;;
         jax-inputs) echo fm_jax/host/host_inputs.py ;;
         jax-host-checks) echo fm_jax/host/validate.py ;;
-        jax-kernel) echo fm_jax/ops/row_kernel.py ;;
+        jax-kernel) echo fm_jax/ops/rows.py ;;
         jax-runtime) echo fm_jax/map/runtime.py ;;
         jax-step) echo fm_jax/map/engine_step.py ;;
         jax-class) echo fm_jax/map/future_map.py ;;
@@ -75,7 +75,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
     case $1 in
         torch) echo "tests/test_fm_torch_*.py tests/test_spec_mixed.py
                      $table::test_fm_torch_refuses_and_keeps_every_byte" ;;
-        jax-ops|jax-rows|jax-resolve) echo "tests/test_fm_jax_row_kernel.py
+        jax-ops|jax-rows|jax-resolve) echo "tests/test_fm_jax_rows.py
                        tests/test_fm_jax_relay_fields.py tests/test_fm_jax_ops.py tests/test_fm_jax_debug.py
                        tests/test_fm_jax_gather.py $table::test_pure_ops_refuse_what_tracing_sees
                        tests/test_fm_jax_mutants.py tests/test_spec_mixed.py
@@ -109,7 +109,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                            $r::test_complex_host_rows_are_packed_like_every_other_dtype
                            tests/test_fm_jax_relay_fields.py tests/test_spec_mixed.py
                            tests/test_fm_jax_engine_step.py::test_bad_input_is_refused_before_anything_runs_or_is_donated" ;;
-        jax-kernel) echo "tests/test_fm_jax_row_kernel.py" ;;
+        jax-kernel) echo "tests/test_fm_jax_rows.py" ;;
         # The map's runtime (state, lock, StateLost and reset, a failed call diagnosed),
         # the class's serialized ops and buffers, the engine step: the tests of each that
         # fail, refuse or donate first (a mutant stops at its first failing test).

@@ -26,7 +26,8 @@ from fm_jax.host.validate import StepInput, batch_values, given_inputs, one_id_p
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Part, Protocol, Rules
-from fm_jax.ops.types import Batch, ForwardMode, SpecConfig, host_mode
+from fm_jax.ops.relay_fields import SpecConfig
+from fm_jax.ops.types import Batch, ForwardMode, host_mode
 
 
 class Given(NamedTuple):

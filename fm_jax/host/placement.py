@@ -26,16 +26,8 @@ from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.types import (
-    CONFIDENCE_DTYPE,
-    Batch,
-    DraftPayload,
-    ForwardMode,
-    SpecConfig,
-    confidence_width,
-    draft_payload,
-    payload_rows,
-)
+from fm_jax.ops.relay_fields import DraftPayload, SpecConfig, draft_payload, payload_rows
+from fm_jax.ops.types import CONFIDENCE_DTYPE, Batch, ForwardMode, confidence_width
 
 MAX_LAYOUTS = 4096
 """Layouts a map remembers. A serving loop repeats a few hundred (a decode batch's rows, a

@@ -24,9 +24,10 @@ from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.ops import future_map
 from fm_jax.ops.protocol import Protocol
+from fm_jax.ops.relay_fields import payload_rows
 from fm_jax.ops.rows import gather
 from fm_jax.ops.sharding import check_split
-from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState, payload_rows
+from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState
 
 
 def tail(

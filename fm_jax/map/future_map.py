@@ -27,7 +27,8 @@ from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.map_core import MapCore, serialized
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.types import Batch, DraftPayload, MixedTails, Resolved, RowsInput, draft_payload
+from fm_jax.ops.relay_fields import DraftPayload, draft_payload
+from fm_jax.ops.types import Batch, MixedTails, Resolved, RowsInput
 
 Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 """What `stash` writes: tokens [B] (non-spec) or a DraftPayload of [B, ...] rows (spec), or

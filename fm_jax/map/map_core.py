@@ -36,13 +36,14 @@ from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.ops import future_map
 from fm_jax.ops.protocol import parse_protocol
+from fm_jax.ops.relay_fields import SpecConfig
 from fm_jax.ops.sharding import (
     MeshLayout,
     lift,
     mesh_layout,
     single_device_layout,
 )
-from fm_jax.ops.types import FutureMapState, SpecConfig
+from fm_jax.ops.types import FutureMapState
 
 _log = logging.getLogger("fm_jax")
 _M = TypeVar("_M", bound=Callable[..., Any])

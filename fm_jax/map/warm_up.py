@@ -25,8 +25,8 @@ from fm_jax.host.host_inputs import HostInputs
 from fm_jax.map.executables import Call
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.relay_fields import element_dtype
-from fm_jax.ops.types import Batch, ForwardMode, SpecConfig, draft_payload
+from fm_jax.ops.relay_fields import SpecConfig, draft_payload, element_dtype
+from fm_jax.ops.types import Batch, ForwardMode
 
 
 class EmptyBatch(NamedTuple):

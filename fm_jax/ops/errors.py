@@ -1,9 +1,8 @@
-"""The errors fm_jax raises, and the refusals that several of its modules make, each
-worded once.
+"""The errors fm_jax raises, and the refusals several modules make, each worded once.
 
-A refusal is a function returning the FutureMapError to raise: the class makes it on the
-host before placing, the pure ops when traced, with the same words; `where` prefixes the
-field with the batch it came from (e.g. "batch[rank 1]." on a mapping of DP ranks)."""
+A refusal returns the FutureMapError to raise: the class raises it on the host before
+placing, the pure ops when traced, with the same words. `where` prefixes the field with
+the batch it came from (e.g. "batch[rank 1]." on a mapping of DP ranks)."""
 
 from __future__ import annotations
 
@@ -11,22 +10,22 @@ from collections.abc import Sequence
 
 
 class FutureMapError(ValueError):
-    """Bad input from the host side: raised before anything is written (the one exception
-    is its subclass `StateLost`)."""
+    """Bad input from the host side: raised before anything is written (except its
+    subclass `StateLost`)."""
 
 
 class StateLost(FutureMapError):
     """A map call failed after its executable had consumed the map's donated state.
 
-    The buffers are gone: every slot's relay rows (tokens, draft) and lengths, so every
-    request the map was relaying. The map refuses every op with this error (a new instance,
-    the same message and cause) until `FutureMap.reset()` re-creates the initial state.
+    The buffers are gone, and with them every request the map was relaying. The map
+    refuses every op with this error (a new instance, the same message and cause) until
+    `FutureMap.reset()` re-creates the initial state.
 
     Attributes:
       call: the call that failed ('engine step', or the class op's name).
       step: the step count when it failed (the failed call took no step).
-      consumed_args: the engine step's arguments (indices into its args) that the failed
-        call consumed too; () for a class op.
+      consumed_args: the engine step's arguments (indices into its args) the failed call
+        consumed too; () for a class op.
     """
 
     def __init__(
@@ -41,16 +40,16 @@ class StateLost(FutureMapError):
 class InvariantViolation(RuntimeError):
     """A debug-mode invariant failed on device; raised at `FutureMap.check()` or a sync point.
 
-    One exception reports every violation found by that check: its own attributes describe
-    the first (in op order), `violations` lists them all (the first included).
+    One exception reports every violation that check found: its attributes describe the
+    first (in op order), `violations` lists them all.
 
     Attributes:
-      invariant: short name of the invariant (e.g. 'consume (WRWR)', 'seq_lens > 0').
-      step: the FutureMap step (number of resolves so far) of the failing op, if known.
+      invariant: the invariant's short name (e.g. 'consume (WRWR)', 'seq_lens > 0').
+      step: the FutureMap step (resolves so far) of the failing op, if known.
       op: the op that failed, if known.
       rank: the DP rank whose pool failed, on a map with more than one; else None.
-      slots: the slots the failed check names (rank-local; one, the largest offending
-        slot of that check), or [] (a bad forward mode names none).
+      slots: the rank-local slot the failed check names (its largest offender), or []
+        (a bad forward mode names none).
       violations: every violation reported with this one, in op order.
     """
 
@@ -74,11 +73,6 @@ class InvariantViolation(RuntimeError):
 
 
 # ------------------------------------------------------------------ refusals
-def draft_on_plain_map() -> FutureMapError:
-    """stash got a DraftPayload on a map built without spec."""
-    return FutureMapError("stash got a DraftPayload but the map was built without spec")
-
-
 def tokens_on_spec_map(per_rank: bool = False) -> FutureMapError:
     """stash on a spec map got something other than a DraftPayload."""
     tail = " (per rank on a mapping)" if per_rank else ""
@@ -130,8 +124,7 @@ def spec_mixed_in_sentinel_protocol() -> FutureMapError:
 
 
 def no_ids_with_traced_mode(where: str = "") -> FutureMapError:
-    """A gather-protocol batch without ids whose mode is traced (its kind is known only on
-    the device, so it cannot be the DECODE batch that may come without ids)."""
+    """A gather-protocol batch without ids whose kind is known only on the device."""
     return FutureMapError(
         f"{where}input_ids is None with a traced forward_mode: a batch whose kind is "
         "known only on the device brings its ids (any id >= 0 at DECODE rows: they are "
@@ -156,8 +149,8 @@ def invalidate_in_gather_protocol() -> FutureMapError:
 
 
 def not_the_declared_dtype(name: str, given: object, declared: object) -> FutureMapError:
-    """A field that is not an int got rows of another dtype than its declared one (such
-    rows are never cast: a cast could change their values or bits)."""
+    """Rows of a field that is not an int, in another dtype than the declared one (never
+    cast: a cast could change their values or bits)."""
     return FutureMapError(
         f"{name} has dtype {given}, declared {declared}: give its rows in that dtype"
     )
@@ -172,9 +165,8 @@ def confidence_not_declared() -> FutureMapError:
 
 
 def generation_without_confidence(call: str, relay: bool) -> FutureMapError:
-    """`generation=` given where no confidence rows go with it (the generations are only
-    ever snapshotted with confidence rows): `call` (publish, finish) without `confidence=`
-    on a map with the relay (`relay`), or any call of a map without one."""
+    """`generation=` given without confidence rows (generations are only snapshotted with
+    them): on a map with the relay (`relay`) or without one."""
     if relay:
         return FutureMapError(
             f"{call}: generation given without confidence: the generations are snapshotted "
@@ -184,22 +176,3 @@ def generation_without_confidence(call: str, relay: bool) -> FutureMapError:
         f"{call}: generation given but the map relays no confidence (declare its width, "
         "SpecConfig(..., confidence=gamma)); pass generation only with confidence rows"
     )
-
-
-def tracked_field_missing(name: str) -> FutureMapError:
-    """A draft stash leaves out a consume-tracked field, which every stash writes: every
-    draft gather reads and consumes it."""
-    return FutureMapError(
-        f"draft.{name} is missing: a consume-tracked field, which every draft stash writes "
-        "(each draft gather consumes it)"
-    )
-
-
-def topk_half(given: str, missing: str) -> FutureMapError:
-    """A draft stash gives one of the two top-k fields without the other."""
-    return FutureMapError(f"draft.{given} given without draft.{missing}: top-k comes whole")
-
-
-def empty_draft() -> FutureMapError:
-    """A draft stash that writes no field."""
-    return FutureMapError("the draft stashed relays no field")

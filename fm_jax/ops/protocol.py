@@ -1,14 +1,10 @@
-"""The two relay protocols as objects: every rule that differs between them, in one place.
-
-docs/CONTRACT.md, 'Two protocols'. In the sentinel protocol the host leaves `-slot`
-placeholders in the next batch (`invalidate`, or the third write of `finish`) and resolve
-fills them; in the gather protocol the host leaves nothing: resolve gathers a DECODE
-batch's ids at its slots, and a MIXED batch's running rows' ids at its `token_slots`.
-
-A `Protocol` answers what the host path asks (which ids a batch brings, which values its
-ids may take, what its token slots must be), what the tail of a step leaves (sentinels or
-nothing), and which resolve variants warm-up compiles. `parse_protocol` turns the public
-string into one of the two objects, once, where a map is built.
+"""The two relay protocols as objects: every rule that differs between them, in one place
+(docs/CONTRACT.md, 'Two protocols'). In the sentinel protocol the host leaves `-slot`
+placeholders in the next batch (`invalidate`, or `finish`'s third write) that resolve
+fills; in the gather protocol it leaves nothing: resolve gathers a DECODE batch's ids at
+its slots and a MIXED batch's running rows' ids at its `token_slots`. A `Protocol`
+answers what the host path asks (which ids a batch brings and may hold, what its token
+slots must be), what a step's tail leaves, and which resolve variants warm-up compiles.
 """
 
 from __future__ import annotations
@@ -22,7 +18,8 @@ import numpy as np
 
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.types import ForwardMode, SpecConfig
+from fm_jax.ops.relay_fields import SpecConfig
+from fm_jax.ops.types import ForwardMode
 
 PROTOCOLS = ("sentinel", "gather")
 """The relay protocols' public names."""
@@ -30,65 +27,35 @@ PROTOCOLS = ("sentinel", "gather")
 
 class Part(NamedTuple):
     """One part of a batch as the host knows it before placing it: a Batch, or one DP
-    rank's Batch of a mapping.
+    rank's Batch of a mapping."""
 
-    Attributes:
-      modes: its forward modes known on the host (one, or one per DP rank where a Batch
-        gives them as an array); None: traced (known only on the device).
-      scalar: its mode is one value (not an array of one per rank).
-      ids: it brings input ids.
-      slots: it brings token slots.
-      where: the prefix naming it in refusals: "" for a Batch, "batch[rank r]." for a
-        rank of a mapping.
-    """
-
-    modes: tuple[ForwardMode, ...] | None
-    scalar: bool
-    ids: bool
-    slots: bool
-    where: str
+    modes: tuple[ForwardMode, ...] | None  # known on the host (one, or one per rank); None: traced
+    scalar: bool  # one mode, not an array of one per rank
+    ids: bool  # it brings input ids
+    slots: bool  # it brings token slots
+    where: str  # its prefix in refusals: "" for a Batch, "batch[rank r]." for a rank
 
 
 class Rules(NamedTuple):
-    """What a protocol's rules leave to a batch's placement once its layout passed them.
+    """What a protocol's rules leave to a batch's placement once its layout passed them."""
 
-    Attributes:
-      places_ids: the batch places input ids (False: a gathered DECODE, T = B).
-      zero_ids: the parts without ids that place zeros, one per row (never read).
-      ids_per_row: a DECODE batch (or rank) carries one id per row (host counts).
-      zero_slots: (part, where, its kinds) whose token slots must gather nothing: all 0
-        (a jax array, not read, is refused).
-      mixed_order: a spec MIXED batch lists its running rows last, in token-slot order
-        (host values).
-    """
-
-    places_ids: bool = True
-    zero_ids: tuple[int, ...] = ()
-    ids_per_row: bool = False
+    places_ids: bool = True  # False: a gathered DECODE places no ids (T = B)
+    zero_ids: tuple[int, ...] = ()  # parts without ids that place zeros (never read)
+    ids_per_row: bool = False  # a DECODE batch (or rank) carries one id per row
+    # (part, where, its kinds) whose token slots must all be 0 (a jax array is refused)
     zero_slots: tuple[tuple[int, str, str], ...] = ()
-    mixed_order: bool = False
+    mixed_order: bool = False  # spec MIXED: running rows last, in token-slot order
 
 
 class Protocol:
-    """A relay protocol: the host's rules, the tail's output and the warm-up variants.
+    """A relay protocol: the host's rules, the tail's output and the warm-up variants."""
 
-    Attributes (the rules as data):
-      name: 'sentinel' or 'gather', as the public API spells it.
-      invalidates: the tail leaves -slot sentinels that resolve fills; a batch always
-        brings ids.
-      gathers_decode_ids: resolve gathers a DECODE batch's ids at its slots: a non-spec
-        DECODE batch brings none, and only a DECODE batch known on the host may.
-      takes_token_slots: a MIXED batch names its running rows' slots per token
-        (`token_slots`) instead of carrying sentinels in its ids.
-      serves_spec_mixed: a spec map serves MIXED batches (resolve binds their running
-        rows' lengths).
-    """
-
-    name: str = ""
-    invalidates = False
+    name: str = ""  # 'sentinel' or 'gather', as the public API spells it
+    invalidates = False  # the tail leaves -slot sentinels; a batch always brings ids
+    # Resolve gathers a DECODE batch's ids at its slots (a non-spec one brings none).
     gathers_decode_ids = False
-    takes_token_slots = False
-    serves_spec_mixed = False
+    takes_token_slots = False  # a MIXED batch names its running rows' slots per token
+    serves_spec_mixed = False  # resolve binds a spec MIXED batch's running rows' lengths
 
     def __repr__(self) -> str:
         return f"Protocol({self.name!r})"
@@ -99,21 +66,15 @@ class Protocol:
         raise NotImplementedError
 
     def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
-        """Every rule of this protocol on a batch's layout, asked once before anything is
-        placed: refuses what the kinds and the fields given break, and returns the rules
-        left for the host values (`validate.batch_values`).
-
-        Args:
-          spec: the map's spec fields, or None.
-          parts: the batch (one part) or, `by_rank`, each DP rank's batch of a mapping.
-        """
+        """Every rule of this protocol on a batch's layout (`parts`: the batch, or each DP
+        rank's of a mapping, `by_rank`), asked once before anything is placed: refuses
+        what its kinds and fields break, and returns the rules left for the host values."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the device
     def sentinels(self, indices: jax.Array, ids: int) -> Any:
-        """Inside a step's tail, on one rank's `indices`: what the next batch's ids (`ids`
-        of them, from `buckets.decode_ids`) and lengths become, as `next_batch` takes
-        them (None: the batch is left as it is)."""
+        """Inside a step's tail, on one rank's `indices`: the next batch's `ids` ids and
+        its lengths, as `next_batch` takes them (None: the batch is left as it is)."""
         return None
 
     def next_batch(self, batch: Any, sentinels: Any) -> Any:

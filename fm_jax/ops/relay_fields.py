@@ -1,10 +1,10 @@
-"""The fields a spec map relays, declared once: what stash writes, resolve gathers and debug
-consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
+"""The fields a spec map relays, declared once (`SpecConfig`): what stash writes, resolve
+gathers and debug consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
 
 A field lives in one buffer of the state, [R, *shape]: the bonus tokens in `output_tokens`
 (shared with non-spec tokens), the other standard fields in their own `FutureMapState`
-attribute, an engine's own fields in `FutureMapState.extras` by name. A DraftPayload holds
-the same fields the same way (standard attributes, `extras` by name).
+attribute, an engine's own in `FutureMapState.extras` by name; a `DraftPayload` holds
+them the same way.
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ class RelayField(NamedTuple):
     Attributes:
       name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
       shape: the per-row shape; () for one value per row.
-      dtype: the element dtype, one a buffer stores (`storable`: bool, ints, floats up to
-        64 bits, complex, bfloat16, the float8s; 64-bit ones need x64); None for the map's
-        int dtype.
+      dtype: the element dtype, one a buffer stores (`storable`; 64-bit ones need x64);
+        None for the map's int dtype.
       consumed: debug consume tracking (an int field): the buffer starts at -1, every value
         gathered from a live slot must be >= 0, and -1 is written back at the slots read.
-      bits: deprecated, changes nothing: every real-float field (bfloat16 and the float8s
-        included) is stored as its raw bits (`stored_as_bits`). Kept so declarations that
-        set it still build; True on a field that is not a real float is refused.
+      bits: deprecated, changes nothing (every real float is stored as its raw bits);
+        True on a field that is not a real float is refused.
     """
 
     name: str
@@ -48,10 +46,9 @@ class RelayField(NamedTuple):
 
 
 def storable(dtype: np.dtype) -> bool:
-    """Whether a buffer can hold values of `dtype` as they are: numpy's bool, ints, floats
-    up to 64 bits and complex up to 128, and JAX's whole-byte floats (bfloat16, the
-    float8s), which numpy reports as kind 'V'. Not: long double, void and structured
-    dtypes, strings, objects, dates, or sub-byte floats (JAX packs a float4's bits)."""
+    """Whether a buffer holds values of `dtype` as they are: bool, ints, floats up to 64
+    bits, complex up to 128, and JAX's whole-byte floats (bfloat16, the float8s: numpy kind
+    'V'). Not long double, void, structured, strings, objects, dates or sub-byte floats."""
     if dtype.kind in "biu":
         return True
     if dtype.kind in "fc":
@@ -67,20 +64,17 @@ def bits_dtype(dtype: Any) -> np.dtype:
 
 
 def stored_as_bits(field: RelayField) -> bool:
-    """Whether the field's buffer holds its values' raw bits: every real float does. Rows
-    then move as unsigned ints of the same width, so every byte stashed (NaN payloads and
-    signs, -0.0, infinities) is the byte resolved, under either kernel and on every backend:
-    XLA computes a bfloat16 or float8 scatter in f32 on CPU, which rewrites NaNs (and
-    e5m2's NaN sign) and passes over the whole buffer. A bitcast of the rows costs nothing."""
+    """Whether the field's buffer holds its values' raw bits: every real float's does, so
+    every byte stashed (NaN payloads, -0.0) is the byte resolved on every backend (XLA:CPU
+    scatters bfloat16 and float8 in f32, rewriting NaNs). The bitcast costs nothing."""
     return field.dtype is not None and bool(jnp.issubdtype(field.dtype, jnp.floating))
 
 
 def standard_fields(
     topk: int, hidden: int, hidden_dtype: Any, verified_id: bool, bonus_tokens: bool = True
 ) -> tuple[RelayField, ...]:
-    """A draft's standard fields: bonus tokens (unless a draft brings none, as an n-gram
-    one) and verified ids (if declared), both consume-tracked; top-k probabilities and ids
-    when K > 0; hidden states when H > 0."""
+    """A draft's standard fields: bonus tokens (unless off) and verified ids (if declared),
+    both consume-tracked; top-k probabilities and ids if K > 0; hidden states if H > 0."""
     out = [RelayField("bonus_tokens", consumed=True)] if bonus_tokens else []
     if verified_id:
         out.append(RelayField("verified_id", consumed=True))
@@ -101,8 +95,7 @@ def count_at_least(x: Any, low: int) -> bool:
 
 def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
     """An engine's own fields, normalised (dtype a numpy dtype or None); FutureMapError
-    naming what is wrong: a name taken or repeated, a bad shape or dtype, a consumed
-    field that is not an int."""
+    naming a name taken or repeated, a bad shape or dtype, or a consumed non-int."""
     out, seen = [], set(STANDARD)
     for f in fields:
         if not isinstance(f, RelayField):
@@ -135,8 +128,6 @@ def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
             raise FutureMapError(
                 f"spec.extra[{f.name}]: a consumed field is a signed int (poison -1), got {dt}"
             )
-        # bits (deprecated, no effect) was only ever meaningful on a real float: bfloat16 is
-        # one whose numpy kind is 'V'; a complex value is two floats.
         if f.bits and (dt is None or not jnp.issubdtype(dt, jnp.floating)):
             raise FutureMapError(
                 f"spec.extra[{f.name}]: bits=True stores a real float's bits, got "
@@ -152,7 +143,7 @@ def element_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
 
 
 def buffer_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
-    """The dtype of the field's buffer: its values' dtype, or their bits (`stored_as_bits`)."""
+    """The dtype of the field's buffer: its values', or their bits (`stored_as_bits`)."""
     dt = element_dtype(field, int_dtype)
     return bits_dtype(dt) if stored_as_bits(field) else dt
 
@@ -170,8 +161,7 @@ def from_buffer(field: RelayField, x: jax.Array, int_dtype: np.dtype) -> jax.Arr
 
 
 def get(holder: Any, name: str) -> Any:
-    """A field's entry in a FutureMapState or DraftPayload (None when absent); the bonus
-    tokens of a state are its `output_tokens`."""
+    """A field's entry in a FutureMapState or DraftPayload (None when absent)."""
     if name == "bonus_tokens" and hasattr(holder, "output_tokens"):
         return holder.output_tokens
     if name in STANDARD:
@@ -189,8 +179,8 @@ def put(holder: Any, name: str, value: Any) -> Any:
 
 
 def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
-    """FutureMapError if `draft` (a DraftPayload) gives a field the spec does not declare:
-    every value given is relayed, none is dropped."""
+    """FutureMapError if the DraftPayload `draft` gives a field the spec does not declare:
+    every value given is relayed, none dropped."""
     names = {f.name for f in fields}
     if draft.extras is not None and not isinstance(draft.extras, Mapping):
         raise FutureMapError(
@@ -207,25 +197,158 @@ def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
 
 
 def carried(fields: tuple[RelayField, ...], draft: Any) -> tuple[RelayField, ...]:
-    """The declared fields a draft stash writes: those `draft` gives, in stash order (a
-    partial stash keeps the others' rows as they were). FutureMapError if it leaves out a
-    consume-tracked field (every draft gather consumes each), gives one of `topk_p` and
-    `topk_index` without the other, or gives no field at all."""
+    """The declared fields a draft stash writes, in stash order (a partial stash keeps the
+    others' rows). FutureMapError if it leaves out a consume-tracked field, gives half of
+    top-k, or gives no field."""
     out = []
     for f in fields:
         if get(draft, f.name) is not None:
             out.append(f)
         elif f.consumed:
-            raise errors.tracked_field_missing(f.name)
+            raise FutureMapError(
+                f"draft.{f.name} is missing: a consume-tracked field, which every draft stash "
+                "writes (each draft gather consumes it)"
+            )
     for given, missing in (("topk_p", "topk_index"), ("topk_index", "topk_p")):
         if getattr(draft, given) is not None and getattr(draft, missing) is None:
-            raise errors.topk_half(given, missing)
+            raise FutureMapError(f"draft.{given} given without draft.{missing}: top-k comes whole")
     if not out:
-        raise errors.empty_draft()
+        raise FutureMapError("the draft stashed relays no field")
     return tuple(out)
 
 
 def optional(fields: tuple[RelayField, ...]) -> tuple[str, ...]:
-    """The names of the fields a draft stash may leave out: every field not
-    consume-tracked."""
+    """The fields a draft stash may leave out: those not consume-tracked."""
     return tuple(f.name for f in fields if not f.consumed)
+
+
+KERNELS = ("xla", "pallas")
+"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all
+(`rows.py`)."""
+
+
+class SpecConfig(NamedTuple):
+    """The fields a spec map relays, declared at init (`fields()`; docs/guide.md, 'Relay
+    fields', declares SGLang's EAGLE and n-gram payloads).
+
+    Attributes:
+      topk: K, width of `topk_p` / `topk_index`; 0 relays no top-k fields.
+      hidden: H, width of `hidden_states`; 0 relays none.
+      hidden_dtype: bfloat16, float16 or float32.
+      verified_id: relay each row's verified id (EAGLE's), consume-tracked.
+      extra: the engine's own fields, relayed in `DraftPayload.extras`.
+      bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
+        for a draft that brings none (an n-gram one).
+      kernel: 'xla' (default), one scatter or gather per buffer; 'pallas', one kernel for
+        every field (and, in the gather protocol, the lengths at the draft slots): Triton
+        on a GPU, Pallas's interpreter on CPU, no TPU. Its fields' dtypes are real numbers
+        or ints.
+      confidence: gamma, the width of each slot's confidence row: `publish` then takes
+        `confidence=` rows [B, gamma] float32 and starts their host copy into a ring
+        (`FutureMap.resolve_confidence_cpu`); 0 (default): no confidence relay.
+    """
+
+    topk: int
+    hidden: int = 0
+    hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+    verified_id: bool = False
+    extra: tuple[RelayField, ...] = ()
+    bonus_tokens: bool = True
+    kernel: str = "xla"
+    confidence: int = 0
+
+    def fields(self) -> tuple[RelayField, ...]:
+        """Every relayed field, in stash order (the standard ones, then `extra`)."""
+        std = standard_fields(
+            self.topk, self.hidden, self.hidden_dtype, self.verified_id, self.bonus_tokens
+        )
+        return std + tuple(self.extra)
+
+
+def check_spec(spec: Any) -> SpecConfig:
+    """A SpecConfig normalised (numpy dtypes, a tuple of fields), or FutureMapError naming
+    what no map could serve."""
+    if not isinstance(spec, SpecConfig):
+        raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
+    if not count_at_least(spec.topk, 0) or not count_at_least(spec.hidden, 0):
+        raise FutureMapError(f"spec needs topk >= 0 and hidden >= 0 (ints), got {spec}")
+    if not count_at_least(spec.confidence, 0):
+        raise FutureMapError(f"spec.confidence must be an int >= 0, got {spec.confidence!r}")
+    try:
+        hidden_dtype = np.dtype(spec.hidden_dtype)
+    except TypeError:
+        hidden_dtype = None
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
+    for flag in ("verified_id", "bonus_tokens"):  # a bool, or an int 0 / 1 for one
+        value = getattr(spec, flag)
+        if not isinstance(value, bool | np.bool_) and value not in (0, 1):
+            raise FutureMapError(f"spec.{flag} must be a bool, got {value!r}")
+    if isinstance(spec.extra, str | bytes | RelayField) or not isinstance(spec.extra, tuple | list):
+        raise FutureMapError(f"spec.extra must be a tuple of RelayFields, got {spec.extra!r}")
+    extra = check_extra(tuple(spec.extra))
+    if not isinstance(spec.kernel, str) or spec.kernel not in KERNELS:
+        raise FutureMapError(f"spec.kernel must be one of {KERNELS}, got {spec.kernel!r}")
+    out = spec._replace(
+        topk=int(spec.topk),
+        hidden=int(spec.hidden),
+        hidden_dtype=hidden_dtype,
+        verified_id=bool(spec.verified_id),
+        bonus_tokens=bool(spec.bonus_tokens),
+        extra=extra,
+        confidence=int(spec.confidence),
+    )
+    if not out.fields():
+        raise FutureMapError(f"spec declares no field to relay: {spec}")
+    for f in out.fields() if out.kernel == "pallas" else ():
+        # Triton loads no bool or complex, and XLA bitcasts them to no unsigned int.
+        if f.dtype is not None and np.dtype(f.dtype).kind in ("b", "c"):
+            raise FutureMapError(
+                f"spec.kernel='pallas' moves real numbers and ints; field {f.name} is "
+                f"{f.dtype} (use kernel='xla')"
+            )
+    return out
+
+
+class DraftPayload(NamedTuple):
+    """Speculative draft state: what `stash` writes and `resolve` gathers; a field the spec
+    does not declare is None. A stash writes the fields given and keeps the others' rows
+    (every consume-tracked field given); the class's resolve gives None for a field no
+    stash has written (`FutureMap.relayed_fields`)."""
+
+    bonus_tokens: jax.Array | np.ndarray | None = None  # [B] int
+    topk_p: jax.Array | np.ndarray | None = None  # [B, K] float32
+    topk_index: jax.Array | np.ndarray | None = None  # [B, K] int
+    hidden_states: jax.Array | np.ndarray | None = None  # [B, H], None when H == 0
+    verified_id: jax.Array | np.ndarray | None = None  # [B] int, when the spec declares it
+    extras: Mapping[str, Any] | None = None  # the engine's own fields by name, [B, ...]
+
+
+def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
+    """A DraftPayload of fields by name (the engine's own in `extras`)."""
+    extras = {k: v for k, v in values.items() if k not in STANDARD}
+    return DraftPayload(
+        bonus_tokens=values.get("bonus_tokens"),
+        topk_p=values.get("topk_p"),
+        topk_index=values.get("topk_index"),
+        hidden_states=values.get("hidden_states"),
+        verified_id=values.get("verified_id"),
+        extras=extras or None,
+    )
+
+
+def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
+    """Stash's payload by name, once its kind is checked: `tokens` on a map without spec;
+    on a spec map a DraftPayload of declared fields only, each as `draft.<name>` (None
+    where not given). What every entry point of stash checks first."""
+    if spec is None:
+        if isinstance(payload, DraftPayload):
+            raise FutureMapError("stash got a DraftPayload but the map was built without spec")
+        if payload is None:
+            raise FutureMapError("tokens is missing: stash on a map without spec takes [B] ints")
+        return [("tokens", payload)]
+    if not isinstance(payload, DraftPayload):
+        raise errors.tokens_on_spec_map()
+    fields = spec.fields()
+    check_declared(fields, payload)
+    return [(f"draft.{f.name}", get(payload, f.name)) for f in fields]

@@ -1,52 +1,36 @@
 """Moving rows in and out of the relay buffers: what every op is built from.
 
-`OpsConfig` is a map's static configuration, fixed when `ops.future_map` builds its ops.
-Writes scatter with mode='drop' and no negative-index wrapping: an out-of-range slot
-writes nothing rather than another slot; reads clip. A spec map's fields each live in
-their own buffer: XLA moves each with its own scatter or gather (a kernel launch each on a
-GPU); `SpecConfig(kernel='pallas')` moves all of a stash's fields in one kernel, and all
-of a draft gather's (row_kernel.py), with the same bytes.
+Writes drop an out-of-range slot (negative included: no wrapping); reads clip. XLA moves
+each buffer with its own scatter or gather, a kernel launch each (a spec stash of bonus
+tokens, top-k and hidden states is 4 on CUDA, its resolve 4-5, at 20-55 us of host time
+each on a VM: `python -m fm_bench.inplace`). `SpecConfig(kernel='pallas')` moves every
+buffer's row in one Pallas kernel with the same bytes: program (b, j) copies chunk j of
+row b of each buffer, a load and a store (8 and 16-bit floats as unsigned ints), NaN
+payloads and -0.0 untouched. Triton on CUDA and ROCm; Pallas's interpreter on CPU (a
+correctness path, not a fast one); no TPU lowering. Chunks are powers of two of at most
+`CHUNK` elements; a row whose width is none ends with a chunk overlapping the one before
+(written twice with the same bytes), so no access leaves its row and no mask is needed.
+Offsets are computed in the index dtype (`check_fits`). Rows sharing a slot (padding rows
+at slot 0) write in an unspecified order, as XLA's scatter does on a GPU.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
-from fm_jax.ops import checks, row_kernel
-from fm_jax.ops import relay_fields as rf
-from fm_jax.ops import shapes as s
-from fm_jax.ops.types import DraftPayload, FutureMapState, SpecConfig, draft_payload
+from fm_jax.ops.errors import FutureMapError
 
-POISON = -1
-"""Debug-mode content of an `output_tokens` slot with no unread write."""
-
-
-class OpsConfig(NamedTuple):
-    """A map's static configuration, as its ops read it.
-
-    Attributes:
-      pool_size: R, slots (slot 0 is padding).
-      dtype: the int dtype of tokens, lengths and top-k ids.
-      spec: the spec fields' declaration, or None.
-      fields: every relayed field, in stash order (the bonus tokens in output_tokens).
-      consumed: the consume-tracked fields' names.
-      debug: poison and checkify checks.
-      protocol: the relay protocol (`protocol.Protocol`).
-      one_kernel: spec fields move in one Pallas kernel per op.
-    """
-
-    pool_size: int
-    dtype: np.dtype
-    spec: SpecConfig | None
-    fields: tuple[rf.RelayField, ...]
-    consumed: tuple[str, ...]
-    debug: bool
-    protocol: Any
-    one_kernel: bool
+CHUNK = 1024
+"""The most elements a program copies of one buffer's row (a power of two)."""
 
 
 def scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
@@ -55,113 +39,180 @@ def scatter(buf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
-    """`buf[indices]`; out-of-range slots clip to [0, R) (a negative slot reads slot 0).
-
-    No negative-index wrapping: that would cost a few flops per row for nothing.
-    """
+    """`buf[indices]`, slots clipped to [0, R) (a negative slot reads slot 0; wrapping would
+    cost a few flops per row for nothing)."""
     return buf.at[indices].get(mode="clip", wrap_negative_indices=False)
 
 
 def scatter_rows(
-    cfg: OpsConfig, bufs: list[jax.Array], idx: Any, values: list[Any]
+    bufs: list[jax.Array], idx: Any, values: list[Any], one_kernel: bool, dtype: np.dtype
 ) -> list[jax.Array]:
-    """`scatter` of each value into its buffer at `idx`: one kernel for them all with
-    `spec.kernel='pallas'` (row_kernel), else one scatter per buffer."""
+    """`scatter` of each value into its buffer at `idx` (of the map's int `dtype`): one
+    kernel for them all (`one_kernel`), else one scatter per buffer."""
     values = [jnp.asarray(v).astype(b.dtype) for b, v in zip(bufs, values, strict=True)]
-    if cfg.one_kernel:
-        return row_kernel.scatter(bufs, jnp.asarray(idx, cfg.dtype), values)
+    if one_kernel:
+        return scatter_kernel(bufs, jnp.asarray(idx, dtype), values)
     return [scatter(b, idx, v) for b, v in zip(bufs, values, strict=True)]
 
 
-def gather_rows(cfg: OpsConfig, bufs: list[jax.Array], idx: jax.Array) -> list[jax.Array]:
-    """`gather` of each buffer at `idx`: one kernel for them all with
-    `spec.kernel='pallas'` (row_kernel), else one gather per buffer."""
-    if cfg.one_kernel and idx.shape[0] > 0:
-        return row_kernel.gather(bufs, jnp.asarray(idx, cfg.dtype))
+def gather_rows(
+    bufs: list[jax.Array], idx: jax.Array, one_kernel: bool, dtype: np.dtype
+) -> list[jax.Array]:
+    """`gather` of each buffer at `idx`: one kernel for them all (`one_kernel`), else one
+    gather per buffer."""
+    if one_kernel and idx.shape[0] > 0:
+        return gather_kernel(bufs, jnp.asarray(idx, dtype))
     return [gather(b, idx) for b in bufs]
 
 
-def gather_draft(
-    cfg: OpsConfig, state: FutureMapState, didx: jax.Array, *also: jax.Array
-) -> tuple[DraftPayload, list[jax.Array]]:
-    """The draft stashed at `didx` (every declared field, as its values), and the rows at
-    `didx` of the buffers `also`, read in the same gather."""
-    fields = cfg.fields
-    got = gather_rows(cfg, [*(rf.get(state, f.name) for f in fields), *also], didx)
-    draft = draft_payload(
-        {f.name: rf.from_buffer(f, v, cfg.dtype) for f, v in zip(fields, got, strict=False)}
+# ------------------------------------------------------------------ the kernel
+def check_fits(name: str, rows: int, width: int, index_dtype: np.dtype) -> None:
+    """FutureMapError unless `rows` rows of `width` elements are addressable in offsets of
+    `index_dtype` (the kernel computes slot * width in it)."""
+    limit = np.iinfo(index_dtype).max
+    if rows * width > limit:
+        raise FutureMapError(
+            f"spec.kernel='pallas': {name} holds {rows} x {width} elements, more than "
+            f"{index_dtype} offsets address ({limit}); use kernel='xla' or int64 (x64)"
+        )
+
+
+def _chunk(width: int) -> int:
+    """The largest power of two <= min(width, CHUNK)."""
+    return 1 << (min(width, CHUNK).bit_length() - 1)
+
+
+def _chunks(width: int) -> int:
+    return -(-width // _chunk(width))
+
+
+def _copy_chunk(src: Any, src_row: Any, dst: Any, dst_row: Any, width: int, j: Any) -> None:
+    """Chunk j of a row of `width` elements, src[src_row] -> dst[dst_row] (flat refs)."""
+    c, n = _chunk(width), _chunks(width)
+    start = jnp.minimum(j * c, width - c)  # the last chunk ends at the row's end
+
+    @pl.when(j < n)
+    def _() -> None:
+        dst[pl.ds(dst_row * width + start, c)] = src[pl.ds(src_row * width + start, c)]
+
+
+def _scatter_kernel(widths: tuple[int, ...], rows: int, idx_ref: Any, *refs: Any) -> None:
+    """Program (b, j): chunk j of row b of every value to its buffer's row idx[b]."""
+    k = len(widths)
+    values, outs = refs[:k], refs[2 * k :]  # refs[k:2k]: the buffers, aliased to outs
+    b, j = pl.program_id(0), pl.program_id(1)
+    slot = idx_ref[b]
+    b = b.astype(slot.dtype)
+
+    @pl.when((slot >= 0) & (slot < rows))  # mode='drop'
+    def _() -> None:
+        for v, o, w in zip(values, outs, widths, strict=True):
+            _copy_chunk(v, b, o, slot, w, j)
+
+
+def _gather_kernel(widths: tuple[int, ...], rows: int, idx_ref: Any, *refs: Any) -> None:
+    """Program (b, j): chunk j of every buffer's row idx[b] to row b of its output."""
+    k = len(widths)
+    bufs, outs = refs[:k], refs[k:]
+    b, j = pl.program_id(0), pl.program_id(1)
+    slot = jnp.clip(idx_ref[b], 0, rows - 1)  # mode='clip'
+    b = b.astype(slot.dtype)
+    for s, o, w in zip(bufs, outs, widths, strict=True):
+        _copy_chunk(s, slot, o, b, w, j)
+
+
+def _moved_as(dtype: np.dtype) -> np.dtype:
+    """The dtype the kernel moves `dtype`'s values in: ints and 32/64-bit floats as they
+    are; 8 and 16-bit floats as the unsigned ints of their width (XLA:CPU's interpreter
+    path would compute them in f32)."""
+    if dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize >= 4):
+        return dtype
+    return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    """`x` flattened, in the dtype the kernel moves it in (a reshape and at most a
+    same-width bitcast: no copy on a GPU; on CPU XLA copies for the bitcast)."""
+    flat = x.reshape(-1)
+    moved = _moved_as(np.dtype(x.dtype))
+    return flat if moved == flat.dtype else jax.lax.bitcast_convert_type(flat, moved)
+
+
+def _unflat(flat: jax.Array, like: jax.Array, rows: int) -> jax.Array:
+    """The inverse of `_flat` for `rows` rows shaped like `like`'s."""
+    if flat.dtype != like.dtype:
+        flat = jax.lax.bitcast_convert_type(flat, like.dtype)
+    return flat.reshape(rows, *like.shape[1:])
+
+
+def _like(x: jax.Array, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    """An output of `shape` and `x`'s dtype that varies over a shard_map's mesh axes as `x`
+    does (Pallas asks it of every output under `check_vma`)."""
+    return jax.ShapeDtypeStruct(shape, x.dtype, manual_axis_type=jax.typeof(x).mat)
+
+
+def _widths(bufs: Sequence[jax.Array], b: int, index_dtype: np.dtype) -> tuple[int, ...]:
+    """Each buffer's row width, once `check_fits` passed for its rows and the batch's."""
+    widths = tuple(math.prod(x.shape[1:]) for x in bufs)
+    for w in widths:
+        check_fits("a buffer", bufs[0].shape[0], w, index_dtype)
+        check_fits("a batch", b, w, index_dtype)
+    return widths
+
+
+def _on_each_platform(call: Any, *args: Any) -> Any:
+    """`call(*args, interpret=...)`: Pallas's interpreter on CPU, Triton on a GPU."""
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=functools.partial(call, interpret=True),
+        cuda=functools.partial(call, interpret=False),
+        rocm=functools.partial(call, interpret=False),
     )
-    return draft, got[len(fields) :]
 
 
-def row_min(x: jax.Array) -> jax.Array:
-    """One value per row: a row's smallest (a row with a negative entry reads as one)."""
-    return x if x.ndim == 1 else x.reshape(x.shape[0], -1).min(axis=1)
+def _params(interpret: bool) -> Any:
+    return None if interpret else pl_triton.CompilerParams()
 
 
-def consumed_reads(
-    cfg: OpsConfig, draft: DraftPayload, didx: jax.Array
-) -> list[tuple[jax.Array, jax.Array]]:
-    """(one value per row, slots read) of each consume-tracked field a draft gather read."""
-    return [(row_min(jnp.asarray(rf.get(draft, name))), didx) for name in cfg.consumed]
+def scatter_kernel(
+    bufs: Sequence[jax.Array], idx: jax.Array, values: Sequence[jax.Array]
+) -> list[jax.Array]:
+    """`bufs[i][idx] := values[i]` for every buffer in one kernel, a slot outside [0, R)
+    writing nothing; the buffers are aliased to the outputs (in place once the caller's jit
+    donates them). Assumes [R, ...] buffers, [B] int `idx` with B >= 1 and [B, ...] values
+    of each buffer's row shape and dtype."""
+    rows, b = bufs[0].shape[0], idx.shape[0]
+    widths = _widths(bufs, b, idx.dtype)
+    k = len(bufs)
+
+    def call(idx: jax.Array, vals: list[jax.Array], flat: list[jax.Array], *, interpret: bool):
+        return pl.pallas_call(
+            functools.partial(_scatter_kernel, widths, rows),
+            out_shape=[_like(x, x.shape) for x in flat],
+            grid=(b, max(_chunks(w) for w in widths)),
+            input_output_aliases={1 + k + i: i for i in range(k)},
+            interpret=interpret,
+            compiler_params=_params(interpret),
+        )(idx, *vals, *flat)
+
+    out = _on_each_platform(call, idx, [_flat(v) for v in values], [_flat(x) for x in bufs])
+    return [_unflat(o, x, rows) for o, x in zip(out, bufs, strict=True)]
 
 
-def poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
-    """`rows` POISON values that data-depend on `seen`, a scalar reduced from every value
-    just gathered from the buffer (the consume check's result).
+def gather_kernel(bufs: Sequence[jax.Array], idx: jax.Array) -> list[jax.Array]:
+    """`bufs[i][clip(idx, 0, R - 1)]` for every buffer in one kernel. Assumes [R, ...]
+    buffers and a [B] int `idx` with B >= 1."""
+    rows, b = bufs[0].shape[0], idx.shape[0]
+    widths = _widths(bufs, b, idx.dtype)
 
-    Writing -1 into a buffer that the same computation has just gathered from is a
-    read-then-in-place-write. Without a data dependence from the read to the write, XLA's
-    default (CPU) copy insertion cannot prove the order and copies the whole buffer: O(R)
-    per resolve. `max(min(x, POISON), POISON)` is POISON for every x, yet the simplifier
-    keeps it, so the write is ordered after the read and stays in place; a scalar keeps it
-    two flops, not two per row.
-    """
-    dep = jnp.maximum(jnp.minimum(seen.astype(dtype), POISON), POISON)
-    return jnp.broadcast_to(dep, (rows,))
+    def call(idx: jax.Array, flat: list[jax.Array], *, interpret: bool):
+        return pl.pallas_call(
+            functools.partial(_gather_kernel, widths, rows),
+            out_shape=[_like(x, (b * w,)) for x, w in zip(flat, widths, strict=True)],
+            grid=(b, max(_chunks(w) for w in widths)),
+            interpret=interpret,
+            compiler_params=_params(interpret),
+        )(idx, *flat)
 
-
-def poison(
-    state: FutureMapState,
-    slots: jax.Array,
-    maxima: jax.Array | None,
-    k: int | None,
-    field: str = "bonus_tokens",
-) -> FutureMapState:
-    """POISON written to a consume-tracked field's buffer (default `output_tokens`) at
-    `slots` (whole rows), ordered after the reads that `maxima[k]` (the consume check's
-    witness among the op's check maxima) was reduced from."""
-    if maxima is None or k is None or slots.shape[0] == 0:
-        return state
-    buf = rf.get(state, field)
-    values = poison_after(maxima[k], slots.shape[0], buf.dtype)
-    values = jnp.broadcast_to(
-        values.reshape(-1, *(1,) * (buf.ndim - 1)), (slots.shape[0], *buf.shape[1:])
-    )
-    return rf.put(state, field, scatter(buf, slots, values))
-
-
-def poison_lengths(
-    state: FutureMapState, slots: jax.Array, maxima: jax.Array | None, k: int | None
-) -> FutureMapState:
-    """Spec, debug: POISON written to `new_seq_lens` at `slots` (slot R: dropped), the
-    lengths a resolve consumed, ordered after the read that `maxima[k]` (the positive
-    lengths check's witness) was reduced from."""
-    if maxima is None or k is None or slots.shape[0] == 0:
-        return state
-    lens = state.new_seq_lens
-    values = poison_after(maxima[k], slots.shape[0], lens.dtype)
-    return state._replace(new_seq_lens=scatter(lens, slots, values))
-
-
-def check_indices(
-    cfg: OpsConfig, name: str, indices: Any, into: checks.OpChecks | None = None
-) -> None:
-    """Shape checks; in debug mode the slot checks too, queued `into` the op's checks (or,
-    without them, emitted at once)."""
-    s.check_1d_int(name, indices, cfg.dtype)
-    if cfg.debug:
-        own = into or checks.OpChecks()
-        checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, own)
-        if into is None:
-            own.run()
+    out = _on_each_platform(call, idx, [_flat(x) for x in bufs])
+    return [_unflat(o, x, b) for o, x in zip(out, bufs, strict=True)]

@@ -1,18 +1,13 @@
 """The FutureMap on a `jax.sharding.Mesh`: one pool of slots per data-parallel rank.
 
-Layout (DP = size of the mesh's `dp_axis`, 1 without one; R = `pool_size`, slots per rank):
-
-- State: every buffer is one global array with leading dimension DP*R, sharded over
-  `dp_axis` (`PartitionSpec(dp_axis)`): DP rank d owns rows [d*R, (d+1)*R), and row d*R is
-  its padding slot 0. Every other mesh axis (the `tp_axis` included) holds replicas.
-- Batches: the same, per batch row: each rank's rows padded to one per-rank size B (and
-  its tokens to T), laid end to end: global [DP*B] slots, [DP*T] ids, with rank-local slots
-  in [0, R). `forward_mode` is [DP] int32, one mode per rank (an idle rank: IDLE, all its
-  rows padding).
-
-Each op is the single-pool op of `future_map` mapped over `dp_axis` with `jax.shard_map`:
-a rank's gathers and scatters touch only its own block, so the compiled ops hold no
-collectives and outputs keep the inputs' sharding (no resharding step to step).
+DP = the size of the mesh's `dp_axis` (1 without one), R = slots per rank. Every state
+buffer is one global array of DP*R rows sharded over `dp_axis`: rank d owns rows
+[d*R, (d+1)*R), row d*R its padding slot 0; every other axis (`tp_axis` too) holds
+replicas. A batch likewise: each rank's rows padded to one size B (its tokens to T), laid
+end to end, with rank-local slots in [0, R); `forward_mode` is one mode per rank, [DP]
+int32 (an idle rank: IDLE, all rows padding). Each op is the one-pool op mapped over
+`dp_axis` with `jax.shard_map`: a rank touches only its own block, so the compiled ops
+hold no collectives and outputs keep the inputs' sharding.
 """
 
 from __future__ import annotations
@@ -26,19 +21,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.shapes import check_int_array
-from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState, Resolved, payload_rows
+from fm_jax.ops.relay_fields import payload_rows
+from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState, Resolved, check_int_array
 
 
 class MeshLayout(NamedTuple):
-    """Where a sharded FutureMap lives: the mesh and the names of its DP and TP axes.
-
-    Attributes:
-      mesh: the device mesh.
-      dp_axis: the data-parallel axis (one pool per index along it), or None (DP = 1).
-      tp_axis: the tensor-parallel axis (buffers replicated along it), or None.
-      dp: the number of DP ranks.
-    """
+    """Where a sharded FutureMap lives: the mesh, its data-parallel axis (one pool per
+    index along it; None: DP = 1), its tensor-parallel axis (buffers replicated along it)
+    or None, and the number of DP ranks."""
 
     mesh: Mesh
     dp_axis: str | None
@@ -52,12 +42,10 @@ class MeshLayout(NamedTuple):
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """The sharding of every state buffer and every batch field.
-
-        On a one-device mesh, that device's SingleDeviceSharding: the sharding arrays
-        committed to one device carry, so that they, host arrays and the map's own outputs
-        all reach one executable (a NamedSharding argument would compile another).
-        """
+        """The sharding of every state buffer and batch field. On one device, that
+        device's SingleDeviceSharding, which arrays committed to it carry: they, host
+        arrays and the map's outputs reach one executable (a NamedSharding would compile
+        another)."""
         if self.mesh.devices.size == 1:
             return jax.sharding.SingleDeviceSharding(self.mesh.devices.flat[0])
         return NamedSharding(self.mesh, self.spec)
@@ -96,13 +84,10 @@ class MeshLayout(NamedTuple):
         )
 
     def global_array(self, blocks: Mapping[int, np.ndarray], size: int, like: np.ndarray) -> Any:
-        """The global [DP*size, ...] array whose rank-d block is `blocks[d]` padded with zero
-        rows to `size`; local ranks missing from `blocks` get zeros (padding: slot 0, token 0).
-
-        In a single process the result is a host array (a jit with this layout's sharding
-        places it while dispatching); across processes, a global jax.Array built from this
-        process's blocks. `like` gives the trailing shape and dtype.
-        """
+        """The global [DP*size, ...] array whose rank-d block is `blocks[d]` padded with
+        zero rows to `size` (a local rank missing: zeros, padding); `like` gives the
+        trailing shape and dtype. In one process a host array (a jit with this sharding
+        places it); across processes a global jax.Array of this process's blocks."""
         tail, dt = like.shape[1:], like.dtype
         if self.single_process:
             out = np.zeros((self.dp * size, *tail), dt)
@@ -123,9 +108,9 @@ class MeshLayout(NamedTuple):
 
 
 def _auto_axes(mesh: Mesh) -> Mesh:
-    """`mesh` with every axis of type Auto: the FutureMap's arrays carry no sharding in
-    their types, so that host arrays, committed arrays and arrays of meshes with Explicit
-    axes (`jax.make_mesh`'s default) are all taken by its shard_maps alike."""
+    """`mesh` with every axis Auto: the map's arrays carry no sharding in their types, so
+    its shard_maps take host arrays, committed ones and those of Explicit meshes
+    (`jax.make_mesh`'s default) alike."""
     axis_type = getattr(jax.sharding, "AxisType", None)
     if axis_type is None:
         return mesh
@@ -139,17 +124,9 @@ def single_device_layout(device: jax.Device) -> MeshLayout:
 
 
 def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = None) -> MeshLayout:
-    """Validate the axis names against `mesh` and return the layout.
-
-    Args:
-      mesh: a `jax.sharding.Mesh`.
-      dp_axis: name of the data-parallel axis, or None for one pool replicated everywhere.
-      tp_axis: name of the tensor-parallel axis, or None. Only checked: buffers are
-        replicated along every axis but `dp_axis`.
-
-    Returns:
-      MeshLayout. Raises FutureMapError naming a missing or repeated axis.
-    """
+    """The layout of `mesh` with these axes (None: no such axis; `tp_axis` is only
+    checked, buffers being replicated along every axis but `dp_axis`); FutureMapError
+    naming a missing or repeated axis."""
     if not isinstance(mesh, Mesh):
         raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
@@ -164,9 +141,8 @@ def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = No
 
 def check_split(layout: MeshLayout, what: str, named: Iterable[tuple[str, Any]]) -> None:
     """Each named per-row value (None: not given) an array whose leading size splits into
-    DP equal per-rank parts, as the ranks' shard_map takes it; else FutureMapError naming
-    the field and what it is (a Python list or number, a 0-d array, uneven rows), after
-    `what` (the op; empty: the caller names it)."""
+    DP equal per-rank parts; else FutureMapError naming the op `what` (empty: the caller
+    names it), the field and what it is (a list or number, a 0-d array, uneven rows)."""
     rows = "[B, ...]" if layout.dp == 1 else f"[{layout.dp}*B, ...], each DP rank's B rows"
     head = f"{what}: " if what else ""
     for name, x in named:
@@ -192,11 +168,6 @@ def _kind(x: Any) -> str:
     if type(x) in (list, tuple):
         return f"a Python {type(x).__name__}"
     return f"a {type(x).__name__}"
-
-
-def _batch_rows(batch: Batch) -> list[tuple[str, Any]]:
-    """A batch's fields by name, as the ops name them."""
-    return list(zip(Batch._fields, batch, strict=True))
 
 
 def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
@@ -237,31 +208,26 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
         _check_state(layout, state, pool_size)
         mode = batch.forward_mode
-        if isinstance(mode, int | np.integer):
-            fixed = mode  # known on the host: every rank's executable has it fixed
-
-            def fixed_resolve(state: FutureMapState, b: Batch) -> Any:
-                return ops.resolve(state, b._replace(forward_mode=fixed))
-
-            batch = batch._replace(forward_mode=None)
-            check_split(layout, "resolve", _batch_rows(batch))
-            return each(fixed_resolve)(state, batch)  # type: ignore[no-any-return]
-        check_int_array("forward_mode", mode)  # a traced mode here: a scalar or one per rank
-        shape = jnp.shape(mode)  # type: ignore[arg-type]
-        if shape == ():
-            mode = jnp.broadcast_to(mode, (layout.dp,))  # type: ignore[arg-type]
-        elif shape != (layout.dp,):
-            raise FutureMapError(
-                f"batch.forward_mode must be one mode for every rank (a scalar) or one per DP "
-                f"rank, shape ({layout.dp},), got {shape}"
-            )
+        # A host mode is fixed in every rank's executable; a traced one is a scalar or one
+        # per rank, each rank seeing its [1] slice.
+        fixed = mode if isinstance(mode, int | np.integer) else None
+        if fixed is None:
+            check_int_array("forward_mode", mode)
+            shape = jnp.shape(mode)  # type: ignore[arg-type]
+            if shape == ():
+                mode = jnp.broadcast_to(mode, (layout.dp,))  # type: ignore[arg-type]
+            elif shape != (layout.dp,):
+                raise FutureMapError(
+                    f"batch.forward_mode must be one mode for every rank (a scalar) or one per "
+                    f"DP rank, shape ({layout.dp},), got {shape}"
+                )
 
         def local_resolve(state: FutureMapState, b: Batch) -> Any:
-            # Each rank sees its [1] slice of the per-rank modes.
-            return ops.resolve(state, b._replace(forward_mode=b.forward_mode[0]))  # type: ignore[index]
+            local_mode = b.forward_mode[0] if fixed is None else fixed  # type: ignore[index]
+            return ops.resolve(state, b._replace(forward_mode=local_mode))
 
-        batch = batch._replace(forward_mode=mode)
-        check_split(layout, "resolve", _batch_rows(batch))
+        batch = batch._replace(forward_mode=mode if fixed is None else None)
+        check_split(layout, "resolve", list(zip(Batch._fields, batch, strict=True)))
         return each(local_resolve)(state, batch)  # type: ignore[no-any-return]
 
     def invalidate(batch: Batch, indices: Any) -> Batch:
@@ -285,11 +251,8 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
 
 
 def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:
-    """Host copies of each local DP rank's block of a global [DP*N, ...] array.
-
-    Reads only this process's shards (one replica per rank), so it works in every process
-    of a multi-process run.
-    """
+    """Host copies of each local DP rank's block of a global [DP*N, ...] array (this
+    process's shards only, one replica per rank: it works in every process)."""
     out: dict[int, np.ndarray] = {}
     for sh in x.addressable_shards:
         rank = layout.rank_of(sh.device)

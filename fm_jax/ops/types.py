@@ -1,4 +1,5 @@
-"""Pytrees and static configuration shared by fm_jax's ops and its FutureMap class."""
+"""The pytrees and static configuration of fm_jax's ops, and the trace-time structural
+checks of their arguments (no values read)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.ops import errors, row_kernel
-from fm_jax.ops import relay_fields as rf
+from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.relay_fields import STANDARD, RelayField, standard_fields
 
 
 class ForwardMode(enum.IntEnum):
@@ -25,103 +24,12 @@ class ForwardMode(enum.IntEnum):
     IDLE = 3  # data-parallel rank with nothing to run: all rows padding
 
 
-class SpecConfig(NamedTuple):
-    """The fields a spec map relays, declared at init (`fields()`): as declared, bonus
-    tokens, verified ids, top-k probabilities and ids, hidden states and the engine's own
-    (docs/guide.md, 'Relay fields', declares SGLang's EAGLE and n-gram payloads).
-
-    Attributes:
-      topk: K, draft top-k width of `topk_p` / `topk_index`; 0 relays no top-k fields.
-      hidden: H, width of `hidden_states`; 0 when the draft model relays none.
-      hidden_dtype: bfloat16, float16 or float32.
-      verified_id: relay each row's verified id (SGLang's EAGLE `verified_id`), consume-
-        tracked like the bonus tokens.
-      extra: the engine's own fields (`RelayField`s), relayed in `DraftPayload.extras`.
-      bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
-        for a draft that brings none (SGLang's n-gram payload).
-      kernel: how stash and resolve move the fields: 'xla' (default), one scatter or
-        gather per buffer; 'pallas', one kernel for every field (and, in the gather
-        protocol, the lengths read at the draft slots), as SGLang's Triton kernels move
-        its spec extras: Triton on a GPU, Pallas's interpreter on CPU (for tests), no TPU.
-        Every field's dtype a real number or an int (no bool, no complex).
-      confidence: gamma, the width of each slot's confidence row (DSpark): `publish` then
-        takes `confidence=` rows [B, gamma] float32 with the lengths and starts their host
-        copy into a ring the host reads without waiting (`FutureMap.resolve_confidence_cpu`);
-        0 (default): no confidence relay.
-    """
-
-    topk: int
-    hidden: int = 0
-    hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
-    verified_id: bool = False
-    extra: tuple[RelayField, ...] = ()
-    bonus_tokens: bool = True
-    kernel: str = "xla"
-    confidence: int = 0
-
-    def fields(self) -> tuple[RelayField, ...]:
-        """Every relayed field, in stash order (`relay_fields.standard_fields`, then extra)."""
-        std = standard_fields(
-            self.topk, self.hidden, self.hidden_dtype, self.verified_id, self.bonus_tokens
-        )
-        return std + tuple(self.extra)
-
-
-def check_spec(spec: Any) -> SpecConfig:
-    """A SpecConfig normalised (numpy dtypes, a tuple of fields), or FutureMapError naming
-    what no map could serve: topk and hidden ints >= 0, a bf16/f16/f32 hidden dtype,
-    verified_id and bonus_tokens bools, extra a sequence of RelayFields (`check_extra`), a
-    known kernel (one that moves every field's dtype), and at least one field declared."""
-    if not isinstance(spec, SpecConfig):
-        raise FutureMapError(f"spec must be a SpecConfig or None, got {spec!r}")
-    if not rf.count_at_least(spec.topk, 0) or not rf.count_at_least(spec.hidden, 0):
-        raise FutureMapError(f"spec needs topk >= 0 and hidden >= 0 (ints), got {spec}")
-    if not rf.count_at_least(spec.confidence, 0):
-        raise FutureMapError(f"spec.confidence must be an int >= 0, got {spec.confidence!r}")
-    try:
-        hidden_dtype = np.dtype(spec.hidden_dtype)
-    except TypeError:
-        hidden_dtype = None
-    if hidden_dtype not in rf.HIDDEN_DTYPES:
-        raise FutureMapError(f"spec.hidden_dtype must be bf16, f16 or f32, got {spec.hidden_dtype}")
-    # A bool, or an int 0 / 1 written for one (normalised to the bool).
-    for flag in ("verified_id", "bonus_tokens"):
-        value = getattr(spec, flag)
-        if not isinstance(value, bool | np.bool_) and value not in (0, 1):
-            raise FutureMapError(f"spec.{flag} must be a bool, got {value!r}")
-    if isinstance(spec.extra, str | bytes | rf.RelayField) or not isinstance(
-        spec.extra, tuple | list
-    ):
-        raise FutureMapError(f"spec.extra must be a tuple of RelayFields, got {spec.extra!r}")
-    out = spec._replace(
-        topk=int(spec.topk),
-        hidden=int(spec.hidden),
-        hidden_dtype=hidden_dtype,
-        verified_id=bool(spec.verified_id),
-        bonus_tokens=bool(spec.bonus_tokens),
-        extra=rf.check_extra(tuple(spec.extra)),
-        kernel=row_kernel.check_kernel(spec.kernel),
-        confidence=int(spec.confidence),
-    )
-    if not out.fields():
-        raise FutureMapError(f"spec declares no field to relay: {spec}")
-    if out.kernel == "pallas":
-        for f in out.fields():
-            if f.dtype is not None and not row_kernel.movable(np.dtype(f.dtype)):
-                raise FutureMapError(
-                    f"spec.kernel='pallas' moves real numbers and ints; field {f.name} is "
-                    f"{f.dtype} (use kernel='xla')"
-                )
-    return out
-
-
 class FutureMapState(NamedTuple):
-    """The relay buffers, leading dimension R (pool size). Spec fields are None without spec.
+    """The relay buffers, leading dimension R (pool size); spec fields None without spec.
 
-    Slot 0 mirrors the request pool's padding row: padded rows write garbage there. A
-    real-float field's buffer holds its raw bits, the unsigned int of its width (uint32 for
-    topk_p, uint16 for bf16 hidden states): unsigned-int writes are in place and bit-exact
-    on every backend; `jax.lax.bitcast_convert_type` views them as the declared dtype.
+    Slot 0 mirrors the request pool's padding row: padded rows write garbage there. A real
+    float field's buffer holds its raw bits (`stored_as_bits`: uint32 for topk_p, uint16
+    for bf16 hidden states), written in place and bit-exact on every backend.
     """
 
     output_tokens: jax.Array  # [R] int: last token (non-spec) or bonus token (spec)
@@ -131,69 +39,35 @@ class FutureMapState(NamedTuple):
     hidden_states: jax.Array | None = None  # [R, H] the declared dtype, as its bits
     verified_id: jax.Array | None = None  # [R] int, when declared
     extras: dict[str, jax.Array] | None = None  # the engine's own fields by name, [R, ...]
-    confidence: jax.Array | None = None  # [R, gamma] float32 as its bits, `SpecConfig.confidence`
+    confidence: jax.Array | None = None  # [R, gamma] float32 as its bits (uint32)
 
 
 Rows = jax.Array | np.ndarray
 """Per-row data: a jax array, or a host array where the FutureMap class takes one."""
 
 RowsInput = jax.Array | np.ndarray | Sequence[Any] | Mapping[int, Any]
-"""What a FutureMap method takes for per-row data: global rows (a jax array, a host array or
-a list), or a mapping DP rank -> host rows."""
-
-
-class DraftPayload(NamedTuple):
-    """Speculative draft state: what `stash` writes and what `resolve` gathers. A field the
-    spec does not declare is None. A stash writes the fields given and keeps the others'
-    rows (a partial stash: every consume-tracked field given); the class's resolve gives
-    None for a field no stash has written (`FutureMap.relayed_fields`)."""
-
-    bonus_tokens: Rows | None = None  # [B] int
-    topk_p: Rows | None = None  # [B, K] float32
-    topk_index: Rows | None = None  # [B, K] int
-    hidden_states: Rows | None = None  # [B, H], None when H == 0
-    verified_id: Rows | None = None  # [B] int, when the spec declares it
-    extras: Mapping[str, Rows] | None = None  # the engine's own fields by name, [B, ...]
-
-
-def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
-    """A DraftPayload of fields by name: the standard ones as attributes (None when absent),
-    the engine's own in `extras`."""
-    extras = {k: v for k, v in values.items() if k not in STANDARD}
-    return DraftPayload(
-        bonus_tokens=values.get("bonus_tokens"),
-        topk_p=values.get("topk_p"),
-        topk_index=values.get("topk_index"),
-        hidden_states=values.get("hidden_states"),
-        verified_id=values.get("verified_id"),
-        extras=extras or None,
-    )
+"""Per-row data a FutureMap method takes: global rows (a jax array, a host array or a
+list), or a mapping DP rank -> host rows."""
 
 
 Mode = ForwardMode | int | jax.Array | np.ndarray | None
-"""A batch's kind: known on the host (a ForwardMode; on a mesh also one per DP rank, an
-int32 numpy array), or traced (an int32 jax array). None stands for a mode fixed inside
-an executable."""
+"""A batch's kind: known on the host (a ForwardMode; on a mesh also an int32 numpy array,
+one per DP rank), or traced (an int32 jax array). None: fixed inside an executable."""
 
 
 class Batch(NamedTuple):
-    """The fields of a scheduled batch that resolve and invalidate touch.
+    """The fields of a scheduled batch that resolve and invalidate touch (the FutureMap
+    class also takes host arrays for each).
 
-    `input_ids` is flat ([T]): an EXTEND row contributes all its tokens, a decode row one.
-    In the gather protocol it holds only the host's ids: a MIXED batch's prefill ids then
-    a 0 at each running row's position, and a non-spec DECODE batch's are not read (None
-    is taken: T = B). `token_slots` ([T], gather protocol, MIXED only) names, at each
-    position a running row's token goes to, the slot to gather it from; 0 elsewhere. A spec
-    map's MIXED batch lists its running rows last (before padding rows), one per nonzero
-    token slot in order: resolve binds their lengths (published + 1).
-    `forward_mode` is an int32 jax scalar (a ForwardMode value), traced, so one compiled
-    step serves every batch kind (on a mesh: a scalar, or [DP], one mode per rank); a host
-    ForwardMode fixes the mode when the op is traced instead (no branch in the executable;
-    one executable per mode). A host mode that is not a ForwardMode value (7, True, 1.0,
-    "1") is refused; a traced one runs as a batch that is not DECODE, and debug mode
-    reports it ('forward mode'). `draft_indices` ([B]) is set on a spec DECODE batch: the slots
-    whose draft to gather; None on batches without a draft input. The FutureMap class also
-    takes host arrays for every field.
+    `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one; in
+    the gather protocol only the host's (a MIXED batch's running rows hold 0; a non-spec
+    DECODE batch's are not read, None: T = B). `token_slots` ([T], gather protocol, MIXED
+    only): where a running row's token goes, the slot to gather it from, else 0; a spec
+    MIXED batch lists its running rows last, one per nonzero token slot in order.
+    `forward_mode`: a traced int32 scalar serves every kind in one executable (on a mesh:
+    a scalar or [DP]), a host ForwardMode fixes it when traced (refused if no ForwardMode
+    value: 7, True, 1.0, "1"; a bad traced one runs as not DECODE, debug reports it).
+    `draft_indices` ([B]): on a spec DECODE batch, the slots whose draft to gather.
     """
 
     forward_mode: Mode
@@ -209,7 +83,7 @@ class Resolved(NamedTuple):
 
     input_ids: jax.Array  # [T]
     seq_lens: jax.Array  # [B]
-    draft: DraftPayload | None = None  # its fields are jax arrays
+    draft: Any = None  # a DraftPayload of jax arrays, or None
 
 
 class MixedTails(NamedTuple):
@@ -222,8 +96,8 @@ class MixedTails(NamedTuple):
 
 
 def host_mode(mode: Any, where: str) -> ForwardMode:
-    """A forward mode given on the host, as a ForwardMode: an int of a ForwardMode value,
-    never a bool, float or string (int() would make DECODE of True, 1.7 and "1")."""
+    """A forward mode given on the host: an int of a ForwardMode value, never a bool, float
+    or string (int() would make DECODE of True, 1.7 and "1")."""
     if isinstance(mode, bool | np.bool_) or not isinstance(mode, int | np.integer):
         raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}")
     try:
@@ -233,7 +107,7 @@ def host_mode(mode: Any, where: str) -> ForwardMode:
 
 
 def int_dtype(dtype: object) -> np.dtype:
-    """Normalise a user's int dtype to int32 or int64, refusing int64 without x64 mode."""
+    """A user's int dtype as int32 or int64, refusing int64 without x64 mode."""
     try:
         d = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
@@ -248,34 +122,26 @@ def int_dtype(dtype: object) -> np.dtype:
     return d
 
 
-CONFIDENCE_DTYPE = np.dtype(np.float32)
-"""The dtype of a confidence row (SGLang's confidence buffer: float32)."""
-
-CONFIDENCE_BITS = np.dtype(np.uint32)
-"""What the confidence buffer holds: each float32's raw bits (written bit for bit)."""
+CONFIDENCE_DTYPE = np.dtype(np.float32)  # a confidence row's values (SGLang's: float32)
+CONFIDENCE_BITS = np.dtype(np.uint32)  # what its buffer holds: their raw bits
 
 
-def confidence_width(spec: SpecConfig | None) -> int:
+def confidence_width(spec: Any) -> int:
     """gamma, the width of a slot's confidence row; 0 when the map relays none."""
     return 0 if spec is None else spec.confidence
 
 
-def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
-    """Stash's payload as its per-row values by field name, once its kind is checked:
-    tokens (`tokens`) on a map without spec; on a spec map a DraftPayload giving no field
-    the spec leaves undeclared (`relay_fields.check_declared`), each declared field as
-    `draft.<name>` (None where not given). What every entry point of stash checks first."""
-    if spec is None:
-        if isinstance(payload, DraftPayload):
-            raise errors.draft_on_plain_map()
-        if payload is None:
-            raise FutureMapError("tokens is missing: stash on a map without spec takes [B] ints")
-        return [("tokens", payload)]
-    if not isinstance(payload, DraftPayload):
-        raise errors.tokens_on_spec_map()
-    fields = spec.fields()
-    rf.check_declared(fields, payload)
-    return [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields]
+class OpsConfig(NamedTuple):
+    """A map's static configuration as its ops read it (`ops.future_map` fixes it)."""
+
+    pool_size: int  # R, slots; slot 0 is padding
+    dtype: np.dtype  # of tokens, lengths and top-k ids
+    spec: Any  # a relay_fields.SpecConfig, or None
+    fields: tuple[Any, ...]  # every relayed field (RelayField), in stash order
+    consumed: tuple[str, ...]  # the consume-tracked fields' names
+    debug: bool  # poison and checkify checks
+    protocol: Any  # a `protocol.Protocol`
+    one_kernel: bool  # spec fields move in one Pallas kernel per op
 
 
 class FutureMapOps(NamedTuple):
@@ -284,21 +150,20 @@ class FutureMapOps(NamedTuple):
     Attributes:
       init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
       publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
-        ([B, gamma] float32) only on a map whose spec declares `confidence` (gamma).
-      stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields it
-        gives (every consume-tracked one) and keeps the others' rows.
-      resolve: (state, batch) -> (state, Resolved). The state changes only in debug mode.
+        ([B, gamma] float32) only where the spec declares gamma.
+      stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields
+        it gives (every consume-tracked one) and keeps the others' rows.
+      resolve: (state, batch) -> (state, Resolved); the state changes only in debug mode.
         A draft gather gives every declared field (a row never stashed reads 0): which
-        fields were ever stashed is known on the host only (the class tracks it).
+        were ever stashed is known on the host only (the class tracks it).
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
-        (the sentinel protocol only).
+        (sentinel protocol only).
       seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
-        `resolve_seq_lens_cpu` (debug: slot checks, and lengths not poisoned).
+        `resolve_seq_lens_cpu` (debug: slot checks, lengths not poisoned).
       pool_size, dtype, spec, debug, protocol: the static configuration.
-      layout: the mesh the ops run on (`future_map(..., mesh=)`): every array is global,
-        [DP*R, ...] buffers and [DP*B, ...] rows, each DP rank's block run by `local`;
-        None for the ops of one pool on one device.
-      local: on a mesh, the one-pool ops each DP rank runs on its block; else None.
+      layout: on a mesh (`future_map(..., mesh=)`), its `sharding.MeshLayout`: every array
+        is global ([DP*R, ...] buffers, [DP*B, ...] rows), each rank's block run by
+        `local`, the one-pool ops; None (and `local` None) for one pool on one device.
     """
 
     init: Callable[[], FutureMapState]
@@ -309,18 +174,73 @@ class FutureMapOps(NamedTuple):
     seq_lens_at: Callable[[FutureMapState, Any], jax.Array]
     pool_size: int
     dtype: np.dtype
-    spec: SpecConfig | None
+    spec: Any  # a relay_fields.SpecConfig, or None
     debug: bool
     protocol: str = "sentinel"
-    layout: Any = None  # a sharding.MeshLayout (sharding.py builds on this module)
+    layout: Any = None
     local: FutureMapOps | None = None
 
     def map_ranks(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` run on each DP rank's block (`MeshLayout.map`), as a mesh's ops run theirs:
-        without shard_map's varying-axes check under the Pallas spec kernel, which Pallas's
-        interpreter (CPU) cannot trace under it (jax 0.10.2: 'dynamic_slice requires
-        varying manual axes to match'); the ops hold no collective for it to find."""
+        under the Pallas kernel without shard_map's varying-axes check, which Pallas's CPU
+        interpreter cannot trace under (jax 0.10.2); the ops hold no collective for it."""
         if self.layout is None:
             raise FutureMapError("map_ranks needs the ops of a mesh (future_map(..., mesh=))")
         vma = self.spec is None or self.spec.kernel != "pallas"
         return self.layout.map(fn, check_vma=vma)
+
+
+# ------------------------------------------------------------------ trace-time checks
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+
+def check_1d_int(name: str, x: Any, into: np.dtype | None = None) -> None:
+    """FutureMapError unless `x` is a 1-D integer array (whose values all fit `into`)."""
+    shape = jnp.shape(x)
+    if len(shape) != 1:
+        raise FutureMapError(f"{name} must be 1-D, got shape {shape}")
+    check_ints(name, x, into)
+
+
+def check_ints(name: str, x: Any, into: np.dtype | None = None) -> None:
+    """FutureMapError unless `x` has an int dtype whose every value (as JAX holds it) fits
+    `into` without a cast that could change it (int64 rows for int32 buffers are refused)."""
+    if not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must have an integer dtype, got {_dtype(x)}")
+    held = jax.dtypes.canonicalize_dtype(_dtype(x))
+    if into is not None and not np.can_cast(held, into, "safe"):
+        raise FutureMapError(
+            f"{name} has dtype {held}, which the {np.dtype(into)} buffers cannot hold without "
+            "a value check: cast it first"
+        )
+
+
+def check_rows(name: str, x: Any, rows: int) -> None:
+    """FutureMapError unless `x` has `rows` leading entries (one per batch row)."""
+    if jnp.shape(x)[0] != rows:
+        raise FutureMapError(f"{name} has {jnp.shape(x)[0]} rows, indices have {rows}")
+
+
+def check_array(name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype | None = None) -> None:
+    """FutureMapError unless `x` is given with exactly `shape` (and, given, `dtype`: the
+    declared dtype of a field that is not an int)."""
+    if x is None:
+        raise FutureMapError(f"{name} is missing")
+    if tuple(jnp.shape(x)) != shape:
+        raise FutureMapError(f"{name} must have shape {shape}, got {tuple(jnp.shape(x))}")
+    if dtype is not None and _dtype(x) != dtype:
+        raise errors.not_the_declared_dtype(name, _dtype(x), dtype)
+
+
+def check_int_array(name: str, x: Any) -> None:
+    """FutureMapError unless `x` is an integer array or scalar (of any shape)."""
+    if x is None or isinstance(x, str) or not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must be an int array, got {x!r}")
+
+
+def check_scalar_int(name: str, x: Any) -> None:
+    """FutureMapError unless `x` is a 0-d integer (the forward mode)."""
+    shape = np.shape(x)  # no jnp.shape: it refuses None and strings
+    if shape != () or not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must be an int scalar, got shape {shape} {_dtype(x)}")

@@ -1,11 +1,7 @@
-"""The two protocols' resolve bodies: what fills a batch's inputs at forward entry.
-
-Each runs after `ops.resolve`'s common head (argument checks, the mode, the ids) with the
-batch's slots `idx`, its mode (a host int, or traced) and the op's debug checks `chk`
-(None without debug); each returns (state, Resolved). The state changes only in debug
-mode: the consume poison written back where the resolve read. `ops.resolve` picks one by
-the map's protocol.
-"""
+"""Resolve, what fills a batch's inputs at forward entry: the batch checked, then its
+protocol's body, given the batch's slots `idx`, its mode (a host int, or traced) and the
+op's debug checks `chk` (None without debug). The state changes only in debug mode: the
+consume poison written back where the resolve read (`poison`)."""
 
 from __future__ import annotations
 
@@ -16,42 +12,157 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax.ops import checks, errors
-from fm_jax.ops import shapes as s
+from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.rows import (
-    POISON,
+from fm_jax.ops.relay_fields import DraftPayload, draft_payload
+from fm_jax.ops.rows import gather, gather_rows, scatter
+from fm_jax.ops.types import (
+    Batch,
+    ForwardMode,
+    FutureMapState,
     OpsConfig,
-    check_indices,
-    consumed_reads,
-    gather,
-    gather_draft,
-    poison,
-    poison_lengths,
+    Resolved,
+    check_1d_int,
+    check_rows,
+    check_scalar_int,
+    host_mode,
 )
-from fm_jax.ops.types import Batch, ForwardMode, FutureMapState, Resolved
+
+POISON = -1
+"""Debug-mode content of a consume-tracked slot with no unread write."""
 
 Reads = list[tuple[str, jax.Array, jax.Array, Any]]
 """Every read of a consume-tracked buffer: (field, values, slots read, whether this batch
 does the read: a traced mode's other kind does not)."""
 
 
+def check_indices(cfg: OpsConfig, name: str, indices: Any, into: Any = None) -> None:
+    """Shape checks; in debug mode the slot checks too, queued `into` the op's checks (or,
+    without them, emitted at once)."""
+    check_1d_int(name, indices, cfg.dtype)
+    if cfg.debug:
+        own = into or checks.OpChecks()
+        checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, own)
+        if into is None:
+            own.run()
+
+
+def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
+    """Fill the batch's placeholders from the buffers: its fields checked, then the
+    protocol's body (`resolve_sentinel` or `resolve_gather`)."""
+    dt, protocol = cfg.dtype, cfg.protocol
+    idx: jax.Array = batch.req_pool_indices  # type: ignore[assignment]  # traced here
+    chk = checks.OpChecks() if cfg.debug else None
+    if cfg.spec is None and batch.draft_indices is not None:
+        raise errors.draft_indices_on_plain_map()
+    if batch.token_slots is not None and not protocol.takes_token_slots:
+        raise errors.token_slots_in_sentinel_protocol()
+    check_indices(cfg, "req_pool_indices", idx, chk)
+    mode = batch.forward_mode
+    if isinstance(mode, int | np.integer):  # a host int branches when traced
+        mode = host_mode(mode, "forward_mode")
+    else:
+        check_scalar_int("forward_mode", mode)
+        if chk is not None:
+            top = max(int(m) for m in ForwardMode)
+            msg = (
+                f"[{checks.FORWARD_MODE}] forward_mode {{value}} is not a ForwardMode "
+                f"(0..{top}); the batch ran as one that is not DECODE"
+            )
+            traced: Any = mode
+            chk.add(None, lambda _: checks.check((traced >= 0) & (traced <= top), msg, dt, traced))
+    if batch.input_ids is None:
+        if not protocol.gathers_decode_ids:
+            raise FutureMapError("batch.input_ids is None: a sentinel-protocol batch has ids")
+        if not isinstance(mode, int | np.integer):
+            raise errors.no_ids_with_traced_mode("batch.")
+        if mode != ForwardMode.DECODE:
+            raise errors.no_ids_for_kind(ForwardMode(mode).name, "batch.")
+        batch = batch._replace(input_ids=jnp.zeros(jnp.shape(idx)[0], dt))
+    check_1d_int("input_ids", batch.input_ids, dt)
+    check_1d_int("seq_lens", batch.seq_lens, dt)
+    check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
+    fill = resolve_sentinel if protocol.invalidates else resolve_gather
+    return fill(cfg, state, batch, idx, mode, chk)
+
+
+def row_min(x: jax.Array) -> jax.Array:
+    """A row's smallest value (a row with a negative entry reads as one)."""
+    return x if x.ndim == 1 else x.reshape(x.shape[0], -1).min(axis=1)
+
+
+def gather_draft(
+    cfg: OpsConfig, state: FutureMapState, didx: jax.Array, *also: jax.Array
+) -> tuple[DraftPayload, list[jax.Array]]:
+    """The draft stashed at `didx` (every declared field, as its values), and the rows at
+    `didx` of the buffers `also`, read in the same gather."""
+    fields = cfg.fields
+    bufs = [*(rf.get(state, f.name) for f in fields), *also]
+    got = gather_rows(bufs, didx, cfg.one_kernel, cfg.dtype)
+    draft = draft_payload(
+        {f.name: rf.from_buffer(f, v, cfg.dtype) for f, v in zip(fields, got, strict=False)}
+    )
+    return draft, got[len(fields) :]
+
+
+def consumed_reads(
+    cfg: OpsConfig, draft: DraftPayload, didx: jax.Array
+) -> list[tuple[jax.Array, jax.Array]]:
+    """(one value per row, slots read) of each consume-tracked field a draft gather read."""
+    return [(row_min(jnp.asarray(rf.get(draft, name))), didx) for name in cfg.consumed]
+
+
+def poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """`rows` POISON values that data-depend on `seen`, a scalar reduced from every value
+    just gathered from the buffer. Without a data dependence from that read to this
+    in-place write, XLA's (CPU) copy insertion cannot prove their order and copies the
+    whole buffer, O(R) per resolve; `max(min(x, POISON), POISON)` is POISON for every x
+    yet survives the simplifier, for two flops (a scalar), not two per row."""
+    dep = jnp.maximum(jnp.minimum(seen.astype(dtype), POISON), POISON)
+    return jnp.broadcast_to(dep, (rows,))
+
+
+def poison(
+    state: FutureMapState,
+    slots: jax.Array,
+    maxima: jax.Array | None,
+    k: int | None,
+    field: str = "bonus_tokens",
+) -> FutureMapState:
+    """POISON written at `slots` (whole rows; slot R: dropped) to a consume-tracked field's
+    buffer or to `new_seq_lens`, ordered after the reads that `maxima[k]` (a check's
+    witness among the op's maxima) was reduced from."""
+    if maxima is None or k is None or slots.shape[0] == 0:
+        return state
+    lens = field == "new_seq_lens"
+    buf = state.new_seq_lens if lens else rf.get(state, field)
+    values = poison_after(maxima[k], slots.shape[0], buf.dtype)
+    values = jnp.broadcast_to(
+        values.reshape(-1, *(1,) * (buf.ndim - 1)), (slots.shape[0], *buf.shape[1:])
+    )
+    buf = scatter(buf, slots, values)
+    return state._replace(new_seq_lens=buf) if lens else rf.put(state, field, buf)
+
+
 def resolve_sentinel(
     cfg: OpsConfig, state: FutureMapState, batch: Batch, idx: jax.Array, mode: Any, chk: Any
 ) -> tuple[FutureMapState, Resolved]:
-    """The sentinel protocol's resolve.
-
-    1. DECODE: `seq_lens := new_seq_lens[req_pool_indices]` (debug: live rows > 0).
-    2. Non-spec: `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`.
-       Spec: with `batch.draft_indices`, gather the draft extras and bonus tokens.
-    3. Debug: consume check on what was gathered, then -1 written back to the batch's
-       slots (spec: the draft's) and, non-spec, to the slots its sentinels read.
-    """
+    """The sentinel protocol's resolve: DECODE `seq_lens := new_seq_lens[idx]`; non-spec
+    `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`; spec, with
+    `draft_indices`, the draft gathered. Debug: the consume check on what was gathered,
+    then -1 written back at the batch's slots (spec: the draft's) and, non-spec, at the
+    slots its sentinels read."""
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     known = isinstance(mode, int | np.integer)
     if spec is not None and known and mode == ForwardMode.MIXED:
         raise errors.spec_mixed_in_sentinel_protocol()
     if spec is not None and chk is not None and not known:
-        checks.no_spec_mixed(mode, dt, chk)
+        # A spec MIXED batch's running rows' sentinels would reach the forward unfilled.
+        msg = (
+            f"[{checks.BATCH_FIELDS}] a spec MIXED batch (forward_mode {{value}}) in the "
+            "sentinel protocol: its running rows' ids and lengths were not filled"
+        )
+        chk.add(None, lambda _: checks.check(mode != ForwardMode.MIXED, msg, dt, mode))
     if known:
         # The mode is known when traced: only a DECODE executable gathers lengths.
         decode = int(mode) == ForwardMode.DECODE
@@ -81,12 +192,12 @@ def resolve_sentinel(
         if chk is not None:
             maxima = chk.run()
             if restored is not None:
-                state = poison_lengths(state, restored, maxima, k_len)
+                state = poison(state, restored, maxima, k_len, "new_seq_lens")
         # A prefill batch: no draft input.
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
     didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
     check_indices(cfg, "draft_indices", didx, chk)
-    s.check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
+    check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
     draft, _ = gather_draft(cfg, state, didx)
     if chk is not None:
         reads = consumed_reads(cfg, draft, didx)
@@ -99,7 +210,7 @@ def resolve_sentinel(
         for f in cfg.consumed:
             state = poison(state, didx, maxima, k, f)
         if restored is not None:
-            state = poison_lengths(state, restored, maxima, k_len)
+            state = poison(state, restored, maxima, k_len, "new_seq_lens")
     return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
 
@@ -134,18 +245,15 @@ def _fill_sentinels(
 def resolve_gather(
     cfg: OpsConfig, state: FutureMapState, batch: Batch, idx: jax.Array, mode: Any, chk: Any
 ) -> tuple[FutureMapState, Resolved]:
-    """The gather protocol's resolve: build the forward's inputs at its entry.
+    """The gather protocol's resolve: the forward's inputs built at its entry.
 
     Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`
-    (padding rows 0, padded with 0 to T); MIXED the given ids where `token_slots` is 0,
-    else `output_tokens[token_slots]`. Token slots apply to any batch that is not DECODE
-    (an executable that fixes 'not DECODE' serves EXTEND, MIXED and IDLE alike); only a
-    MIXED batch has a nonzero one. Lengths: as given, except a spec DECODE batch's (it has
-    a draft input): `new_seq_lens[draft_indices]`, the verified lengths last published;
-    and a spec MIXED batch's running rows (`_bind_running_lengths`). Debug: every gather
-    from `output_tokens` is consume-checked, and -1 written back at exactly the live
-    slots it read (`_consume_reads`). A traced mode gathers for DECODE and MIXED both and
-    selects per row: O(B + T) either way.
+    (padding rows 0, padded with 0 to T); MIXED `output_tokens[token_slots]` where a token
+    slot is nonzero. Lengths: as given, except a spec DECODE batch's (the verified ones
+    last published, `new_seq_lens[draft_indices]`) and a spec MIXED batch's running rows'
+    (`_bind_running_lengths`). Debug: every gather from a consume-tracked buffer is
+    checked and -1 written back at the live slots it read (`_consume_reads`). A traced
+    mode gathers for DECODE and MIXED both and selects per row: O(B + T) either way.
     """
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     ids = jnp.asarray(batch.input_ids, dt)
@@ -153,10 +261,9 @@ def resolve_gather(
     ts_in = batch.token_slots
     known = isinstance(mode, int | np.integer)
     is_decode: Any = mode == ForwardMode.DECODE
-    # Gathers at its token slots. A mode fixed when traced is 'DECODE or not' (one
+    # Gathers at its token slots: a mode fixed when traced is 'DECODE or not' (one
     # executable serves EXTEND, MIXED and IDLE; the host refuses token slots on a batch
-    # that is not MIXED); a traced mode gathers only when MIXED (debug reports token slots
-    # on another kind).
+    # not MIXED); a traced mode only when MIXED (debug reports another kind's).
     takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
     if known:
         if mode == ForwardMode.MIXED and ts_in is None:
@@ -169,21 +276,34 @@ def resolve_gather(
     out = ids
     ts_read: jax.Array | None = None  # the token slots, where this executable reads them
     if ts_in is not None and (not known or takes_slots):
-        s.check_1d_int("token_slots", ts_in, dt)
-        s.check_rows("token_slots", ts_in, t)
+        check_1d_int("token_slots", ts_in, dt)
+        check_rows("token_slots", ts_in, t)
         ts = jnp.asarray(ts_in, dt)
         if chk is not None:
             checks.valid_slots("token_slots", ts, r, dt, chk)
-            if not known:
-                checks.token_slots_only_mixed(mode, ts, dt, chk)
+            if not known:  # only a MIXED batch's token slots gather
+                msg = (
+                    f"[{checks.BATCH_FIELDS}] token_slots name slot {{value}} in a batch that "
+                    "is not MIXED (only a MIXED batch's running rows gather; the slot was not "
+                    "read)"
+                )
+                other = mode != ForwardMode.MIXED
+                chk.add(
+                    checks.witness(other & (ts > 0), ts),
+                    lambda slot: checks.check(slot == 0, msg, dt, slot),
+                )
         got = gather(state.output_tokens, ts)
         # A token slot of 0 keeps the host's id: slot 0 (padding) is never gathered, and
         # the consume check skips its reads.
         reads.append(("bonus_tokens", got, ts, takes_slots))
         ts_read = ts
         out = jnp.where(takes_slots & (ts > 0), got, out)
-    elif chk is not None and not known:
-        checks.token_slots_only_mixed(mode, None, dt, chk)
+    elif chk is not None and not known:  # a MIXED batch brings token slots
+        msg = (
+            f"[{checks.BATCH_FIELDS}] a MIXED batch (forward_mode {{value}}) came without "
+            "token_slots: its running rows kept the host's ids"
+        )
+        chk.add(None, lambda _: checks.check(mode != ForwardMode.MIXED, msg, dt, mode))
     if spec is None and (not known or is_decode):
         if t < b:
             raise FutureMapError(
@@ -191,7 +311,7 @@ def resolve_gather(
             )
         got = gather(state.output_tokens, idx)
         reads.append(("bonus_tokens", got, idx, is_decode))
-        # Padding rows (slot 0) get id 0, as in the sentinel protocol, not slot 0's garbage.
+        # Padding rows (slot 0) get id 0, not slot 0's garbage.
         got = jnp.where(idx > 0, got, 0)
         out = jnp.where(is_decode, jnp.pad(got, (0, t - b)), out)
     seq_lens = jnp.asarray(batch.seq_lens, dt)
@@ -202,7 +322,7 @@ def resolve_gather(
     if batch.draft_indices is not None:
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices(cfg, "draft_indices", didx, chk)
-        s.check_rows("draft_indices", didx, b)
+        check_rows("draft_indices", didx, b)
         # A spec DECODE batch's lengths are the verified ones last published; any other
         # kind keeps the host's (a rank prefilling beside a spec decoding one).
         draft, (got,) = gather_draft(cfg, state, didx, state.new_seq_lens)
@@ -215,7 +335,7 @@ def resolve_gather(
     if chk is not None:
         state, maxima = _consume_reads(cfg, state, reads, chk)
         if consumed is not None:
-            state = poison_lengths(state, consumed[0], maxima, consumed[1])
+            state = poison(state, consumed[0], maxima, consumed[1], "new_seq_lens")
     return state, Resolved(out, seq_lens, draft)
 
 
