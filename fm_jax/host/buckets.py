@@ -81,11 +81,12 @@ def decode_ids(rows: int, token_buckets: tuple[int, ...]) -> int:
 
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-    """Pad `x` with zero rows to `rows` leading entries (slot 0, token 0, length 0)."""
+    """`x` with zero rows (slot 0, token 0, length 0) up to `rows` leading entries."""
     if x.shape[0] == rows:
         return x
-    pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-    return np.pad(x, pad)
+    out = np.zeros((rows, *x.shape[1:]), x.dtype)
+    out[: x.shape[0]] = x
+    return out
 
 
 def pad_to_bucket(x: np.ndarray, buckets: Sequence[int] | None = None) -> np.ndarray:
