@@ -17,16 +17,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from fm_jax.host.buckets import Rows
 from fm_jax.host.pack import PackSpec, pack, pack_leaves
-from fm_jax.host.validate import StepInput
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.types import Batch, DraftPayload, ForwardMode
-
-OPS = ("publish", "stash", "finish", "sentinels", "seq_lens_at", "resolve", "step")
-"""The executables' operations: the class's entry points, and an engine's whole step."""
-
-MODES = ("extend", "decode", "traced")
-"""A resolve's batch kind: fixed when traced (not DECODE, DECODE), or an argument."""
 
 FIXED_MODES = {m.name.lower(): m for m in ForwardMode}
 """The ForwardMode a fixed-mode executable is traced with, by its key's mode: a resolve's
@@ -37,11 +31,13 @@ class Key(NamedTuple):
     """One executable: an operation and the static sizes and inputs it was traced for.
 
     Attributes:
-      op: one of OPS.
+      op: a class entry point ('publish', 'stash', 'finish', 'sentinels', 'seq_lens_at',
+        'resolve') or an engine's whole 'step'.
       rows: rows per DP rank (a batch bucket).
       tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
       draft, slots: a resolve with draft indices; with token slots.
-      mode: a resolve's or a step's mode (one of MODES); '' for the other ops.
+      mode: a resolve's kind fixed in it ('extend': not DECODE, 'decode') or 'traced' (an
+        argument); a step's fixed mode is its ForwardMode's name; '' for the other ops.
       checked: a debug map's tail op with its slot checks (False: slots already checked,
         on the host or by the last resolve).
       ids: a resolve that places input ids (False: a gather-protocol DECODE, T = B).
@@ -90,44 +86,6 @@ def writes_state(op: str, debug: bool) -> bool:
 def takes_state(op: str) -> bool:
     """Whether `op`'s executable takes the state first (all but the sentinels)."""
     return op != "sentinels"
-
-
-Placer = Callable[[Any], Any] | None
-"""A value of a decided layout -> what the executable takes; None: taken as it is."""
-
-
-class Rows(NamedTuple):
-    """One input's row layout (which inputs matched to it follow) and its placer; with
-    `array`, a value placed.
-
-    Attributes:
-      array: what the executable takes (a host array, or the caller's jax array); None in
-        a decision.
-      size: rows per DP rank after padding (a bucket size).
-      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
-      by_rank: given as a mapping DP rank -> rows.
-      place: the placer of values of this layout (None: a jax array, taken as it is).
-    """
-
-    array: Any
-    size: int
-    counts: tuple[int, ...] | None
-    by_rank: bool
-    place: Placer = None
-
-    @property
-    def empty(self) -> bool:
-        """No real row on any rank (an idle call)."""
-        return self.counts is not None and not any(self.counts)
-
-    def has_rows(self, rank: int) -> bool:
-        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
-        return self.counts is None or bool(self.counts[rank])
-
-    def placed(self, x: Any) -> Rows:
-        """`x` placed, with this row layout."""
-        place = self.place
-        return Rows(x if place is None else place(x), self.size, self.counts, self.by_rank, place)
 
 
 class Placed(NamedTuple):
@@ -183,7 +141,7 @@ def signature(
 
 
 def resolve_values(
-    batch: Any, step: Sequence[StepInput] | None, inputs: Mapping[str, Any] | None
+    batch: Any, step: Sequence[Any] | None, inputs: Mapping[str, Any] | None
 ) -> tuple[Any, ...]:
     """A resolve call's values in decision order: the batch's fields, then the declared
     inputs (() for a call with no layout: a mapping of ranks, inputs not a dict)."""
@@ -241,22 +199,6 @@ class Decision:
         check (True picks the checked key), or None.
       packed: the arguments go as one packed host buffer and the device leaves (a step).
     """
-
-    __slots__ = (
-        "_device",
-        "_host",
-        "_keys",
-        "assemble",
-        "batch_check",
-        "idx",
-        "idx_at",
-        "key",
-        "key_for",
-        "lens_at",
-        "pack",
-        "packed",
-        "placers",
-    )
 
     def __init__(
         self,

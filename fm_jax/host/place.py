@@ -15,12 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import resolve_sizes
+from fm_jax.host.buckets import Rows, resolve_sizes
 from fm_jax.host.decisions import (
     Decision,
     Key,
     Placed,
-    Rows,
     constant,
     payload_kind,
     payload_values,
