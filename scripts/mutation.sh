@@ -96,8 +96,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         # Host inputs and their value checks: the class's and the engine step's refusals,
         # the twins' shared judgements (int casts, declared dtypes, one id per row).
         jax-inputs|jax-host-checks) local r=tests/test_reliability.py
-                     echo "tests/test_fm_jax_plans.py tests/test_fm_jax_inputs.py tests/test_fm_jax_validate.py
-                           tests/test_fm_jax_host_inputs.py
+                     echo "tests/test_fm_jax_decisions.py tests/test_fm_jax_inputs.py tests/test_fm_jax_validate.py
+                           tests/test_fm_jax_declarations.py
                            tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                            $table::test_fm_jax_class_refuses_and_keeps_every_byte
                            $r::test_host_negative_tokens_and_lengths_are_refused_by_both_twins

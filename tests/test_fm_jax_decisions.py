@@ -39,7 +39,7 @@ def _flat(x: Any) -> list[tuple[Any, ...]]:
 
 def _fresh_resolve(p: Any, batch: Any, rows: Any, tokens: Any, **kw: Any) -> Any:
     """The call placed by a decision made afresh for it."""
-    decision, given = p._batches.decide(batch, rows, tokens, kw.get("step"), kw.get("inputs"))
+    decision, given = p.decide(batch, rows, tokens, kw.get("step"), kw.get("inputs"))
     return decision.run(given)
 
 
@@ -168,8 +168,8 @@ def test_a_layout_seen_before_is_not_decided_again() -> None:
     for _ in range(2):  # the first call of a layout is decided and remembered
         fm.resolve(fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32)))
     calls = []
-    decide = fm._placement._batches.decide
-    fm._placement._batches.decide = lambda *a: calls.append(a) or decide(*a)  # type: ignore[method-assign]
+    decide = fm._placement.decide
+    fm._placement.decide = lambda *a: calls.append(a) or decide(*a)  # type: ignore[method-assign]
     fm.resolve(fj.Batch(E, slots, np.array([5, 6], np.int32), np.ones(2, np.int32)))
     assert calls == []
     fm.resolve(fj.Batch(E, slots, np.array([5, 6, 7], np.int32), np.ones(2, np.int32)))
@@ -188,8 +188,8 @@ def test_an_engine_step_without_declared_inputs_is_decided_once(given: Any) -> N
     for _ in range(2):  # the first call of a layout is decided and remembered
         step(batch, inputs=given)
     calls = []
-    decide = fm._placement._batches.decide
-    fm._placement._batches.decide = lambda *a: calls.append(a) or decide(*a)  # type: ignore[method-assign]
+    decide = fm._placement.decide
+    fm._placement.decide = lambda *a: calls.append(a) or decide(*a)  # type: ignore[method-assign]
     out = step(batch._replace(input_ids=np.array([5, 6], np.int32)), inputs=given)
     assert calls == []
     assert np.asarray(out.out)[:2].tolist() == [1, 1]

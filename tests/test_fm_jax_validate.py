@@ -1,11 +1,13 @@
-"""The host value checks (fm_jax/host/validate.py) met directly, where a map of this
-process cannot reach them: a recorded plan's checker against the general path's check, and
-the batch rules of a map of several DP ranks (the in-process maps have one; the 8-device
-subprocess tests build the others, end to end)."""
+"""The host checks (fm_jax/host/validate.py) met directly, where a map of this process
+cannot reach them: a layout's checker against the general path's check, and the batch
+rules of a map of several DP ranks (the in-process maps have one; the 8-device subprocess
+tests build the others, end to end); a batch's protocol rules asked once and each of its
+host modes parsed once."""
 
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 import jax.numpy as jnp
@@ -152,3 +154,46 @@ def test_token_slots_of_a_batch_that_is_not_mixed_are_refused_unless_host_zeros(
     after = fm.buffers()
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert fm.step == 0
+
+
+@pytest.mark.parametrize("protocol", ["sentinel", "gather"])
+def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pins the general path ping-ponging between the batch and its protocol: the host
+    rules asked at four sites per batch (which ids, kinds against token slots, modes, spec
+    MIXED, ids per row), each parsing the forward mode again. A batch's layout is ruled by
+    one call (`Protocol.rules`) and each of its host modes parsed once."""
+    fm = fj.FutureMap(R, protocol=protocol, batch_buckets=(2, 4), token_buckets=(2, 4))
+    asked: list[str] = []
+    device_side = {"resolve", "sentinels", "next_batch", "resolve_variants", "step_modes"}
+    for cls in (validate.Protocol, type(fm._placement.protocol)):
+        for name, fn in list(vars(cls).items()):
+            if callable(fn) and not name.startswith("__") and name not in device_side:
+                if name == "check_ids":  # the value rule of one ids field, not the batch's
+                    continue
+
+                def counted(*args: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
+                    asked.append(_name)
+                    return _fn(*args, **kw)
+
+                monkeypatch.setattr(cls, name, counted)
+    parsed: list[Any] = []
+    original = validate.host_mode
+
+    def host_mode(mode: Any, where: str) -> Any:
+        parsed.append(mode)
+        return original(mode, where)
+
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("fm_jax") and getattr(module, "host_mode", None) is original:
+            monkeypatch.setattr(module, "host_mode", host_mode)
+    ids = (
+        None if protocol == "gather" else -np.array([1, 2], np.int32)
+    )  # gather: a DECODE's ids are gathered
+    batch = fj.Batch(
+        np.array([D], np.int32), np.array([1, 2], np.int32), ids, np.array([3, 4], np.int32)
+    )
+    fm._placement.resolve(batch)
+    assert asked == ["rules"]
+    assert len(parsed) == 1, parsed

@@ -1,9 +1,11 @@
-"""Size buckets: pad host arrays so that a bounded set of shapes reaches the compiler."""
+"""Size buckets: host arrays padded so that a bounded set of shapes reaches the compiler;
+an input's row layout (`Rows`)."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,17 +48,13 @@ def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
 def resolve_sizes(
     rows: int, tokens: int, batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...]
 ) -> tuple[int, int]:
-    """The per-rank (rows, tokens) a resolve is padded to: a function of the token bucket.
+    """The per-rank (rows, tokens) a resolve is padded to: a function of the token bucket,
+    so resolve compiles once per token bucket (and mode), not per (batch, token) pair.
 
     Tokens go to the smallest token bucket holding max(tokens, rows); rows to the batch
-    bucket of min(that, the largest batch bucket). A batch has at least one token per row
-    (a decode row one, a prefill row its chunk), so rows <= tokens (where the batch buckets
-    skip past a token bucket, its tokens go up to the next one that holds the rows); a spec
-    batch may carry fewer ids than rows, and its ids are padded up to its rows. Either way
-    the pair is
-    fixed by one token bucket: resolve compiles once per token bucket (and mode), not once
-    per (batch bucket, token bucket) pair, at the price of padding a prefill batch's rows
-    up to its token bucket (row work is a few flops a row).
+    bucket of min(that, the largest batch bucket). A batch has a token per row at least
+    (a spec batch's fewer ids are padded up to its rows), so rows <= tokens. The price:
+    a prefill batch's rows are padded up to its token bucket (a few flops a row).
 
     Args:
       rows, tokens: per-rank sizes (already padded, or real counts).
@@ -81,11 +79,12 @@ def decode_ids(rows: int, token_buckets: tuple[int, ...]) -> int:
 
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-    """Pad `x` with zero rows to `rows` leading entries (slot 0, token 0, length 0)."""
+    """`x` with zero rows (slot 0, token 0, length 0) up to `rows` leading entries."""
     if x.shape[0] == rows:
         return x
-    pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-    return np.pad(x, pad)
+    out = np.zeros((rows, *x.shape[1:]), x.dtype)
+    out[: x.shape[0]] = x
+    return out
 
 
 def pad_to_bucket(x: np.ndarray, buckets: Sequence[int] | None = None) -> np.ndarray:
@@ -101,3 +100,41 @@ def pad_to_bucket(x: np.ndarray, buckets: Sequence[int] | None = None) -> np.nda
     a = np.asarray(x)
     bs = normalize_buckets(buckets) if buckets is not None else power_of_two_buckets(8192)
     return pad_rows(a, bucket_for(a.shape[0], bs, "rows"))
+
+
+Placer = Callable[[Any], Any] | None
+"""A value of a decided layout -> what the executable takes; None: taken as it is."""
+
+
+class Rows(NamedTuple):
+    """One input's row layout (which inputs matched to it follow) and its placer; with
+    `array`, a value placed.
+
+    Attributes:
+      array: what the executable takes (a host array, or the caller's jax array); None in
+        a decision.
+      size: rows per DP rank after padding (a bucket size).
+      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
+      by_rank: given as a mapping DP rank -> rows.
+      place: the placer of values of this layout (None: a jax array, taken as it is).
+    """
+
+    array: Any
+    size: int
+    counts: tuple[int, ...] | None
+    by_rank: bool
+    place: Placer = None
+
+    @property
+    def empty(self) -> bool:
+        """No real row on any rank (an idle call)."""
+        return self.counts is not None and not any(self.counts)
+
+    def has_rows(self, rank: int) -> bool:
+        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
+        return self.counts is None or bool(self.counts[rank])
+
+    def placed(self, x: Any) -> Rows:
+        """`x` placed, with this row layout."""
+        place = self.place
+        return Rows(x if place is None else place(x), self.size, self.counts, self.by_rank, place)

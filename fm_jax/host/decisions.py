@@ -1,63 +1,50 @@
 """A call's placement decided once per layout, and the one function that places its values.
 
-A call's layout is its op, the explicit sizes, and per value its kind (a host array, a
-jax array, None, a host ForwardMode), shape and dtype (`signature`). Everything placement
-works out from the layout alone (the padded sizes, the executable's key, each value's
-placer, how the arguments are assembled, the protocol's rules on kinds and counts) is a
-`Decision`. `Decision.run(values)` places a call: each value through its placer (its value
-checks and padding; a jax array as it is), the batch's value rules, the packing. The first
-call of a layout runs the decision it was just given; a later call of the layout looks the
-decision up and runs it; a call with no layout (a mapping of ranks, a list, a plain int
-mode) is decided afresh each time. There is no other placer. Each input's part of a
-decision is a `Field` (`host_inputs` decides it); what it places is `Rows`.
-
-Which executable serves a call is its `Key` (made by the decision, read by the registry):
-the class, its engine steps, warm-up and the serving guard all key executables by it, so a
-call finds what warm-up compiled for it by construction.
+A call's layout (`signature`) is its op, the explicit sizes, and per value its kind (a host
+array, a jax array, None, a host ForwardMode), shape and dtype. A `Decision` holds all that
+placement works out from the layout alone: the key, each value's placer, how arguments are
+assembled, the batch's value rules. `Decision.run(values)` places every call of the layout,
+its first included; a call with no layout (a mapping of ranks, a list, a plain int mode)
+is decided afresh each time. The `Key` names the executable: the class, its engine steps,
+warm-up and the serving guard all key executables by it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from fm_jax.host.packing import PackSpec, pack, pack_leaves
-from fm_jax.ops.types import ForwardMode
-
-OPS = ("publish", "stash", "finish", "sentinels", "seq_lens_at", "resolve", "step")
-"""The executables' operations: the class's entry points, and an engine's whole step."""
-
-MODES = ("extend", "decode", "traced")
-"""How a resolve (or a step) knows its batch's kind: fixed when traced, not DECODE or
-DECODE (no branch in the executable), or traced (the mode is an argument)."""
+from fm_jax.host.buckets import Rows
+from fm_jax.host.pack import PackSpec, pack, pack_leaves
+from fm_jax.ops import relay_fields as rf
+from fm_jax.ops.relay_fields import DraftPayload
+from fm_jax.ops.types import Batch, ForwardMode
 
 FIXED_MODES = {m.name.lower(): m for m in ForwardMode}
-"""The ForwardMode a fixed-mode executable is traced with, by its key's mode. A resolve's
-relay depends on the kind only (DECODE or not): its keys use 'extend' for every batch that
-is not DECODE. An engine step's forward sees the mode itself: its keys name it exactly."""
+"""The ForwardMode a fixed-mode executable is traced with, by its key's mode: a resolve's
+keys use 'extend' for every kind but DECODE; an engine step's name its mode exactly."""
 
 
 class Key(NamedTuple):
     """One executable: an operation and the static sizes and inputs it was traced for.
 
     Attributes:
-      op: one of OPS.
+      op: a class entry point ('publish', 'stash', 'finish', 'sentinels', 'seq_lens_at',
+        'resolve') or an engine's whole 'step'.
       rows: rows per DP rank (a batch bucket).
       tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
-      draft: a resolve with draft indices.
-      slots: a resolve with token slots.
-      mode: a resolve's or a step's mode (one of MODES); '' for the other ops.
+      draft, slots: a resolve with draft indices; with token slots.
+      mode: a resolve's kind fixed in it ('extend': not DECODE, 'decode') or 'traced' (an
+        argument); a step's fixed mode is its ForwardMode's name; '' for the other ops.
       checked: a debug map's tail op with its slot checks (False: slots already checked,
         on the host or by the last resolve).
-      ids: a resolve that places input ids (False: a gather-protocol DECODE whose ids are
-        gathered, T = B); a spec DECODE at the same sizes may come either way.
+      ids: a resolve that places input ids (False: a gather-protocol DECODE, T = B).
       confidence: a publish or finish that also writes confidence rows (and returns a copy
         of the confidence buffer for its host ring).
-      omits: a partial stash's (or finish's) declared fields left out, in stash order; ()
-        for a full one. Which fields a draft carries is its pytree structure: static.
+      omits: a partial stash's (or finish's) declared fields left out, in stash order.
     """
 
     op: str
@@ -92,63 +79,14 @@ class Key(NamedTuple):
 
 
 def writes_state(op: str, debug: bool) -> bool:
-    """Whether `op` writes the map's state, so takes it donated: the tail ops always,
-    resolve only in debug (the consume poison), a step always."""
+    """Whether `op` writes the map's state, so takes it donated (resolve only in debug:
+    the consume poison)."""
     return op in ("publish", "stash", "finish", "step") or (debug and op == "resolve")
 
 
 def takes_state(op: str) -> bool:
     """Whether `op`'s executable takes the state first (all but the sentinels)."""
     return op != "sentinels"
-
-
-Layout = tuple[Any, ...]
-"""A call's layout (`signature`): hashable."""
-
-
-Placer = Callable[[Any], Any] | None
-"""A value of a decided layout -> what the executable takes; None: taken as it is."""
-
-
-class Rows(NamedTuple):
-    """One placed input, and the row layout that inputs matched to it must follow.
-
-    Attributes:
-      array: what the executable takes (a host array, or the caller's jax array).
-      size: rows per DP rank after padding (a bucket size).
-      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
-      by_rank: given as a mapping DP rank -> rows.
-    """
-
-    array: Any
-    size: int
-    counts: tuple[int, ...] | None
-    by_rank: bool
-
-    @property
-    def empty(self) -> bool:
-        """No real row on any rank (an idle call)."""
-        return self.counts is not None and not any(self.counts)
-
-    def has_rows(self, rank: int) -> bool:
-        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
-        return self.counts is None or bool(self.counts[rank])
-
-
-class Field(NamedTuple):
-    """One input decided from its form: its row layout (as `Rows` has it) and the placer
-    of values of this layout (None: a jax array, taken as it is)."""
-
-    size: int
-    counts: tuple[int, ...] | None
-    by_rank: bool
-    place: Placer
-
-    def rows(self, x: Any) -> Rows:
-        """`x` placed, with this field's row layout."""
-        return Rows(
-            x if self.place is None else self.place(x), self.size, self.counts, self.by_rank
-        )
 
 
 class Placed(NamedTuple):
@@ -161,7 +99,7 @@ class Placed(NamedTuple):
       pack: the packing layout of `args` (None: not packed); part of the executable's
         identity.
       idx: the slots as placed (their real rows per rank, for host lengths and debug).
-      lens: a tail's lengths as placed (for the host copy of the lengths); else None.
+      lens: a tail's lengths as placed (for their host copy); else None.
     """
 
     key: Key
@@ -192,7 +130,7 @@ def _kind(x: Any) -> Any:
 
 def signature(
     op: str, values: Sequence[Any], rows: int | None, tokens: int | None, kinds: Any = None
-) -> Layout | None:
+) -> tuple[Any, ...] | None:
     """The layout of a call of `op` on `values` (None: a call with no layout, such as a
     mapping of ranks, a list, an empty jax array or a plain int mode)."""
     if not values:
@@ -203,9 +141,48 @@ def signature(
         return None
 
 
+def resolve_values(
+    batch: Any, step: Sequence[Any] | None, inputs: Mapping[str, Any] | None
+) -> tuple[Any, ...]:
+    """A resolve call's values in decision order: the batch's fields, then the declared
+    inputs (() for a call with no layout: a mapping of ranks, inputs not a dict)."""
+    if type(batch) is not Batch:
+        return ()
+    head = tuple(batch)
+    if step is None:
+        return head
+    if inputs is None:  # as `{}` (refused later if some are declared)
+        inputs = {}
+    if type(inputs) is not dict or len(inputs) != len(step):
+        return ()
+    try:
+        return head + tuple(inputs[d.name] for d in step)
+    except KeyError:
+        return ()
+
+
+def payload_values(fields: tuple[rf.RelayField, ...], payload: Any) -> tuple[Any, ...]:
+    """A tail call's payload leaves in decision order (a DraftPayload: its declared fields)."""
+    if type(payload) is DraftPayload:
+        if payload.extras is not None and type(payload.extras) is not dict:
+            return (payload,)  # refused when decided, named there
+        return tuple(rf.get(payload, f.name) for f in fields)
+    if payload is None:  # a publish: no payload leaves
+        return (None,) * max(len(fields), 1)
+    return (payload,)
+
+
+def payload_kind(payload: Any) -> Any:
+    """What a payload is, for a layout's signature: tokens, or a DraftPayload's field set."""
+    if type(payload) is DraftPayload:
+        extras = () if payload.extras is None else tuple(sorted(payload.extras))
+        return ("draft", extras)
+    return "rows"
+
+
 def constant(value: Any) -> Callable[[Any], Any]:
-    """A placer that places `value` whatever it is given (a mode fixed in the executable:
-    None; ids that are never read: zeros)."""
+    """A placer that places `value` whatever it is given (a mode fixed in the executable;
+    ids never read)."""
     return lambda _: value
 
 
@@ -216,30 +193,13 @@ class Decision:
       key: the executable's key (`key_for` may pick its checked twin per call).
       placers: per value, in the call's order, its placer (None: taken as it is).
       assemble: the placed values -> the executable's arguments.
-      idx: the slots' field; `idx_at` its position among the values.
+      idx: the slots' layout; `idx_at` their position among the values.
       lens_at: a tail's lengths' position (its host copy), or None.
-      batch_check: the batch's value rules on a call's values and their placed arrays,
-        or None.
+      batch_check: the batch's value rules on a call's values and placed arrays, or None.
       key_for: a debug map's tail op: whether the placed slots still need their device
         check (True picks the checked key), or None.
       packed: the arguments go as one packed host buffer and the device leaves (a step).
     """
-
-    __slots__ = (
-        "_device",
-        "_host",
-        "_keys",
-        "assemble",
-        "batch_check",
-        "idx",
-        "idx_at",
-        "key",
-        "key_for",
-        "lens_at",
-        "pack",
-        "packed",
-        "placers",
-    )
 
     def __init__(
         self,
@@ -247,7 +207,7 @@ class Decision:
         placers: Sequence[Callable[[Any], Any] | None],
         assemble: Callable[[list[Any]], tuple[Any, ...]],
         *,
-        idx: Field,
+        idx: Rows,
         idx_at: int,
         lens_at: int | None = None,
         batch_check: Callable[[Sequence[Any], list[Any]], None] | None = None,
@@ -272,7 +232,7 @@ class Decision:
         if self.batch_check is not None:
             self.batch_check(values, placed)
         idx = self.idx
-        rows = Rows(placed[self.idx_at], idx.size, idx.counts, idx.by_rank)
+        rows = Rows(placed[self.idx_at], idx.size, idx.counts, idx.by_rank, idx.place)
         key = self.key if self.key_for is None else self._keys[self.key_for(rows)]
         lens = None if self.lens_at is None else placed[self.lens_at]
         if not self.packed:
@@ -285,9 +245,8 @@ class Decision:
         return Placed(key, (buffer, tuple(placed[i] for i in self._device)), self.pack, rows, lens)
 
     def _layout(self, spec: PackSpec, placed: list[Any]) -> None:
-        """Record `spec`, the packing of this decision's arguments made from its first
-        call's placed values, and which positions are host leaves (packed, in tree order)
-        and which device leaves (beside the buffer)."""
+        """Record `spec`, the packing laid out by the first call, and which value positions
+        are its host leaves (packed, in tree order) and which its device leaves."""
         self.pack = spec
         markers = [None if x is None else i for i, x in enumerate(placed)]
         order = jax.tree_util.tree_leaves(self.assemble(markers))

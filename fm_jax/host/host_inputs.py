@@ -1,20 +1,16 @@
 """What a FutureMap's caller passes, decided once per layout and placed by one placer.
 
-Three forms, judged by the same rules on one device and on a mesh (one device is the
-one-rank layout):
+Three forms, judged alike on one device (the one-rank layout) and on a mesh:
 - a host array (numpy, a list): global rows, each DP rank's rows end to end, the same
-  number per rank (one device: any number). Checked by value (`validate`), each rank's part
-  padded with zero rows (slot 0, token 0) to a bucket, and handed to the executable as a
-  host array: the jit transfers it while dispatching.
-- a jax array: global rows as the executable takes them, each rank's part already a
-  bucket size; not read here (no sync), taken as it is.
-- a mapping DP rank -> host array (rank-local slots): the ranks of this process; a local
-  rank left out is idle (all padding). Every rank is padded to one size.
-
-Each method decides from an input's form, shape and dtype alone (refusing what they
-break, naming the field) and returns its `Field`: its sizes and its placer, the one
-function that checks a value of that layout (`validate`) and pads it, before anything
-reaches the device. A jax array is not read: in debug mode the op checks it on the device.
+  number per rank. Checked by value (`validate`), each rank's part padded with zero rows
+  (slot 0, token 0) to a bucket; the jit transfers it while dispatching.
+- a jax array: global rows, each rank's part already a bucket size; not read (no sync):
+  a debug map checks it on the device.
+- a mapping DP rank -> host array: the ranks of this process; a local rank left out is
+  idle (all padding).
+Each method decides from an input's form, shape and dtype alone, refusing what they break
+(naming the field), and returns its `Rows`: its sizes and its placer, the one function
+that checks (`validate`) and pads a value of that layout.
 """
 
 from __future__ import annotations
@@ -25,12 +21,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import bucket_for
-from fm_jax.host.decisions import Field, Placer, Rows
-from fm_jax.host.validate import INTS, HostChecks, row_kind
+from fm_jax.host.buckets import Placer, Rows, bucket_for, pad_rows
+from fm_jax.host.validate import INTS, HostChecks, StepInput, row_kind
+from fm_jax.ops import errors
+from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.relay_fields import storable
+from fm_jax.ops.relay_fields import RelayField, SpecConfig, payload_rows, storable
 from fm_jax.ops.sharding import MeshLayout
 
 
@@ -59,14 +56,12 @@ class HostInputs:
         self._safe = self.checks.safe
         self._zeros = np.zeros(0, dtype)
 
-    # ----------------------------------------------------------------- the placer
     def placer(
         self, name: str, kind: str, size: int, into: np.dtype | None, x: Any, cast: Any = None
     ) -> Callable[[Any], Any]:
         """The placer of values shaped like `x` (host rows, global or a mapping of ranks):
         each rank's rows checked as `kind` (`HostChecks.check`, into `into`) and padded to
-        `size` rows. `cast`: the declared dtype host rows are first cast to where no value
-        can change (an engine's step input)."""
+        `size` rows, first cast to `cast` where no value can change (a step input)."""
         check = self.checks.check
         ranked = (lambda d: f"{name}[rank {d}]") if self.dp > 1 else (lambda d: name)
 
@@ -85,7 +80,7 @@ class HostInputs:
         checker = self.checks.checker(kind, name, a.dtype, into)
         n, tail = a.shape[0], a.shape[1:]
 
-        def pad(v: np.ndarray) -> np.ndarray:
+        def pad(v: np.ndarray) -> np.ndarray:  # inline: a steady call visits no other module
             out = np.zeros((size, *tail), v.dtype)
             out[:n] = v
             return out
@@ -98,7 +93,6 @@ class HostInputs:
             return lambda v: pad(checker(v))
         return checker if n == size else pad  # type: ignore[return-value]
 
-    # ----------------------------------------------------------------- forms
     def _rank_parts(self, name: str, x: Mapping[Any, Any], cast: Any = None) -> dict[int, Any]:
         """A per-rank mapping's host arrays by rank, keys checked."""
         out = {}
@@ -113,7 +107,7 @@ class HostInputs:
             out[int(rank)] = _host(name, a, cast)
         return out
 
-    def _jax(self, name: str, x: jax.Array, buckets: tuple[int, ...], size: int | None) -> Field:
+    def _jax(self, name: str, x: jax.Array, buckets: tuple[int, ...], size: int | None) -> Rows:
         """A jax array of global rows, taken as it is: its shape and dtype are checked."""
         shape = x.shape
         if len(shape) != 1 or x.dtype not in INTS:
@@ -130,16 +124,11 @@ class HostInputs:
                 f"{name} has {shape[0]} entries, not a bucket size {buckets} ({want} for each "
                 f"of {self.dp} DP rank(s)): pad it (fm_jax.pad_to_bucket) or pass a host array"
             )
-        return Field(per, None, False, None)
+        return Rows(None, per, None, False)
 
     def _pad(self, parts: dict[int, np.ndarray], size: int, like: np.ndarray) -> Any:
         if self.dp == 1:
-            a = parts.get(0, like[:0])
-            if a.shape[0] == size:
-                return a
-            out = np.zeros((size, *like.shape[1:]), like.dtype)
-            out[: a.shape[0]] = a
-            return out
+            return pad_rows(parts.get(0, like[:0]), size)
         return self.layout.global_array(parts, size, like)
 
     def _size(self, n: int, buckets: tuple[int, ...], given: int | None, what: str) -> int:
@@ -181,10 +170,9 @@ class HostInputs:
 
     def flat(
         self, name: str, x: Any, size: int | None, *, slots: bool, per_token: bool = False
-    ) -> Field:
-        """A 1-D int input: slot indices (rank-local: in [0, R), no live slot twice per
-        rank) or flat token ids (sentinels name a slot; the gather protocol: no id is
-        negative), padded to a batch bucket, or (ids, `per_token` slots) a token bucket."""
+    ) -> Rows:
+        """A 1-D int input: slot indices or token ids (checked as `validate` says), padded
+        to a batch bucket, or (ids, `per_token` slots) a token bucket."""
         buckets = self.batch_buckets if slots and not per_token else self.token_buckets
         if isinstance(x, jax.Array) and x.size:
             return self._jax(name, x, buckets, size)
@@ -196,11 +184,10 @@ class HostInputs:
         counts = tuple(parts[d].shape[0] if d in parts else 0 for d in range(self.dp))
         rows = self._size(max(counts), buckets, size, "rows" if slots else "tokens")
         place = self.placer(name, "slots" if slots else "ids", rows, None, x)
-        return Field(rows, counts, by_rank, place)
+        return Rows(None, rows, counts, by_rank, place)
 
-    def token_slots(self, name: str, x: Any, ids: Field) -> Field:
-        """Per-token slots placed like the token ids `ids` (the same entries per rank),
-        checked as slots: in [0, R), no live slot twice per rank."""
+    def token_slots(self, name: str, x: Any, ids: Rows) -> Rows:
+        """Per-token slots, checked as slots, placed like the token ids `ids`."""
         if ids.counts is not None and not isinstance(x, jax.Array):
             parts, _ = self._parts(name, x)
             counts = tuple(
@@ -218,7 +205,7 @@ class HostInputs:
         self,
         name: str,
         x: Any,
-        like: Field | Rows,
+        like: Rows,
         dtype: np.dtype | None = None,
         *,
         relayed: bool = False,
@@ -231,9 +218,8 @@ class HostInputs:
           name: the field, named in errors.
           x: the rows, in the same form as `like` (a mapping if `like` was one).
           like: the slots these rows belong to, or (`per='token'`) the token ids.
-          dtype: the field's declared dtype; None: the map's int dtype. Int rows are cast
-            to an int dtype where their values fit; a field of another dtype takes only its
-            own (`HostChecks.check`).
+          dtype: the field's declared dtype (None: the map's int dtype), as
+            `HostChecks.check` judges it.
           relayed: tokens or lengths a forward relays: host values must be >= 0.
           per: 'row' or 'token': what one row of `x` stands for, named in errors.
           cast: host rows cast first to this dtype where no value can change.
@@ -297,27 +283,61 @@ class HostInputs:
             raise FutureMapError(f"{name} is given for no rank")
         return self.placer(name, kind, like.size, into, x, cast)
 
-    def declared(self, name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """An engine's declared host input with its trailing shape checked; returns the
-        dtype to cast it to first (its declared one, where no value can change: numpy's
-        'safe' casting), or None; `matched` then judges its dtype (ints of another int
-        dtype cast where their values fit)."""
-        a = _host(name, x)
-        if a.ndim < 1:
-            raise FutureMapError(
-                f"{name} is a scalar (shape []): it takes an array of rows, each of shape "
-                f"{list(shape)}"
+    def step_input(self, d: StepInput, x: Any, like: Rows) -> Placer:
+        """The placer of an engine's declared input `x`: a jax array taken as it is (its
+        dtype and shape checked), host rows (or a mapping of ranks) of the declared trailing
+        shape, cast to its dtype where no value can change, laid out like `like`."""
+        name = f"inputs[{d.name!r}]"
+        if isinstance(x, jax.Array):
+            if x.dtype != d.dtype or x.shape[1:] != d.shape:
+                raise FutureMapError(
+                    f"{name} is {x.dtype}{list(x.shape)}, declared {d.dtype} rows of "
+                    f"shape {list(d.shape)}"
+                )
+        elif not isinstance(x, Mapping):
+            _rows_of(name, x, d.shape)
+        else:
+            for r, v in x.items():
+                _rows_of(f"{name}[rank {r}]", v, d.shape)
+        return self.matched(name, x, like, d.dtype, per=d.per, cast=d.dtype)
+
+    def payload(
+        self, payload: Any, idx: Rows, spec: SpecConfig | None, fields: tuple[RelayField, ...]
+    ) -> tuple[tuple[Any, ...], list[Placer]]:
+        """Stash's payload (tokens or a DraftPayload, or a mapping of ranks of them) laid
+        out like `idx`: its leaves (tokens, or each declared field's rows, None where no
+        rank gives it) and their placers."""
+        drafts = list(payload.values()) if isinstance(payload, Mapping) else [payload]
+        if not drafts and spec is not None:
+            raise errors.tokens_on_spec_map(per_rank=True)
+        for p in drafts:  # each rank's payload: its kind and declared fields, as the ops judge
+            payload_rows(spec, p)
+        if spec is None:
+            return (payload,), [self.matched("tokens", payload, idx, relayed=True)]
+        for p in drafts:  # the fields each rank's draft writes
+            rf.carried(fields, p)
+        leaves, placers = [], []
+        for f in fields:
+            name = f"draft.{f.name}"
+            if isinstance(payload, Mapping):
+                value: Any = {r: rf.get(p, f.name) for r, p in payload.items()}
+                if any(v is None for v in value.values()):
+                    if not all(v is None for v in value.values()):
+                        raise FutureMapError(f"{name} given on some ranks only")
+                    value = None
+            else:
+                value = rf.get(payload, f.name)
+            leaves.append(value)
+            placers.append(
+                None
+                if value is None
+                else self.matched(name, value, idx, f.dtype, relayed=f.consumed)
             )
-        if a.shape[1:] != shape:
-            raise FutureMapError(
-                f"{name} has rows of shape {list(a.shape[1:])}, declared rows of shape "
-                f"{list(shape)}"
-            )
-        return dtype if a.dtype != dtype and np.can_cast(a.dtype, dtype, "safe") else None
+        return tuple(leaves), placers
 
     def unpad(self, host: np.ndarray, like: Rows) -> Any:
-        """Host rows laid out like `like`, padding removed, in the form `like` was given:
-        fresh, writable arrays of the caller's own."""
+        """Host rows laid out like `like`, padding removed, in the form `like` was given
+        (fresh arrays of the caller's own)."""
         if like.counts is None:
             return np.array(host)
         size = like.size
@@ -348,3 +368,16 @@ def _host(name: str, x: Any, cast: Any = None) -> np.ndarray:
     if cast is not None and a.dtype != cast and np.can_cast(a.dtype, cast, "safe"):
         a = a.astype(cast)
     return a
+
+
+def _rows_of(name: str, x: Any, shape: tuple[int, ...]) -> None:
+    """Refuses host input `x` unless it holds rows of trailing shape `shape`."""
+    a = _host(name, x)
+    if a.ndim < 1:
+        raise FutureMapError(
+            f"{name} is a scalar (shape []): it takes an array of rows, each of shape {list(shape)}"
+        )
+    if a.shape[1:] != shape:
+        raise FutureMapError(
+            f"{name} has rows of shape {list(a.shape[1:])}, declared rows of shape {list(shape)}"
+        )

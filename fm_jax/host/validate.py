@@ -1,19 +1,12 @@
-"""Host values judged, and an engine step's declared inputs: the one place a host array's
-values are checked before anything is written.
+"""Every check of a caller's host values, and of a batch's and a step's form.
 
-Values: slot range and duplicates, ints that fit, the protocol's rule for ids, relayed
-tokens and lengths >= 0, a field's rows in its declared dtype, a batch's values against
-its protocol's rules (`batch_values`). A field's dtype rule (docs/CONTRACT.md, 'Relay
-fields'): an int field takes rows of any int dtype, cast when every value fits; any other
-field takes only its own dtype. `HostChecks.check(kind, name, a)` checks one rank's rows;
-`checker(kind, name, dtype)` is the same check with the dispatch on kind and dtype done
-once, for a placer of one layout (`host_inputs`).
-
-Declared inputs (`StepInput`): the engine's own per-step host arrays, their declaration
-checked once (`check_declared`) and what a call gives for them (`given_inputs`); placed
-with the batch, padded like its rows or tokens, or (`per='slot'`) one of the map's relay
-buffers handed to the forward inside the step. Each refusal is a FutureMapError naming
-the field.
+Values (`HostChecks.check`, one rank's rows; `checker`, the same with its dispatch done
+once for a layout's placer): slot range and duplicates, ints that fit, the protocol's
+rule for ids, relayed tokens and lengths >= 0, a non-int field's rows in its own dtype
+(docs/CONTRACT.md, 'Relay fields'); a batch's values against its protocol's rules
+(`batch_values`). Forms: a batch as given (`given_batch`), an engine step's declared
+inputs (`check_declared`) and what a call gives for them (`given_inputs`). Each refusal
+is a FutureMapError naming the field.
 """
 
 from __future__ import annotations
@@ -27,8 +20,8 @@ import numpy as np
 
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.protocol import Protocol, Rules
-from fm_jax.ops.types import ForwardMode
+from fm_jax.ops.protocol import Part, Protocol, Rules
+from fm_jax.ops.types import Batch, ForwardMode, host_mode
 
 INTS = frozenset(
     np.dtype(t)
@@ -50,9 +43,8 @@ class HostChecks:
         self.safe = frozenset(d for d in INTS if np.can_cast(d, dtype, "safe"))
 
     def ints(self, name: str, a: np.ndarray, into: np.dtype | None = None) -> np.ndarray:
-        """`a` (host, integer) in the int dtype `into` (default the map's): the array itself
-        when it has that dtype already (however spelt), else a cast; refuses values that do
-        not fit."""
+        """`a` (host, integer) in the int dtype `into` (default the map's): itself when it
+        has that dtype already, else a cast; refuses values that do not fit."""
         to = self.dtype if into is None else into
         dt = a.dtype
         if dt is to or dt == to:
@@ -94,13 +86,10 @@ class HostChecks:
         self, kind: str, name: str, a: np.ndarray, into: np.dtype | None = None
     ) -> np.ndarray:
         """One rank's host rows checked by value as a `kind` of input, in the dtype the
-        map stores them; the one place host values are judged (every placer comes here).
-
-        Kinds: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the protocol's
-        rule for ids), 'ints' (ints that fit `into`, default the map's int dtype),
-        'relayed' (that, >= 0: tokens and lengths a forward relays), 'values' (rows of a
-        field declared `into`, not an int: that dtype only).
-        """
+        map stores them: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the
+        protocol's rule for ids), 'ints' (ints that fit `into`, default the map's int
+        dtype), 'relayed' (that, >= 0: relayed tokens and lengths), 'values' (rows of a
+        non-int field declared `into`: that dtype only)."""
         if kind == "values":
             assert into is not None
             return self.declared(name, a, into)
@@ -116,9 +105,8 @@ class HostChecks:
     def checker(
         self, kind: str, name: str, dtype: np.dtype, into: np.dtype | None = None
     ) -> Callable[[np.ndarray], Any] | None:
-        """`check(kind, name, a, into)` for host arrays `a` of `dtype`, with the dispatch on
-        kind and dtype done once: None where the dtype alone (already judged) says every
-        such array passes as it is; else a function doing the same checks and cast."""
+        """`check(kind, name, a, into)` for host arrays `a` of `dtype`, its dispatch done
+        once: None where the dtype alone says every such array passes as it is."""
         to = self.dtype if into is None else into
         if dtype != to:
             return functools.partial(self.check, kind, name, into=into)  # a cast, or refused
@@ -135,8 +123,8 @@ class HostChecks:
 
     @staticmethod
     def declared(name: str, a: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        """`a`, refused unless it has `dtype`, the declared dtype of a field that is not an
-        int (its rows are never cast: a cast could change their values or bits)."""
+        """`a`, refused unless it has `dtype`, a non-int field's declared dtype (never cast:
+        a cast could change its values or bits)."""
         if a.dtype != dtype:
             raise errors.not_the_declared_dtype(name, a.dtype, dtype)
         return a
@@ -158,7 +146,7 @@ def batch_values(
       modes: its forward modes, one per DP rank (or one standing for every rank).
       given: each part's token slots as given (`Rules.zero_slots` indexes them).
       idx, slots: its placed slots and token slots (jax arrays are not read: debug
-        checks the order on the device, 'batch fields').
+        checks them on the device).
     """
     for i, where, kinds in rules.zero_slots:
         if not _all_zero(given[i]):
@@ -194,8 +182,7 @@ def one_id_per_row(
     rows: tuple[int, ...] | None,
 ) -> None:
     """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`), judged from
-    its real ids and rows per DP rank (None: a jax array, not read) and its modes (one per
-    DP rank, or one standing for every rank)."""
+    its real ids and rows per DP rank (None: a jax array, not read) and its modes."""
     if not rules.ids_per_row or ids is None or rows is None:
         return
     decode = [m == ForwardMode.DECODE for m in modes]
@@ -226,9 +213,7 @@ def _checked(check: Callable[[str, np.ndarray], None], name: str, a: np.ndarray)
 
 def row_kind(dtype: np.dtype | None, relayed: bool) -> str:
     """The `HostChecks.check` kind of a field's rows, the field declared `dtype` (None: the
-    map's int dtype): ints (cast where they fit), relayed ones (tokens, lengths) also >= 0,
-    or values in their own dtype. A relayed field is an int: relay_fields refuses a
-    consumed field of any other dtype."""
+    map's int dtype). A relayed field is an int (relay_fields refuses any other)."""
     if dtype is None or np.dtype(dtype).kind in "iu":
         return "relayed" if relayed else "ints"
     assert not relayed
@@ -236,8 +221,8 @@ def row_kind(dtype: np.dtype | None, relayed: bool) -> str:
 
 
 def _non_negative(name: str, a: np.ndarray) -> np.ndarray:
-    """`a` (relayed tokens or lengths), refused if it holds a negative value (token ids and
-    lengths are >= 0; a stashed -1 would read as the consume poison)."""
+    """`a` (relayed tokens or lengths), refused if it holds a negative value (a stashed -1
+    would read as the consume poison)."""
     if a.size and a.min() < 0:
         raise FutureMapError(
             f"{name} holds negative values {np.unique(a[a < 0])[:8].tolist()}: token ids and "
@@ -253,15 +238,12 @@ class StepInput(NamedTuple):
       name: its key in the step's `inputs` mapping, and in `forward`'s.
       per: "row" ([B, *shape], padded like `req_pool_indices`) or "token" ([T, *shape],
         padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
-        Or "slot": not a host array but one of the map's relay buffers (`name`
-        "new_seq_lens" or "output_tokens", shape (), the map's int dtype), handed to the
-        forward as the step's resolve left it; the forward writes it itself and returns it
-        where `StepOutput` relays that value, and the map takes it with no scatter of its
-        own (docs/CONTRACT.md, 'Engine-owned relay buffers').
+        Or "slot": one of the map's relay buffers (`OWNABLE`, shape (), the map's int
+        dtype) handed to the forward, which writes it and returns it where `StepOutput`
+        relays that value (docs/CONTRACT.md, 'Engine-owned relay buffers').
       shape: the trailing shape of one row or token.
       dtype: its dtype; host arrays of another dtype are cast only where no value can
-        change (numpy's 'safe' casting, or ints into an int dtype their values fit: a
-        Python list of ints included), else refused.
+        change (numpy's 'safe' casting, or ints into an int dtype their values fit).
     """
 
     name: str
@@ -277,8 +259,8 @@ OWNABLE = ("new_seq_lens", "output_tokens")
 def check_declared(inputs: Sequence[StepInput], map_dtype: np.dtype) -> tuple[StepInput, ...]:
     """The engine's declared inputs checked and normalised (tuple shapes, numpy dtypes):
     StepInputs of distinct names, per 'row', 'token' or 'slot' (a relay buffer of
-    `OWNABLE`, declared as the map stores it: shape (), the map's int dtype `map_dtype`,
-    whatever the inputs declared before it), shapes and dtypes JAX keeps."""
+    `OWNABLE`, declared as the map stores it: shape (), dtype `map_dtype`), shapes and
+    dtypes JAX keeps."""
     out, seen = [], set()
     for d in inputs:
         if not isinstance(d, StepInput):
@@ -330,3 +312,73 @@ def given_inputs(
             f"inputs must be exactly the declared StepInputs: missing {missing}, undeclared {extra}"
         )
     return given
+
+
+class Given(NamedTuple):
+    """A batch as its caller gave it, its forward modes parsed.
+
+    Attributes:
+      parts: the batch, or each DP rank's batch of a mapping, as its protocol judges it.
+      ranks: a mapping's ranks in order (() for an empty mapping); None for a Batch.
+      traced: a traced forward_mode (an int32 jax array); None where modes are on the host.
+      modes: the host modes: a Batch's (one, or one per DP rank), a mapping's one per rank.
+      slots, ids, lens, draft, token_slots: the fields (a mapping's by rank; its drafts and
+        token slots only of the ranks that give some).
+    """
+
+    parts: tuple[Part, ...]
+    ranks: tuple[Any, ...] | None
+    traced: Any
+    modes: tuple[ForwardMode, ...]
+    slots: Any
+    ids: Any
+    lens: Any
+    draft: Any
+    token_slots: Any
+
+
+def given_batch(batch: Batch | Mapping[int, Batch], dp: int) -> Given:
+    """`batch` (a Batch, or a mapping DP rank -> Batch) as given, its forward modes parsed
+    once each, on a map of `dp` ranks."""
+    if isinstance(batch, Mapping):
+        return _by_rank(batch)
+    if not isinstance(batch, Batch):
+        raise FutureMapError(f"resolve takes a Batch or a mapping DP rank -> Batch, got {batch!r}")
+    mode, traced, scalar = batch.forward_mode, None, True
+    modes: tuple[ForwardMode, ...] = ()
+    if isinstance(mode, jax.Array):
+        if mode.dtype != np.int32 or mode.shape not in ((), (dp,)):
+            raise FutureMapError(
+                f"a traced forward_mode must be int32 of shape () or ({dp},), "
+                f"got {mode.dtype}{list(mode.shape)}"
+            )
+        traced = mode
+    elif type(mode) is ForwardMode:  # the per-step case: one mode known on the host
+        modes = (mode,)
+    elif isinstance(mode, np.ndarray) and mode.ndim == 1:
+        modes, scalar = tuple(host_mode(m, "forward_mode") for m in mode.tolist()), False
+    else:
+        modes = (host_mode(mode, "forward_mode"),)
+    ids, token_slots = batch.input_ids, batch.token_slots
+    on_host = None if traced is not None else modes
+    part = Part(on_host, scalar, ids is not None, token_slots is not None, "")
+    return Given((part,), None, traced, modes, *batch[1:])  # the fields, in Batch order
+
+
+def _by_rank(batches: Mapping[int, Batch]) -> Given:
+    for r, b in batches.items():
+        if not isinstance(b, Batch):
+            raise FutureMapError(f"batch[rank {r}] must be a Batch, got {type(b).__name__}")
+    parts, modes = [], []
+    for r, b in batches.items():
+        m = host_mode(b.forward_mode, f"batch[rank {r}].forward_mode")
+        modes.append(m)
+        where = f"batch[rank {r}]."
+        parts.append(Part((m,), True, b.input_ids is not None, b.token_slots is not None, where))
+    slots, ids, lens, draft, token_slots = (
+        {r: b[i] for r, b in batches.items()} for i in range(1, 6)
+    )
+    draft = {r: d for r, d in draft.items() if d is not None}
+    token_slots = {r: s for r, s in token_slots.items() if s is not None}
+    fields = (slots, ids, lens, draft, token_slots)
+    return Given(tuple(parts), tuple(batches), None, tuple(modes), *fields)

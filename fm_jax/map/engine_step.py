@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax.host.decisions import FIXED_MODES, Key
-from fm_jax.host.packing import PackSpec, unpack
-from fm_jax.host.placement import Placement
+from fm_jax.host.pack import PackSpec, unpack
+from fm_jax.host.place import Placement
 from fm_jax.host.validate import StepInput, check_declared
 from fm_jax.map.entry_points import tail
 from fm_jax.map.executables import Call, Registry, WarmUpReport

@@ -17,7 +17,7 @@ import jax
 
 from fm_jax.host.buckets import decode_ids
 from fm_jax.host.decisions import FIXED_MODES, Key, writes_state
-from fm_jax.host.packing import PackSpec
+from fm_jax.host.pack import PackSpec
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.ops import checks
 from fm_jax.ops import relay_fields as rf

@@ -35,7 +35,7 @@ from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
 
 from fm_jax.host.decisions import Key
-from fm_jax.host.packing import PackSpec
+from fm_jax.host.pack import PackSpec
 from fm_jax.ops.errors import FutureMapError
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fm_jax.host.decisions import Rows
+from fm_jax.host.buckets import Rows
 from fm_jax.ops.errors import FutureMapError
 
 

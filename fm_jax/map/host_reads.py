@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from fm_jax.host.decisions import Placed
-from fm_jax.host.placement import Placement
+from fm_jax.host.place import Placement
 from fm_jax.map.host_copies import ResolvedConfidence
 from fm_jax.map.runtime import MapRuntime
 from fm_jax.ops.errors import FutureMapError

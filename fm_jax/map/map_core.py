@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from fm_jax.host import buckets as bk
 from fm_jax.host.decisions import Key, Placed, takes_state
 from fm_jax.host.host_inputs import HostInputs
-from fm_jax.host.placement import Placement
+from fm_jax.host.place import Placement
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.entry_points import entry_points
 from fm_jax.map.executables import Registry, WarmUpReport, compiler_options

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from fm_jax.host.decisions import Rows
+from fm_jax.host.buckets import Rows
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.host_copies import ConfidenceRing, HostLengths
 from fm_jax.ops.checks import FRESH_PUBLISH

@@ -1,16 +1,11 @@
 """One host-to-device transfer for every host array of a call.
 
-Each numpy argument of a jitted call is its own transfer: on a GPU host about 30-55 us of
-host time apiece, several times the dispatch itself. `pack` lays every host leaf of a call's
-arguments end to end in one buffer of 32-bit words built on the host, each leaf starting on
-a word; inside the jit `unpack` slices each leaf back out and bitcasts it to its dtype.
-Words, not bytes: a 4-byte leaf (int32, float32, the common case) comes back by an
-elementwise bitcast of the same shape, which XLA fuses into its consumers (no kernel of its
-own); from bytes it would be a [n, 4] to [n] bitcast, a reduction that XLA gives a kernel
-of its own when the leaf has several consumers. Device leaves (jax arrays) pass through as
-they are. A call's `PackSpec` (the tree's structure, and each leaf's word offset, shape and
-dtype) is static: it is part of the executable's key, so one executable serves every call
-of the same layout.
+Each numpy argument of a jitted call is its own transfer (30-55 us of host time apiece on
+a GPU host). `pack` lays every host leaf end to end in one uint32 buffer, each leaf on a
+word; inside the jit `unpack` slices each leaf out and bitcasts it to its dtype. Words,
+not bytes: a 4-byte leaf comes back by an elementwise bitcast that XLA fuses into its
+consumers (from bytes it would be a reduction with a kernel of its own). Device leaves
+pass through. A call's `PackSpec` is static: part of the executable's key.
 """
 
 from __future__ import annotations
@@ -30,18 +25,15 @@ WORD = 4
 
 
 class PackSpec:
-    """Where each leaf of a call's argument tree lives: static, hashable.
-
-    Part of an executable's key, looked up on every call: its hash is computed once.
+    """Where each leaf of a call's argument tree lives: static, hashable (its hash made
+    once: it is looked up on every call).
 
     Attributes:
       treedef: the argument tree's structure.
-      leaves: per leaf, its (word offset, shape, dtype) in the packed buffer, or None for
-        a device leaf, passed on its own.
-      nbytes: the packed buffer's size in bytes, a whole number of words (0: nothing
-        packed).
-      words, same: every host leaf is of a 4-byte dtype (its words go in as they are);
-        and of one dtype (the leaves concatenated, viewed once).
+      leaves: per leaf, its (word offset, shape, dtype), or None for a device leaf.
+      nbytes: the packed buffer's size in bytes, whole words (0: nothing packed).
+      words, same: every host leaf is 4 bytes wide (its words go in as they are); and
+        of one dtype (the leaves concatenated, viewed once).
     """
 
     __slots__ = ("_hash", "leaves", "nbytes", "same", "treedef", "words")
@@ -52,7 +44,6 @@ class PackSpec:
         self.nbytes = nbytes
         self._hash = hash((treedef, leaves, nbytes))
         dtypes = {leaf[2] for leaf in leaves if leaf is not None}
-        # Every host leaf a whole number of words: the buffer is their words end to end.
         self.words = all(d.itemsize == WORD for d in dtypes)
         self.same = self.words and len(dtypes) == 1
 
@@ -79,13 +70,8 @@ def _words(nbytes: int) -> int:
 
 
 def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
-    """Split `tree`'s leaves into one packed host buffer and the device leaves.
-
-    Host leaves are numpy arrays and numpy scalars; every other leaf (a jax array) is a
-    device leaf. Returns (spec, the packed uint32 buffer or None when no leaf is on the
-    host, the device leaves in order). Each host leaf starts on a word; the pad bytes after
-    a leaf whose size is not a whole number of words are zero.
-    """
+    """Split `tree`'s leaves into (spec, one packed uint32 buffer of its numpy leaves or
+    None when it has none, its other leaves in order). Pad bytes after a leaf are zero."""
     flat, treedef = jax.tree_util.tree_flatten(tree)
     spec: list[Leaf] = []
     host: list[np.ndarray] = []
@@ -106,8 +92,8 @@ def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
 
 
 def pack_leaves(spec: PackSpec, host: Sequence[np.ndarray]) -> np.ndarray | None:
-    """The host leaves of a call laid out by `spec` (in its order) in one uint32 buffer:
-    each leaf on a word, zero pad bytes; None when no leaf is on the host."""
+    """The host leaves of a call laid out by `spec`, in its order, in one uint32 buffer
+    (None when there are none)."""
     if not host:
         return None
     if spec.same:  # one 4-byte dtype: their words end to end
@@ -125,8 +111,7 @@ def pack_leaves(spec: PackSpec, host: Sequence[np.ndarray]) -> np.ndarray | None
 def _leaf(packed: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """Inside jit: the leaf at word `offset` of `packed` (uint32), at its shape and dtype."""
     if dtype.kind == "c":
-        # No bitcast makes a complex number: its parts (real, imaginary, interleaved as
-        # numpy lays them) come out as floats and are put together, bit for bit.
+        # No bitcast makes a complex number: its interleaved parts come out as floats.
         part = np.dtype(f"float{4 * dtype.itemsize}")
         parts = _leaf(packed, offset, (*shape, 2), part)
         return jax.lax.complex(parts[..., 0], parts[..., 1])

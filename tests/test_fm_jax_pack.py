@@ -1,4 +1,4 @@
-"""`fm_jax.host.packing`: `pack` and `unpack` round-trip every dtype bit for bit, key the
+"""`fm_jax.host.pack`: `pack` and `unpack` round-trip every dtype bit for bit, key the
 layout by shape, dtype and placement, and cost no kernel of their own.
 """
 
@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_bench.child import child_report
-from fm_jax.host import packing
+from fm_jax.host import pack
 
 
-# ------------------------------------------------ pack and unpack (fm_jax/host/packing.py)
+# ------------------------------------------------ pack and unpack (fm_jax/host/pack.py)
 def _bytes(x: object) -> bytes:
     return np.ascontiguousarray(np.asarray(x)).tobytes()
 
@@ -42,7 +42,7 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
         "device": jnp.arange(3, dtype=jnp.int32),
         "none": None,
     }
-    spec, packed, device = packing.pack(tree)
+    spec, packed, device = pack.pack(tree)
     assert packed is not None and packed.dtype == np.uint32 and packed.ndim == 1
     assert spec.nbytes == packed.nbytes
     assert len(device) == 1  # the jax leaf passes on its own
@@ -52,7 +52,7 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
             offset, _, _ = leaf
             n = np.asarray(want).nbytes
             assert raw[4 * offset : 4 * offset + n].tobytes() == _bytes(want)
-    got = jax.jit(lambda p, d: packing.unpack(spec, p, d))(packed, device)
+    got = jax.jit(lambda p, d: pack.unpack(spec, p, d))(packed, device)
     for name, want in tree.items():
         if want is None:
             assert got[name] is None
@@ -65,7 +65,7 @@ def test_pack_round_trips_every_dtype_bit_for_bit() -> None:
 _X64_CHILD = textwrap.dedent(
     """
     import json, numpy as np, jax
-    from fm_jax.host.packing import pack, unpack
+    from fm_jax.host.pack import pack, unpack
     tree = (np.array([1, -2, 2**40 + 3, -(2**62)], np.int64), np.array([1.5, -0.0]),
             np.array([7], np.int16), np.int64(-5), np.array([2**63 + 1], np.uint64))
     spec, packed, _ = pack(tree)
@@ -91,7 +91,7 @@ def test_a_packed_word_leaf_costs_no_kernel_of_its_own() -> None:
     from fm_bench.inplace import kernels
 
     x = (np.arange(256, dtype=np.int32) - 128,)
-    spec, packed, _ = packing.pack(x)
+    spec, packed, _ = pack.pack(x)
     table = jnp.arange(1024, dtype=jnp.int32)
 
     def use(v: jax.Array, t: jax.Array) -> jax.Array:
@@ -101,15 +101,15 @@ def test_a_packed_word_leaf_costs_no_kernel_of_its_own() -> None:
         return kernels(jax.jit(f).lower(*args).compile().as_text())
 
     alone = count(use, x[0], table)
-    assert count(lambda p, t: use(packing.unpack(spec, p, ())[0], t), packed, table) == alone
+    assert count(lambda p, t: use(pack.unpack(spec, p, ())[0], t), packed, table) == alone
 
 
 def test_pack_layout_is_static_and_keys_by_shape_dtype_and_placement() -> None:
-    a = packing.pack((np.zeros(4, np.int32), np.ones(2, np.float32)))[0]
-    b = packing.pack((np.ones(4, np.int32), np.zeros(2, np.float32)))[0]
+    a = pack.pack((np.zeros(4, np.int32), np.ones(2, np.float32)))[0]
+    b = pack.pack((np.ones(4, np.int32), np.zeros(2, np.float32)))[0]
     assert a == b and hash(a) == hash(b)  # values do not matter
-    assert a != packing.pack((np.zeros(8, np.int32), np.ones(2, np.float32)))[0]
-    assert a != packing.pack((np.zeros(4, np.int64), np.ones(2, np.float32)))[0]
-    assert a != packing.pack((jnp.zeros(4, np.int32), np.ones(2, np.float32)))[0]
-    spec, packed, device = packing.pack((jnp.zeros(2), None))
+    assert a != pack.pack((np.zeros(8, np.int32), np.ones(2, np.float32)))[0]
+    assert a != pack.pack((np.zeros(4, np.int64), np.ones(2, np.float32)))[0]
+    assert a != pack.pack((jnp.zeros(4, np.int32), np.ones(2, np.float32)))[0]
+    spec, packed, device = pack.pack((jnp.zeros(2), None))
     assert packed is None and spec.nbytes == 0 and len(device) == 1
