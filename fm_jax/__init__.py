@@ -10,7 +10,7 @@ from fm_jax.map.debug_channel import raise_if_violated
 from fm_jax.map.engine_step import EngineStep, StepInput, StepOutput, StepResult
 from fm_jax.map.executables import WarmUpReport, compiler_options, use_persistent_cache
 from fm_jax.map.future_map import FutureMap
-from fm_jax.map.host_copies import ResolvedConfidence
+from fm_jax.map.host_reads import ResolvedConfidence
 from fm_jax.ops.errors import FutureMapError, InvariantViolation, StateLost
 from fm_jax.ops.ops import POISON, future_map
 from fm_jax.ops.relay_fields import DraftPayload, RelayField, SpecConfig

@@ -122,7 +122,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                            $r::test_a_step_output_that_is_no_array_of_rows_is_named
                            $r::test_device_lengths_donated_by_the_caller_after_publish_are_read_from_the_buffer
                            $r::test_a_monitor_thread_reads_buffer_copies_while_others_serve
-                           tests/test_fm_jax_host_lengths.py
+                           tests/test_fm_jax_host_reads.py
                            tests/test_fm_jax_engine_step.py::test_debug_violation_in_a_step_is_reported_at_check_with_step_and_op
                            tests/test_fm_jax_debug.py::test_debug_invalidate_checks_device_slots" ;;
         jax-class) local r=tests/test_reliability.py
@@ -132,7 +132,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                          $r::test_a_step_refused_before_it_ran_leaves_the_map_whole
                          $r::test_a_monitor_thread_reads_buffer_copies_while_others_serve
                          $r::test_device_lengths_donated_by_the_caller_after_publish_are_read_from_the_buffer
-                         tests/test_fm_jax_host_lengths.py
+                         tests/test_fm_jax_host_reads.py
                          tests/test_fm_jax_debug.py::test_debug_invalidate_checks_device_slots" ;;
         jax-step) local r=tests/test_reliability.py e=tests/test_fm_jax_engine_step.py
                   # not $e's mesh test: it runs in a subprocess mutmut cannot reach

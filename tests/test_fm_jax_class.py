@@ -292,23 +292,25 @@ def test_finish_reports_a_duplicate_slot_in_debug_mode() -> None:
     assert info.value.invariant == "duplicate live slot"
 
 
-def test_debug_checks_each_slot_array_once_per_step() -> None:
-    """Pins the tail skipping checks it must run, or running ones it need not: `finish` on
-    the very device array this step's resolve checked records no error of its own, a
-    duplicate in it is still reported (by resolve), and any other device array is checked."""
+def test_debug_checks_every_slot_array_on_the_device() -> None:
+    """Pins the tail skipping checks it must run: a debug map has one executable per op,
+    which checks its slots on the device every call, the very array the step's resolve
+    checked included (a duplicate there is reported by resolve and by finish), and any
+    other device array too; host slots checked on the host pass."""
     fm = fj.FutureMap(R, debug=True, batch_buckets=BUCKETS, token_buckets=BUCKETS)
     dev = jax.devices()[0]
     idx = jax.device_put(np.array([3, 3], np.int32), dev)
     fm.publish(np.array([3]), np.array([4]))
     fm.stash(np.array([3]), np.array([7]))
-    assert fm._runtime.debug.pending == 0  # host slots were checked on the host
+    fm.check()  # host slots: no violation
     fm.resolve(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx))
     host = np.array([5, 5])  # host values: checked on the host (device ones on the device)
     fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), idx, host, host)
-    assert [op for _, op, _ in fm._runtime.debug._pending] == ["resolve"]
+    assert [op for _, op, _ in fm._runtime.debug._pending] == ["resolve", "finish"]
     with pytest.raises(fj.InvariantViolation) as info:
         fm.check()
     assert info.value.op == "resolve" and info.value.invariant == "duplicate live slot"
+    assert [v.op for v in info.value.violations] == ["resolve", "finish"]
     other = jax.device_put(np.array([3, 3], np.int32), dev)  # equal values, another array
     fm.finish(fj.Batch(fj.ForwardMode.DECODE, idx, -idx, -idx), other, idx, idx)
     assert [op for _, op, _ in fm._runtime.debug._pending] == ["finish"]

@@ -1,18 +1,13 @@
-"""Debug errors, from the checkify check inside a jitted op to the `InvariantViolation` raised.
+"""Debug errors, from the checkify check inside a jitted op to the `InvariantViolation`.
 
-This module owns the whole path:
-- inside jit, `DebugChannel.checked(op_fn)` checkifies an op and packs its error into one
-  int array (a `checkify.Error` leaves a jitted call as several arrays plus a Python-level
-  pytree rebuild, ~7 us a call here, paid on every debug op);
-- on the host, `record` keeps each op's packed error on device, tagged with step and op,
-  with no sync;
-- `check()` fetches them in one transfer, unpacks and translates every failure into one
-  `InvariantViolation` naming invariant, step, op and, on a map with several DP ranks, the
-  rank (checkify reports a shard_map'd failure as 'at mapped index i', the i-th device of
-  the mesh). Nothing is dropped: an error leaves the pending list only once translated.
-
-`raise_if_violated` is the same translation for engines that checkify the pure ops in
-their own step.
+Inside jit, `DebugChannel.checked(fn)` checkifies an op and packs its error into one int
+array (a `checkify.Error` leaves a jitted call as several arrays and a pytree rebuild,
+~7 us a call); `record` keeps each packed error on device, tagged with step and op, with
+no sync; `check()` fetches them in one transfer and translates every failure into an
+`InvariantViolation` naming invariant, step, op and, with several DP ranks, the rank
+(checkify reports a shard_map'd failure 'at mapped index i', the mesh's i-th device). An
+error leaves the pending list only once translated. `raise_if_violated` is the same
+translation for engines that checkify the pure ops in their own step.
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ from fm_jax.ops.errors import FutureMapError, InvariantViolation
 from fm_jax.ops.sharding import MeshLayout
 
 MAX_PENDING_ERRORS = 4096
-"""Packed errors kept on device; past this many, `record` fetches them (a host sync), keeps
-the failed ones' messages on the host for `check()` and empties the list: one sync per
-this many ops, however many of them failed, and no raise inside an unrelated call."""
+"""Packed errors kept on device; past this many, `record` fetches them (one host sync per
+this many ops), keeps the failures for `check()` and never raises in an unrelated call."""
 
 _MAPPED = re.compile(r"^at mapped index (\d+): (.*)$")
 _INVARIANT = re.compile(r"^\[([^\]]+)\]")

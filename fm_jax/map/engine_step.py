@@ -1,22 +1,15 @@
 """The engine's own step with the FutureMap inside: one jitted, donated dispatch per step.
 
-`FutureMap.engine_step(forward, ...)` returns an `EngineStep`. Each call:
-1. places the batch and the engine's declared host inputs (`StepInput`) through the map's
-   own placement, as `FutureMap.resolve` places a batch (host arrays checked by value and
-   padded to the map's buckets; jax arrays taken as they are), every host array of the
-   call packed into one buffer (`packing`): one transfer;
-2. runs one executable through the map's runtime: resolve at the head, the engine's
-   `forward` on the resolved ids and lengths, then publish, stash and (sentinel protocol)
-   the sentinels at the tail, with the map's state and the engine arguments named by
-   `donate_argnums` donated.
-
-The map adds no dispatch and no host sync: its host work is the checks and the packing
-(for a layout seen before, one lookup of its decision: `decisions`), its device work the relay's
-gathers and scatters fused into the engine's computation. Executables are keyed like
-resolve's (mode, per-rank rows and tokens, draft, token slots) plus the packing layout, in
-a registry of the step's own; `warm_up` compiles them all for the map's buckets and, with
-`guard=True`, serving then refuses any call that would compile. Debug errors go to the
-map's channel (`FutureMap.check()`), as the ops' own do.
+`FutureMap.engine_step(forward, ...)` returns an `EngineStep`. Each call places the batch
+and the engine's declared host inputs (`StepInput`) through the map's placement, as
+`FutureMap.resolve` places a batch, all host arrays packed into one buffer (one transfer),
+then runs one executable through the map's runtime: resolve at the head, `forward` on the
+resolved ids and lengths, publish, stash and (sentinel protocol) the sentinels at the
+tail; the map's state and the arguments named by `donate_argnums` donated. The map adds
+no dispatch and no host sync. Executables are keyed like resolve's plus the packing
+layout, in the step's own registry; `warm_up` compiles them for the map's buckets (with
+`guard=True` serving then refuses any call that would compile). Debug errors go to the
+map's channel (`FutureMap.check()`).
 """
 
 from __future__ import annotations
@@ -32,14 +25,11 @@ from fm_jax.host.decisions import FIXED_MODES, Key
 from fm_jax.host.pack import PackSpec, unpack
 from fm_jax.host.place import Placement
 from fm_jax.host.validate import StepInput, check_declared
-from fm_jax.map.entry_points import tail
-from fm_jax.map.executables import Call, Registry, WarmUpReport
-from fm_jax.map.runtime import MapRuntime
+from fm_jax.map.executables import Call, Registry, WarmUpReport, tail
 from fm_jax.map.warm_up import empty_batches, empty_inputs, on_device
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.rows import gather
 from fm_jax.ops.types import Batch, ForwardMode, FutureMapOps
 
@@ -104,8 +94,7 @@ class EngineStep:
         *,
         ops: FutureMapOps,
         placement: Placement,
-        runtime: MapRuntime,
-        protocol: Protocol,
+        runtime: Any,
         inputs: Sequence[StepInput] = (),
         donate_argnums: Sequence[int] = (),
         options: Mapping[str, Any],
@@ -136,7 +125,7 @@ class EngineStep:
         self._ops = ops
         self._placement = placement
         self._runtime = runtime
-        self._protocol = protocol
+        self._protocol = protocol = placement.protocol
         self._options = dict(options)
         self._tail = tail(ops, protocol, placement.inputs.token_buckets, what="", owned=self._owned)
         self._registry = Registry(self._build, self._not_warmed)
@@ -200,10 +189,7 @@ class EngineStep:
             if runtime.debug is not None:
                 runtime.resolved(placed.idx)
             runtime.state, result, sentinels, lens, copied = out
-            if copied is not None:
-                assert ring is not None and gens is not None
-                ring.issue(copied, gens, placed.idx)
-            runtime.published(placed.idx, lens)
+            runtime.published(placed.idx, lens, copied, gens)
             if runtime.unstashed is not None:
                 family = (placed.key.mode, placed.pack, len(args))
                 runtime.stashed(placed.idx, self._omits.get(family, ()))
@@ -267,7 +253,7 @@ class EngineStep:
             if debug is None:
                 return lambda *a: (None, fn(*a))
             # Each shard_map checked on its own: checkify cannot merge the errors of
-            # consecutive shard_maps (see `entry_points.tail`).
+            # consecutive shard_maps (`executables.tail`).
             return debug.checked(fn)
 
         def body(state: Any, packed: Any, device: Any, *args: Any) -> Any:
@@ -311,16 +297,11 @@ class EngineStep:
     def warm_up(
         self, *args: Any, guard: bool = False, traced_modes: bool = True, threads: int | None = None
     ) -> WarmUpReport:
-        """Compile the step for every bucket serving reaches, ahead of time.
-
-        The batches are resolve's (`FutureMap.warm_up`): per token bucket and resolve
-        variant (mode fixed not DECODE, fixed DECODE, traced; token slots in the gather
-        protocol), with and without a draft on a spec map; each placed with zeros for the
-        declared inputs through the map's placement, as serving places its calls.
-        Each is warmed fed as serving feeds it: host arrays, and (in one process) jax
-        arrays for every field and input, which the step takes as they are (a DECODE's ids
-        at the token bucket of its rows, as `StepResult.batch` gives them). Nothing runs and
-        nothing is donated.
+        """Compile the step for every bucket serving reaches, ahead of time: resolve's
+        batches (`FutureMap.warm_up`) with zeros for the declared inputs, placed through
+        the map's placement fed as serving feeds them: host arrays, and (in one process)
+        jax arrays for every field and input (a DECODE's ids at the token bucket of its
+        rows, as `StepResult.batch` gives them). Nothing runs, nothing is donated.
 
         Args:
           *args: the engine's arguments as serving passes them (only their shapes,

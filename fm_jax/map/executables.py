@@ -1,21 +1,17 @@
-"""Executables: the registry (key -> executable, the only place that compiles), its
-warm-up and serving guard, and the XLA options they are compiled with.
+"""Executables: the class's jitted entry points, the registry (key -> executable, the
+only place that compiles), its warm-up and serving guard, and the XLA options.
 
-A registry serves one family of executables (a map's entry points, or one engine step's):
-`executable(key, pack)` is the jitted function of the key's family (jit compiles it on a
-new shape), or, after `warm_up(guard=True)`, the executable warm-up compiled for exactly
-that key and packing layout; a call that would compile is then refused by name before
-anything runs. Warm-up compiles the calls placement made of empty batches at every bucket
-(so the keys serving reaches are the keys warmed, by construction) on a thread pool: XLA's
-compile releases the GIL, tracing and lowering do not.
+`entry_points` builds the jitted function of one key family (an op and its mode); each
+argument is placed by the jit with the layout's sharding: one call, one dispatch.
+`Registry.executable(key, pack)` is the family's jitted function or, after
+`warm_up(guard=True)`, the executable compiled for exactly that key and packing layout:
+any other call is refused by name before anything runs. Warm-up compiles on a thread
+pool (XLA's compile releases the GIL).
 
-Compiler options (`compiler_options`). XLA:CPU's parallel task assigner splits an
-elementwise-like instruction over up to sqrt(cores) threads once the bytes it may touch
-pass 256 KB. For a gather or scatter that is the whole pool buffer, although the op moves
-only batch-sized rows: from R ~ 64K slots (int32) on, every FutureMap gather and scatter
-becomes a hand-off to a pool thread and back, which costs more than the op (~20-40 us per
-op on the 2-core CI VM, a step's cost then growing with R instead of B). The ops are O(B)
-work: on CPU they run on the calling thread.
+Compiler options. XLA:CPU's parallel task assigner splits an instruction over threads once
+the bytes it may touch pass 256 KB: for a gather or scatter, the whole pool. From R ~ 64K
+slots each O(B) FutureMap op would be a hand-off to a pool thread and back (~20-40 us on a
+2-core VM, a step's cost growing with R): on CPU the ops run on the calling thread.
 """
 
 from __future__ import annotations
@@ -34,9 +30,18 @@ import jax
 from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
 
-from fm_jax.host.decisions import Key
+from fm_jax.host.buckets import decode_ids
+from fm_jax.host.decisions import FIXED_MODES, Key, writes_state
 from fm_jax.host.pack import PackSpec
+from fm_jax.ops import checks
+from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.ops import future_map
+from fm_jax.ops.protocol import Protocol
+from fm_jax.ops.relay_fields import payload_rows
+from fm_jax.ops.rows import gather
+from fm_jax.ops.sharding import check_split
+from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache
@@ -44,15 +49,9 @@ _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persis
 
 @dataclass(frozen=True)
 class WarmUpReport:
-    """What a warm-up compiled.
-
-    Attributes:
-      executables: executables made ready (by name: `by_op`).
-      compiled: XLA compiles seen during warm-up.
-      from_cache: executables loaded from JAX's persistent compilation cache instead.
-      seconds: wall time of the warm-up.
-      by_op: executables per name (as in `FutureMap.executables()`).
-    """
+    """What a warm-up made ready: `executables` (per name, as in `FutureMap.executables()`:
+    `by_op`), of which `compiled` by XLA and `from_cache` loaded from JAX's persistent
+    compilation cache, in `seconds` of wall time."""
 
     executables: int
     compiled: int
@@ -68,8 +67,8 @@ class WarmUpReport:
 
 
 class Guarded:
-    """A compiled executable that refuses, instead of compiling, arguments it was not built
-    for (a shape, dtype or sharding serving did not warm)."""
+    """A compiled executable that refuses, instead of compiling, arguments it was not
+    built for."""
 
     __slots__ = ("compiled", "key")
 
@@ -80,8 +79,7 @@ class Guarded:
     def __call__(self, *args: Any) -> Any:
         try:
             return self.compiled(*args)
-        except (TypeError, ValueError) as e:  # raised while matching arguments (a shape,
-            # a dtype, a device or sharding it was not built for): nothing ran
+        except (TypeError, ValueError) as e:  # arguments not matched: nothing ran
             raise FutureMapError(
                 f"serving guard: {self.key.describe()} was warmed for other arguments and "
                 f"would compile again: {e}"
@@ -89,19 +87,13 @@ class Guarded:
 
 
 Call = tuple[Key, PackSpec | None, tuple[Any, ...], int]
-"""A call to warm: its key, packing layout, full arguments (state first) and how many of
-them are the caller's own (an engine step's)."""
+"""A call to warm: key, packing layout, every argument, how many are an engine step's."""
 
 
 class Registry:
-    """Executables by key, for one family.
-
-    Args:
-      build: (key, pack, nargs) -> the jitted function serving the key's family (its op,
-        mode and checks) fed as `pack` lays out (None: placed arrays), taking `nargs`
-        arguments of the caller's own after those (an engine step's); once per family.
-      refusal: key -> the serving guard's message for a key warm-up did not compile.
-    """
+    """Executables by key: `build(key, pack, nargs)` makes the jitted function of a key's
+    family fed as `pack` lays out (None: placed arrays) taking `nargs` engine arguments,
+    once per family; `refusal(key)` is the guard's words for a key warm-up did not make."""
 
     def __init__(
         self, build: Callable[[Key, PackSpec | None, int], Any], refusal: Callable[[Key], str]
@@ -110,11 +102,6 @@ class Registry:
         self._refusal = refusal
         self._jitted: dict[tuple[Any, ...], Any] = {}
         self._serving: dict[tuple[Key, PackSpec | None], Guarded] | None = None
-
-    @property
-    def guarded(self) -> bool:
-        """Serving runs only warmed executables."""
-        return self._serving is not None
 
     def jitted(self, key: Key, pack: PackSpec | None = None, nargs: int = 0) -> Any:
         """The jitted function of `key`'s family (built on first use)."""
@@ -126,8 +113,7 @@ class Registry:
 
     def executable(self, key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
         """What serves `key` fed as `pack` lays out: the jitted function, or under the
-        serving guard the warmed executable (FutureMapError if there is none; one
-        warmed for another number of arguments refuses them when called)."""
+        serving guard the warmed executable (FutureMapError if there is none)."""
         if self._serving is None:
             return self.jitted(key, pack, nargs)
         exe = self._serving.get((key, pack))
@@ -146,7 +132,7 @@ class Registry:
         calls = list(unique.values())
         lowered = [self.jitted(k, pack, n).trace(*args).lower() for k, pack, args, n in calls]
         workers = threads or min(8, os.cpu_count() or 1)
-        with counting_compiles() as counter, ThreadPoolExecutor(max_workers=workers) as pool:
+        with _counting_compiles() as counts, ThreadPoolExecutor(max_workers=workers) as pool:
             compiled = list(pool.map(lambda lo: lo.compile(), lowered))
         by_op: dict[str, int] = {}
         for key, _, _, _ in calls:
@@ -159,43 +145,32 @@ class Registry:
             }
         return WarmUpReport(
             executables=len(calls),
-            compiled=counter.executables - counter.cache_hits,
-            from_cache=counter.cache_hits,
+            compiled=counts[_COMPILE_EVENT] - counts[_CACHE_HIT_EVENT],
+            from_cache=counts[_CACHE_HIT_EVENT],
             seconds=time.perf_counter() - t0,
             by_op=by_op,
         )
 
 
-class _Counter:
-    """Counts compile events (compiles and persistent-cache loads) while registered."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.executables = 0
-        self.cache_hits = 0
-
-    def duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == _COMPILE_EVENT:
-            with self.lock:
-                self.executables += 1
-
-    def event(self, event: str, **kwargs: str | int) -> None:
-        if event == _CACHE_HIT_EVENT:
-            with self.lock:
-                self.cache_hits += 1
-
-
 @contextmanager
-def counting_compiles() -> Iterator[_Counter]:
-    """Count the process's compiles and cache loads inside the block (every thread's)."""
-    counter = _Counter()
-    monitoring.register_event_duration_secs_listener(counter.duration)
-    monitoring.register_event_listener(counter.event)
+def _counting_compiles() -> Iterator[dict[str, int]]:
+    """Count the process's compiles (and cache loads) and persistent-cache loads inside
+    the block, every thread's, by event name."""
+    counts = dict.fromkeys((_COMPILE_EVENT, _CACHE_HIT_EVENT), 0)
+    lock = threading.Lock()
+
+    def seen(event: str, *args: Any, **kwargs: Any) -> None:
+        if event in counts:
+            with lock:
+                counts[event] += 1
+
+    monitoring.register_event_duration_secs_listener(seen)
+    monitoring.register_event_listener(seen)
     try:
-        yield counter
+        yield counts
     finally:
-        monitoring.unregister_event_duration_listener(counter.duration)
-        monitoring.unregister_event_listener(counter.event)
+        monitoring.unregister_event_duration_listener(seen)
+        monitoring.unregister_event_listener(seen)
 
 
 CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
@@ -204,47 +179,223 @@ CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
 _FLAG = "xla_disable_hlo_passes"
 
 
-def _passes_disabled_by_env() -> list[str]:
-    """Passes already disabled through XLA_FLAGS (kept: compiler options replace the list)."""
-    got = re.findall(rf"--{_FLAG}=(\S+)", os.environ.get("XLA_FLAGS", ""))
-    return [p for v in got for p in v.split(",") if p]
-
-
 def compiler_options(platform: str | None = None) -> dict[str, str]:
     """XLA options for jitting a step that runs FutureMap ops on `platform`.
 
-    On CPU: the parallel task assigner disabled (see the module docstring), and any passes
-    XLA_FLAGS already disables kept disabled. Elsewhere: no options. Engines that inline
-    the pure ops pass these to their own jit: `jax.jit(step, compiler_options=...)`; note
-    that on CPU this also keeps the step's other elementwise ops on one thread.
-
-    Args:
-      platform: "cpu", "gpu", "tpu", ...; default JAX's default backend.
+    On CPU (`platform` default: JAX's default backend): the parallel task assigner
+    disabled (module docstring), beside the passes XLA_FLAGS disables (options replace that
+    list); elsewhere none. Engines that inline the pure ops pass these to their own jit; on
+    CPU this also keeps the step's other elementwise ops on one thread.
     """
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return {}
-    passes = list(dict.fromkeys([*_passes_disabled_by_env(), CPU_PARALLEL_TASK_PASS]))
+    by_env = re.findall(rf"--{_FLAG}=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    passes = [p for v in by_env for p in v.split(",") if p]
+    passes = list(dict.fromkeys([*passes, CPU_PARALLEL_TASK_PASS]))
     return {_FLAG: ",".join(passes)}
 
 
 def use_persistent_cache(path: str | os.PathLike[str], *, min_compile_seconds: float = 0.0) -> None:
     """Turn on JAX's persistent compilation cache in directory `path`, for this process.
 
-    A process started later with the same call loads the executables it finds there
-    instead of compiling them (`FutureMap.warm_up` reports how many). JAX's own default
-    writes only compiles that took at least a second, which no FutureMap executable does
-    (each takes ~20-80 ms on CPU), so this writes every compile at or over
-    `min_compile_seconds` (0: all, the setting sglang-jax serves with). Process-wide: it
-    applies to the engine's other compiles too. Call it before the first compile.
-
-    Args:
-      path: the cache directory (created if missing); trusted: whoever can write it can
-        change what this process runs.
-      min_compile_seconds: compiles faster than this are not written.
+    A later process making the same call loads the executables it finds there
+    (`FutureMap.warm_up` reports how many). JAX's default writes only compiles of a second
+    or more, which no FutureMap executable takes (~20-80 ms on CPU): this writes those of
+    at least `min_compile_seconds` (0: all, as sglang-jax serves). Process-wide; call it
+    before the first compile. `path` is created if missing, and trusted: whoever can
+    write it can change what this process runs.
     """
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.fspath(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     # JAX decides once per process whether the cache is used: decide again with it on.
     compilation_cache.reset_cache()
+
+
+def tail(
+    ops: FutureMapOps,
+    protocol: Protocol,
+    token_buckets: tuple[int, ...],
+    what: str = "finish",
+    owned: frozenset[str] = frozenset(),
+) -> Any:
+    """A step's tail over global arrays: (state, indices, new_seq_lens, payload,
+    confidence=None) -> (state, the sentinels `_sentinels` leaves, or None).
+
+    Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
+    consecutive shard_maps. Arguments are checked when traced as publish's and stash's
+    are (refusals begin with `what`). `owned` names the relay buffers (`new_seq_lens`,
+    `output_tokens`) the forward wrote itself: the value given for each is the whole
+    buffer, taken with no scatter (debug: its rows at `indices` checked as relayed rows).
+    """
+    local = ops.local
+    assert local is not None  # the class's ops are always lifted (a layout)
+    own_lens, own_tokens = "new_seq_lens" in owned, "output_tokens" in owned
+    # Owned output_tokens, spec: the other fields stashed as by a map without bonus tokens.
+    rest = None
+    rest_fields: tuple[rf.RelayField, ...] = ()
+    if own_tokens and local.spec is not None:
+        spec = local.spec._replace(bonus_tokens=False)
+        rest_fields = spec.fields()
+        if rest_fields:
+            rest = future_map(
+                local.pool_size,
+                dtype=local.dtype,
+                spec=spec,
+                debug=local.debug,
+                protocol=local.protocol,
+            )
+
+    def check_owned(name: str, invariant: str, buf: jax.Array, indices: jax.Array) -> None:
+        chk = checks.OpChecks()
+        checks.relayed_values(name, invariant, gather(buf, indices), indices, local.dtype, chk)
+        chk.run()
+
+    def local_tail(
+        state: FutureMapState,
+        indices: jax.Array,
+        new_seq_lens: jax.Array,
+        payload: Any,
+        confidence: Any = None,
+    ) -> tuple[FutureMapState, Any]:
+        if own_lens:
+            state = state._replace(new_seq_lens=new_seq_lens)
+            if confidence is not None:  # publish scatters the owned rows back unchanged
+                # beside the confidence rows (debug: and checks them): one B-row scatter
+                state = local.publish(state, indices, gather(new_seq_lens, indices), confidence)
+            elif local.debug:
+                check_owned("new_seq_lens", checks.PUBLISHED_LENGTHS, new_seq_lens, indices)
+        else:
+            state = local.publish(state, indices, new_seq_lens, confidence)
+        if not own_tokens:
+            state = local.stash(state, indices, payload)
+        else:
+            spec = local.spec is not None
+            tokens = payload.bonus_tokens if spec else payload
+            name = "draft.bonus_tokens" if spec else "tokens"
+            if local.debug:
+                check_owned(name, checks.STASHED_TOKENS, tokens, indices)
+            state = state._replace(output_tokens=tokens)
+            others = payload._replace(bonus_tokens=None) if rest is not None else None
+            if rest is not None and any(rf.get(others, f.name) is not None for f in rest_fields):
+                state = rest.stash(state, indices, others)  # not for a bonus-only draft
+        return state, _sentinels(protocol, indices, local.dtype, token_buckets)
+
+    mapped = ops.map_ranks(local_tail)
+
+    def checked_tail(
+        state: FutureMapState, indices: Any, new_seq_lens: Any, payload: Any, confidence: Any = None
+    ) -> tuple[FutureMapState, Any]:
+        rows = [("indices", indices), ("confidence", confidence)]
+        if own_lens:
+            _check_owned(what, "new_seq_lens", new_seq_lens, state.new_seq_lens)
+        else:
+            rows.append(("new_seq_lens", new_seq_lens))
+        relayed = payload_rows(local.spec, payload)
+        if own_tokens:  # the tokens are the payload's first entry
+            _check_owned(what, "output_tokens", relayed.pop(0)[1], state.output_tokens)
+        check_split(ops.layout, what, [*rows, *relayed])
+        conf = () if confidence is None else (confidence,)
+        return mapped(state, indices, new_seq_lens, payload, *conf)  # type: ignore[no-any-return]
+
+    return checked_tail
+
+
+def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
+    """FutureMapError unless `got`, a forward's return for its owned buffer `name`, has
+    that buffer's shape and dtype."""
+    if isinstance(got, jax.Array) and (got.shape, got.dtype) == (buf.shape, buf.dtype):
+        return
+    head = f"{what}: " if what else ""
+    shown = f"{got.dtype}{list(got.shape)}" if isinstance(got, jax.Array) else repr(got)
+    raise FutureMapError(
+        f"{head}the forward owns the {name} buffer (StepInput per='slot'): it returns that "
+        f"buffer, {buf.dtype}{list(buf.shape)}, written; got {shown}"
+    )
+
+
+def _sentinels(
+    protocol: Protocol, indices: jax.Array, dtype: Any, token_buckets: tuple[int, ...]
+) -> Any:
+    """One rank's sentinels as `protocol` leaves them, their ids padded to the token
+    bucket of the rows (`buckets.decode_ids`): the DECODE they make is placed again."""
+    return protocol.sentinels(indices.astype(dtype), decode_ids(indices.shape[0], token_buckets))
+
+
+def _op_body(
+    ops: FutureMapOps,
+    key: Key,
+    protocol: Protocol,
+    token_buckets: tuple[int, ...],
+    debug: bool,
+) -> Any:
+    """The function a key's family jits, over global arrays."""
+    local = ops.local
+    assert local is not None  # the class's ops are always lifted (a layout)
+    if key.op == "resolve":
+        fixed = FIXED_MODES.get(key.mode)
+
+        def resolve(state: FutureMapState, batch: Batch) -> Any:
+            if fixed is not None:
+                batch = batch._replace(forward_mode=fixed)
+            out = ops.resolve(state, batch)
+            # Without debug resolve only reads: a state returned undonated would be copied.
+            return out if debug else out[1]
+
+        return resolve
+    if key.op == "sentinels":
+
+        def local_sentinels(indices: jax.Array) -> Any:
+            if debug:  # each rank's slots checked as every op's are
+                chk = checks.OpChecks()
+                checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
+                chk.run()
+            return _sentinels(protocol, indices, local.dtype, token_buckets)
+
+        return ops.map_ranks(local_sentinels)
+    if key.op == "finish":
+        finish = tail(ops, protocol, token_buckets)
+        return with_confidence_copy(finish) if key.confidence else finish
+    if key.op == "publish" and key.confidence:
+        return with_confidence_copy(ops.publish)
+    return {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}[key.op]
+
+
+def with_confidence_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a publish, or a tail: the state first) returning also a copy of the
+    confidence buffer it wrote, for the host ring (the state is donated to the next op)."""
+
+    def both(*args: Any) -> Any:
+        out = fn(*args)
+        state = out if isinstance(out, FutureMapState) else out[0]
+        return out, state.confidence  # XLA gives each output a buffer of its own
+
+    return both
+
+
+def entry_points(
+    ops: FutureMapOps,
+    protocol: Protocol,
+    token_buckets: tuple[int, ...],
+    debug: Any,
+    options: dict[str, str],
+) -> Callable[[Key, PackSpec | None, int], Any]:
+    """The builder of the class's jitted entry points: the state (argument 0) donated
+    where the op writes it (`decisions.writes_state`), compiled with `options`; with a
+    debug channel `debug`, each returns (packed error, outputs)."""
+    layout = ops.layout
+    sh = layout.sharding
+    # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
+    batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]
+
+    def build(key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
+        fn = _op_body(ops, key, protocol, token_buckets, debug is not None)
+        if debug is not None:
+            fn = debug.checked(fn)
+        assert pack is None, "a class call is fed placed arrays"
+        donate = (0,) if writes_state(key.op, debug is not None) else ()
+        shardings = (sh, batch_sh) if key.op == "resolve" else sh
+        return jax.jit(fn, in_shardings=shardings, donate_argnums=donate, compiler_options=options)
+
+    return build

@@ -1,152 +1,352 @@
-"""A map's reads on the host: the published lengths, a spec MIXED batch's host tails and
-the confidence relay's rows.
+"""A map's reads on the host and the copies the device starts for them.
 
-`HostReads` serves `FutureMap.resolve_seq_lens_cpu`, `resolve_mixed_tails_cpu` and
-`resolve_confidence_cpu` (whose docstrings state the rules); the map calls it under its
-lock. It places through the map's placement, reads the runtime's host copies (the last
-publish's lengths, the confidence ring) and runs a gather, where one is needed, through
-the `run` the map passes with each read (its one way of calling an executable; passed,
-not held, so that the map and its reads form no reference cycle).
+Lengths (`needs_cpu_seq_lens`). A publish starts the host copy of its lengths
+(`copy_to_host_async`) and `HostLengths` keeps it with its slots, as SGLang copies them on
+a side stream gated on the publish; a read of exactly those slots takes the copy, waiting
+only for the publishing step. Only the last publish is kept: other slots, or the caller's
+device lengths donated since, and the read gathers from the buffer (the same lengths).
+
+Confidence (DSpark). A publish with confidence rows returns a copy of the whole [R, gamma]
+buffer; `ConfidenceRing` takes each local DP rank's block, starts its host copy and keeps
+the last `DEPTH` per rank, each with a snapshot of the host's per-slot generations
+(SGLang's `req_generation`). A read takes the entry `LAG` publishes back, which has had a
+whole step to land, and never waits unless asked (not landed, or the first `LAG`
+publishes: None). Only publishes with rows move the ring, on the ranks that had rows.
+
+`seq_lens`, `mixed_tails` and `confidence` serve the `FutureMap.resolve_*_cpu` reads
+under the map's lock (`runtime`: its `MapRuntime`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from fm_jax.host.buckets import Rows
 from fm_jax.host.decisions import Placed
 from fm_jax.host.place import Placement
-from fm_jax.map.host_copies import ResolvedConfidence
-from fm_jax.map.runtime import MapRuntime
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.sharding import per_rank
 from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput, host_mode
 
-Lengths = np.ndarray | dict[int, np.ndarray]
-Run = Callable[[Placed, str], Any]
-"""The map's call of a placed op on its executable: `run(placed, op)`."""
+
+class _Published(NamedTuple):
+    idx: Rows  # the slots, as placed (host: padded; a jax array: taken as given)
+    lens: Any  # the lengths, placed like idx: a host array, or a jax array copying to host
 
 
-class HostReads:
-    """One map's host reads.
+class HostLengths:
+    """The most recent publish's lengths (one map; single process)."""
 
-    Args:
-      placement: the map's placement (slots checked and placed as its ops place them).
-      runtime: the map's runtime (host lengths, confidence ring, debug channel).
+    def __init__(self) -> None:
+        self._last: _Published | None = None
+
+    def published(self, idx: Rows, lens: Any) -> None:
+        """A publish wrote `lens` at `idx` (both as placed): keep them, a device array with
+        its host copy started."""
+        if isinstance(lens, jax.Array):
+            lens.copy_to_host_async()
+        else:  # the caller's own array may be reused for the next batch: keep a copy
+            lens = np.array(lens)
+        if idx.counts is not None:
+            idx = idx._replace(array=np.array(idx.array))
+        self._last = _Published(idx, lens)
+
+    def forget(self) -> None:
+        """The buffer may no longer hold what was last published (a debug resolve
+        consumed it): the next read gathers from the buffer."""
+        self._last = None
+
+    def read(self, idx: Rows, subset: bool = False) -> np.ndarray | None:
+        """The lengths last published at exactly the slots `idx` (as placed, padded), or
+        None when the last publish was at other slots (or there was none). `subset`: host
+        slots each among the last publish's (of its rank) do too."""
+        last = self._last
+        if subset and last is not None and idx.counts is not None:
+            return self._among(last, idx)
+        if last is None or last.idx.size != idx.size:
+            return None
+        if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
+            same = idx.array is last.idx.array
+        else:
+            same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
+        if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
+            return None  # other slots, or the caller's array donated since: the buffer
+        return np.asarray(last.lens)
+
+    @staticmethod
+    def _among(last: _Published, idx: Rows) -> np.ndarray | None:
+        """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
+        slots too); None when one is not there or the lengths were donated since."""
+        counts = last.idx.counts
+        if counts is None or idx.counts is None:
+            return None
+        if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
+            return None
+        have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
+        want = np.asarray(idx.array)
+        out = np.zeros(want.shape, lens.dtype)
+        s0, s1 = last.idx.size, idx.size
+        for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
+            if not n1:
+                continue
+            if not n0:
+                return None
+            slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
+            w = want[d * s1 : d * s1 + n1]
+            order = np.argsort(slots, kind="stable")
+            at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
+            if not np.array_equal(slots[order[at]], w):
+                return None
+            out[d * s1 : d * s1 + n1] = got[order[at]]
+        return out
+
+
+LAG = 2
+"""Publishes back a read looks (SGLang's CONFIDENCE_RELAY_RING_LAG)."""
+
+DEPTH = LAG + 1
+"""Entries kept per rank: the one read, the one landing, the one being written."""
+
+
+class ResolvedConfidence(NamedTuple):
+    """A batch's confidence rows as the ring held them, and their generations.
+
+    Attributes:
+      confidence: [B, gamma] float32, each slot's row as published (bit for bit).
+      generation: [B] int64, each slot's generation when the row was copied: equal to the
+        slot's current generation only if no new request took the slot since.
     """
 
-    def __init__(self, placement: Placement, runtime: MapRuntime) -> None:
-        self._placement = placement
-        self._runtime = runtime
-        self._layout = placement.inputs.layout
+    confidence: np.ndarray
+    generation: np.ndarray
 
-    def seq_lens(self, run: Run, indices: RowsInput, rows: int | None) -> Lengths:
-        """`FutureMap.resolve_seq_lens_cpu`: debug, spec: the read consumes the fresh
-        publish of each rank it reads."""
-        placed = self._placement.slots_op("seq_lens_at", indices, rows)
-        if self._runtime.armed is not None:  # debug, spec: it waits for a fresh publish
-            self._runtime.read_lengths(placed.idx)
-        return self._lengths(run, placed)
 
-    def _lengths(self, run: Run, placed: Placed, subset: bool = False) -> Lengths:
-        """`new_seq_lens` at the placed slots, on the host: the last publish's copy at
-        exactly its slots (`subset`: at slots among them), else gathered; then the debug
-        check."""
-        inputs, runtime = self._placement.inputs, self._runtime
-        lengths = runtime.host_lengths
-        copied = None if lengths is None else lengths.read(placed.idx, subset)
-        if copied is not None:  # the slots last published: their copy, no gather
-            runtime.check()
-            return inputs.unpad(copied, placed.idx)
-        out = run(placed, "resolve_seq_lens_cpu")
-        if inputs.single_process:
-            host = np.asarray(jax.device_get(out))
-        else:
-            blocks = per_rank(out, self._layout)
-            size = placed.idx.size
-            host = np.concatenate(
-                [blocks.get(d, np.zeros(size, inputs.dtype)) for d in range(self._layout.dp)]
+class _Entry(NamedTuple):
+    rows: jax.Array  # the rank's block of the buffer after one publish, [R, gamma] bits
+    generation: np.ndarray  # [R] int64: the rank's generations at that publish
+
+
+class ConfidenceRing:
+    """One map's ring per DP rank of this process (`ranks`), of R = `pool_size` slots per
+    rank, `dp` ranks in all; `rank_of` the DP rank a device holds."""
+
+    def __init__(
+        self, pool_size: int, dp: int, rank_of: Callable[[Any], int], ranks: tuple[int, ...]
+    ) -> None:
+        self.pool_size = pool_size
+        self.dp = dp
+        self.rank_of = rank_of
+        self._rank: dict[Any, int] = {}  # device -> its DP rank
+        self._entries: dict[int, list[_Entry | None]] = {d: [None] * DEPTH for d in ranks}
+        self._pos = dict.fromkeys(ranks, 0)
+
+    def clear(self) -> None:
+        """No publish yet, as at construction."""
+        self._entries = {d: [None] * DEPTH for d in self._entries}
+        self._pos = dict.fromkeys(self._entries, 0)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The local DP ranks the ring serves."""
+        return list(self._entries)
+
+    def generations(self, x: Any, idx: Rows) -> dict[int, np.ndarray]:
+        """The host's per-slot generation counters as given to a publish with confidence at
+        `idx` (as placed): [R] ints (one DP rank), [DP*R] (each rank's end to end) or a
+        mapping DP rank -> [R] (every rank with rows); copied (the snapshot), before
+        anything runs. FutureMapError naming `generation`."""
+        r = self.pool_size
+        if x is None:
+            raise FutureMapError(
+                "generation is required with confidence: the request pool's per-slot "
+                f"generation counter, [{r}] ints per DP rank (SGLang's req_generation)"
             )
+        if isinstance(x, Mapping):
+            parts = {d: _ints(f"generation[rank {d}]", v, r) for d, v in x.items()}
+            missing = {d for d in self._entries if idx.has_rows(d)} - set(parts)
+            if missing:
+                raise FutureMapError(f"generation has no counters for DP rank(s) {sorted(missing)}")
+            return parts
+        a = _ints("generation", x, self.dp * r)
+        return {d: a[d * r : (d + 1) * r] for d in self._entries}
+
+    def issue(self, rows: jax.Array, generation: Mapping[int, np.ndarray], idx: Rows) -> None:
+        """A publish wrote confidence rows at `idx` (as placed) and returned the buffer
+        `rows`: in the ring of every local rank that had rows (all for jax-array slots,
+        whose counts are unknown), its block with its host copy started, and its
+        generations."""
+        blocks: dict[int, jax.Array] = {}
+        for shard in rows.addressable_shards:  # one replica per rank
+            d = self._rank.get(shard.device)
+            if d is None:
+                d = self._rank[shard.device] = self.rank_of(shard.device)
+            if d not in blocks and d in self._entries and idx.has_rows(d):
+                blocks[d] = shard.data  # an idle rank: no copy, as in SGLang's per-rank map
+        for d, block in blocks.items():
+            block.copy_to_host_async()
+            pos = self._pos[d]
+            self._entries[d][pos % DEPTH] = _Entry(block, generation[d])
+            self._pos[d] = pos + 1
+
+    def read(self, rank: int, slots: np.ndarray, wait: bool) -> ResolvedConfidence | None:
+        """Rank `rank`'s rows at `slots` from the entry LAG publishes back; None before
+        LAG publishes, for no slots, or (unless `wait`) while that entry's copy is not done."""
+        pos = self._pos[rank]
+        if pos < LAG or slots.size == 0:
+            return None
+        entry = self._entries[rank][(pos - LAG) % DEPTH]
+        assert entry is not None
+        if not wait and not entry.rows.is_ready():  # type: ignore[attr-defined]  # not in the stubs
+            return None
+        block = np.asarray(entry.rows)
+        return ResolvedConfidence(block[slots].view(np.float32), entry.generation[slots].copy())
+
+    def slots(self, name: str, x: Any) -> np.ndarray:
+        """Host slots of a read, each in [0, R); FutureMapError naming `name`."""
+        a = np.asarray(x)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise FutureMapError(f"{name} must be 1-D host ints (slots), got {a.dtype} {a.shape}")
+        a = a.astype(np.int64)
+        bad = (a < 0) | (a >= self.pool_size)
+        if bad.any():
+            raise FutureMapError(
+                f"{name} holds slots outside [0, {self.pool_size}): {a[bad].tolist()}"
+            )
+        live, counts = np.unique(a[a != 0], return_counts=True)
+        if (counts > 1).any():
+            raise FutureMapError(
+                f"{name} holds live slots {live[counts > 1].tolist()} more than once"
+            )
+        return a
+
+
+def _ints(name: str, x: Any, n: int) -> np.ndarray:
+    """`x` as a fresh int64 host array of shape [n]; FutureMapError naming `name`."""
+    if isinstance(x, jax.Array):
+        raise FutureMapError(f"{name} must be host ints (the host's counters), got a jax array")
+    a = np.asarray(x)
+    if a.shape != (n,) or a.dtype.kind not in "iu":
+        raise FutureMapError(f"{name} must be [{n}] ints, got {a.dtype} {a.shape}")
+    return a.astype(np.int64)
+
+
+Lengths = np.ndarray | dict[int, np.ndarray]
+Run = Callable[[Placed, str], Any]
+"""The map's call of a placed op on its executable: `run(placed, op)` (passed with each
+read, not held: no reference cycle)."""
+
+
+def seq_lens(
+    placement: Placement, runtime: Any, run: Run, indices: RowsInput, rows: int | None
+) -> Lengths:
+    """`FutureMap.resolve_seq_lens_cpu`: debug, spec: the read consumes the fresh
+    publish of each rank it reads."""
+    placed = placement.slots_op("seq_lens_at", indices, rows)
+    if runtime.armed is not None:  # debug, spec: it waits for a fresh publish
+        runtime.read_lengths(placed.idx)
+    return _lengths(placement, runtime, run, placed)
+
+
+def _lengths(
+    placement: Placement, runtime: Any, run: Run, placed: Placed, subset: bool = False
+) -> Lengths:
+    """`new_seq_lens` at the placed slots, on the host: the last publish's copy at
+    exactly its slots (`subset`: at slots among them), else gathered; then the debug
+    check."""
+    inputs, layout = placement.inputs, placement.inputs.layout
+    lengths = runtime.host_lengths
+    copied = None if lengths is None else lengths.read(placed.idx, subset)
+    if copied is not None:  # the slots last published: their copy, no gather
         runtime.check()
-        return inputs.unpad(host, placed.idx)
+        return inputs.unpad(copied, placed.idx)
+    out = run(placed, "resolve_seq_lens_cpu")
+    if inputs.single_process:
+        host = np.asarray(jax.device_get(out))
+    else:
+        blocks = per_rank(out, layout)
+        size = placed.idx.size
+        host = np.concatenate(
+            [blocks.get(d, np.zeros(size, inputs.dtype)) for d in range(layout.dp)]
+        )
+    runtime.check()
+    return inputs.unpad(host, placed.idx)
 
-    def mixed_tails(
-        self, run: Run, batch: Batch | Mapping[int, Batch], prefix_lens: Any
-    ) -> MixedTails | dict[int, MixedTails]:
-        """`FutureMap.resolve_mixed_tails_cpu`: every argument checked before the read:
-        the batch as `resolve` checks it (placed by the same general path, nothing run:
-        slots in range, no live slot twice, token slots one per input id, the running rows
-        last in token-slot order), and the host lengths it rebinds >= 0."""
-        if self._placement.spec is None or not self._placement.protocol.serves_spec_mixed:
-            raise FutureMapError(
-                "resolve_mixed_tails_cpu: a spec MIXED batch is a feature of a spec map of "
-                "the gather protocol"
-            )
-        by_rank = isinstance(batch, Mapping)
-        batches = dict(batch) if isinstance(batch, Mapping) else {0: batch}
-        if not by_rank and self._layout.dp > 1:
-            raise FutureMapError(
-                "resolve_mixed_tails_cpu: a map of several DP ranks takes a mapping DP rank "
-                "-> Batch"
-            )
-        if prefix_lens is None:
-            prefixes: Mapping[int, Any] = {}
-        elif isinstance(prefix_lens, Mapping) == by_rank:
-            prefixes = prefix_lens if isinstance(prefix_lens, Mapping) else {0: prefix_lens}
-        else:
-            raise FutureMapError("prefix_lens must be given in the form of the batch")
-        rows, running = {}, {}
-        for d, b in batches.items():
-            where = f"batch[rank {d}]." if by_rank else "batch."
-            rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
-        # resolve's own checks of the batch (its general path places it; nothing runs)
-        self._placement.resolve(batch)
-        checks = self._placement.inputs.checks
-        for d, (_, lens, ts, pre) in rows.items():
-            where, rank = (f"batch[rank {d}].", f"[rank {d}]") if by_rank else ("batch.", "")
-            for name, x in ((f"{where}seq_lens", lens), (f"prefix_lens{rank}", pre)):
-                if x is not None:  # host lengths, rebound and summed: >= 0
-                    checks.check("relayed", name, x, np.dtype(np.int64))
-            running[d] = ts[ts > 0]
-        got: Any = {}
-        if any(len(x) for x in running.values()):
-            placed = self._placement.slots_op(
-                "seq_lens_at", running if by_rank else running[0], None
-            )
-            got = self._lengths(run, placed, subset=True)
-        if not by_rank:
-            got = {0: got}
-        out = {d: _rebind(*rows[d], got.get(d)) for d in batches}
-        return out if by_rank else out[0]
 
-    def confidence(
-        self, indices: Any, wait: bool
-    ) -> ResolvedConfidence | None | dict[int, ResolvedConfidence | None]:
-        """`FutureMap.resolve_confidence_cpu`: the ring's rows at `indices`, per rank for
-        a mapping; refused on a map with no confidence relay."""
-        ring = self._runtime.confidence
-        if ring is None:
-            raise FutureMapError(
-                "resolve_confidence_cpu: the map relays no confidence; declare its width, "
-                "SpecConfig(..., confidence=gamma)"
-            )
-        if not isinstance(wait, bool):
-            raise FutureMapError(f"wait must be a bool, got {wait!r}")
-        if isinstance(indices, Mapping):
-            unknown = sorted(set(indices) - set(ring.ranks))
-            if unknown:
-                raise FutureMapError(f"indices names DP rank(s) {unknown}, not this process's")
-            slots = {d: ring.slots(f"indices[rank {d}]", s) for d, s in indices.items()}
-            return {d: ring.read(d, s, wait) for d, s in slots.items()}
-        if self._layout.dp > 1:
-            raise FutureMapError(
-                "resolve_confidence_cpu on a map of several DP ranks takes a mapping DP rank "
-                "-> slots"
-            )
-        return ring.read(0, ring.slots("indices", indices), wait)
+def mixed_tails(
+    placement: Placement, runtime: Any, run: Run, batch: Any, prefix_lens: Any
+) -> MixedTails | dict[int, MixedTails]:
+    """`FutureMap.resolve_mixed_tails_cpu`: every argument checked before the read:
+    the batch as `resolve` checks it (placed by the same general path, nothing run:
+    slots in range, no live slot twice, token slots one per input id, the running rows
+    last in token-slot order), and the host lengths it rebinds >= 0."""
+    if placement.spec is None or not placement.protocol.serves_spec_mixed:
+        raise FutureMapError(
+            "resolve_mixed_tails_cpu: a spec MIXED batch is a feature of a spec map of "
+            "the gather protocol"
+        )
+    by_rank = isinstance(batch, Mapping)
+    batches = dict(batch) if isinstance(batch, Mapping) else {0: batch}
+    if not by_rank and placement.inputs.dp > 1:
+        raise FutureMapError(
+            "resolve_mixed_tails_cpu: a map of several DP ranks takes a mapping DP rank -> Batch"
+        )
+    if prefix_lens is None:
+        prefixes: Mapping[int, Any] = {}
+    elif isinstance(prefix_lens, Mapping) == by_rank:
+        prefixes = prefix_lens if isinstance(prefix_lens, Mapping) else {0: prefix_lens}
+    else:
+        raise FutureMapError("prefix_lens must be given in the form of the batch")
+    rows, running = {}, {}
+    for d, b in batches.items():
+        where = f"batch[rank {d}]." if by_rank else "batch."
+        rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
+    # resolve's own checks of the batch (its general path places it; nothing runs)
+    placement.resolve(batch)
+    checks = placement.inputs.checks
+    for d, (_, lens, ts, pre) in rows.items():
+        where, rank = (f"batch[rank {d}].", f"[rank {d}]") if by_rank else ("batch.", "")
+        for name, x in ((f"{where}seq_lens", lens), (f"prefix_lens{rank}", pre)):
+            if x is not None:  # host lengths, rebound and summed: >= 0
+                checks.check("relayed", name, x, np.dtype(np.int64))
+        running[d] = ts[ts > 0]
+    got: Any = {}
+    if any(len(x) for x in running.values()):
+        placed = placement.slots_op("seq_lens_at", running if by_rank else running[0], None)
+        got = _lengths(placement, runtime, run, placed, subset=True)
+    if not by_rank:
+        got = {0: got}
+    out = {d: _rebind(*rows[d], got.get(d)) for d in batches}
+    return out if by_rank else out[0]
+
+
+def confidence(
+    runtime: Any, indices: Any, wait: bool
+) -> ResolvedConfidence | None | dict[int, ResolvedConfidence | None]:
+    """`FutureMap.resolve_confidence_cpu`: the ring's rows at `indices`, per rank for
+    a mapping; refused on a map with no confidence relay."""
+    ring = runtime.confidence
+    if ring is None:
+        raise FutureMapError(
+            "resolve_confidence_cpu: the map relays no confidence; declare its width, "
+            "SpecConfig(..., confidence=gamma)"
+        )
+    if not isinstance(wait, bool):
+        raise FutureMapError(f"wait must be a bool, got {wait!r}")
+    if isinstance(indices, Mapping):
+        unknown = sorted(set(indices) - set(ring.ranks))
+        if unknown:
+            raise FutureMapError(f"indices names DP rank(s) {unknown}, not this process's")
+        slots = {d: ring.slots(f"indices[rank {d}]", s) for d, s in indices.items()}
+        return {d: ring.read(d, s, wait) for d, s in slots.items()}
+    if ring.dp > 1:
+        raise FutureMapError(
+            "resolve_confidence_cpu on a map of several DP ranks takes a mapping DP rank -> slots"
+        )
+    return ring.read(0, ring.slots("indices", indices), wait)
 
 
 def _mixed_rows(

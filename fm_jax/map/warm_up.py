@@ -1,13 +1,11 @@
 """Warm-up: placement applied to empty batches of every bucket.
 
 What serving reaches for a map's buckets, as calls of zeros (every slot the padding slot,
-every id and length 0): the tail ops (publish, stash, finish, the sentinels, and
-`seq_lens_at` on a spec map) once per batch bucket; resolve once per token bucket and
-resolve variant of the protocol (the token bucket fixes its rows,
-`buckets.resolve_sizes`), with and without a draft on a spec map; in the gather protocol
-a non-spec DECODE (which places no ids) once per batch bucket. So the count grows with
-the sum of the buckets, not their product. Each call goes through the map's placement,
-so the keys and packing layouts warmed are the ones serving's calls of those sizes get.
+every id and length 0): the tail ops once per batch bucket; resolve once per token bucket
+and resolve variant of the protocol (the token bucket fixes its rows), with and without a
+draft on a spec map; in the gather protocol a non-spec DECODE (no ids) once per batch
+bucket: the count grows with the sum of the buckets, not their product. Each call goes
+through the map's placement, so the keys and packing layouts warmed are serving's.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import numpy as np
 from fm_jax.host.buckets import decode_ids, resolve_sizes
 from fm_jax.host.decisions import FIXED_MODES, takes_state
 from fm_jax.host.host_inputs import HostInputs
-from fm_jax.map.executables import Call
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import SpecConfig, draft_payload, element_dtype
@@ -35,51 +32,6 @@ class EmptyBatch(NamedTuple):
     batch: Batch
     rows: int
     tokens: int
-
-
-class EmptyTail(NamedTuple):
-    """A tail op of zeros at one batch bucket: publish (`payload` None), stash (`lens`
-    None), finish, or the sentinels / `seq_lens_at` (both None)."""
-
-    op: str
-    indices: np.ndarray
-    lens: Any
-    payload: Any
-    rows: int
-    confidence: Any = None
-
-
-def empty_tails(
-    inputs: HostInputs,
-    protocol: Protocol,
-    spec: SpecConfig | None,
-    partial: Sequence[Collection[str]] = (),
-) -> Iterator[EmptyTail]:
-    """The class's tail ops at every batch bucket; stash and finish also once per partial
-    stash in `partial` (the field names its drafts give)."""
-    dp, dt = inputs.dp, inputs.dtype
-    for b in inputs.batch_buckets:
-        zeros = np.zeros(dp * b, dt)
-        payload = zeros if spec is None else _empty_draft(dp * b, spec, dt)
-        yield EmptyTail("publish", zeros, zeros, None, b)
-        yield EmptyTail("stash", zeros, None, payload, b)
-        yield EmptyTail("finish", zeros, zeros, payload, b)
-        if spec is not None and spec.confidence:  # publish and finish with confidence rows
-            rows = np.zeros((dp * b, spec.confidence), np.float32)
-            yield EmptyTail("publish", zeros, zeros, None, b, rows)
-            yield EmptyTail("finish", zeros, zeros, payload, b, rows)
-        for names in partial:
-            assert spec is not None  # class_calls refuses partial stashes without spec
-            part = _empty_draft(dp * b, spec, dt, names)
-            yield EmptyTail("stash", zeros, None, part, b)
-            yield EmptyTail("finish", zeros, zeros, part, b)
-            if spec.confidence:
-                rows = np.zeros((dp * b, spec.confidence), np.float32)
-                yield EmptyTail("finish", zeros, zeros, part, b, rows)
-        if protocol.invalidates:
-            yield EmptyTail("sentinels", zeros, None, None, b)
-        if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
-            yield EmptyTail("seq_lens_at", zeros, None, None, b)
 
 
 def empty_batches(
@@ -170,14 +122,14 @@ def class_calls(
     placement: Any,
     state: Any,
     *,
-    debug: bool,
     traced_modes: bool,
     partial: Sequence[Collection[str]] = (),
 ) -> list[Any]:
-    """The class's warm-up: every empty tail and batch placed through `placement` as
-    serving places its calls (a debug map's tail ops both checked and not), the partial
-    stashes in `partial` too. Returns registry
-    calls (key, packing, arguments, 0)."""
+    """The class's warm-up: calls of zeros placed through `placement` as serving places
+    its calls. Per batch bucket publish, stash and finish (with confidence rows too on a
+    map that relays them; stash and finish once more per partial stash in `partial`, the
+    field names its drafts give), the sentinels and, spec, `seq_lens_at`; then every
+    resolve (`empty_batches`). Returns registry calls (key, None, arguments, 0)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
     if not _names_per_stash(partial):
         raise FutureMapError(
@@ -186,21 +138,34 @@ def class_calls(
         )
     if partial and spec is None:
         raise FutureMapError("partial_stashes: a map without spec stashes tokens only")
+    dp, dt, tail = inputs.dp, inputs.dtype, placement.tail
     placed = []
-    for t in empty_tails(inputs, protocol, spec, partial):
-        if t.op in ("sentinels", "seq_lens_at"):
-            p = placement.slots_op(t.op, t.indices, t.rows)
-        else:
-            p = placement.tail(t.op, t.indices, t.lens, t.payload, t.rows, confidence=t.confidence)
-        both = debug and t.op != "seq_lens_at"
-        placed += [p._replace(key=p.key._replace(checked=c)) for c in (True, False)[: 1 + both]]
+    for b in inputs.batch_buckets:
+        zeros = np.zeros(dp * b, dt)
+        full = zeros if spec is None else _empty_draft(dp * b, spec, dt)
+        placed += [
+            tail("publish", zeros, zeros, None, b),
+            tail("stash", zeros, None, full, b),
+            tail("finish", zeros, zeros, full, b),
+        ]
+        conf = None
+        if spec is not None and spec.confidence:
+            conf = np.zeros((dp * b, spec.confidence), np.float32)
+            placed.append(tail("publish", zeros, zeros, None, b, confidence=conf))
+            placed.append(tail("finish", zeros, zeros, full, b, confidence=conf))
+        for names in partial:
+            assert spec is not None  # refused above without spec
+            part = _empty_draft(dp * b, spec, dt, names)
+            placed += [tail("stash", zeros, None, part, b), tail("finish", zeros, zeros, part, b)]
+            if conf is not None:
+                placed.append(tail("finish", zeros, zeros, part, b, confidence=conf))
+        if protocol.invalidates:
+            placed.append(placement.slots_op("sentinels", zeros, b))
+        if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
+            placed.append(placement.slots_op("seq_lens_at", zeros, b))
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
         placed.append(placement.resolve(e.batch, e.rows, e.tokens))
-    calls: list[Call] = []
-    for p in placed:
-        head = (state,) if takes_state(p.key.op) else ()
-        calls.append((p.key, None, (*head, *p.args), 0))
-    return calls
+    return [(p.key, None, ((state,) if takes_state(p.key.op) else ()) + p.args, 0) for p in placed]
 
 
 def _names_per_stash(partial: Any) -> bool:
