@@ -5,8 +5,7 @@ only place that compiles), its warm-up and serving guard, and the XLA options.
 argument is placed by the jit with the layout's sharding: one call, one dispatch.
 `Registry.executable(key, pack)` is the family's jitted function or, after
 `warm_up(guard=True)`, the executable compiled for exactly that key and packing layout:
-any other call is refused by name before anything runs. Warm-up compiles on a thread
-pool (XLA's compile releases the GIL).
+any other call is refused by name. Warm-up compiles on threads (XLA releases the GIL).
 
 Compiler options. XLA:CPU's parallel task assigner splits an instruction over threads once
 the bytes it may touch pass 256 KB: for a gather or scatter, the whole pool. From R ~ 64K
