@@ -36,6 +36,7 @@ from fm_serve.requests import Request, RequestState
 from fm_serve.sampling import NO_FEATURES, Features, init_state
 from fm_serve.scheduler import OnToken, ScheduledBatch, Scheduler
 from fm_serve.served import ServedModel
+from fm_serve.spec import Ngram, init_history, make_spec_step
 from fm_serve.step import StepInputs, make_overlap_step, make_sync_step
 
 Progress = Callable[[int], None]
@@ -75,11 +76,23 @@ class ServeResult:
     aborted: list[int] = field(default_factory=list)
     retractions: int = 0
     prefill_tokens: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
     @property
     def tokens(self) -> int:
         """Output tokens produced."""
         return sum(len(v) for v in self.outputs.values())
+
+    @property
+    def acceptance(self) -> float:
+        """Speculative decoding: the fraction of the drafts read back that were accepted."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    def tokens_per_verify(self, draft_tokens: int) -> float:
+        """Speculative decoding: output tokens per verified decode row (1 to K + 1)."""
+        rows = self.drafts_proposed / draft_tokens if draft_tokens else 0
+        return 1.0 + self.drafts_accepted / rows if rows else 0.0
 
     @property
     def tok_s(self) -> float:
@@ -100,6 +113,10 @@ class Engine:
       features: the sampling features the steps compute (default: none beyond greedy and
         seeded sampling); a request needing one the engine lacks is refused by name.
       decode: token ids -> text, for stop strings.
+      speculative: an n-gram drafter (`spec.Ngram`): speculative decoding through a spec
+        map of the gather protocol (`protocol` is then ignored), greedy requests only, both
+        loops on the relay step (sync waits for each step's tokens before building the
+        next); None: one token per decode row.
     """
 
     def __init__(
@@ -112,6 +129,7 @@ class Engine:
         protocol: str = "sentinel",
         features: Features = NO_FEATURES,
         decode: Callable[[Sequence[int]], str] | None = None,
+        speculative: Ngram | None = None,
     ):
         tile = model.row_tile
         bad = [b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % tile]
@@ -124,17 +142,31 @@ class Engine:
         self.params = params
         self.features = features
         self.decode = decode
+        self.speculative = None if speculative is None else speculative.check()
+        if self.speculative is not None:
+            if features != NO_FEATURES:
+                raise ValueError(
+                    f"speculative decoding serves greedy requests only; got features {features}"
+                )
+            protocol = self.protocol = "gather"
         self._sched: Scheduler | None = None
         # One map for every run: a run leaves each slot's last write unread (its request
         # finished), which the next run's first write to that slot replaces.
+        spec = self.speculative
         self.fm = fm_jax.FutureMap(
             engine_cfg.pool_size,
             debug=debug,
             protocol=protocol,
             batch_buckets=engine_cfg.batch_buckets,
             token_buckets=engine_cfg.token_buckets,
+            spec=None if spec is None else spec.spec_config(),
+            needs_cpu_seq_lens=spec is None,  # the spec host never reads lengths
         )
-        self._overlap_step = make_overlap_step(model, self.fm, features)
+        self._overlap_step = (
+            make_overlap_step(model, self.fm, features)
+            if spec is None
+            else make_spec_step(model, self.fm, spec)
+        )
         self._sync_step = make_sync_step(model, features)
 
     def abort(self, rid: int) -> None:
@@ -177,10 +209,14 @@ class Engine:
             features=self.features,
             decode=self.decode,
             on_token=on_token,
+            draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
         )
         return self._sched
 
     def _state(self) -> Any:
+        if self.speculative is not None:
+            history = init_history(self.engine_cfg.pool_size, self.model.max_seq_len)
+            return jax.block_until_ready(history)
         return jax.block_until_ready(
             init_state(self.features, self.engine_cfg.pool_size, self.model.vocab)
         )
@@ -199,6 +235,8 @@ class Engine:
             logprobs={st.req.rid: st.logprobs for st in done if st.req.sampling.logprobs},
             aborted=sorted(st.req.rid for st in done if st.aborted),
             retractions=sched.retractions,
+            drafts_proposed=sched.drafts_proposed,
+            drafts_accepted=sched.drafts_accepted,
         )
 
     def _fresh_cache(self) -> Any:
@@ -213,7 +251,7 @@ class Engine:
         padding writes only slot 0, which nothing live reads.
         """
         cache, state = self._fresh_cache(), self._state()
-        if overlap:
+        if overlap or self.speculative is not None:
             self._overlap_step.warm_up(self.params, cache, state, guard=True, traced_modes=False)
             return
         from fm_serve.sampling import HostRows
@@ -251,7 +289,10 @@ class Engine:
         """Serve `requests` synchronously: the host waits for each step's tokens.
 
         `on_token(state, token)` streams each output token as it is read (it may call
-        `abort`)."""
+        `abort`). Speculative: the relay step, each step's tokens read before the next is
+        built."""
+        if self.speculative is not None:
+            return self._run_relay(requests, host_cost, progress, on_token, lag=False)
         sched = self._scheduler(requests, False, host_cost or HostCost(), on_token)
         cache, state = self._fresh_cache(), self._state()
         steps, wait, modes, step_s, host_s, dispatch_s = 0, 0.0, dict[str, int](), [], [], []
@@ -298,7 +339,20 @@ class Engine:
         Raises:
           fm_jax.InvariantViolation: debug mode, when a step broke a FutureMap invariant.
         """
-        sched = self._scheduler(requests, True, host_cost or HostCost(), on_token)
+        return self._run_relay(requests, host_cost, progress, on_token, lag=True)
+
+    def _run_relay(
+        self,
+        requests: Sequence[Request],
+        host_cost: HostCost | None,
+        progress: Progress | None,
+        on_token: OnToken | None,
+        *,
+        lag: bool,
+    ) -> ServeResult:
+        """The loop over the relay step; `lag`: read step N's tokens after dispatching N+1
+        (overlap), else right after dispatching N (sync, speculative only)."""
+        sched = self._scheduler(requests, lag, host_cost or HostCost(), on_token)
         cache, state = self._fresh_cache(), self._state()
         gather = self.protocol == "gather"
         steps, wait, modes, dispatch_s, host_s = 0, 0.0, dict[str, int](), [], []
@@ -310,7 +364,10 @@ class Engine:
             batch = sched.build()  # runs while the device works on `pending`
             launched = None
             if batch is not None:
-                fm_batch, model_inputs = batch.relay_batch(gather)
+                if self.speculative is not None:
+                    fm_batch, model_inputs = batch.spec_batch()
+                else:
+                    fm_batch, model_inputs = batch.relay_batch(gather)
                 t_launch = time.perf_counter()
                 cache, state, tokens, lp = self._overlap_step(
                     fm_batch, self.params, cache, state, inputs=model_inputs
@@ -324,6 +381,8 @@ class Engine:
                 prefill += batch.prefill_tokens
                 modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
                 launched = (batch, tokens, lp)
+            if not lag and launched is not None:  # sync: read this very step now
+                pending, launched = launched, None
             if pending is not None:
                 prev, prev_tokens, prev_lp = pending
                 t_wait = time.perf_counter()
