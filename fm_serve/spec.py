@@ -184,7 +184,10 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
     ) -> fm_jax.StepOutput:
         rows, tok_slots, off = inputs["token_rows"], inputs["token_slots"], inputs["token_offsets"]
         slots = batch.req_pool_indices
+        # A DECODE batch without drafts is never served (warm-up compiles one): it runs as
+        # a prefill of the ids it brings.
         decode = int(batch.forward_mode) == int(fm_jax.ForwardMode.DECODE)
+        decode = decode and res.draft is not None
         lens = res.seq_lens
         if decode:
             assert res.draft is not None and res.draft.extras is not None

@@ -18,6 +18,7 @@ from typing import Any
 
 from fm_serve.args import float_in, int_at_least, non_empty_text
 from fm_serve.sampling import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS
+from fm_serve.spec import MAX_DRAFT_TOKENS, MAX_NGRAM, Ngram
 
 MODES = ("overlap", "sync", "debug")
 
@@ -95,8 +96,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="auto",
         help="a progress bar (auto: on a terminal, for 256 tokens or more)",
     )
+    p.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=None,
+        help="speculative decoding: 'ngram' drafts by prompt lookup on the device (greedy)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=4,
+        help=f"K, tokens drafted and verified per step, in [1, {MAX_DRAFT_TOKENS}]",
+    )
+    p.add_argument(
+        "--max-ngram", type=int, default=3, help=f"longest n-gram looked up, [1, {MAX_NGRAM}]"
+    )
     p.add_argument("--json", type=Path, help="write the run's figures and outputs here")
     args = p.parse_args(argv)
+    args.ngram = None
+    if args.speculative == "ngram":
+        try:
+            args.ngram = Ngram(args.draft_tokens, args.max_ngram).check()
+        except ValueError as err:
+            p.error(f"argument --draft-tokens/--max-ngram: {err}")
+        sampled = args.temperature != 0 or args.top_k or args.top_p != 1.0
+        penalised = args.presence_penalty or args.frequency_penalty
+        if sampled or penalised or args.repetition_penalty != 1.0:
+            p.error("argument --speculative: serves greedy requests without sampling settings")
+        if args.bad_words or args.stop or args.logprobs or args.kv_budget is not None:
+            p.error(
+                "argument --speculative: not with --bad-words, --stop, --logprobs or --kv-budget"
+            )
     if args.prompts_file is not None:
         try:
             lines = args.prompts_file.read_text().splitlines()
@@ -203,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bad_words=tuple(args.bad_words),
             kv_budget=args.kv_budget,
             on_text=_stream if args.stream else None,
+            speculative=args.ngram,
         )
     first = runs[modes[0]]
     if args.stream:

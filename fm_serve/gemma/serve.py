@@ -15,6 +15,7 @@ from fm_serve.engine import Engine, ServeResult
 from fm_serve.gemma.load import Loaded
 from fm_serve.requests import Request
 from fm_serve.sampling import DEFAULT_SAMPLING, Features, Sampling
+from fm_serve.spec import Ngram
 
 
 @dataclass
@@ -55,6 +56,8 @@ class PromptRun:
         dev = self.device_ms
         device = f"device {dev:.1f} ms" if dev is not None else f"wall {self.wall_ms:.1f} ms"
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.modes.items()))
+        if r.drafts_proposed:
+            kinds += f"; drafts accepted {r.drafts_accepted}/{r.drafts_proposed}"
         return (
             f"{mode}: {r.tokens} tokens in {r.wall_s:.2f} s = {r.tok_s:.1f} tok/s; "
             f"{r.steps} steps ({kinds}); per step: host {self.host_ms:.2f} ms, {device}; "
@@ -78,6 +81,8 @@ class PromptRun:
             "texts": self.texts,
             "logprobs": self.logprobs,
             "retractions": r.retractions,
+            "drafts_proposed": r.drafts_proposed,
+            "drafts_accepted": r.drafts_accepted,
         }
 
 
@@ -175,6 +180,7 @@ def serve_prompts(
     stop: Sequence[str] = (),
     kv_budget: int | None = None,
     on_text: Callable[[int, str], None] | None = None,
+    speculative: Ngram | None = None,
 ) -> PromptRun:
     """Warm up the mode's steps, then serve every prompt to `max_tokens` or a stop token.
 
@@ -193,6 +199,7 @@ def serve_prompts(
       bad_words, stop: texts never produced, and texts that end a request.
       kv_budget: KV positions the running requests may hold (preemption past it).
       on_text: streaming: called with (prompt index, the text of each new token).
+      speculative: an n-gram drafter: speculative decoding (greedy requests only).
     """
     if mode not in ("sync", "overlap", "debug"):
         raise ValueError(f"mode must be sync, overlap or debug, got {mode!r}")
@@ -210,6 +217,7 @@ def serve_prompts(
         protocol=protocol,
         features=Features.of([r.sampling for r in requests]),
         decode=tok.decode,
+        speculative=speculative,
     )
     t0 = time.perf_counter()
     engine.warm_up(overlap=mode != "sync")
