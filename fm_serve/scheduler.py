@@ -35,6 +35,7 @@ import numpy as np
 
 import fm_jax
 from fm_serve.config import EngineConfig
+from fm_serve.grammar import Matchers
 from fm_serve.host_cost import HostCost
 from fm_serve.requests import Request, RequestState
 from fm_serve.sampling import NO_FEATURES, Features, HostRows, Sampling
@@ -140,6 +141,8 @@ class Scheduler:
       draft_tokens: K > 0: speculative decoding (`spec`): a decode row feeds K + 1 tokens
         (its bonus token and K drafts, all resolved on the device), yields 1 to K + 1
         outputs ([B, K + 1] tokens, -1 past a row's outputs), and prefill steps run alone.
+      matchers: compiles the requests' grammars (`grammar.Matchers`); None refuses a
+        request with a grammar.
         Greedy requests without sampling features only, and no KV budget (the host does
         not know how many tokens a step accepts until it reads them).
     """
@@ -158,6 +161,7 @@ class Scheduler:
         decode: Callable[[Sequence[int]], str] | None = None,
         on_token: OnToken | None = None,
         draft_tokens: int = 0,
+        matchers: Matchers | None = None,
     ) -> None:
         if protocol not in ("sentinel", "gather"):
             raise ValueError(f"protocol must be 'sentinel' or 'gather', got {protocol!r}")
@@ -193,6 +197,15 @@ class Scheduler:
                     f"request {r.rid}: speculative decoding serves greedy requests "
                     "(temperature 0) without sampling settings"
                 )
+            if r.grammar is not None and matchers is None:
+                raise ValueError(
+                    f"request {r.rid}: has a grammar, but the engine was built without a "
+                    "grammar tokenizer"
+                )
+            if r.grammar is not None and draft_tokens:
+                raise ValueError(
+                    f"request {r.rid}: a grammar with speculative decoding is not supported"
+                )
             lacking = features.serves(r.sampling)
             if lacking is not None:
                 raise ValueError(f"request {r.rid}: the engine was built without {lacking}")
@@ -213,6 +226,14 @@ class Scheduler:
         self.host_cost = host_cost
         self.stop_ids = frozenset(stop_ids)
         self.queue = collections.deque(RequestState(r) for r in requests)
+        for st in self.queue:  # every grammar compiled before anything is served
+            if st.req.grammar is not None:
+                assert matchers is not None
+                try:
+                    st.matcher = matchers.compile(st.req.grammar)
+                except ValueError as err:
+                    raise ValueError(f"request {st.req.rid}: {err}") from None
+        self.matchers = matchers
         self.by_rid = {st.req.rid: st for st in self.queue}
         self.running: list[RequestState] = []  # admission order
         self.free_slots = list(range(cfg.pool_size - 1, 0, -1))  # pop() gives the lowest
@@ -460,6 +481,8 @@ class Scheduler:
                 self.on_token(st, tok)
             if st.finished:  # aborted by the callback
                 continue
+            if st.matcher is not None and self._grammar_done(st, tok):
+                continue
             if (
                 tok in self.stop_ids
                 or len(st.output) == st.req.max_new_tokens
@@ -467,6 +490,40 @@ class Scheduler:
             ):
                 self._finish(st)
         return taken
+
+    # ------------------------------------------------------------------ structured output
+    def _grammar_done(self, st: RequestState, tok: int) -> bool:
+        """Advance the request's matcher with its new token; finish it (with the reason)
+        when the grammar is complete or refuses the token."""
+        if not st.matcher.consume_token(tok) or st.matcher.is_error():
+            st.reason = f"grammar refused token {tok}: {st.matcher.get_error()}"
+        elif st.matcher.is_stopped():
+            st.reason = "grammar complete"
+        else:
+            return False
+        self._finish(st)
+        return True
+
+    def constrained(self, batch: ScheduledBatch) -> bool:
+        """Whether a row of `batch` samples for a request with a grammar (the step splits)."""
+        return any(r.samples and r.state.matcher is not None for r in batch.rows)
+
+    def masks(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
+        """The rows' token bitmasks [rows, ceil(V / 32)] int32 from their matchers as they
+        stand (every token read so far consumed); all ones for a row without a grammar. A
+        request whose mask allows no token finishes now ("grammar dead end")."""
+        assert self.matchers is not None
+        out = np.full((rows, self.matchers.words), -1, np.int32)
+        for i, r in enumerate(batch.rows):
+            st = r.state
+            if not r.samples or st.matcher is None or st.finished:
+                continue
+            why = self.matchers.fill(st.matcher, out[i])
+            if why:
+                st.reason = why
+                self._finish(st)
+                out[i] = -1
+        return out
 
     def _take_spec(self, st: RequestState, row: np.ndarray, mode: fm_jax.ForwardMode) -> int:
         """Take one spec row's outputs (`row`: [K + 1], -1 past them) up to a stop."""
