@@ -34,6 +34,10 @@ LLGUIDANCE_MISSING = (
 )
 
 
+DEAD_END = "grammar dead end: no token can continue the output"
+"""The reason a request ends when its grammar allows no token next."""
+
+
 def llguidance_available() -> bool:
     """Whether llguidance imports."""
     try:
@@ -176,6 +180,10 @@ class Matchers:
         """Write the matcher's mask into `row` ([words] int32, contiguous); returns why
         no token can follow ("" when some can)."""
         matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
-        if matcher.is_error():
-            return f"grammar error: {matcher.get_error().splitlines()[0]}"
-        return "" if row.any() else "grammar dead end: no token is allowed"
+        error = matcher.get_error() if matcher.is_error() else ""
+        stuck = matcher.stop_reason() in ("NoExtension", "NoExtensionBias")
+        if stuck or "NoExtension" in error or not row.any():
+            return DEAD_END
+        if error:
+            return f"grammar error: {error.splitlines()[0]}"
+        return ""
