@@ -125,8 +125,9 @@ class Engine:
         seeded sampling); a request needing one the engine lacks is refused by name.
       decode: token ids -> text, for stop strings.
       grammar: the vocabulary's bytes for structured output (`grammar.gemma_tokenizer`,
-        `grammar.toy_tokenizer`): requests with a `Grammar` are then served, a batch with
-        a constrained row by the split step (`grammar` module); None refuses them.
+        `grammar.toy_tokenizer`), or matchers already built over them: requests with a
+        `Grammar` are then served, a batch with a constrained row by the split step
+        (`grammar` module); None refuses them.
       speculative: an n-gram drafter (`spec.Ngram`): speculative decoding through a spec
         map of the gather protocol (`protocol` is then ignored), greedy requests only, both
         loops on the relay step (sync waits for each step's tokens before building the
@@ -144,7 +145,7 @@ class Engine:
         features: Features = NO_FEATURES,
         decode: Callable[[Sequence[int]], str] | None = None,
         speculative: Ngram | None = None,
-        grammar: GrammarTokenizer | None = None,
+        grammar: GrammarTokenizer | Matchers | None = None,
     ):
         tile = model.row_tile
         bad = [b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % tile]
@@ -183,7 +184,11 @@ class Engine:
             else make_spec_step(model, self.fm, spec)
         )
         self._sync_step = make_sync_step(model, features)
-        self.matchers = None if grammar is None else Matchers(grammar, model.vocab)
+        self.matchers = (
+            grammar
+            if grammar is None or isinstance(grammar, Matchers)
+            else Matchers(grammar, model.vocab)
+        )
         self._split = None if grammar is None else make_split_step(model, features)
 
     def abort(self, rid: int) -> None:
@@ -477,18 +482,18 @@ def _copying(batch: ScheduledBatch, tokens: jax.Array, lp: Any) -> tuple[Any, ..
 
 
 def _padded_inputs(
-    features: Features, slots: np.ndarray, model: dict[str, np.ndarray], rows: int, toks: int
+    features: Features, slots: Any, model: dict[str, np.ndarray], rows: int, toks: int
 ) -> ModelInputs:
     """The model's inputs of a batch's real rows and tokens, padded to the map's resolved
     shapes (`rows`, `toks`) as the engine step pads them (padding: slot 0, zeros, the
     features' neutral rows)."""
 
-    def pad(a: np.ndarray, n: int) -> np.ndarray:
+    def pad(a: Any, n: int) -> Any:
         out = np.zeros((n, *a.shape[1:]), a.dtype)
         out[: len(a)] = a
         return out
 
-    extra = HostRows(features, rows).arrays
+    extra: dict[str, Any] = HostRows(features, rows).arrays
     for name, arr in extra.items():
         arr[: len(model[name])] = model[name]
     return ModelInputs(

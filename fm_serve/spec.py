@@ -176,14 +176,14 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
 
     def forward(
         res: fm_jax.Resolved,
-        batch: fm_jax.Batch,
+        batch: Any,
         inputs: dict[str, jax.Array],
         params: Any,
         cache: Any,
         history: jax.Array,
     ) -> fm_jax.StepOutput:
         rows, tok_slots, off = inputs["token_rows"], inputs["token_slots"], inputs["token_offsets"]
-        slots = batch.req_pool_indices
+        slots: Any = batch.req_pool_indices
         # A DECODE batch without drafts is never served (warm-up compiles one): it runs as
         # a prefill of the ids it brings.
         decode = int(batch.forward_mode) == int(fm_jax.ForwardMode.DECODE)
@@ -191,7 +191,8 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
         lens = res.seq_lens
         if decode:
             assert res.draft is not None and res.draft.extras is not None
-            bonus, drafts = res.draft.bonus_tokens, res.draft.extras[DRAFT_FIELD]
+            bonus: Any = res.draft.bonus_tokens
+            drafts: Any = res.draft.extras[DRAFT_FIELD]
             ids = jnp.where(off == 0, bonus[rows], drafts[rows, jnp.clip(off - 1, 0, k - 1)])
             pos = (lens - 1)[rows] + off
         else:

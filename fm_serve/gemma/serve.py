@@ -13,9 +13,26 @@ import numpy as np
 from fm_serve.config import engine_for
 from fm_serve.engine import Engine, ServeResult
 from fm_serve.gemma.load import Loaded
+from fm_serve.grammar import Grammar, Matchers, gemma_tokenizer
 from fm_serve.requests import Request
 from fm_serve.sampling import DEFAULT_SAMPLING, Features, Sampling
 from fm_serve.spec import Ngram
+
+_MATCHERS: dict[int, Matchers] = {}
+
+
+def grammar_matchers(loaded: Loaded) -> Matchers:
+    """The grammar matchers of the loaded model's vocabulary (`grammar.gemma_tokenizer`,
+    its end of turn ending an output), built once per tokenizer: llguidance's tokenizer
+    over Gemma's 262K tokens takes a while."""
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError("structured output needs the model's tokenizer (not random weights)")
+    key = id(tok)
+    if key not in _MATCHERS:
+        eos = loaded.model.stop_ids[-1] if loaded.model.stop_ids else tok.eos_id
+        _MATCHERS[key] = Matchers(gemma_tokenizer(tok, eos), loaded.model.vocab)
+    return _MATCHERS[key]
 
 
 @dataclass
@@ -181,6 +198,7 @@ def serve_prompts(
     kv_budget: int | None = None,
     on_text: Callable[[int, str], None] | None = None,
     speculative: Ngram | None = None,
+    grammar: Grammar | None = None,
 ) -> PromptRun:
     """Warm up the mode's steps, then serve every prompt to `max_tokens` or a stop token.
 
@@ -200,12 +218,15 @@ def serve_prompts(
       kv_budget: KV positions the running requests may hold (preemption past it).
       on_text: streaming: called with (prompt index, the text of each new token).
       speculative: an n-gram drafter: speculative decoding (greedy requests only).
+      grammar: structured output: every request's completion is constrained by it.
     """
     if mode not in ("sync", "overlap", "debug"):
         raise ValueError(f"mode must be sync, overlap or debug, got {mode!r}")
     requests = make_requests(
         loaded, prompts, max_tokens, temperature, seed, settings, bad_words, stop
     )
+    if grammar is not None:
+        requests = [replace(r, grammar=grammar) for r in requests]
     tok = loaded.tokenizer
     assert tok is not None
     cfg = engine_for(max_running, prefill_budget, loaded.model.row_tile, kv_budget)
@@ -218,6 +239,7 @@ def serve_prompts(
         features=Features.of([r.sampling for r in requests]),
         decode=tok.decode,
         speculative=speculative,
+        grammar=None if grammar is None else grammar_matchers(loaded),
     )
     t0 = time.perf_counter()
     engine.warm_up(overlap=mode != "sync")
