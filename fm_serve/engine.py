@@ -31,12 +31,20 @@ import numpy as np
 
 import fm_jax
 from fm_serve.config import EngineConfig
+from fm_serve.grammar import GrammarTokenizer, Matchers
 from fm_serve.host_cost import HostCost
 from fm_serve.requests import Request, RequestState
-from fm_serve.sampling import NO_FEATURES, Features, init_state
+from fm_serve.sampling import NO_FEATURES, Features, HostRows, init_state
 from fm_serve.scheduler import OnToken, ScheduledBatch, Scheduler
 from fm_serve.served import ServedModel
-from fm_serve.step import StepInputs, make_overlap_step, make_sync_step
+from fm_serve.spec import Ngram, init_history, make_spec_step
+from fm_serve.step import (
+    ModelInputs,
+    StepInputs,
+    make_overlap_step,
+    make_split_step,
+    make_sync_step,
+)
 
 Progress = Callable[[int], None]
 """Called after each step's tokens are taken, with the number of new output tokens."""
@@ -59,6 +67,9 @@ class ServeResult:
         requests that asked for logprobs.
       aborted: rids aborted during the run; retractions: requests retracted (KV budget).
       prefill_tokens: prompt (and recomputed) tokens the steps prefilled.
+      reasons: rid -> why its grammar finished it ("grammar complete", "grammar dead end").
+      drafts_proposed, drafts_accepted: speculative decoding: drafts of the verified rows
+        read back, and how many of them the verify accepted.
     """
 
     outputs: dict[int, list[int]]
@@ -75,11 +86,24 @@ class ServeResult:
     aborted: list[int] = field(default_factory=list)
     retractions: int = 0
     prefill_tokens: int = 0
+    reasons: dict[int, str] = field(default_factory=dict)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
     @property
     def tokens(self) -> int:
         """Output tokens produced."""
         return sum(len(v) for v in self.outputs.values())
+
+    @property
+    def acceptance(self) -> float:
+        """Speculative decoding: the fraction of the drafts read back that were accepted."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    def tokens_per_verify(self, draft_tokens: int) -> float:
+        """Speculative decoding: output tokens per verified decode row (1 to K + 1)."""
+        rows = self.drafts_proposed / draft_tokens if draft_tokens else 0
+        return 1.0 + self.drafts_accepted / rows if rows else 0.0
 
     @property
     def tok_s(self) -> float:
@@ -100,6 +124,14 @@ class Engine:
       features: the sampling features the steps compute (default: none beyond greedy and
         seeded sampling); a request needing one the engine lacks is refused by name.
       decode: token ids -> text, for stop strings.
+      grammar: the vocabulary's bytes for structured output (`grammar.gemma_tokenizer`,
+        `grammar.toy_tokenizer`), or matchers already built over them: requests with a
+        `Grammar` are then served, a batch with a constrained row by the split step
+        (`grammar` module); None refuses them.
+      speculative: an n-gram drafter (`spec.Ngram`): speculative decoding through a spec
+        map of the gather protocol (`protocol` is then ignored), greedy requests only, both
+        loops on the relay step (sync waits for each step's tokens before building the
+        next); None: one token per decode row.
     """
 
     def __init__(
@@ -112,6 +144,8 @@ class Engine:
         protocol: str = "sentinel",
         features: Features = NO_FEATURES,
         decode: Callable[[Sequence[int]], str] | None = None,
+        speculative: Ngram | None = None,
+        grammar: GrammarTokenizer | Matchers | None = None,
     ):
         tile = model.row_tile
         bad = [b for b in engine_cfg.batch_buckets + engine_cfg.token_buckets if b % tile]
@@ -124,18 +158,38 @@ class Engine:
         self.params = params
         self.features = features
         self.decode = decode
+        self.speculative = None if speculative is None else speculative.check()
+        if self.speculative is not None:
+            if features != NO_FEATURES:
+                raise ValueError(
+                    f"speculative decoding serves greedy requests only; got features {features}"
+                )
+            protocol = self.protocol = "gather"
         self._sched: Scheduler | None = None
         # One map for every run: a run leaves each slot's last write unread (its request
         # finished), which the next run's first write to that slot replaces.
+        spec = self.speculative
         self.fm = fm_jax.FutureMap(
             engine_cfg.pool_size,
             debug=debug,
             protocol=protocol,
             batch_buckets=engine_cfg.batch_buckets,
             token_buckets=engine_cfg.token_buckets,
+            spec=None if spec is None else spec.spec_config(),
+            needs_cpu_seq_lens=spec is None,  # the spec host never reads lengths
         )
-        self._overlap_step = make_overlap_step(model, self.fm, features)
+        self._overlap_step = (
+            make_overlap_step(model, self.fm, features)
+            if spec is None
+            else make_spec_step(model, self.fm, spec)
+        )
         self._sync_step = make_sync_step(model, features)
+        self.matchers = (
+            grammar
+            if grammar is None or isinstance(grammar, Matchers)
+            else Matchers(grammar, model.vocab)
+        )
+        self._split = None if grammar is None else make_split_step(model, features)
 
     def abort(self, rid: int) -> None:
         """Abort request `rid` of the run in progress (call it from `on_token`): it finishes
@@ -177,10 +231,15 @@ class Engine:
             features=self.features,
             decode=self.decode,
             on_token=on_token,
+            draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
+            matchers=self.matchers,
         )
         return self._sched
 
     def _state(self) -> Any:
+        if self.speculative is not None:
+            history = init_history(self.engine_cfg.pool_size, self.model.max_seq_len)
+            return jax.block_until_ready(history)
         return jax.block_until_ready(
             init_state(self.features, self.engine_cfg.pool_size, self.model.vocab)
         )
@@ -199,6 +258,9 @@ class Engine:
             logprobs={st.req.rid: st.logprobs for st in done if st.req.sampling.logprobs},
             aborted=sorted(st.req.rid for st in done if st.aborted),
             retractions=sched.retractions,
+            reasons={st.req.rid: st.reason for st in done if st.reason},
+            drafts_proposed=sched.drafts_proposed,
+            drafts_accepted=sched.drafts_accepted,
         )
 
     def _fresh_cache(self) -> Any:
@@ -213,10 +275,9 @@ class Engine:
         padding writes only slot 0, which nothing live reads.
         """
         cache, state = self._fresh_cache(), self._state()
-        if overlap:
+        if overlap or self.speculative is not None:
             self._overlap_step.warm_up(self.params, cache, state, guard=True, traced_modes=False)
             return
-        from fm_serve.sampling import HostRows
 
         cfg = self.engine_cfg
         for b, t in itertools.product(cfg.batch_buckets, cfg.token_buckets):
@@ -251,7 +312,10 @@ class Engine:
         """Serve `requests` synchronously: the host waits for each step's tokens.
 
         `on_token(state, token)` streams each output token as it is read (it may call
-        `abort`)."""
+        `abort`). Speculative: the relay step, each step's tokens read before the next is
+        built."""
+        if self.speculative is not None:
+            return self._run_relay(requests, host_cost, progress, on_token, lag=False)
         sched = self._scheduler(requests, False, host_cost or HostCost(), on_token)
         cache, state = self._fresh_cache(), self._state()
         steps, wait, modes, step_s, host_s, dispatch_s = 0, 0.0, dict[str, int](), [], [], []
@@ -263,7 +327,15 @@ class Engine:
             if batch is None:
                 raise RuntimeError("sync scheduler built no batch while requests remain")
             t_launch = time.perf_counter()
-            cache, state, tokens, lp = self._sync_step(self.params, cache, state, batch.inputs)
+            if self._split is not None and sched.constrained(batch):
+                inp = batch.inputs
+                masks = sched.masks(batch, inp.req_pool_indices.shape[0])
+                cache, state, logits, raw = self._split.forward(
+                    self.params, cache, state, inp, inp.input_ids, inp.seq_lens
+                )
+                tokens, lp, _ = self._split.sample(inp, logits, raw, inp.seq_lens, masks)
+            else:
+                cache, state, tokens, lp = self._sync_step(self.params, cache, state, batch.inputs)
             dispatch_s.append(time.perf_counter() - t_launch)
             host_tokens = np.asarray(tokens)  # the sync point
             host_lp = None if lp is None else jax.tree.map(np.asarray, lp)
@@ -298,7 +370,50 @@ class Engine:
         Raises:
           fm_jax.InvariantViolation: debug mode, when a step broke a FutureMap invariant.
         """
-        sched = self._scheduler(requests, True, host_cost or HostCost(), on_token)
+        return self._run_relay(requests, host_cost, progress, on_token, lag=True)
+
+    def _split_head(
+        self, fm_batch: fm_jax.Batch, model_inputs: dict[str, np.ndarray], cache: Any, state: Any
+    ) -> tuple[Any, Any, tuple[Any, ...]]:
+        """The split step's head: the map's resolve, then the forward (two dispatches);
+        returns (cache, state, what the tail needs)."""
+        assert self._split is not None
+        res = self.fm.resolve(fm_batch)
+        rows, toks = res.seq_lens.shape[0], res.input_ids.shape[0]
+        inp = _padded_inputs(self.features, fm_batch.req_pool_indices, model_inputs, rows, toks)
+        cache, state, logits, raw = self._split.forward(
+            self.params, cache, state, inp, res.input_ids, res.seq_lens
+        )
+        return cache, state, (res, inp, logits, raw)
+
+    def _split_tail(
+        self,
+        sched: Scheduler,
+        batch: ScheduledBatch,
+        fm_batch: fm_jax.Batch,
+        head: tuple[Any, ...],
+    ) -> tuple[jax.Array, Any]:
+        """The split step's tail: the masks from the matchers as they stand, the sampling
+        with them, and the map's publish and stash (`finish`); returns (tokens, logprobs)."""
+        assert self._split is not None
+        res, inp, logits, raw = head
+        masks = sched.masks(batch, res.seq_lens.shape[0])
+        tokens, lp, new_lens = self._split.sample(inp, logits, raw, res.seq_lens, masks)
+        self.fm.finish(fm_batch, inp.req_pool_indices, new_lens, tokens)
+        return tokens, lp
+
+    def _run_relay(
+        self,
+        requests: Sequence[Request],
+        host_cost: HostCost | None,
+        progress: Progress | None,
+        on_token: OnToken | None,
+        *,
+        lag: bool,
+    ) -> ServeResult:
+        """The loop over the relay step; `lag`: read step N's tokens after dispatching N+1
+        (overlap), else right after dispatching N (sync, speculative only)."""
+        sched = self._scheduler(requests, lag, host_cost or HostCost(), on_token)
         cache, state = self._fresh_cache(), self._state()
         gather = self.protocol == "gather"
         steps, wait, modes, dispatch_s, host_s = 0, 0.0, dict[str, int](), [], []
@@ -308,22 +423,27 @@ class Engine:
         while True:
             t_turn, waited = time.perf_counter(), 0.0
             batch = sched.build()  # runs while the device works on `pending`
-            launched = None
+            launched = split = None
             if batch is not None:
-                fm_batch, model_inputs = batch.relay_batch(gather)
+                if self.speculative is not None:
+                    fm_batch, model_inputs = batch.spec_batch()
+                else:
+                    fm_batch, model_inputs = batch.relay_batch(gather)
                 t_launch = time.perf_counter()
-                cache, state, tokens, lp = self._overlap_step(
-                    fm_batch, self.params, cache, state, inputs=model_inputs
-                ).out
+                if self._split is not None and sched.constrained(batch):
+                    # The head: resolve and the forward; the sampling waits for the masks.
+                    cache, state, split = self._split_head(fm_batch, model_inputs, cache, state)
+                else:
+                    cache, state, tokens, lp = self._overlap_step(
+                        fm_batch, self.params, cache, state, inputs=model_inputs
+                    ).out
+                    launched = _copying(batch, tokens, lp)
                 dispatch_s.append(time.perf_counter() - t_launch)
-                tokens.copy_to_host_async()
-                if lp is not None:
-                    for a in lp:
-                        a.copy_to_host_async()
                 steps += 1
                 prefill += batch.prefill_tokens
                 modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
-                launched = (batch, tokens, lp)
+            if not lag and launched is not None:  # sync: read this very step now
+                pending, launched = launched, None
             if pending is not None:
                 prev, prev_tokens, prev_lp = pending
                 t_wait = time.perf_counter()
@@ -338,6 +458,10 @@ class Engine:
                 if not sched.idle:
                     raise RuntimeError("overlap scheduler stalled with requests remaining")
                 break
+            if split is not None:  # the tail, once step N's tokens advanced the grammars
+                assert batch is not None
+                tokens, lp = self._split_tail(sched, batch, fm_batch, split)
+                launched = _copying(batch, tokens, lp)
             host_s.append(time.perf_counter() - t_turn - waited)
             pending = launched
         wall = time.perf_counter() - t0
@@ -346,3 +470,40 @@ class Engine:
         res = self._result(sched, wall, steps, wait, modes)
         res.host_s, res.dispatch_s, res.prefill_tokens = host_s, dispatch_s, prefill
         return res
+
+
+def _copying(batch: ScheduledBatch, tokens: jax.Array, lp: Any) -> tuple[Any, ...]:
+    """A launched step, its tokens (and logprobs) already copying to the host."""
+    tokens.copy_to_host_async()
+    if lp is not None:
+        for a in lp:
+            a.copy_to_host_async()
+    return (batch, tokens, lp)
+
+
+def _padded_inputs(
+    features: Features, slots: Any, model: dict[str, np.ndarray], rows: int, toks: int
+) -> ModelInputs:
+    """The model's inputs of a batch's real rows and tokens, padded to the map's resolved
+    shapes (`rows`, `toks`) as the engine step pads them (padding: slot 0, zeros, the
+    features' neutral rows)."""
+
+    def pad(a: Any, n: int) -> Any:
+        out = np.zeros((n, *a.shape[1:]), a.dtype)
+        out[: len(a)] = a
+        return out
+
+    extra: dict[str, Any] = HostRows(features, rows).arrays
+    for name, arr in extra.items():
+        arr[: len(model[name])] = model[name]
+    return ModelInputs(
+        req_pool_indices=pad(np.asarray(slots, np.int32), rows),
+        extend_lens=pad(model["extend_lens"], rows),
+        last_token=pad(model["last_token"], rows),
+        token_rows=pad(model["token_rows"], toks),
+        token_slots=pad(model["token_slots"], toks),
+        token_offsets=pad(model["token_offsets"], toks),
+        temperature=pad(model["temperature"], rows),
+        sample_seed=pad(model["sample_seed"], rows),
+        extra=extra,
+    )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from fm_serve.grammar import Grammar
 from fm_serve.sampling import Sampling
 
 
@@ -13,7 +15,8 @@ from fm_serve.sampling import Sampling
 class Request:
     """A generation request: prompt ids and a cap on new tokens (a stop token or string may
     end it earlier), sampled greedily (temperature 0) or with a temperature and a seed, and
-    the further settings of `sampling` (penalties, bad words, top-k/top-p, logprobs, stop)."""
+    the further settings of `sampling` (penalties, bad words, top-k/top-p, logprobs, stop),
+    and optionally constrained by a `grammar` (regex or JSON schema)."""
 
     rid: int
     prompt: tuple[int, ...]
@@ -21,6 +24,7 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     sampling: Sampling = Sampling()
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -46,6 +50,8 @@ class RequestState:
     aborted: bool = False
     retractions: int = 0
     prefix: tuple[int, ...] = ()
+    matcher: Any = None  # the request's grammar matcher (llguidance), None: unconstrained
+    reason: str = ""  # why a grammar finished it ("grammar complete", "grammar dead end")
 
     def __post_init__(self) -> None:
         if not self.prefix:

@@ -35,9 +35,10 @@ import numpy as np
 
 import fm_jax
 from fm_serve.config import EngineConfig
+from fm_serve.grammar import Matchers
 from fm_serve.host_cost import HostCost
 from fm_serve.requests import Request, RequestState
-from fm_serve.sampling import NO_FEATURES, Features, HostRows
+from fm_serve.sampling import NO_FEATURES, Features, HostRows, Sampling
 from fm_serve.step import StepInputs
 
 OnToken = Callable[[RequestState, int], None]
@@ -64,6 +65,24 @@ class ScheduledBatch:
     mode: fm_jax.ForwardMode
     n_tokens: int = 0
     prefill_tokens: int = 0
+
+    def spec_batch(self) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
+        """The batch as a speculative step takes it (`spec.make_spec_step`): a DECODE
+        batch gathers its drafts, lengths and bonus tokens at its slots (`draft_indices`)
+        and brings zeros for its K + 1 ids per row; an EXTEND batch its prompt ids."""
+        from fm_serve.spec import spec_inputs
+
+        inp, b, t = self.inputs, len(self.rows), self.n_tokens
+        slots = inp.req_pool_indices[:b]
+        decode = self.mode == fm_jax.ForwardMode.DECODE
+        batch = fm_jax.Batch(
+            self.mode,
+            slots,
+            inp.input_ids[:t],
+            inp.seq_lens[:b],
+            draft_indices=slots if decode else None,
+        )
+        return batch, spec_inputs(inp, b, t)
 
     def relay_batch(self, gather: bool) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
         """The batch as a FutureMap's engine step takes it, with the model's own inputs:
@@ -119,6 +138,13 @@ class Scheduler:
       features: the step's sampling features (their rows are filled per batch).
       decode: token ids -> text, for stop strings (None: a request with one is refused).
       on_token: streaming: called with each output token as it is read.
+      draft_tokens: K > 0: speculative decoding (`spec`): a decode row feeds K + 1 tokens
+        (its bonus token and K drafts, all resolved on the device), yields 1 to K + 1
+        outputs ([B, K + 1] tokens, -1 past a row's outputs), and prefill steps run alone.
+      matchers: compiles the requests' grammars (`grammar.Matchers`); None refuses a
+        request with a grammar.
+        Greedy requests without sampling features only, and no KV budget (the host does
+        not know how many tokens a step accepts until it reads them).
     """
 
     def __init__(
@@ -134,6 +160,8 @@ class Scheduler:
         features: Features = NO_FEATURES,
         decode: Callable[[Sequence[int]], str] | None = None,
         on_token: OnToken | None = None,
+        draft_tokens: int = 0,
+        matchers: Matchers | None = None,
     ) -> None:
         if protocol not in ("sentinel", "gather"):
             raise ValueError(f"protocol must be 'sentinel' or 'gather', got {protocol!r}")
@@ -143,6 +171,15 @@ class Scheduler:
             )
         if max(cfg.token_buckets) < cfg.prefill_budget + cfg.max_running:
             raise ValueError("largest token bucket must hold prefill_budget + max_running tokens")
+        if draft_tokens:
+            if max(cfg.token_buckets) < cfg.max_running * (draft_tokens + 1):
+                raise ValueError(
+                    f"speculative decoding: the largest token bucket {max(cfg.token_buckets)} "
+                    f"must hold max_running x (K + 1) = {cfg.max_running * (draft_tokens + 1)} "
+                    "tokens"
+                )
+            if cfg.kv_budget is not None:
+                raise ValueError("speculative decoding serves without a KV budget (kv_budget)")
         budget = cfg.kv_budget
         for r in requests:
             if len(r.prompt) + r.max_new_tokens > max_seq_len:
@@ -155,6 +192,20 @@ class Scheduler:
                     f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
                     f"exceeds the KV budget {budget}"
                 )
+            if draft_tokens and (r.temperature != 0.0 or r.sampling != Sampling()):
+                raise ValueError(
+                    f"request {r.rid}: speculative decoding serves greedy requests "
+                    "(temperature 0) without sampling settings"
+                )
+            if r.grammar is not None and matchers is None:
+                raise ValueError(
+                    f"request {r.rid}: has a grammar, but the engine was built without a "
+                    "grammar tokenizer"
+                )
+            if r.grammar is not None and draft_tokens:
+                raise ValueError(
+                    f"request {r.rid}: a grammar with speculative decoding is not supported"
+                )
             lacking = features.serves(r.sampling)
             if lacking is not None:
                 raise ValueError(f"request {r.rid}: the engine was built without {lacking}")
@@ -163,6 +214,9 @@ class Scheduler:
         if len({r.rid for r in requests}) != len(requests):
             raise ValueError("request ids must be distinct")
         self.features = features
+        self.draft_tokens = draft_tokens
+        self.drafts_proposed = 0  # K per spec decode row taken
+        self.drafts_accepted = 0  # of those, the drafts the verify accepted
         self.decode = decode
         self.on_token = on_token
         self.retractions = 0
@@ -172,6 +226,14 @@ class Scheduler:
         self.host_cost = host_cost
         self.stop_ids = frozenset(stop_ids)
         self.queue = collections.deque(RequestState(r) for r in requests)
+        for st in self.queue:  # every grammar compiled before anything is served
+            if st.req.grammar is not None:
+                assert matchers is not None
+                try:
+                    st.matcher = matchers.compile(st.req.grammar)
+                except ValueError as err:
+                    raise ValueError(f"request {st.req.rid}: {err}") from None
+        self.matchers = matchers
         self.by_rid = {st.req.rid: st for st in self.queue}
         self.running: list[RequestState] = []  # admission order
         self.free_slots = list(range(cfg.pool_size - 1, 0, -1))  # pop() gives the lowest
@@ -264,7 +326,7 @@ class Scheduler:
                 prefill.append((st, chunk))
                 budget -= chunk
         decode = [st for st in self.running if st.wants_decode]
-        if prefill and not self.cfg.mixed:
+        if prefill and (not self.cfg.mixed or self.draft_tokens):
             decode = []  # no MIXED batches: a prefill step runs alone, decodes wait
         if not prefill and not decode:
             return None
@@ -285,7 +347,8 @@ class Scheduler:
     ) -> ScheduledBatch:
         """Fill the host arrays and advance each row's host-side counters."""
         n_rows = len(prefill) + len(decode)
-        n_tok = sum(c for _, c in prefill) + len(decode)
+        per_decode = self.draft_tokens + 1
+        n_tok = sum(c for _, c in prefill) + len(decode) * per_decode
         b = _bucket(n_rows, self.cfg.batch_buckets, "batch rows")
         t = _bucket(n_tok, self.cfg.token_buckets, "batch tokens")
         slots = np.zeros(b, np.int32)
@@ -317,6 +380,14 @@ class Scheduler:
             rows.append(Row(st, final))
             pos += chunk
         for j, st in enumerate(decode, start=len(prefill)):
+            if self.draft_tokens:  # ids, lengths and drafts all resolved on the device
+                self._row(j, st, per_decode, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
+                seq_lens[j] = st.seq_len_cpu  # a lower bound; the step gathers the real one
+                st.seq_len_cpu += 1
+                st.scheduled += 1  # at least one output per verify
+                rows.append(Row(st, True))
+                pos += per_decode
+                continue
             self._row(j, st, 1, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
             temperature[j], seed[j] = st.req.temperature, st.req.seed
             extra.set(j, st.req.sampling, len(st.req.prompt), fresh=False)
@@ -390,6 +461,9 @@ class Scheduler:
             st = row.state
             if not row.samples or st.finished:
                 continue
+            if self.draft_tokens:
+                taken += self._take_spec(st, tokens[i], batch.mode)
+                continue
             tok = int(tokens[i])
             st.output.append(tok)
             n = st.req.sampling.logprobs
@@ -407,12 +481,68 @@ class Scheduler:
                 self.on_token(st, tok)
             if st.finished:  # aborted by the callback
                 continue
+            if st.matcher is not None and self._grammar_done(st, tok):
+                continue
             if (
                 tok in self.stop_ids
                 or len(st.output) == st.req.max_new_tokens
                 or self._stop_string(st)
             ):
                 self._finish(st)
+        return taken
+
+    # ------------------------------------------------------------------ structured output
+    def _grammar_done(self, st: RequestState, tok: int) -> bool:
+        """Advance the request's matcher with its new token; finish it (with the reason)
+        when the grammar is complete or refuses the token."""
+        if not st.matcher.consume_token(tok) or st.matcher.is_error():
+            st.reason = f"grammar refused token {tok}: {st.matcher.get_error()}"
+        elif st.matcher.is_stopped():
+            st.reason = "grammar complete"
+        else:
+            return False
+        self._finish(st)
+        return True
+
+    def constrained(self, batch: ScheduledBatch) -> bool:
+        """Whether a row of `batch` samples for a request with a grammar (the step splits)."""
+        return any(r.samples and r.state.matcher is not None for r in batch.rows)
+
+    def masks(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
+        """The rows' token bitmasks [rows, ceil(V / 32)] int32 from their matchers as they
+        stand (every token read so far consumed); all ones for a row without a grammar. A
+        request whose mask allows no token finishes now ("grammar dead end")."""
+        assert self.matchers is not None
+        out = np.full((rows, self.matchers.words), -1, np.int32)
+        for i, r in enumerate(batch.rows):
+            st = r.state
+            if not r.samples or st.matcher is None or st.finished:
+                continue
+            why = self.matchers.fill(st.matcher, out[i])
+            if why:
+                st.reason = why
+                self._finish(st)
+                out[i] = -1
+        return out
+
+    def _take_spec(self, st: RequestState, row: np.ndarray, mode: fm_jax.ForwardMode) -> int:
+        """Take one spec row's outputs (`row`: [K + 1], -1 past them) up to a stop."""
+        made = [int(t) for t in row if t >= 0]
+        if mode == fm_jax.ForwardMode.DECODE:
+            self.drafts_proposed += self.draft_tokens
+            self.drafts_accepted += len(made) - 1
+        taken = 0
+        for tok in made:
+            st.output.append(tok)
+            taken += 1
+            if self.on_token is not None:
+                self.on_token(st, tok)
+            if st.finished:
+                break
+            if tok in self.stop_ids or len(st.output) == st.req.max_new_tokens:
+                self._finish(st)
+                break
+        st.scheduled = max(st.scheduled, len(st.output))
         return taken
 
     def _stop_string(self, st: RequestState) -> bool:

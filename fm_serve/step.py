@@ -70,6 +70,36 @@ def _positions(inp: Any, seq_lens: jax.Array) -> jax.Array:
     return jnp.where(inp.token_slots > 0, pos, 0)
 
 
+def _logits(
+    params: Any,
+    model: ServedModel,
+    features: Features,
+    cache: Any,
+    state: SamplerState,
+    inp: Any,
+    input_ids: jax.Array,
+    seq_lens: jax.Array,
+) -> tuple[Any, SamplerState, jax.Array, jax.Array]:
+    """The forward: (cache, sampler state, processed logits [B, V], raw logits [B, V])."""
+    extra = {**inp.extra, "token_rows": inp.token_rows, "token_slots": inp.token_slots}
+    slots = inp.req_pool_indices
+    positions = jnp.clip(_positions(inp, seq_lens), 0, model.max_seq_len - 1)
+    state = sampling.update_state(state, features, extra, slots, input_ids, positions, seq_lens)
+    raw, cache = model.forward(params, cache, input_ids, inp.token_slots, positions, inp.last_token)
+    logits = sampling.process_logits(raw, state, features, extra, slots, seq_lens)
+    return cache, state, logits, raw
+
+
+def _sample(
+    features: Features, inp: Any, logits: jax.Array, raw: jax.Array, seq_lens: jax.Array
+) -> tuple[jax.Array, Any]:
+    """Sampling of processed logits: (tokens [B] int32, logprobs of the raw logits or None)."""
+    filters = (inp.extra["top_k"], inp.extra["top_p"]) if features.filtered else None
+    tokens = sampling.sample(logits, inp.temperature, inp.sample_seed, seq_lens, filters)
+    lp = sampling.logprobs(raw, tokens, features.logprobs) if features.logprobs else None
+    return tokens, lp
+
+
 def _run_model(
     params: Any,
     model: ServedModel,
@@ -81,16 +111,48 @@ def _run_model(
     seq_lens: jax.Array,
 ) -> tuple[Any, SamplerState, jax.Array, Any]:
     """Forward plus sampling: (cache, sampler state, tokens [B] int32, logprobs or None)."""
-    extra = {**inp.extra, "token_rows": inp.token_rows, "token_slots": inp.token_slots}
-    slots = inp.req_pool_indices
-    positions = jnp.clip(_positions(inp, seq_lens), 0, model.max_seq_len - 1)
-    state = sampling.update_state(state, features, extra, slots, input_ids, positions, seq_lens)
-    raw, cache = model.forward(params, cache, input_ids, inp.token_slots, positions, inp.last_token)
-    logits = sampling.process_logits(raw, state, features, extra, slots, seq_lens)
-    filters = (extra["top_k"], extra["top_p"]) if features.filtered else None
-    tokens = sampling.sample(logits, inp.temperature, inp.sample_seed, seq_lens, filters)
-    lp = sampling.logprobs(raw, tokens, features.logprobs) if features.logprobs else None
+    cache, state, logits, raw = _logits(
+        params, model, features, cache, state, inp, input_ids, seq_lens
+    )
+    tokens, lp = _sample(features, inp, logits, raw, seq_lens)
     return cache, state, tokens, lp
+
+
+def allowed(mask: jax.Array, vocab: int) -> jax.Array:
+    """[B, V] bool of a token bitmask [B, ceil(V / 32)] int32 (bit v % 32 of word v // 32)."""
+    v = jnp.arange(vocab)
+    return ((mask[:, v // 32] >> (v % 32)) & 1).astype(bool)
+
+
+class SplitStep(NamedTuple):
+    """A step in two dispatches, split at the sampling (structured output, `grammar`).
+
+    `forward(params, cache, state, inp, ids, lens) -> (cache, state, logits, raw)`: the
+    forward on resolved ids and lengths (cache and sampler state donated); `sample(inp,
+    logits, raw, lens, mask) -> (tokens, logprobs, lens + 1)`: the sampling with the
+    token bitmask [B, ceil(V / 32)] applied (-inf outside it). `inp` is a `ModelInputs` of
+    device arrays padded like `ids` and `lens`.
+    """
+
+    forward: Callable[..., Any]
+    sample: Callable[..., Any]
+
+
+@functools.cache
+def make_split_step(model: ServedModel, features: Features = NO_FEATURES) -> SplitStep:
+    """The split step's two jitted halves (`SplitStep`), cached per model and features."""
+
+    def forward(
+        params: Any, cache: Any, state: SamplerState, inp: Any, ids: jax.Array, lens: jax.Array
+    ) -> Any:
+        return _logits(params, model, features, cache, state, inp, ids, lens)
+
+    def sample(inp: Any, logits: jax.Array, raw: jax.Array, lens: jax.Array, mask: Any) -> Any:
+        logits = jnp.where(allowed(mask, logits.shape[-1]), logits, -jnp.inf)
+        tokens, lp = _sample(features, inp, logits, raw, lens)
+        return tokens, lp, lens + 1
+
+    return SplitStep(jax.jit(forward, donate_argnums=(1, 2)), jax.jit(sample))
 
 
 @functools.cache

