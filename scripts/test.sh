@@ -2,7 +2,10 @@
 # The README's test command: set up (idempotent) and run the test suite on two worker
 # processes (pytest-xdist; one file per worker at a time, so a file's module fixtures, the
 # Gemma engines among them, are built once). FM_TEST_WORKERS=0 runs it in this process.
+# The tests marked slow (end to end on the real Gemma model, the CLI's mutation sweep) are
+# left out: FM_TEST_MARK= runs them too, FM_TEST_MARK=slow only them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -n "${FM_TEST_WORKERS:-2}" --dist loadfile "$@"
+mark="${FM_TEST_MARK-not slow}"
+.venv/bin/python -m pytest -n "${FM_TEST_WORKERS:-2}" --dist loadfile ${mark:+-m "$mark"} "$@"

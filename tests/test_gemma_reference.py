@@ -18,6 +18,7 @@ import pytest
 from tests.gemma_weights import require_weights
 
 require_weights()
+pytestmark = pytest.mark.slow  # transformers reads the GGUF: minutes on 2 cores
 torch = pytest.importorskip("torch", reason="the reference needs torch (the torch extra)")
 transformers = pytest.importorskip(
     "transformers", reason="the reference needs transformers (the test extra)"

@@ -16,6 +16,7 @@ import pytest
 from tests.gemma_weights import require_weights
 
 require_weights()
+pytestmark = pytest.mark.slow  # the real model's engines warmed: minutes on 2 cores
 
 from fm_serve.config import engine_for  # noqa: E402
 from fm_serve.engine import Engine, ServeResult  # noqa: E402

@@ -86,6 +86,7 @@ def test_cli_end_to_end_with_int64_worker_and_json(tmp_path, capsys):
     assert doc["mutations"] == []
 
 
+@pytest.mark.slow  # every mutation through the CLI; each is also caught in test_parity_mutations
 def test_cli_mutations_are_all_caught(tmp_path, capsys):
     """`--mutations` (fm_jax mutated) reports which detectors caught each variant, each
     under its own protocol; none may be null, and parity must be among them (fm_jax

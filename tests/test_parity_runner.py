@@ -18,6 +18,7 @@ def _jobs() -> list[Job]:
     ]
 
 
+@pytest.mark.slow  # worker processes each import both frameworks
 def test_a_pool_of_workers_gives_the_serial_results_in_job_order():
     """Three workers (int32 and int64 kinds, fed the costliest job first) report what the
     default run (int32 here, int64 in one worker) reports, job for job, in job order; the
