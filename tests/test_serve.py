@@ -249,6 +249,7 @@ def test_cli_quick_json_schema(tmp_path: Any) -> None:
     assert doc["protocol"] == "sentinel"
 
 
+@pytest.mark.slow  # the CLI's gather run; the engine's gather runs are in CI above
 def test_cli_gather_protocol_serves_the_same_tokens(tmp_path: Any) -> None:
     """`--protocol gather`: the overlap runs (debug included) serve the synchronous tokens,
     and the report names the protocol."""
