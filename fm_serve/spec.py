@@ -45,6 +45,7 @@ import numpy as np
 
 import fm_jax
 from fm_serve.served import ServedModel
+from fm_serve.step import TOKEN_LAYOUT_INPUTS
 
 MAX_DRAFT_TOKENS = 16
 """The most draft tokens per step (K)."""
@@ -130,14 +131,8 @@ def _write(history: jax.Array, slots: jax.Array, positions: jax.Array, ids: jax.
     return history.at[where, jnp.clip(positions, 0, s - 1)].set(ids, mode="drop")
 
 
-SPEC_INPUTS = (
-    fm_jax.StepInput("extend_lens", "row"),
-    fm_jax.StepInput("last_token", "row"),
-    fm_jax.StepInput("token_rows", "token"),
-    fm_jax.StepInput("token_slots", "token"),
-    fm_jax.StepInput("token_offsets", "token"),
-)
-"""The spec step's own host arrays (the token layout), sent with the batch."""
+SPEC_INPUTS = TOKEN_LAYOUT_INPUTS
+"""The spec step's own host arrays (the token layout, no sampling inputs: greedy only)."""
 
 
 def check_spec_map(fm: fm_jax.FutureMap, ngram: Ngram) -> None:

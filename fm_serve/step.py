@@ -170,12 +170,16 @@ def make_sync_step(model: ServedModel, features: Features = NO_FEATURES) -> Call
     return jax.jit(step, donate_argnums=(1, 2))
 
 
-MODEL_INPUTS = (
+TOKEN_LAYOUT_INPUTS = (
     fm_jax.StepInput("extend_lens", "row"),
     fm_jax.StepInput("last_token", "row"),
     fm_jax.StepInput("token_rows", "token"),
     fm_jax.StepInput("token_slots", "token"),
     fm_jax.StepInput("token_offsets", "token"),
+)
+"""The batch's token layout as host arrays: what every step of the model is sent."""
+
+MODEL_INPUTS = TOKEN_LAYOUT_INPUTS + (
     fm_jax.StepInput("temperature", "row", dtype=np.float32),
     fm_jax.StepInput("sample_seed", "row"),
 )
