@@ -82,6 +82,43 @@ def retire_reuse(size: int = 1, seed: int = 0) -> Scenario:
     )
 
 
+def abort_reuse(size: int = 1, seed: int = 0) -> Scenario:
+    """Requests aborted mid-stream, their last step in flight: each slot goes at once to a
+    waiting request, whose prefill writes it after the aborted request's last step."""
+    reqs = tuple(
+        Request(i, 2 + i % 5, 6 + i % 4, arrival=i // 2, abort_after=(1 + i % 4) * (i % 3 != 2))
+        for i in range(18 * size)
+    )
+    return Scenario(
+        "abort_reuse",
+        "aborts mid-stream, slots reused at once",
+        reqs,
+        4,
+        Policy(max_running=3, max_prefill_tokens=8),
+        batch_buckets=(4,),
+        token_buckets=(16,),
+    )
+
+
+def retract_resume(size: int = 1, seed: int = 0) -> Scenario:
+    """Preemption: requests retracted mid-stream (their slots reused at once) and resumed
+    by recomputing their prefix, prompt and own tokens, in chunks beside running decodes."""
+    reqs = tuple(
+        Request(i, 3 + (5 * i) % 9, 7 + i % 5, arrival=i, retract_after=2 + i % 4 if i % 2 else 0)
+        for i in range(10 * size)
+    )
+    pol = Policy(mixed=True, chunk=5, max_prefill_rows=2, max_prefill_tokens=10, max_running=4)
+    return Scenario(
+        "retract_resume",
+        "retraction mid-stream, resumed by recomputing",
+        reqs,
+        5,
+        pol,
+        batch_buckets=(8,),
+        token_buckets=(32,),
+    )
+
+
 def prefill_burst(size: int = 1, seed: int = 0) -> Scenario:
     """A request waits through 100 prefill batches before its first decode.
 
@@ -476,6 +513,8 @@ CATALOGUE: dict[str, Builder] = {
     "chunked_prefill": chunked_prefill,
     "mixed_batches": mixed_batches,
     "retire_reuse": retire_reuse,
+    "abort_reuse": abort_reuse,
+    "retract_resume": retract_resume,
     "prefill_burst": prefill_burst,
     "idle_steps": idle_steps,
     "padded_batches": padded_batches,

@@ -125,6 +125,11 @@ def bootstrap_rows(
     return lens, toks, draft._replace(bonus=toks)
 
 
+def _produced(streams: dict[tuple[int, int], list[int]], rank: int) -> host_batch.Produced:
+    """What each request of `rank` has produced so far, as the host read it."""
+    return lambda rid: streams.get((rank, rid), ())
+
+
 class _Recorder:
     """Appends OpRecords per rank, with the rank's buffers after ops that write them."""
 
@@ -215,7 +220,12 @@ def run_overlap(
             plans = {r: p for r, ln in state.items() if (p := ln.plan()) is not None}
             hbs = {
                 r: host_batch.build(
-                    p, state[r].scenario, npdt, offset, state[r].placeholder(p, protocol)
+                    p,
+                    state[r].scenario,
+                    npdt,
+                    offset,
+                    state[r].placeholder(p, protocol),
+                    _produced(result.streams, r),
                 )
                 for r, p in plans.items()
             }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +16,10 @@ MODE = {Kind.EXTEND: 0, Kind.DECODE: 1, Kind.MIXED: 2, Kind.IDLE: 3, Kind.PREBUI
 
 Placeholder = Callable[[Row], tuple[int, int]]
 """A decode row's (input id, seq_len) as the batch carries it before resolve."""
+
+Produced = Callable[[int], Sequence[int]]
+"""Request id -> the tokens it has produced so far, as the host read them (a resumed
+request's recomputed prompt ends with them)."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +86,17 @@ def bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
 
 
 def build(
-    plan: StepPlan, scenario: Scenario, dtype: np.dtype, offset: int, placeholder: Placeholder
+    plan: StepPlan,
+    scenario: Scenario,
+    dtype: np.dtype,
+    offset: int,
+    placeholder: Placeholder,
+    produced: Produced = lambda rid: (),
 ) -> HostBatch:
     """Lay out `plan` as padded arrays.
 
-    Prefill rows carry their prompt chunk and real length; decode rows carry
+    Prefill rows carry their prompt chunk (a resumed request's: its own tokens from
+    `produced` where its prompt holds them) and real length; decode rows carry
     `placeholder(row)`: sentinels in a sentinel-protocol run, the host's length (and no
     id, 0) in a gather-protocol run.
     """
@@ -101,7 +111,8 @@ def build(
         ids, lens, last, tok_slots, prefix = [], [], [], [], []
         for row in plan.rows:
             if row.phase == "prefill":
-                ids += prompt_tokens(row.rid, row.start, row.end, offset)
+                own = produced(row.rid) if row.own_from else ()
+                ids += prompt_tokens(row.rid, row.start, row.end, offset, row.own_from, own)
                 tok_slots += [row.slot] * (row.end - row.start)
                 lens.append(row.end)
                 prefix.append(row.start)

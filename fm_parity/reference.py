@@ -57,7 +57,8 @@ def run_reference(scenario: Scenario, dtype: str, max_steps: int | None = None) 
         ids, lens = [], []
         for row in rows:
             if row.phase == "prefill":
-                ids += tm.prompt_tokens(row.rid, row.end - 1, row.end, offset)
+                own = streams.get(row.rid, ())
+                ids += tm.prompt_tokens(row.rid, row.end - 1, row.end, offset, row.own_from, own)
                 lens.append(row.end)
             else:
                 ids.append(last[row.rid])

@@ -33,6 +33,12 @@ class Request:
     the host bootstraps them with publish + stash in a PREBUILT step.
     For spec decoding, `output_len` counts tokens: the request runs until its length
     reaches prompt_len + output_len.
+    `abort_after` (non-spec): the host aborts the request once it has scheduled this many of
+    its tokens, the last of them still in flight; its slot is free at once (0: never).
+    `retract_after` (non-spec): the host retracts it then instead (preemption): the slot is
+    freed at once and the request resumes later by recomputing its prefix, its prompt then
+    its own tokens (`resumed_from`: positions from there on are the request's own tokens;
+    set by the scheduler on the resumed request).
     """
 
     rid: int
@@ -40,6 +46,9 @@ class Request:
     output_len: int
     arrival: int = 0
     prebuilt: bool = False
+    abort_after: int = 0
+    retract_after: int = 0
+    resumed_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,12 +147,22 @@ class Scenario:
             )
         if any(r.prompt_len < 1 or r.output_len < 1 for r in self.requests):
             raise ValueError(f"{self.name}: prompt_len and output_len must be >= 1")
+        for r in self.requests:
+            for what, n in (("abort_after", r.abort_after), ("retract_after", r.retract_after)):
+                if n and (self.spec is not None or r.prebuilt or not 1 <= n < r.output_len):
+                    raise ValueError(
+                        f"{self.name}: request {r.rid}'s {what}={n}: a non-spec, non-PREBUILT "
+                        f"request leaves after 1 to output_len - 1 ({r.output_len - 1}) tokens"
+                    )
+            if r.abort_after and r.retract_after:
+                raise ValueError(f"{self.name}: request {r.rid} is both aborted and retracted")
 
 
 class Row(NamedTuple):
     """One live batch row.
 
-    prefill: prompt tokens [start, end) of `rid`; `final` when the chunk ends the prompt.
+    prefill: prompt tokens [start, end) of `rid`; `final` when the chunk ends the prompt
+    (a resumed request's prompt: from `own_from` on, its own tokens; 0: none).
     decode: one token; `seq_len` is the host's length (restored into MIXED rows; in a
     DECODE batch the device restores it, and for spec the host value may be a step old).
     bootstrap: a PREBUILT row; `seq_len` is the length to publish.
@@ -156,6 +175,7 @@ class Row(NamedTuple):
     end: int = 0
     final: bool = False
     seq_len: int = 0
+    own_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,8 +205,11 @@ class Scheduler:
     """Walks a Scenario: admission, retirement, immediate slot reuse, batch formation.
 
     Freed slots go on a stack, so the next admitted request takes the slot freed last:
-    a retired request's slot is reused at once. `generation` counts each slot's requests
-    (SGLang's `req_generation`: bumped when a slot goes to a new request).
+    a retired, aborted or retracted request's slot is reused at once. `generation` counts
+    each slot's requests (SGLang's `req_generation`: bumped when a slot goes to a new
+    request). A retracted request is queued again for the next step, not this one: its last
+    token, in flight when it left, has been read by then (an overlap host reads a step's
+    tokens while the next step runs), so its recomputed prefix can hold it.
     """
 
     scenario: Scenario
@@ -196,6 +219,8 @@ class Scheduler:
     _pending: list[Request] = field(default_factory=list)
     _running: dict[int, _Live] = field(default_factory=dict)  # admission order
     generation: list[int] = field(default_factory=list)
+    aborted: list[int] = field(default_factory=list)  # request ids, in abort order
+    retracted: list[int] = field(default_factory=list)  # request ids, one per retraction
 
     def __post_init__(self) -> None:
         self._free = list(range(self.scenario.pool_size - 1, 0, -1))  # pop() gives slot 1 first
@@ -213,8 +238,17 @@ class Scheduler:
         return lv.host_len >= lv.req.prompt_len + lv.req.output_len
 
     def _retire_and_admit(self) -> None:
-        for rid in [rid for rid, lv in self._running.items() if self._finished(lv)]:
-            self._free.append(self._running.pop(rid).slot)
+        for rid, lv in list(self._running.items()):
+            req, leaves = lv.req, self._finished(lv)
+            if req.abort_after and lv.generated >= req.abort_after:
+                self.aborted.append(rid)
+                leaves = True
+            elif req.retract_after and lv.generated >= req.retract_after:
+                self.retracted.append(rid)
+                self._requeue(lv)
+                leaves = True
+            if leaves:
+                self._free.append(self._running.pop(rid).slot)
         cap = self.scenario.policy.max_running
         while (
             self._pending
@@ -226,6 +260,20 @@ class Scheduler:
             slot = self._free.pop()
             self.generation[slot] += 1
             self._running[req.rid] = _Live(req, slot)
+
+    def _requeue(self, lv: _Live) -> None:
+        """Queue a retracted request again: its prompt now ends with the tokens it has
+        (recomputed on resume), its output the tokens still to come."""
+        req, done = lv.req, lv.generated
+        resumed = Request(
+            req.rid,
+            req.prompt_len + done,
+            req.output_len - done,
+            arrival=self.step + 1,
+            resumed_from=req.resumed_from or req.prompt_len,
+        )
+        self._pending.append(resumed)
+        self._pending.sort(key=lambda r: (r.arrival, r.rid))
 
     def observe(self, lens: dict[int, int]) -> None:
         """Spec: host lengths reported by resolve_seq_lens_cpu (request id -> length)."""
@@ -295,7 +343,8 @@ class Scheduler:
             n = min(n, budget)
             start, end = lv.prefilled, lv.prefilled + n
             final = end == lv.req.prompt_len
-            rows.append(Row(lv.req.rid, lv.slot, "prefill", start, end, final, seq_len=end))
+            own = lv.req.resumed_from
+            rows.append(Row(lv.req.rid, lv.slot, "prefill", start, end, final, end, own))
             budget -= n
             lv.prefilled = end
             if final:

@@ -30,6 +30,7 @@ Backends (numpy here, jax in toy_model_jax, torch in toy_model_torch) supply `wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import ml_dtypes  # numpy's bfloat16 (a dependency of jax)
@@ -326,9 +327,17 @@ class NumpyBackend:
 NUMPY = NumpyBackend()
 
 
-def prompt_tokens(rid: int, start: int, end: int, offset: int) -> list[int]:
-    """Prompt tokens [start, end) of request `rid` (host data, as the tokenizer gave them)."""
-    return [(rid * 7919 + j * 104_729 + 1) % VOCAB + offset for j in range(start, end)]
+def prompt_tokens(
+    rid: int, start: int, end: int, offset: int, own_from: int = 0, own: Sequence[int] = ()
+) -> list[int]:
+    """Prompt tokens [start, end) of request `rid` (host data, as the tokenizer gave them).
+    A resumed request's prompt (`own_from` > 0) holds its own tokens `own` (what it produced,
+    in order) from position `own_from` on."""
+    cut = min(max(start, own_from), end) if own_from else end
+    out = [(rid * 7919 + j * 104_729 + 1) % VOCAB + offset for j in range(start, cut)]
+    if own_from:
+        out += [int(t) for t in own[cut - own_from : end - own_from]]
+    return out
 
 
 def bootstrap(

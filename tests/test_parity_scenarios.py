@@ -119,6 +119,72 @@ def test_retire_reuse_hands_slots_over_at_once():
     assert max(len(v) for v in owners.values()) >= 5
 
 
+def test_abort_reuse_hands_an_aborted_slot_over_while_its_last_step_is_in_flight():
+    """An aborted request leaves after the step that made its last token; at the very next
+    step a new request's prefill takes its slot (in overlap, that step is planned while the
+    aborted one's last step still runs)."""
+    sched = Scheduler(catalogue.build("abort_reuse"))
+    last_row: dict[int, tuple[int, int]] = {}  # rid -> (step, slot) of its last row
+    handed_over = 0
+    while (plan := sched.next_step()) is not None:
+        for rid in sched.aborted:
+            step, slot = last_row.pop(rid)
+            handed_over += any(
+                r.slot == slot and r.phase == "prefill" and step == plan.step - 1 for r in plan.rows
+            )
+        sched.aborted.clear()
+        for row in plan.rows:
+            last_row[row.rid] = (plan.step, row.slot)
+    assert handed_over >= 5, handed_over
+
+
+def test_retract_resume_recomputes_each_prefix_from_the_requests_own_tokens(monkeypatch):
+    """A retracted request resumes with a prompt that ends with the tokens it produced
+    (`own_from`), at least one step after it left; served with other tokens there (a host
+    that forgot the token in flight when it retracted), its stream leaves the oracle's."""
+    sched = Scheduler(catalogue.build("retract_resume"))
+    left: dict[int, int] = {}
+    resumed = 0
+    while (plan := sched.next_step()) is not None:
+        for rid in sched.retracted:
+            left.setdefault(rid, plan.step)
+        for row in plan.rows:
+            if row.own_from and row.start == 0:
+                assert plan.step > left[row.rid]
+                resumed += 1
+    assert resumed == len(sched.retracted) >= 4
+    _assert_ok(run_job(Job("retract_resume", "int32", False, protocol="gather")))
+
+    from fm_parity import driver
+
+    def forgets_the_last(streams, rank):
+        return lambda rid: streams.get((rank, rid), [])[:-1] + [0]
+
+    monkeypatch.setattr(driver, "_produced", forgets_the_last)
+    r = run_job(Job("retract_resume", "int32", False, protocol="gather"))
+    assert r.divergences == 0 and not r.oracle_ok
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"abort_after": 6}, "abort_after=6"),
+        ({"retract_after": 0, "abort_after": 1, "prebuilt": True}, "abort_after=1"),
+        ({"retract_after": 2, "abort_after": 1}, "both aborted and retracted"),
+    ],
+)
+def test_a_request_that_cannot_leave_mid_stream_is_refused_by_name(change, words):
+    """Aborts and retractions name the request and the setting that cannot be served."""
+    import dataclasses
+
+    from fm_parity.scenario import Request, Scenario
+
+    base = catalogue.build("abort_reuse")
+    req = dataclasses.replace(Request(0, 3, 6), **change)
+    with pytest.raises(ValueError, match=words):
+        Scenario("bad", "", (req,), base.pool_size, base.policy, batch_buckets=(4,))
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
