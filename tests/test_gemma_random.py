@@ -115,3 +115,28 @@ def test_bench_refuses_startup_with_random_weights() -> None:
     """Pins `--startup` (fm-serve on the real weights) silently mixed into a random run."""
     with pytest.raises(SystemExit):
         bench.main(["--random-weights", "--startup"])
+
+
+def test_bound_counts_the_model_s_weights_and_sets_tok_s_beside_it() -> None:
+    """The bound: the matmul weights are the blocks' projections and the tied output layer
+    (no norm); a decode step is memory-bound at one row and compute-bound once its FLOPs
+    outlast the weight read; the table sets each B's tokens/s against B / bound step."""
+    from fm_serve.gemma import bound
+
+    got = load.random_model(max_seq_len=16, row_tile=4, dtype="float32", config=TINY)
+    c = TINY
+    per_layer = c.d_model * (2 * c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim)
+    per_layer += 3 * c.d_model * c.d_ff
+    assert bound.matmul_weights(got.params) == c.n_layers * per_layer + c.vocab * c.d_model
+    rates = bound.machine_rates(got.params)
+    assert rates["weight_bytes"] == sum(x.nbytes for x in jax.tree_util.tree_leaves(got.params))
+    assert rates["weight_read_ms"] > 0 and rates["matmul_gflop_s"] > 0
+    fake = {"weight_read_ms": 10.0, "matmul_gflop_s": 100.0, "matmul_weights": 1e8}
+    one, many = bound.decode_bound(fake, 1), bound.decode_bound(fake, 64)
+    assert one == {"step_ms": 10.0, "tok_s": 100.0, "compute_ms": 2.0, "roof": "memory"}
+    assert many["roof"] == "compute" and many["step_ms"] == pytest.approx(128.0)
+    run = {"host_cost_ratio": 0, "t_step_ms": 20.0, "sync_tok_s": 50.0, "overlap_tok_s": 80.0}
+    doc = {"bound": {**fake, "weight_bytes": 4e8, "bandwidth_gb_s": 40.0}, "row_tile": 4}
+    doc["batches"] = [{"batch": 1, "runs": [run]}]
+    row = bench.bound_lines(doc)[-1]
+    assert row == "| 1 | 20.0 | 10.0 | memory | 1 | 50.0 | 80.0 | 100.0 | 0.50 | 0.80 |"

@@ -269,6 +269,8 @@ def markdown(doc: dict[str, Any], plot_name: str | None) -> str:
             f"{b['stopped_early']} stopped by a stop token; step kinds (sync) "
             f"{b['runs'][0]['modes']}."
         )
+    if doc.get("bound"):
+        lines += ["", *bound_lines(doc)]
     if doc.get("startup"):
         s = doc["startup"]
         lines += [
@@ -284,6 +286,40 @@ def markdown(doc: dict[str, Any], plot_name: str | None) -> str:
     if plot_name:
         lines += ["", f"![sync vs overlap]({plot_name})"]
     return "\n".join(lines) + "\n"
+
+
+def bound_lines(doc: dict[str, Any]) -> list[str]:
+    """Each B's tokens/s (its runs without a simulated host cost) beside the machine's
+    bound on a decode step (`bound.decode_bound`)."""
+    from fm_serve.gemma.bound import decode_bound
+
+    rates = doc["bound"]
+    lines = [
+        "## Against the machine's bound",
+        "",
+        f"Measured here: the weights ({rates['weight_bytes'] / 1e9:.2f} GB) read once in "
+        f"{rates['weight_read_ms']:.1f} ms ({rates['bandwidth_gb_s']:.1f} GB/s); matmuls at "
+        f"{rates['matmul_gflop_s']:.1f} GFLOP/s; a decode token multiplies "
+        f"{rates['matmul_weights'] / 1e6:.0f}M weights (2 FLOPs each). Bound step: the longer "
+        "of the weight read and the step's FLOPs at that rate; bound tok/s = B / bound step "
+        "(decode only: the runs' prefill and MIXED steps and their stop-token ends count "
+        f"against them). With row tile {doc['row_tile']} every matmul reads the weights once "
+        "per tile, so a decode step of B rows reads them about ceil(B / tile) times.",
+        "",
+        "| B | S ms | bound step ms | roof | weight reads per step | sync tok/s | overlap "
+        "tok/s | bound tok/s | sync of bound | overlap of bound |",
+        "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in doc["batches"]:
+        r = next((r for r in b["runs"] if r["host_cost_ratio"] == 0), b["runs"][0])
+        got = decode_bound(rates, b["batch"])
+        tiles = -(-b["batch"] // doc["row_tile"])
+        lines.append(
+            f"| {b['batch']} | {r['t_step_ms']:.1f} | {got['step_ms']:.1f} | {got['roof']} | "
+            f"{tiles} | {r['sync_tok_s']:.1f} | {r['overlap_tok_s']:.1f} | {got['tok_s']:.1f} | "
+            f"{r['sync_tok_s'] / got['tok_s']:.2f} | {r['overlap_tok_s'] / got['tok_s']:.2f} |"
+        )
+    return lines
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
@@ -350,6 +386,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host-cost", choices=("spin", "sleep"), default="sleep")
     p.add_argument("--repeats", type=odd_count, default=3, help="sync/overlap pairs (odd)")
     p.add_argument("--startup", action="store_true", help="also time two fresh starts")
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also measure the machine's bound (weights read once at the measured bandwidth, "
+        "FLOPs at the measured matmul rate) and set each B's tokens/s beside it",
+    )
     p.add_argument(
         "--random-weights",
         action="store_true",
@@ -451,6 +493,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host_cost_kind": args.host_cost,
         "batches": batches,
     }
+    if args.bound:
+        from fm_serve.gemma.bound import machine_rates
+
+        doc["bound"] = machine_rates(loaded.params)
+        log(f"bound: {doc['bound']}")
     if args.startup:
         log("start-up: two fresh fm-serve processes on an empty cache")
         doc["startup"] = measure_startup()
