@@ -35,7 +35,7 @@ import numpy as np
 
 import fm_jax
 from fm_serve.config import EngineConfig
-from fm_serve.grammar import Matchers
+from fm_serve.grammar import DEAD_END, Matchers
 from fm_serve.host_cost import HostCost
 from fm_serve.requests import Request, RequestState
 from fm_serve.sampling import NO_FEATURES, Features, HostRows, Sampling
@@ -47,10 +47,16 @@ OnToken = Callable[[RequestState, int], None]
 
 @dataclass
 class Row:
-    """One batch row: its request, and whether this step samples an output token for it."""
+    """One batch row: its request, and whether this step samples an output token for it.
+
+    `dead_at`: a constrained speculative row whose grammar allows no token after its
+    first `dead_at` drafts (set with its masks): an output reaching that position ends
+    the request ("grammar dead end") before the token there is taken.
+    """
 
     state: RequestState
     samples: bool
+    dead_at: int | None = None
 
 
 @dataclass
@@ -141,10 +147,10 @@ class Scheduler:
       draft_tokens: K > 0: speculative decoding (`spec`): a decode row feeds K + 1 tokens
         (its bonus token and K drafts, all resolved on the device), yields 1 to K + 1
         outputs ([B, K + 1] tokens, -1 past a row's outputs), and prefill steps run alone.
-      matchers: compiles the requests' grammars (`grammar.Matchers`); None refuses a
-        request with a grammar.
         Greedy requests without sampling features only, and no KV budget (the host does
         not know how many tokens a step accepts until it reads them).
+      matchers: compiles the requests' grammars (`grammar.Matchers`); None refuses a
+        request with a grammar.
     """
 
     def __init__(
@@ -201,10 +207,6 @@ class Scheduler:
                 raise ValueError(
                     f"request {r.rid}: has a grammar, but the engine was built without a "
                     "grammar tokenizer"
-                )
-            if r.grammar is not None and draft_tokens:
-                raise ValueError(
-                    f"request {r.rid}: a grammar with speculative decoding is not supported"
                 )
             lacking = features.serves(r.sampling)
             if lacking is not None:
@@ -448,8 +450,9 @@ class Scheduler:
     # -------------------------------------------------------------------------- results
     def process(self, batch: ScheduledBatch, tokens: np.ndarray, logprobs: Any = None) -> int:
         """Take a finished step's sampled tokens (and logprobs: the sampled token's [B], the
-        top ids [B, N], their logprobs [B, N]): append outputs, stream them, apply stops,
-        retire; returns the number of output tokens taken.
+        top ids [B, N], their logprobs [B, N]; speculative: `(drafts [B, K],)`, the drafts
+        the step stashed for each row's next verify): append outputs, stream them, apply
+        stops, retire; returns the number of output tokens taken.
 
         A row whose request already finished (overlap: its stop was read one step late, after
         this step was dispatched; or it was aborted) is discarded. Retirement frees the slot
@@ -462,7 +465,9 @@ class Scheduler:
             if not row.samples or st.finished:
                 continue
             if self.draft_tokens:
-                taken += self._take_spec(st, tokens[i], batch.mode)
+                if logprobs is not None and st.matcher is not None:
+                    st.drafts = logprobs[0][i]
+                taken += self._take_spec(st, tokens[i], batch.mode, row.dead_at)
                 continue
             tok = int(tokens[i])
             st.output.append(tok)
@@ -511,8 +516,11 @@ class Scheduler:
     def masks(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
         """The rows' token bitmasks [rows, ceil(V / 32)] int32 from their matchers as they
         stand (every token read so far consumed); all ones for a row without a grammar. A
-        request whose mask allows no token finishes now ("grammar dead end")."""
+        request whose mask allows no token finishes now ("grammar dead end").
+        Speculative: [rows, K + 1, W] for a verify (`_spec_masks`), [rows, 1, W] else."""
         assert self.matchers is not None
+        if self.draft_tokens:
+            return self._spec_masks(batch, rows)
         out = np.full((rows, self.matchers.words), -1, np.int32)
         for i, r in enumerate(batch.rows):
             st = r.state
@@ -525,19 +533,74 @@ class Scheduler:
                 out[i] = -1
         return out
 
-    def _take_spec(self, st: RequestState, row: np.ndarray, mode: fm_jax.ForwardMode) -> int:
-        """Take one spec row's outputs (`row`: [K + 1], -1 past them) up to a stop."""
+    def _spec_masks(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
+        """Speculative masks [rows, P, W] (P = K + 1 for a verify, 1 for a prefill): a
+        verify row's position j gets the mask after its matcher (every token read so far
+        consumed, the bonus token last) advances over the row's first j drafts
+        (`RequestState.drafts`, read back with its last step) on a copy (an llguidance
+        rollback fails once a mask found a dead end; the copy leaves the matcher as it
+        was whatever the drafts do). Past the
+        first draft the grammar refuses (it is never accepted) or once the grammar is
+        complete, positions get all ones: no output reaches them. An empty mask at
+        position 0 finishes the request now ("grammar dead end"); at j > 0 it marks the
+        row (`Row.dead_at`)."""
+        assert self.matchers is not None
+        verify = batch.mode == fm_jax.ForwardMode.DECODE
+        k = self.draft_tokens if verify else 0
+        out = np.full((rows, k + 1, self.matchers.words), -1, np.int32)
+        for i, r in enumerate(batch.rows):
+            st, m = r.state, r.state.matcher
+            if not r.samples or m is None or st.finished:
+                continue
+            why = self.matchers.fill(m, out[i, 0])
+            if why:
+                st.reason = why
+                self._finish(st)
+                out[i, 0] = -1
+                continue
+            if not k:
+                continue
+            assert st.drafts is not None, "a verify row's drafts are read with its last step"
+            drafts = [int(t) for t in st.drafts]
+            valid = m.validate_tokens(drafts)
+            ahead = m.deep_copy() if valid else m  # advanced over the drafts, then dropped
+            for j in range(1, valid + 1):
+                ahead.consume_token(drafts[j - 1])
+                if ahead.is_stopped():
+                    break
+                if self.matchers.fill(ahead, out[i, j]):
+                    r.dead_at = j
+                    out[i, j] = -1
+                    break
+        return out
+
+    def _take_spec(
+        self,
+        st: RequestState,
+        row: np.ndarray,
+        mode: fm_jax.ForwardMode,
+        dead_at: int | None = None,
+    ) -> int:
+        """Take one spec row's outputs (`row`: [K + 1], -1 past them) up to a stop, a
+        grammar's end, or (`dead_at`) the position where its grammar allowed no token."""
         made = [int(t) for t in row if t >= 0]
         if mode == fm_jax.ForwardMode.DECODE:
             self.drafts_proposed += self.draft_tokens
             self.drafts_accepted += len(made) - 1
+            st.accepted += len(made) - 1
         taken = 0
-        for tok in made:
+        for j, tok in enumerate(made):
+            if j == dead_at:
+                st.reason = DEAD_END
+                self._finish(st)
+                break
             st.output.append(tok)
             taken += 1
             if self.on_token is not None:
                 self.on_token(st, tok)
             if st.finished:
+                break
+            if st.matcher is not None and self._grammar_done(st, tok):
                 break
             if tok in self.stop_ids or len(st.output) == st.req.max_new_tokens:
                 self._finish(st)
