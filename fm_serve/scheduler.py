@@ -17,7 +17,10 @@ its slot freed at once, it goes back to the front of the queue, and it is resume
 prefilling its prompt and the outputs read so far (recomputed), once every token of its
 dispatched steps has been read (overlap: a step later). A retracted or aborted request's
 row in a step already dispatched still runs on the device; nothing reads it back: its slot's
-next request starts with a fresh prefill (`sampling`: fresh state).
+next request starts with a fresh prefill (`sampling`: fresh state). Speculative decoding
+(`draft_tokens`): a running request counts its published length bounded from above (what
+the host has read, plus K + 1 per step in flight), plus the K positions its next verify
+feeds past it; it resumes once no step that samples for it is in flight.
 
 Streaming and abort: `process` hands each output token to `on_token` as it is read; `abort`
 finishes a request at once, so no token after it is streamed or kept.
@@ -147,8 +150,9 @@ class Scheduler:
       draft_tokens: K > 0: speculative decoding (`spec`): a decode row feeds K + 1 tokens
         (its bonus token and K drafts, all resolved on the device), yields 1 to K + 1
         outputs ([B, K + 1] tokens, -1 past a row's outputs), and prefill steps run alone.
-        Greedy requests without sampling features only, and no KV budget (the host does
-        not know how many tokens a step accepts until it reads them).
+        Greedy requests without sampling features only. With a KV budget a verify row
+        counts an upper bound (the host does not know how many tokens a step accepts
+        until it reads them; `_need`), and a request must fit it with K more positions.
       matchers: compiles the requests' grammars (`grammar.Matchers`); None refuses a
         request with a grammar.
     """
@@ -177,15 +181,12 @@ class Scheduler:
             )
         if max(cfg.token_buckets) < cfg.prefill_budget + cfg.max_running:
             raise ValueError("largest token bucket must hold prefill_budget + max_running tokens")
-        if draft_tokens:
-            if max(cfg.token_buckets) < cfg.max_running * (draft_tokens + 1):
-                raise ValueError(
-                    f"speculative decoding: the largest token bucket {max(cfg.token_buckets)} "
-                    f"must hold max_running x (K + 1) = {cfg.max_running * (draft_tokens + 1)} "
-                    "tokens"
-                )
-            if cfg.kv_budget is not None:
-                raise ValueError("speculative decoding serves without a KV budget (kv_budget)")
+        if draft_tokens and max(cfg.token_buckets) < cfg.max_running * (draft_tokens + 1):
+            raise ValueError(
+                f"speculative decoding: the largest token bucket {max(cfg.token_buckets)} "
+                f"must hold max_running x (K + 1) = {cfg.max_running * (draft_tokens + 1)} "
+                "tokens"
+            )
         budget = cfg.kv_budget
         for r in requests:
             if len(r.prompt) + r.max_new_tokens > max_seq_len:
@@ -193,10 +194,11 @@ class Scheduler:
                     f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
                     f"exceeds max_seq_len {max_seq_len}"
                 )
-            if budget is not None and len(r.prompt) + r.max_new_tokens > budget:
+            if budget is not None and len(r.prompt) + r.max_new_tokens + draft_tokens > budget:
+                spec = f" + K {draft_tokens}" if draft_tokens else ""
                 raise ValueError(
-                    f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
-                    f"exceeds the KV budget {budget}"
+                    f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens}"
+                    f"{spec} exceeds the KV budget {budget}"
                 )
             if draft_tokens and (r.temperature != 0.0 or r.sampling != Sampling()):
                 raise ValueError(
@@ -223,6 +225,7 @@ class Scheduler:
         self.on_token = on_token
         self.retractions = 0
         self.cfg = cfg
+        self.max_seq_len = max_seq_len
         self.overlap = overlap
         self.gather = overlap and protocol == "gather"
         self.host_cost = host_cost
@@ -250,8 +253,14 @@ class Scheduler:
     def _need(self) -> int:
         """KV positions the running requests will hold after the next step."""
         chunks, need = self.cfg.prefill_budget, 0
+        k = self.draft_tokens
         for st in self.running:
-            if st.prefill_done:
+            if st.prefill_done and k:
+                # A verify feeds K + 1 tokens from the published length L - 1, and each
+                # step in flight may publish K + 1 more than the host has read.
+                published = len(st.req.prompt) + len(st.output) + (k + 1) * st.pending_steps
+                need += min(published + k, self.max_seq_len)
+            elif st.prefill_done:
                 need += st.seq_len_cpu if st.wants_decode else st.seq_len_cpu - 1
             else:
                 chunk = min(len(st.prefix) - st.prefilled, chunks)
@@ -263,7 +272,7 @@ class Scheduler:
         budget = self.cfg.kv_budget
         while self.queue and self.free_slots:
             st = self.queue[0]
-            if st.in_flight:  # retracted with a step in flight: resume once it is read
+            if st.in_flight or st.pending_steps:  # retracted, a step in flight: wait for it
                 break
             st.prefix = st.req.prompt + tuple(st.output)
             st.prefilled = 0
@@ -377,6 +386,7 @@ class Scheduler:
             st.prefilled += chunk
             final = st.prefill_done
             if final:  # the last chunk samples the next output token
+                st.pending_steps += 1
                 st.scheduled = len(st.output) + 1
                 st.seq_len_cpu = len(st.prefix) + 1
             rows.append(Row(st, final))
@@ -387,6 +397,7 @@ class Scheduler:
                 seq_lens[j] = st.seq_len_cpu  # a lower bound; the step gathers the real one
                 st.seq_len_cpu += 1
                 st.scheduled += 1  # at least one output per verify
+                st.pending_steps += 1
                 rows.append(Row(st, True))
                 pos += per_decode
                 continue
@@ -407,6 +418,7 @@ class Scheduler:
                 seq_lens[j] = st.seq_len_cpu
             st.seq_len_cpu += 1
             st.scheduled += 1
+            st.pending_steps += 1
             rows.append(Row(st, True))
             pos += 1
         inputs = StepInputs(
@@ -462,6 +474,7 @@ class Scheduler:
         taken = 0
         for i, row in enumerate(batch.rows):
             st = row.state
+            st.pending_steps -= row.samples
             if not row.samples or st.finished:
                 continue
             if self.draft_tokens:
