@@ -390,7 +390,9 @@ class Engine:
                 for k, v in model_inputs.items()
             }
             decode = fm_batch.forward_mode == fm_jax.ForwardMode.DECODE and res.draft is not None
-            cache, state, logits = self._spec_split.forward(
+            relay = fm_batch.token_slots
+            relay = None if relay is None else _pad(np.asarray(relay, np.int32), toks)
+            cache, state, logits, lens = self._spec_split.forward(
                 self.params,
                 cache,
                 state,
@@ -398,9 +400,10 @@ class Engine:
                 res.input_ids,
                 res.seq_lens,
                 res.draft,
+                relay,
                 decode=decode,
             )
-            return cache, state, (res, slots, logits, decode)
+            return cache, state, (res, slots, logits, lens, decode)
         assert self._split is not None
         inp = _padded_inputs(self.features, fm_batch.req_pool_indices, model_inputs, rows, toks)
         cache, state, logits, raw = self._split.forward(
@@ -420,10 +423,10 @@ class Engine:
         (speculative: the masked verification) with them, and the map's publish and stash
         (`finish`); returns (state, tokens, logprobs or, speculative, (drafts,))."""
         if self._spec_split is not None:
-            res, slots, logits, decode = head
+            res, slots, logits, lens, decode = head
             masks = sched.masks(batch, res.seq_lens.shape[0])
             state, tokens, new_lens, bonus, drafts = self._spec_split.accept(
-                logits, masks, slots, res.seq_lens, res.draft, state, decode=decode
+                logits, masks, slots, lens, res.draft, state, decode=decode
             )
             payload = fm_jax.DraftPayload(bonus_tokens=bonus, extras={DRAFT_FIELD: drafts})
             self.fm.finish(fm_batch, slots, new_lens, payload)

@@ -78,7 +78,9 @@ class ScheduledBatch:
     def spec_batch(self) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
         """The batch as a speculative step takes it (`spec.make_spec_step`): a DECODE
         batch gathers its drafts, lengths and bonus tokens at its slots (`draft_indices`)
-        and brings zeros for its K + 1 ids per row; an EXTEND batch its prompt ids."""
+        and brings zeros for its K + 1 ids per row; an EXTEND batch its prompt ids; a
+        MIXED batch its prefill ids and, last, a token per running row gathered at its
+        slot (`token_slots`: the bonus token, its length bound by resolve)."""
         from fm_serve.spec import spec_inputs
 
         inp, b, t = self.inputs, len(self.rows), self.n_tokens
@@ -90,6 +92,7 @@ class ScheduledBatch:
             inp.input_ids[:t],
             inp.seq_lens[:b],
             draft_indices=slots if decode else None,
+            token_slots=inp.relay_slots[:t] if self.mode == fm_jax.ForwardMode.MIXED else None,
         )
         return batch, spec_inputs(inp, b, t)
 
@@ -337,7 +340,7 @@ class Scheduler:
                 prefill.append((st, chunk))
                 budget -= chunk
         decode = [st for st in self.running if st.wants_decode]
-        if prefill and (not self.cfg.mixed or self.draft_tokens):
+        if prefill and not self.cfg.mixed:
             decode = []  # no MIXED batches: a prefill step runs alone, decodes wait
         if not prefill and not decode:
             return None
@@ -358,7 +361,8 @@ class Scheduler:
     ) -> ScheduledBatch:
         """Fill the host arrays and advance each row's host-side counters."""
         n_rows = len(prefill) + len(decode)
-        per_decode = self.draft_tokens + 1
+        # A verify feeds K + 1 tokens; a MIXED batch's running rows one (their bonus).
+        per_decode = self.draft_tokens + 1 if mode == fm_jax.ForwardMode.DECODE else 1
         n_tok = sum(c for _, c in prefill) + len(decode) * per_decode
         b = _bucket(n_rows, self.cfg.batch_buckets, "batch rows")
         t = _bucket(n_tok, self.cfg.token_buckets, "batch tokens")
@@ -394,6 +398,8 @@ class Scheduler:
         for j, st in enumerate(decode, start=len(prefill)):
             if self.draft_tokens:  # ids, lengths and drafts all resolved on the device
                 self._row(j, st, per_decode, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
+                if mode == fm_jax.ForwardMode.MIXED:  # its bonus gathered at its slot
+                    relay[pos] = st.slot
                 seq_lens[j] = st.seq_len_cpu  # a lower bound; the step gathers the real one
                 st.seq_len_cpu += 1
                 st.scheduled += 1  # at least one output per verify

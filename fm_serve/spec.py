@@ -167,13 +167,24 @@ def spec_forward(
     ids: jax.Array,
     lens: jax.Array,
     draft: fm_jax.DraftPayload | None,
-) -> tuple[Any, jax.Array, jax.Array]:
+    relay_slots: jax.Array | None = None,
+) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
     """The spec step's forward on resolved ids, lengths and draft: (cache, history,
-    logits) with logits [B * (K + 1), V] (DECODE: each row's K + 1 verified positions,
-    row-major) or [B, V] (EXTEND: each row's last token). A prefill writes its ids into
-    the history here; the sampled tokens are written by `spec_accept`."""
+    logits, lengths) with logits [B * (K + 1), V] (DECODE: each row's K + 1 verified
+    positions, row-major) or [B, V] (EXTEND, MIXED: each row's last token). A prefill
+    writes its ids into the history here; the sampled tokens are written by `spec_accept`.
+
+    MIXED (`relay_slots`, each token's relay slot, nonzero at a running row's one token):
+    resolve bound a running row's length to the published one + 1 (fm_jax's rule: its
+    published length leaves out the bonus token), while this step publishes lengths that
+    hold it; the lengths returned (and used here) are the running rows' published ones,
+    so the row feeds its bonus token at L - 1 as a verify would, and samples one token.
+    """
     rows, tok_slots, off = inputs["token_rows"], inputs["token_slots"], inputs["token_offsets"]
     s_max = model.max_seq_len
+    if relay_slots is not None:
+        running = jnp.zeros(lens.shape, bool).at[rows].max(relay_slots > 0)
+        lens = jnp.where(running, lens - 1, lens)
     if decode:
         assert draft is not None and draft.extras is not None
         bonus: Any = draft.bonus_tokens
@@ -191,7 +202,7 @@ def spec_forward(
     else:
         history = _write(history, tok_slots, pos, ids, live)
         logits, cache = model.forward(params, cache, ids, fed_slots, fed_pos, inputs["last_token"])
-    return cache, history, logits
+    return cache, history, logits, lens
 
 
 def spec_accept(
@@ -268,9 +279,21 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
         cache: Any,
         history: jax.Array,
     ) -> fm_jax.StepOutput:
-        decode, lens, slots = _is_decode(batch, res), res.seq_lens, batch.req_pool_indices
-        cache, history, logits = spec_forward(
-            model, k, decode, params, cache, history, inputs, res.input_ids, lens, res.draft
+        decode, slots = _is_decode(batch, res), batch.req_pool_indices
+        mixed = int(batch.forward_mode) == int(fm_jax.ForwardMode.MIXED)
+        relay = batch.token_slots if mixed else None
+        cache, history, logits, lens = spec_forward(
+            model,
+            k,
+            decode,
+            params,
+            cache,
+            history,
+            inputs,
+            res.input_ids,
+            res.seq_lens,
+            res.draft,
+            relay,
         )
         history, tokens, new_lens, bonus, drafts_next = spec_accept(
             ngram, decode, logits, None, slots, lens, res.draft, history
@@ -285,8 +308,9 @@ class SpecSplit(NamedTuple):
     """The speculative step in two jitted halves around the class's resolve and finish,
     split at the greedy choice (a constrained batch, `grammar`):
 
-    `forward(params, cache, history, inputs, ids, lens, draft, decode=) -> (cache,
-    history, logits)` (`spec_forward`; cache and history donated) and `accept(logits,
+    `forward(params, cache, history, inputs, ids, lens, draft, relay_slots, decode=) ->
+    (cache, history, logits, lens)` (`spec_forward`; cache and history donated) and
+    `accept(logits,
     masks, slots, lens, draft, history, decode=) -> (history, tokens, new lens, bonus,
     drafts)` (`spec_accept`; history donated); `inputs` the `SPEC_INPUTS` padded to
     resolve's shapes, `decode` static.
@@ -302,8 +326,10 @@ def make_spec_split(model: ServedModel, ngram: Ngram) -> SpecSplit:
     ngram = ngram.check()
     k = ngram.draft_tokens
 
-    def forward(params, cache, history, inputs, ids, lens, draft, decode):  # type: ignore[no-untyped-def]
-        return spec_forward(model, k, decode, params, cache, history, inputs, ids, lens, draft)
+    def forward(params, cache, history, inputs, ids, lens, draft, relay, decode):  # type: ignore[no-untyped-def]
+        return spec_forward(
+            model, k, decode, params, cache, history, inputs, ids, lens, draft, relay
+        )
 
     def accept(logits, masks, slots, lens, draft, history, decode):  # type: ignore[no-untyped-def]
         return spec_accept(ngram, decode, logits, masks, slots, lens, draft, history)

@@ -73,7 +73,7 @@ def test_spec_overlap_and_sync_equal_the_non_spec_loop(
         assert res.outputs == non_spec.outputs
         assert res.drafts_accepted > 0
         assert res.drafts_proposed % K == 0
-        assert res.modes.get("MIXED", 0) == 0
+        assert res.modes.get("MIXED", 0) > 0  # prefill chunks beside verify rows
         decode_rows = res.drafts_proposed // K
         assert res.tokens_per_verify(K) == pytest.approx(1 + res.drafts_accepted / decode_rows)
 

@@ -48,7 +48,8 @@ def test_spec_with_a_grammar_serves_the_non_spec_constrained_tokens() -> None:
         assert got.reasons == ref.reasons
         for rid, g in sg.grammars.items():
             assert satisfies(g, sg.text(got.outputs[rid])), (rid, sg.text(got.outputs[rid]))
-        assert all(got.accepted.get(rid) for rid in sg.grammars), got.accepted
+        assert sum(got.accepted.get(rid, 0) for rid in sg.grammars) > 2, got.accepted
+        assert got.accepted.get(4, 0) >= 1  # its dead end met past an accepted draft
 
 
 def test_near_ties_measure_the_gap_where_outputs_part() -> None:
