@@ -583,6 +583,7 @@ def run_spec_grammar_matrix(
             "constrained_ok": ok_constrained,
             "non_vacuous": not any("changed nothing" in n or "no draft" in n for n in notes),
             "steps": got.steps,
+            "modes": got.modes,
             "output_tokens": got.tokens,
             "drafts_proposed": got.drafts_proposed,
             "drafts_accepted": got.drafts_accepted,

@@ -323,7 +323,7 @@ def spec_grammar_markdown(doc: dict[str, Any], texts: dict[int, str]) -> str:
         "load (other jobs running): the seconds and steps say nothing of speed.",
         "",
         "| spec | grammar | loop | ok | equal to sync | to non-spec | constrained "
-        "| non-vacuous | drafts accepted | steps |",
+        "| non-vacuous | drafts accepted | steps (MIXED) |",
         "|---|---|---|:---:|:---:|:---:|:---:|:---:|---:|---:|",
     ]
     yn = {True: "yes", False: "NO", None: "-"}
@@ -333,7 +333,8 @@ def spec_grammar_markdown(doc: dict[str, Any], texts: dict[int, str]) -> str:
             f"{'overlap' if c['overlap'] else 'sync'} | {yn[c['ok']]} | "
             f"{yn[c['equal_to_sync']]} | {yn[c['equal_to_non_spec']]} | "
             f"{yn[c['constrained_ok']]} | {yn[c['non_vacuous']]} | "
-            f"{c['drafts_accepted']}/{c['drafts_proposed']} | {c['steps']} |"
+            f"{c['drafts_accepted']}/{c['drafts_proposed']} | {c['steps']} "
+            f"({c['modes'].get('MIXED', 0)}) |"
         )
     notes = [f"- {c['setting']}: {n}" for c in doc["cells"] for n in c["notes"]]
     if notes:
