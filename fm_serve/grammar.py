@@ -13,7 +13,8 @@ dispatching N + 1. The engine therefore splits a step whose batch has a constrai
 host then reads step N's tokens, advances the matchers, builds the masks, and dispatches
 the sampling with the masks and the relay's tail (`FutureMap.finish`). The forward of
 N + 1 runs on the device while the host does that work. A batch with no constrained row
-runs the fused step: a request without a grammar pays nothing.
+runs the fused step: a request without a grammar pays nothing. With speculative
+decoding the split is the same, with a mask per verified position (`spec`).
 
 Finishing: a matcher that has stopped (the grammar is complete, its end token consumed)
 finishes the request ("grammar complete"); a mask that allows no token finishes it

@@ -23,16 +23,30 @@ protocol whose `SpecConfig` relays the bonus tokens and an engine field `draft_t
   each, accepts the longest prefix a with d[j] == t[j] (j < a), and outputs t[0..a]:
   a + 1 tokens, t[a] the new bonus. It writes them at positions L .. L + a, publishes
   L + a + 1, and stashes t[a] with the drafts proposed from the updated history.
+- MIXED (prefill chunks, then running rows): a running row feeds only its bonus token,
+  gathered at its slot (`token_slots`), at position L - 1, and samples one token as a
+  prefill's last token does (no drafts verified that step); its length, which resolve
+  binds to the published one + 1, is taken back to L (`spec_forward`).
 Rejected drafts leave K/V rows at positions >= L + a + 1; the next step writes from
 L + a on before any token attends there (attention reads positions up to its own).
 
-Tokens for the host: [B, K + 1] int32, each row's outputs then -1. Positions past the
+Tokens for the host: [B, K + 1] int32, each row's outputs then -1, and the drafts just
+stashed [B, K] (a host that constrains the output advances its grammar over them).
+Positions past the
 model's `max_seq_len` (drafts of a request near its cap, or rows of a request already
 finished but still in flight) are fed as padding (slot 0) and never accepted into the
 history; the host keeps only outputs within the request's cap.
 
 Greedy only (verification compares against the argmax): requests with a temperature or a
 sampling feature are refused when speculative decoding is on.
+
+With a grammar (`grammar`), a batch with a constrained row runs the step in two halves
+around the class's resolve and finish (`make_spec_split`): the forward first; then the
+host, once it has read the previous step's tokens and drafts, advances each constrained
+request's matcher over its bonus token and tentatively over its drafts, one token bitmask
+per verified position (`Scheduler._spec_masks`); the greedy choice at each position keeps
+to its mask, and a draft is accepted only where it equals that choice, so every output
+token is one the grammar allows after the tokens before it.
 """
 
 from __future__ import annotations
