@@ -129,7 +129,8 @@ class Engine:
       grammar: the vocabulary's bytes for structured output (`grammar.gemma_tokenizer`,
         `grammar.toy_tokenizer`), or matchers already built over them: requests with a
         `Grammar` are then served, a batch with a constrained row by the split step
-        (`grammar` module); None refuses them.
+        (`grammar` module; with `speculative`, the split spec step, `spec.make_spec_split`);
+        None refuses them.
       speculative: an n-gram drafter (`spec.Ngram`): speculative decoding through a spec
         map of the gather protocol (`protocol` is then ignored), greedy requests only, both
         loops on the relay step (sync waits for each step's tokens before building the

@@ -152,7 +152,8 @@ class Scheduler:
       on_token: streaming: called with each output token as it is read.
       draft_tokens: K > 0: speculative decoding (`spec`): a decode row feeds K + 1 tokens
         (its bonus token and K drafts, all resolved on the device), yields 1 to K + 1
-        outputs ([B, K + 1] tokens, -1 past a row's outputs), and prefill steps run alone.
+        outputs ([B, K + 1] tokens, -1 past a row's outputs); in a MIXED batch a running
+        row feeds its bonus token alone and yields one output.
         Greedy requests without sampling features only. With a KV budget a verify row
         counts an upper bound (the host does not know how many tokens a step accepts
         until it reads them; `_need`), and a request must fit it with K more positions.
