@@ -135,3 +135,18 @@ def test_cli_refuses_k_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--speculative", "ngram", "--temperature", "0.7"])
     assert "serves greedy requests" in capsys.readouterr().err
+
+
+def test_cli_takes_spec_with_a_grammar_and_a_kv_budget() -> None:
+    """`--speculative ngram` serves beside a grammar and under a KV budget (both once
+    refused with it); the sampling settings it cannot verify stay refused."""
+    from fm_serve.gemma.cli import parse_args
+    from fm_serve.grammar import llguidance_available
+
+    args = parse_args(["--speculative", "ngram", "--kv-budget", "200"])
+    assert args.ngram == Ngram(4) and args.kv_budget == 200
+    if llguidance_available():
+        args = parse_args(["--speculative", "ngram", "--draft-tokens", "2", "--regex", "(a|b)"])
+        assert args.ngram == Ngram(2) and args.grammar.source == "(a|b)"
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative", "ngram", "--logprobs", "2"])
