@@ -37,7 +37,7 @@ from fm_serve.requests import Request, RequestState
 from fm_serve.sampling import NO_FEATURES, Features, HostRows, init_state
 from fm_serve.scheduler import OnToken, ScheduledBatch, Scheduler
 from fm_serve.served import ServedModel
-from fm_serve.spec import Ngram, init_history, make_spec_step
+from fm_serve.spec import DRAFT_FIELD, Ngram, init_history, make_spec_split, make_spec_step
 from fm_serve.step import (
     ModelInputs,
     StepInputs,
@@ -69,7 +69,8 @@ class ServeResult:
       prefill_tokens: prompt (and recomputed) tokens the steps prefilled.
       reasons: rid -> why its grammar finished it ("grammar complete", "grammar dead end").
       drafts_proposed, drafts_accepted: speculative decoding: drafts of the verified rows
-        read back, and how many of them the verify accepted.
+        read back, and how many of them the verify accepted; `accepted`: those by rid
+        (requests with one at least).
     """
 
     outputs: dict[int, list[int]]
@@ -89,6 +90,7 @@ class ServeResult:
     reasons: dict[int, str] = field(default_factory=dict)
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    accepted: dict[int, int] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -127,7 +129,8 @@ class Engine:
       grammar: the vocabulary's bytes for structured output (`grammar.gemma_tokenizer`,
         `grammar.toy_tokenizer`), or matchers already built over them: requests with a
         `Grammar` are then served, a batch with a constrained row by the split step
-        (`grammar` module); None refuses them.
+        (`grammar` module; with `speculative`, the split spec step, `spec.make_spec_split`);
+        None refuses them.
       speculative: an n-gram drafter (`spec.Ngram`): speculative decoding through a spec
         map of the gather protocol (`protocol` is then ignored), greedy requests only, both
         loops on the relay step (sync waits for each step's tokens before building the
@@ -190,6 +193,7 @@ class Engine:
             else Matchers(grammar, model.vocab)
         )
         self._split = None if grammar is None else make_split_step(model, features)
+        self._spec_split = None if grammar is None or spec is None else make_spec_split(model, spec)
 
     def abort(self, rid: int) -> None:
         """Abort request `rid` of the run in progress (call it from `on_token`): it finishes
@@ -261,6 +265,7 @@ class Engine:
             reasons={st.req.rid: st.reason for st in done if st.reason},
             drafts_proposed=sched.drafts_proposed,
             drafts_accepted=sched.drafts_accepted,
+            accepted={st.req.rid: st.accepted for st in done if st.accepted},
         )
 
     def _fresh_cache(self) -> Any:
@@ -377,9 +382,30 @@ class Engine:
     ) -> tuple[Any, Any, tuple[Any, ...]]:
         """The split step's head: the map's resolve, then the forward (two dispatches);
         returns (cache, state, what the tail needs)."""
-        assert self._split is not None
         res = self.fm.resolve(fm_batch)
         rows, toks = res.seq_lens.shape[0], res.input_ids.shape[0]
+        if self._spec_split is not None:
+            slots = _pad(np.asarray(fm_batch.req_pool_indices, np.int32), rows)
+            fed = {
+                k: _pad(v, toks if k.startswith("token_") else rows)
+                for k, v in model_inputs.items()
+            }
+            decode = fm_batch.forward_mode == fm_jax.ForwardMode.DECODE and res.draft is not None
+            relay = fm_batch.token_slots
+            relay = None if relay is None else _pad(np.asarray(relay, np.int32), toks)
+            cache, state, logits, lens = self._spec_split.forward(
+                self.params,
+                cache,
+                state,
+                fed,
+                res.input_ids,
+                res.seq_lens,
+                res.draft,
+                relay,
+                decode=decode,
+            )
+            return cache, state, (res, slots, logits, lens, decode)
+        assert self._split is not None
         inp = _padded_inputs(self.features, fm_batch.req_pool_indices, model_inputs, rows, toks)
         cache, state, logits, raw = self._split.forward(
             self.params, cache, state, inp, res.input_ids, res.seq_lens
@@ -391,16 +417,27 @@ class Engine:
         sched: Scheduler,
         batch: ScheduledBatch,
         fm_batch: fm_jax.Batch,
+        state: Any,
         head: tuple[Any, ...],
-    ) -> tuple[jax.Array, Any]:
+    ) -> tuple[Any, jax.Array, Any]:
         """The split step's tail: the masks from the matchers as they stand, the sampling
-        with them, and the map's publish and stash (`finish`); returns (tokens, logprobs)."""
+        (speculative: the masked verification) with them, and the map's publish and stash
+        (`finish`); returns (state, tokens, logprobs or, speculative, (drafts,))."""
+        if self._spec_split is not None:
+            res, slots, logits, lens, decode = head
+            masks = sched.masks(batch, res.seq_lens.shape[0])
+            state, tokens, new_lens, bonus, drafts = self._spec_split.accept(
+                logits, masks, slots, lens, res.draft, state, decode=decode
+            )
+            payload = fm_jax.DraftPayload(bonus_tokens=bonus, extras={DRAFT_FIELD: drafts})
+            self.fm.finish(fm_batch, slots, new_lens, payload)
+            return state, tokens, (drafts,)
         assert self._split is not None
         res, inp, logits, raw = head
         masks = sched.masks(batch, res.seq_lens.shape[0])
         tokens, lp, new_lens = self._split.sample(inp, logits, raw, res.seq_lens, masks)
         self.fm.finish(fm_batch, inp.req_pool_indices, new_lens, tokens)
-        return tokens, lp
+        return state, tokens, lp
 
     def _run_relay(
         self,
@@ -419,6 +456,21 @@ class Engine:
         steps, wait, modes, dispatch_s, host_s = 0, 0.0, dict[str, int](), [], []
         prefill = 0
         pending: tuple[ScheduledBatch, jax.Array, Any] | None = None
+
+        def take(launched: tuple[ScheduledBatch, jax.Array, Any]) -> float:
+            """Read a launched step's tokens and hand them to the scheduler; the wait."""
+            nonlocal wait
+            prev, prev_tokens, prev_lp = launched
+            t_wait = time.perf_counter()
+            host_tokens = np.asarray(prev_tokens)  # blocks on that step only
+            host_lp = None if prev_lp is None else tuple(np.asarray(a) for a in prev_lp)
+            waited = time.perf_counter() - t_wait
+            wait += waited
+            made = sched.process(prev, host_tokens, host_lp)
+            if progress is not None:
+                progress(made)
+            return waited
+
         t0 = time.perf_counter()
         while True:
             t_turn, waited = time.perf_counter(), 0.0
@@ -430,7 +482,7 @@ class Engine:
                 else:
                     fm_batch, model_inputs = batch.relay_batch(gather)
                 t_launch = time.perf_counter()
-                if self._split is not None and sched.constrained(batch):
+                if self.matchers is not None and sched.constrained(batch):
                     # The head: resolve and the forward; the sampling waits for the masks.
                     cache, state, split = self._split_head(fm_batch, model_inputs, cache, state)
                 else:
@@ -444,24 +496,19 @@ class Engine:
                 modes[batch.mode.name] = modes.get(batch.mode.name, 0) + 1
             if not lag and launched is not None:  # sync: read this very step now
                 pending, launched = launched, None
-            if pending is not None:
-                prev, prev_tokens, prev_lp = pending
-                t_wait = time.perf_counter()
-                host_tokens = np.asarray(prev_tokens)  # blocks on step N only, N+1 is queued
-                host_lp = None if prev_lp is None else tuple(np.asarray(a) for a in prev_lp)
-                waited = time.perf_counter() - t_wait
-                wait += waited
-                made = sched.process(prev, host_tokens, host_lp)
-                if progress is not None:
-                    progress(made)
+            if pending is not None:  # overlap: step N, while N+1 is queued
+                waited = take(pending)
             elif batch is None:  # nothing in flight and nothing to build
                 if not sched.idle:
                     raise RuntimeError("overlap scheduler stalled with requests remaining")
                 break
             if split is not None:  # the tail, once step N's tokens advanced the grammars
                 assert batch is not None
-                tokens, lp = self._split_tail(sched, batch, fm_batch, split)
+                state, tokens, lp = self._split_tail(sched, batch, fm_batch, state, split)
                 launched = _copying(batch, tokens, lp)
+                if not lag:  # sync: read this very step now
+                    waited += take(launched)
+                    launched = None
             host_s.append(time.perf_counter() - t_turn - waited)
             pending = launched
         wall = time.perf_counter() - t0
@@ -481,6 +528,14 @@ def _copying(batch: ScheduledBatch, tokens: jax.Array, lp: Any) -> tuple[Any, ..
     return (batch, tokens, lp)
 
 
+def _pad(a: Any, n: int) -> Any:
+    """`a` with zero rows up to `n` leading entries."""
+    a = np.asarray(a)
+    out = np.zeros((n, *a.shape[1:]), a.dtype)
+    out[: len(a)] = a
+    return out
+
+
 def _padded_inputs(
     features: Features, slots: Any, model: dict[str, np.ndarray], rows: int, toks: int
 ) -> ModelInputs:
@@ -488,11 +543,7 @@ def _padded_inputs(
     shapes (`rows`, `toks`) as the engine step pads them (padding: slot 0, zeros, the
     features' neutral rows)."""
 
-    def pad(a: Any, n: int) -> Any:
-        out = np.zeros((n, *a.shape[1:]), a.dtype)
-        out[: len(a)] = a
-        return out
-
+    pad = _pad
     extra: dict[str, Any] = HostRows(features, rows).arrays
     for name, arr in extra.items():
         arr[: len(model[name])] = model[name]

@@ -13,7 +13,8 @@ dispatching N + 1. The engine therefore splits a step whose batch has a constrai
 host then reads step N's tokens, advances the matchers, builds the masks, and dispatches
 the sampling with the masks and the relay's tail (`FutureMap.finish`). The forward of
 N + 1 runs on the device while the host does that work. A batch with no constrained row
-runs the fused step: a request without a grammar pays nothing.
+runs the fused step: a request without a grammar pays nothing. With speculative
+decoding the split is the same, with a mask per verified position (`spec`).
 
 Finishing: a matcher that has stopped (the grammar is complete, its end token consumed)
 finishes the request ("grammar complete"); a mask that allows no token finishes it
@@ -187,3 +188,56 @@ class Matchers:
         if error:
             return f"grammar error: {error.splitlines()[0]}"
         return ""
+
+
+def satisfies(grammar: Grammar, text: str) -> bool:
+    """Whether a finished output's text meets its grammar: a regex matches the whole
+    text (Python's `re`, which reads the simple regexes served here as llguidance does);
+    a JSON schema's text parses as JSON and its value meets the schema's keywords
+    `type`, `enum`, `properties`, `required`, `additionalProperties` (false),
+    `minimum`, `maximum`, `minLength`, `maxLength` (other keywords are not checked)."""
+    import re
+
+    if grammar.kind == "regex":
+        return re.fullmatch(grammar.source, text, re.DOTALL) is not None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return _meets(json.loads(grammar.source), value)
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def _meets(schema: dict[str, Any], value: Any) -> bool:
+    """`value` meets the subset of JSON-schema keywords `satisfies` checks."""
+    kind = schema.get("type")
+    if kind is not None and not _JSON_TYPES[kind](value):
+        return False
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and not schema.get("minimum", value) <= value <= schema.get("maximum", value):
+        return False
+    size = len(value) if isinstance(value, str) else 0
+    if isinstance(value, str) and not schema.get("minLength", 0) <= size <= schema.get(
+        "maxLength", size
+    ):
+        return False
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        if any(k not in value for k in schema.get("required", ())):
+            return False
+        if schema.get("additionalProperties", True) is False and set(value) - set(props):
+            return False
+        return all(_meets(props[k], v) for k, v in value.items() if k in props)
+    return True

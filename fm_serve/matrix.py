@@ -18,7 +18,9 @@ served.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,9 +29,11 @@ import numpy as np
 
 from fm_serve.config import TINY_REQUESTS, EngineConfig, ModelConfig, tiny_model
 from fm_serve.engine import Engine, ServeResult
+from fm_serve.grammar import Grammar, GrammarTokenizer, Matchers, satisfies
 from fm_serve.model import toy
 from fm_serve.requests import Request, make_requests
 from fm_serve.sampling import Features, Sampling
+from fm_serve.spec import Ngram
 from fm_serve.sweep import diff_outputs
 
 AXES = ("protocol", "debug", "chunked", "mixed", "reuse")
@@ -367,3 +371,237 @@ def run_feature_matrix(
                     f"{'ok' if ok else 'FAIL'} ({got.retractions} retractions)"
                 )
     return cells_out
+
+
+# ---------------------------------------------------- speculative decoding x grammar
+NEAR_TIE = 1e-4
+"""The largest gap of the top two logits that explains a greedy difference (float32)."""
+
+
+@dataclass
+class SpecGrammar:
+    """What the spec x grammar matrix serves: `served`'s requests (greedy, no sampling
+    settings), the ones named in `grammars` constrained when the grammar is on.
+
+    Attributes:
+      matchers: the model's vocabulary for llguidance (`grammar.Matchers`).
+      text: ids -> the text a grammar constrains (special tokens left out).
+      ngram: the drafter when speculative decoding is on.
+    """
+
+    served: Served
+    grammars: dict[int, Grammar]
+    matchers: Matchers
+    text: Callable[[Sequence[int]], str]
+    ngram: Ngram
+
+
+def toy_spec_grammar(
+    ngram: Ngram | None = None, tokens: GrammarTokenizer | None = None
+) -> SpecGrammar:
+    """The toy model's spec x grammar requests (byte tokens, `grammar.toy_tokenizer`, or
+    `tokens`): prompts that repeat what their grammar asks for (lookup drafts it), beside
+    an unconstrained request whose prompt repeats itself."""
+    from fm_serve.grammar import toy_decode as byte_text
+    from fm_serve.grammar import toy_tokenizer
+
+    model_cfg = tiny_model()
+    model, params = toy(model_cfg)
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(2 + c for c in text.encode())
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    reqs = [
+        Request(0, ids("abababab"), 12),
+        Request(1, ids('{"ok":true,"n":22}{"ok":'), 30),
+        Request(2, (20, 21, 20, 21, 20), 8),
+        Request(3, ids("[0-9]"), 12),
+    ]
+    grammars = {
+        0: Grammar("regex", "(ab){1,5}!"),
+        1: Grammar("json_schema", json.dumps(schema)),
+        3: Grammar("regex", "[0-9]{3}-[a-c]{2}"),
+    }
+    cfg = EngineConfig(max_running=3, prefill_budget=8, batch_buckets=(4,), token_buckets=(12,))
+    tokens = tokens or toy_tokenizer(model_cfg.vocab, model_cfg.eos_id)
+    served = Served(model, params, reqs, cfg, 0, toy_decode)
+    return SpecGrammar(
+        served, grammars, Matchers(tokens, model_cfg.vocab), byte_text, ngram or Ngram(3)
+    )
+
+
+@functools.cache
+def _forward(model: Any) -> Callable[..., Any]:
+    import jax
+
+    return jax.jit(model.forward)
+
+
+def last_logits(model: Any, params: Any, ids: Sequence[int]) -> np.ndarray:
+    """The model's logits [V] after `ids` (one prefill into a fresh cache's slot 1)."""
+    n, tile = len(ids), model.row_tile
+    t = n + (-n % tile)
+    flat = np.zeros(t, np.int32)
+    flat[:n] = ids
+    slots = np.zeros(t, np.int32)
+    slots[:n] = 1
+    pos = np.zeros(t, np.int32)
+    pos[:n] = np.arange(n)
+    last = np.zeros(tile, np.int32)
+    last[0] = n - 1
+    logits, _ = _forward(model)(params, model.init_cache(2), flat, slots, pos, last)
+    return np.asarray(logits[0], np.float32)
+
+
+def near_ties(
+    sg: SpecGrammar, reqs: Sequence[Request], ref: ServeResult, got: ServeResult
+) -> list[dict[str, Any]]:
+    """Each request whose output differs from `ref`'s, at its first difference: the two
+    tokens, the gap of the top two logits there (within the grammar's mask for a
+    constrained request) and whether the difference is a near-tie (the two tokens are the
+    top two, their gap <= NEAR_TIE)."""
+    out: list[dict[str, Any]] = []
+    for r in reqs:
+        a, b = ref.outputs.get(r.rid, []), got.outputs.get(r.rid, [])
+        if a == b:
+            continue
+        p = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if p is None:  # one is a prefix of the other: a stop, not a choice
+            out.append({"rid": r.rid, "position": min(len(a), len(b)), "near_tie": False})
+            continue
+        logits = last_logits(sg.served.model, sg.served.params, list(r.prompt) + a[:p])
+        if r.grammar is not None:
+            m = sg.matchers.compile(r.grammar)
+            m.consume_tokens(a[:p])
+            words = np.zeros(sg.matchers.words, np.int32)
+            sg.matchers.fill(m, words)
+            bits = (words[np.arange(logits.size) // 32] >> (np.arange(logits.size) % 32)) & 1
+            logits = np.where(bits.astype(bool), logits, -np.inf)
+        top = np.argsort(-logits, kind="stable")[:2]
+        gap = float(logits[top[0]] - logits[top[1]])
+        tie = {int(a[p]), int(b[p])} == {int(t) for t in top} and gap <= NEAR_TIE
+        out.append(
+            {"rid": r.rid, "position": p, "tokens": [a[p], b[p]], "gap": gap, "near_tie": tie}
+        )
+    return out
+
+
+def run_spec_grammar_matrix(
+    sg: SpecGrammar,
+    *,
+    debug: bool = False,
+    log: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
+    """Serve the requests under speculative decoding {off, on} x grammar {off, on} x
+    loop {sync, overlap}; a cell per run (greedy throughout).
+
+    Each cell: its tokens equal the same setting's synchronous run (`equal_to_sync`) and
+    the non-speculative synchronous run of the same grammar setting
+    (`equal_to_non_spec`), or every difference is a near-tie of the logits (`near_ties`);
+    grammar on: every constrained output is complete and meets its grammar
+    (`constrained_ok`). Non-vacuity: speculative decoding accepted drafts (grammar on: on
+    the constrained requests too), and each constrained output differs from the same
+    request's unconstrained one (the grammar changed what was served).
+    """
+    served = sg.served
+    k = sg.ngram.draft_tokens
+    cfg = served.engine
+    tile = served.model.row_tile
+    verify = -(-cfg.max_running * (k + 1) // tile) * tile
+    spec_cfg = cfg._replace(
+        token_buckets=tuple(sorted({*cfg.token_buckets, verify})), kv_budget=None
+    )
+    engines = {
+        False: Engine(
+            served.model,
+            served.params,
+            cfg._replace(kv_budget=None),
+            debug=debug,
+            protocol="gather",
+            grammar=sg.matchers,
+            decode=served.decode,
+        ),
+        True: Engine(
+            served.model,
+            served.params,
+            spec_cfg,
+            debug=debug,
+            speculative=sg.ngram,
+            grammar=sg.matchers,
+            decode=served.decode,
+        ),
+    }
+    plain = list(served.requests)
+    constrained = [replace(r, grammar=sg.grammars.get(r.rid)) for r in plain]
+    runs: dict[tuple[bool, bool, str], ServeResult] = {}
+    for grammar in (False, True):
+        for spec in (False, True):
+            for mode in ("sync", "overlap"):
+                reqs = constrained if grammar else plain
+                e = engines[spec]
+                runs[spec, grammar, mode] = (e.run_sync if mode == "sync" else e.run_overlap)(reqs)
+    out = []
+    for (spec, grammar, mode), got in runs.items():
+        reqs = constrained if grammar else plain
+        sync, ref = runs[spec, grammar, "sync"], runs[False, grammar, "sync"]
+        to_sync = diff_outputs(mode, sync, got)
+        ties = near_ties(sg, reqs, ref, got) if spec else []
+        to_ref = diff_outputs(mode, ref, got)
+        notes: list[str] = []
+        ok_constrained = None
+        if grammar:
+            ok_constrained = True
+            unconstrained = runs[spec, False, mode]
+            for rid, g in sg.grammars.items():
+                text = sg.text(got.outputs.get(rid, []))
+                complete = got.reasons.get(rid) == "grammar complete"
+                if not complete or not satisfies(g, text):
+                    ok_constrained = False
+                    notes.append(f"request {rid}: {got.reasons.get(rid)!r}, {text!r}")
+                if got.outputs.get(rid) == unconstrained.outputs.get(rid):
+                    notes.append(f"request {rid}: the grammar changed nothing")
+        if spec and got.drafts_accepted == 0:
+            notes.append("speculative: no draft was accepted")
+        if spec and grammar and not any(got.accepted.get(rid) for rid in sg.grammars):
+            notes.append("speculative: no draft of a constrained request was accepted")
+        cell = {
+            "setting": f"spec {'on' if spec else 'off'} grammar {'on' if grammar else 'off'}",
+            "spec": spec,
+            "grammar": grammar,
+            "overlap": mode == "overlap",
+            "debug": debug and mode == "overlap",
+            "tokens_equal": not to_ref,
+            "equal_to_sync": not to_sync,
+            "equal_to_non_spec": not to_ref,
+            "near_ties": ties,
+            "constrained_ok": ok_constrained,
+            "non_vacuous": not any("changed nothing" in n or "no draft" in n for n in notes),
+            "steps": got.steps,
+            "modes": got.modes,
+            "output_tokens": got.tokens,
+            "drafts_proposed": got.drafts_proposed,
+            "drafts_accepted": got.drafts_accepted,
+            "accepted_by_request": got.accepted,
+            "reasons": got.reasons,
+            "outputs": got.outputs,
+            "mismatches": (to_sync + to_ref)[:5],
+            "notes": notes,
+        }
+        cell["ok"] = (
+            cell["equal_to_sync"]
+            and (cell["equal_to_non_spec"] or all(t["near_tie"] for t in ties))
+            and ok_constrained is not False
+            and cell["non_vacuous"]
+        )
+        out.append(cell)
+        log(
+            f"{cell['setting']} {mode}: {'ok' if cell['ok'] else 'FAIL'} "
+            f"({got.drafts_accepted}/{got.drafts_proposed} drafts accepted, {got.steps} steps)"
+        )
+    return out

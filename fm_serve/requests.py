@@ -52,6 +52,9 @@ class RequestState:
     prefix: tuple[int, ...] = ()
     matcher: Any = None  # the request's grammar matcher (llguidance), None: unconstrained
     reason: str = ""  # why a grammar finished it ("grammar complete", "grammar dead end")
+    drafts: Any = None  # speculative, constrained: the drafts [K] its next verify checks
+    accepted: int = 0  # speculative: drafts its verifies accepted (read back so far)
+    pending_steps: int = 0  # dispatched steps that sample for it, not read back yet
 
     def __post_init__(self) -> None:
         if not self.prefix:

@@ -17,7 +17,10 @@ its slot freed at once, it goes back to the front of the queue, and it is resume
 prefilling its prompt and the outputs read so far (recomputed), once every token of its
 dispatched steps has been read (overlap: a step later). A retracted or aborted request's
 row in a step already dispatched still runs on the device; nothing reads it back: its slot's
-next request starts with a fresh prefill (`sampling`: fresh state).
+next request starts with a fresh prefill (`sampling`: fresh state). Speculative decoding
+(`draft_tokens`): a running request counts its published length bounded from above (what
+the host has read, plus K + 1 per step in flight), plus the K positions its next verify
+feeds past it; it resumes once no step that samples for it is in flight.
 
 Streaming and abort: `process` hands each output token to `on_token` as it is read; `abort`
 finishes a request at once, so no token after it is streamed or kept.
@@ -35,7 +38,7 @@ import numpy as np
 
 import fm_jax
 from fm_serve.config import EngineConfig
-from fm_serve.grammar import Matchers
+from fm_serve.grammar import DEAD_END, Matchers
 from fm_serve.host_cost import HostCost
 from fm_serve.requests import Request, RequestState
 from fm_serve.sampling import NO_FEATURES, Features, HostRows, Sampling
@@ -47,10 +50,16 @@ OnToken = Callable[[RequestState, int], None]
 
 @dataclass
 class Row:
-    """One batch row: its request, and whether this step samples an output token for it."""
+    """One batch row: its request, and whether this step samples an output token for it.
+
+    `dead_at`: a constrained speculative row whose grammar allows no token after its
+    first `dead_at` drafts (set with its masks): an output reaching that position ends
+    the request ("grammar dead end") before the token there is taken.
+    """
 
     state: RequestState
     samples: bool
+    dead_at: int | None = None
 
 
 @dataclass
@@ -69,7 +78,9 @@ class ScheduledBatch:
     def spec_batch(self) -> tuple[fm_jax.Batch, dict[str, np.ndarray]]:
         """The batch as a speculative step takes it (`spec.make_spec_step`): a DECODE
         batch gathers its drafts, lengths and bonus tokens at its slots (`draft_indices`)
-        and brings zeros for its K + 1 ids per row; an EXTEND batch its prompt ids."""
+        and brings zeros for its K + 1 ids per row; an EXTEND batch its prompt ids; a
+        MIXED batch its prefill ids and, last, a token per running row gathered at its
+        slot (`token_slots`: the bonus token, its length bound by resolve)."""
         from fm_serve.spec import spec_inputs
 
         inp, b, t = self.inputs, len(self.rows), self.n_tokens
@@ -81,6 +92,7 @@ class ScheduledBatch:
             inp.input_ids[:t],
             inp.seq_lens[:b],
             draft_indices=slots if decode else None,
+            token_slots=inp.relay_slots[:t] if self.mode == fm_jax.ForwardMode.MIXED else None,
         )
         return batch, spec_inputs(inp, b, t)
 
@@ -140,11 +152,13 @@ class Scheduler:
       on_token: streaming: called with each output token as it is read.
       draft_tokens: K > 0: speculative decoding (`spec`): a decode row feeds K + 1 tokens
         (its bonus token and K drafts, all resolved on the device), yields 1 to K + 1
-        outputs ([B, K + 1] tokens, -1 past a row's outputs), and prefill steps run alone.
+        outputs ([B, K + 1] tokens, -1 past a row's outputs); in a MIXED batch a running
+        row feeds its bonus token alone and yields one output.
+        Greedy requests without sampling features only. With a KV budget a verify row
+        counts an upper bound (the host does not know how many tokens a step accepts
+        until it reads them; `_need`), and a request must fit it with K more positions.
       matchers: compiles the requests' grammars (`grammar.Matchers`); None refuses a
         request with a grammar.
-        Greedy requests without sampling features only, and no KV budget (the host does
-        not know how many tokens a step accepts until it reads them).
     """
 
     def __init__(
@@ -171,15 +185,12 @@ class Scheduler:
             )
         if max(cfg.token_buckets) < cfg.prefill_budget + cfg.max_running:
             raise ValueError("largest token bucket must hold prefill_budget + max_running tokens")
-        if draft_tokens:
-            if max(cfg.token_buckets) < cfg.max_running * (draft_tokens + 1):
-                raise ValueError(
-                    f"speculative decoding: the largest token bucket {max(cfg.token_buckets)} "
-                    f"must hold max_running x (K + 1) = {cfg.max_running * (draft_tokens + 1)} "
-                    "tokens"
-                )
-            if cfg.kv_budget is not None:
-                raise ValueError("speculative decoding serves without a KV budget (kv_budget)")
+        if draft_tokens and max(cfg.token_buckets) < cfg.max_running * (draft_tokens + 1):
+            raise ValueError(
+                f"speculative decoding: the largest token bucket {max(cfg.token_buckets)} "
+                f"must hold max_running x (K + 1) = {cfg.max_running * (draft_tokens + 1)} "
+                "tokens"
+            )
         budget = cfg.kv_budget
         for r in requests:
             if len(r.prompt) + r.max_new_tokens > max_seq_len:
@@ -187,10 +198,11 @@ class Scheduler:
                     f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
                     f"exceeds max_seq_len {max_seq_len}"
                 )
-            if budget is not None and len(r.prompt) + r.max_new_tokens > budget:
+            if budget is not None and len(r.prompt) + r.max_new_tokens + draft_tokens > budget:
+                spec = f" + K {draft_tokens}" if draft_tokens else ""
                 raise ValueError(
-                    f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens} "
-                    f"exceeds the KV budget {budget}"
+                    f"request {r.rid}: prompt {len(r.prompt)} + max_new {r.max_new_tokens}"
+                    f"{spec} exceeds the KV budget {budget}"
                 )
             if draft_tokens and (r.temperature != 0.0 or r.sampling != Sampling()):
                 raise ValueError(
@@ -201,10 +213,6 @@ class Scheduler:
                 raise ValueError(
                     f"request {r.rid}: has a grammar, but the engine was built without a "
                     "grammar tokenizer"
-                )
-            if r.grammar is not None and draft_tokens:
-                raise ValueError(
-                    f"request {r.rid}: a grammar with speculative decoding is not supported"
                 )
             lacking = features.serves(r.sampling)
             if lacking is not None:
@@ -221,6 +229,7 @@ class Scheduler:
         self.on_token = on_token
         self.retractions = 0
         self.cfg = cfg
+        self.max_seq_len = max_seq_len
         self.overlap = overlap
         self.gather = overlap and protocol == "gather"
         self.host_cost = host_cost
@@ -248,8 +257,14 @@ class Scheduler:
     def _need(self) -> int:
         """KV positions the running requests will hold after the next step."""
         chunks, need = self.cfg.prefill_budget, 0
+        k = self.draft_tokens
         for st in self.running:
-            if st.prefill_done:
+            if st.prefill_done and k:
+                # A verify feeds K + 1 tokens from the published length L - 1, and each
+                # step in flight may publish K + 1 more than the host has read.
+                published = len(st.req.prompt) + len(st.output) + (k + 1) * st.pending_steps
+                need += min(published + k, self.max_seq_len)
+            elif st.prefill_done:
                 need += st.seq_len_cpu if st.wants_decode else st.seq_len_cpu - 1
             else:
                 chunk = min(len(st.prefix) - st.prefilled, chunks)
@@ -261,7 +276,7 @@ class Scheduler:
         budget = self.cfg.kv_budget
         while self.queue and self.free_slots:
             st = self.queue[0]
-            if st.in_flight:  # retracted with a step in flight: resume once it is read
+            if st.in_flight or st.pending_steps:  # retracted, a step in flight: wait for it
                 break
             st.prefix = st.req.prompt + tuple(st.output)
             st.prefilled = 0
@@ -326,7 +341,7 @@ class Scheduler:
                 prefill.append((st, chunk))
                 budget -= chunk
         decode = [st for st in self.running if st.wants_decode]
-        if prefill and (not self.cfg.mixed or self.draft_tokens):
+        if prefill and not self.cfg.mixed:
             decode = []  # no MIXED batches: a prefill step runs alone, decodes wait
         if not prefill and not decode:
             return None
@@ -347,7 +362,8 @@ class Scheduler:
     ) -> ScheduledBatch:
         """Fill the host arrays and advance each row's host-side counters."""
         n_rows = len(prefill) + len(decode)
-        per_decode = self.draft_tokens + 1
+        # A verify feeds K + 1 tokens; a MIXED batch's running rows one (their bonus).
+        per_decode = self.draft_tokens + 1 if mode == fm_jax.ForwardMode.DECODE else 1
         n_tok = sum(c for _, c in prefill) + len(decode) * per_decode
         b = _bucket(n_rows, self.cfg.batch_buckets, "batch rows")
         t = _bucket(n_tok, self.cfg.token_buckets, "batch tokens")
@@ -375,6 +391,7 @@ class Scheduler:
             st.prefilled += chunk
             final = st.prefill_done
             if final:  # the last chunk samples the next output token
+                st.pending_steps += 1
                 st.scheduled = len(st.output) + 1
                 st.seq_len_cpu = len(st.prefix) + 1
             rows.append(Row(st, final))
@@ -382,9 +399,12 @@ class Scheduler:
         for j, st in enumerate(decode, start=len(prefill)):
             if self.draft_tokens:  # ids, lengths and drafts all resolved on the device
                 self._row(j, st, per_decode, pos, slots, ext, last, tok_rows, tok_slots, tok_off)
+                if mode == fm_jax.ForwardMode.MIXED:  # its bonus gathered at its slot
+                    relay[pos] = st.slot
                 seq_lens[j] = st.seq_len_cpu  # a lower bound; the step gathers the real one
                 st.seq_len_cpu += 1
                 st.scheduled += 1  # at least one output per verify
+                st.pending_steps += 1
                 rows.append(Row(st, True))
                 pos += per_decode
                 continue
@@ -405,6 +425,7 @@ class Scheduler:
                 seq_lens[j] = st.seq_len_cpu
             st.seq_len_cpu += 1
             st.scheduled += 1
+            st.pending_steps += 1
             rows.append(Row(st, True))
             pos += 1
         inputs = StepInputs(
@@ -448,8 +469,9 @@ class Scheduler:
     # -------------------------------------------------------------------------- results
     def process(self, batch: ScheduledBatch, tokens: np.ndarray, logprobs: Any = None) -> int:
         """Take a finished step's sampled tokens (and logprobs: the sampled token's [B], the
-        top ids [B, N], their logprobs [B, N]): append outputs, stream them, apply stops,
-        retire; returns the number of output tokens taken.
+        top ids [B, N], their logprobs [B, N]; speculative: `(drafts [B, K],)`, the drafts
+        the step stashed for each row's next verify): append outputs, stream them, apply
+        stops, retire; returns the number of output tokens taken.
 
         A row whose request already finished (overlap: its stop was read one step late, after
         this step was dispatched; or it was aborted) is discarded. Retirement frees the slot
@@ -459,10 +481,13 @@ class Scheduler:
         taken = 0
         for i, row in enumerate(batch.rows):
             st = row.state
+            st.pending_steps -= row.samples
             if not row.samples or st.finished:
                 continue
             if self.draft_tokens:
-                taken += self._take_spec(st, tokens[i], batch.mode)
+                if logprobs is not None and st.matcher is not None:
+                    st.drafts = logprobs[0][i]
+                taken += self._take_spec(st, tokens[i], batch.mode, row.dead_at)
                 continue
             tok = int(tokens[i])
             st.output.append(tok)
@@ -511,8 +536,11 @@ class Scheduler:
     def masks(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
         """The rows' token bitmasks [rows, ceil(V / 32)] int32 from their matchers as they
         stand (every token read so far consumed); all ones for a row without a grammar. A
-        request whose mask allows no token finishes now ("grammar dead end")."""
+        request whose mask allows no token finishes now ("grammar dead end").
+        Speculative: [rows, K + 1, W] for a verify (`_spec_masks`), [rows, 1, W] else."""
         assert self.matchers is not None
+        if self.draft_tokens:
+            return self._spec_masks(batch, rows)
         out = np.full((rows, self.matchers.words), -1, np.int32)
         for i, r in enumerate(batch.rows):
             st = r.state
@@ -525,19 +553,74 @@ class Scheduler:
                 out[i] = -1
         return out
 
-    def _take_spec(self, st: RequestState, row: np.ndarray, mode: fm_jax.ForwardMode) -> int:
-        """Take one spec row's outputs (`row`: [K + 1], -1 past them) up to a stop."""
+    def _spec_masks(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
+        """Speculative masks [rows, P, W] (P = K + 1 for a verify, 1 for a prefill): a
+        verify row's position j gets the mask after its matcher (every token read so far
+        consumed, the bonus token last) advances over the row's first j drafts
+        (`RequestState.drafts`, read back with its last step) on a copy (an llguidance
+        rollback fails once a mask found a dead end; the copy leaves the matcher as it
+        was whatever the drafts do). Past the
+        first draft the grammar refuses (it is never accepted) or once the grammar is
+        complete, positions get all ones: no output reaches them. An empty mask at
+        position 0 finishes the request now ("grammar dead end"); at j > 0 it marks the
+        row (`Row.dead_at`)."""
+        assert self.matchers is not None
+        verify = batch.mode == fm_jax.ForwardMode.DECODE
+        k = self.draft_tokens if verify else 0
+        out = np.full((rows, k + 1, self.matchers.words), -1, np.int32)
+        for i, r in enumerate(batch.rows):
+            st, m = r.state, r.state.matcher
+            if not r.samples or m is None or st.finished:
+                continue
+            why = self.matchers.fill(m, out[i, 0])
+            if why:
+                st.reason = why
+                self._finish(st)
+                out[i, 0] = -1
+                continue
+            if not k:
+                continue
+            assert st.drafts is not None, "a verify row's drafts are read with its last step"
+            drafts = [int(t) for t in st.drafts]
+            valid = m.validate_tokens(drafts)
+            ahead = m.deep_copy() if valid else m  # advanced over the drafts, then dropped
+            for j in range(1, valid + 1):
+                ahead.consume_token(drafts[j - 1])
+                if ahead.is_stopped():
+                    break
+                if self.matchers.fill(ahead, out[i, j]):
+                    r.dead_at = j
+                    out[i, j] = -1
+                    break
+        return out
+
+    def _take_spec(
+        self,
+        st: RequestState,
+        row: np.ndarray,
+        mode: fm_jax.ForwardMode,
+        dead_at: int | None = None,
+    ) -> int:
+        """Take one spec row's outputs (`row`: [K + 1], -1 past them) up to a stop, a
+        grammar's end, or (`dead_at`) the position where its grammar allowed no token."""
         made = [int(t) for t in row if t >= 0]
         if mode == fm_jax.ForwardMode.DECODE:
             self.drafts_proposed += self.draft_tokens
             self.drafts_accepted += len(made) - 1
+            st.accepted += len(made) - 1
         taken = 0
-        for tok in made:
+        for j, tok in enumerate(made):
+            if j == dead_at:
+                st.reason = DEAD_END
+                self._finish(st)
+                break
             st.output.append(tok)
             taken += 1
             if self.on_token is not None:
                 self.on_token(st, tok)
             if st.finished:
+                break
+            if st.matcher is not None and self._grammar_done(st, tok):
                 break
             if tok in self.stop_ids or len(st.output) == st.req.max_new_tokens:
                 self._finish(st)

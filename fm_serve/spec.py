@@ -23,20 +23,35 @@ protocol whose `SpecConfig` relays the bonus tokens and an engine field `draft_t
   each, accepts the longest prefix a with d[j] == t[j] (j < a), and outputs t[0..a]:
   a + 1 tokens, t[a] the new bonus. It writes them at positions L .. L + a, publishes
   L + a + 1, and stashes t[a] with the drafts proposed from the updated history.
+- MIXED (prefill chunks, then running rows): a running row feeds only its bonus token,
+  gathered at its slot (`token_slots`), at position L - 1, and samples one token as a
+  prefill's last token does (no drafts verified that step); its length, which resolve
+  binds to the published one + 1, is taken back to L (`spec_forward`).
 Rejected drafts leave K/V rows at positions >= L + a + 1; the next step writes from
 L + a on before any token attends there (attention reads positions up to its own).
 
-Tokens for the host: [B, K + 1] int32, each row's outputs then -1. Positions past the
+Tokens for the host: [B, K + 1] int32, each row's outputs then -1, and the drafts just
+stashed [B, K] (a host that constrains the output advances its grammar over them).
+Positions past the
 model's `max_seq_len` (drafts of a request near its cap, or rows of a request already
 finished but still in flight) are fed as padding (slot 0) and never accepted into the
 history; the host keeps only outputs within the request's cap.
 
 Greedy only (verification compares against the argmax): requests with a temperature or a
 sampling feature are refused when speculative decoding is on.
+
+With a grammar (`grammar`), a batch with a constrained row runs the step in two halves
+around the class's resolve and finish (`make_spec_split`): the forward first; then the
+host, once it has read the previous step's tokens and drafts, advances each constrained
+request's matcher over its bonus token and tentatively over its drafts, one token bitmask
+per verified position (`Scheduler._spec_masks`); the greedy choice at each position keeps
+to its mask, and a draft is accepted only where it equals that choice, so every output
+token is one the grammar allows after the tokens before it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -45,7 +60,7 @@ import numpy as np
 
 import fm_jax
 from fm_serve.served import ServedModel
-from fm_serve.step import TOKEN_LAYOUT_INPUTS
+from fm_serve.step import TOKEN_LAYOUT_INPUTS, allowed
 
 MAX_DRAFT_TOKENS = 16
 """The most draft tokens per step (K)."""
@@ -155,10 +170,112 @@ def check_spec_map(fm: fm_jax.FutureMap, ngram: Ngram) -> None:
         raise ValueError(f"the n-gram drafter needs the gather protocol, got {fm.protocol!r}")
 
 
+def spec_forward(
+    model: ServedModel,
+    k: int,
+    decode: bool,
+    params: Any,
+    cache: Any,
+    history: jax.Array,
+    inputs: dict[str, jax.Array],
+    ids: jax.Array,
+    lens: jax.Array,
+    draft: fm_jax.DraftPayload | None,
+    relay_slots: jax.Array | None = None,
+) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """The spec step's forward on resolved ids, lengths and draft: (cache, history,
+    logits, lengths) with logits [B * (K + 1), V] (DECODE: each row's K + 1 verified
+    positions, row-major) or [B, V] (EXTEND, MIXED: each row's last token). A prefill
+    writes its ids into the history here; the sampled tokens are written by `spec_accept`.
+
+    MIXED (`relay_slots`, each token's relay slot, nonzero at a running row's one token):
+    resolve bound a running row's length to the published one + 1 (fm_jax's rule: its
+    published length leaves out the bonus token), while this step publishes lengths that
+    hold it; the lengths returned (and used here) are the running rows' published ones,
+    so the row feeds its bonus token at L - 1 as a verify would, and samples one token.
+    """
+    rows, tok_slots, off = inputs["token_rows"], inputs["token_slots"], inputs["token_offsets"]
+    s_max = model.max_seq_len
+    if relay_slots is not None:
+        running = jnp.zeros(lens.shape, bool).at[rows].max(relay_slots > 0)
+        lens = jnp.where(running, lens - 1, lens)
+    if decode:
+        assert draft is not None and draft.extras is not None
+        bonus: Any = draft.bonus_tokens
+        drafts: Any = draft.extras[DRAFT_FIELD]
+        ids = jnp.where(off == 0, bonus[rows], drafts[rows, jnp.clip(off - 1, 0, k - 1)])
+        pos = (lens - 1)[rows] + off
+    else:
+        pos = (lens - inputs["extend_lens"])[rows] + off
+    live = (tok_slots > 0) & (pos >= 0) & (pos < s_max)
+    fed_slots, fed_pos = jnp.where(live, tok_slots, 0), jnp.where(live, pos, 0)
+    if decode:
+        first = jnp.clip(inputs["last_token"] - k, 0, None)
+        at = (first[:, None] + jnp.arange(k + 1)[None, :]).reshape(-1)
+        logits, cache = model.forward(params, cache, ids, fed_slots, fed_pos, at)
+    else:
+        history = _write(history, tok_slots, pos, ids, live)
+        logits, cache = model.forward(params, cache, ids, fed_slots, fed_pos, inputs["last_token"])
+    return cache, history, logits, lens
+
+
+def spec_accept(
+    ngram: Ngram,
+    decode: bool,
+    logits: jax.Array,
+    masks: jax.Array | None,
+    slots: jax.Array,
+    lens: jax.Array,
+    draft: fm_jax.DraftPayload | None,
+    history: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The spec step's greedy choice and verification (module docstring): (history,
+    tokens [B, K + 1], new lengths [B], bonus tokens [B], next drafts [B, K]).
+
+    `masks`: None, or token bitmasks [B, K + 1, ceil(V / 32)] (DECODE: one per verified
+    position) or [B, 1, ceil(V / 32)] (EXTEND) that the greedy choice keeps to (logits
+    outside a mask are -inf). A draft is accepted where it equals the masked choice."""
+    k = ngram.draft_tokens
+    if masks is not None:
+        words = masks.reshape(-1, masks.shape[-1])
+        logits = jnp.where(allowed(words, logits.shape[-1]), logits, -jnp.inf)
+    if decode:
+        assert draft is not None and draft.extras is not None
+        drafts: Any = draft.extras[DRAFT_FIELD]
+        b = slots.shape[0]
+        target = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(b, k + 1)
+        agree = (drafts == target[:, :k]).astype(jnp.int32)
+        accepted = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)  # a in [0, K]
+        keep = jnp.arange(k + 1)[None, :] <= accepted[:, None]
+        where = lens[:, None] + jnp.arange(k + 1)[None, :]
+        history = _write(
+            history, jnp.broadcast_to(slots[:, None], where.shape), where, target, keep
+        )
+        new_lens = lens + accepted + 1
+        new_bonus = jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
+        tokens = jnp.where(keep, target, -1)
+    else:
+        new_bonus = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        history = _write(history, slots, lens, new_bonus, True)
+        new_lens = lens + 1
+        pad = jnp.full((slots.shape[0], k), -1, jnp.int32)
+        tokens = jnp.concatenate([new_bonus[:, None], pad], axis=1)
+    drafts_next = propose(history, slots, new_lens, ngram)
+    return history, tokens, new_lens, new_bonus, drafts_next
+
+
+def _is_decode(batch: Any, res: fm_jax.Resolved) -> bool:
+    # A DECODE batch without drafts is never served (warm-up compiles one): it runs as a
+    # prefill of the ids it brings.
+    return int(batch.forward_mode) == int(fm_jax.ForwardMode.DECODE) and res.draft is not None
+
+
 def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm_jax.EngineStep:
     """The speculative step: `step(batch, params, cache, history, inputs=layout) ->
-    StepResult(out=(cache, history, tokens [B, K + 1], None))`, one dispatch with the
-    cache, the history and the map's state donated (module docstring).
+    StepResult(out=(cache, history, tokens [B, K + 1], (drafts [B, K],)))`, one dispatch
+    with the cache, the history and the map's state donated (module docstring). The
+    drafts are the ones stashed for the next step, copied for a host that advances a
+    grammar over them (`SpecSplit`).
 
     Raises:
       ValueError: `fm` is not a spec map of the gather protocol relaying this drafter's
@@ -167,7 +284,6 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
     ngram = ngram.check()
     check_spec_map(fm, ngram)
     k = ngram.draft_tokens
-    s_max = model.max_seq_len
 
     def forward(
         res: fm_jax.Resolved,
@@ -177,55 +293,65 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
         cache: Any,
         history: jax.Array,
     ) -> fm_jax.StepOutput:
-        rows, tok_slots, off = inputs["token_rows"], inputs["token_slots"], inputs["token_offsets"]
-        slots: Any = batch.req_pool_indices
-        # A DECODE batch without drafts is never served (warm-up compiles one): it runs as
-        # a prefill of the ids it brings.
-        decode = int(batch.forward_mode) == int(fm_jax.ForwardMode.DECODE)
-        decode = decode and res.draft is not None
-        lens = res.seq_lens
-        if decode:
-            assert res.draft is not None and res.draft.extras is not None
-            bonus: Any = res.draft.bonus_tokens
-            drafts: Any = res.draft.extras[DRAFT_FIELD]
-            ids = jnp.where(off == 0, bonus[rows], drafts[rows, jnp.clip(off - 1, 0, k - 1)])
-            pos = (lens - 1)[rows] + off
-        else:
-            ids = res.input_ids
-            pos = (lens - inputs["extend_lens"])[rows] + off
-        live = (tok_slots > 0) & (pos >= 0) & (pos < s_max)
-        fed_slots, fed_pos = jnp.where(live, tok_slots, 0), jnp.where(live, pos, 0)
-        if decode:
-            b = slots.shape[0]
-            first = jnp.clip(inputs["last_token"] - k, 0, None)
-            at = (first[:, None] + jnp.arange(k + 1)[None, :]).reshape(-1)
-            logits, cache = model.forward(params, cache, ids, fed_slots, fed_pos, at)
-            target = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(b, k + 1)
-            agree = (drafts == target[:, :k]).astype(jnp.int32)
-            accepted = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)  # a in [0, K]
-            keep = jnp.arange(k + 1)[None, :] <= accepted[:, None]
-            where = lens[:, None] + jnp.arange(k + 1)[None, :]
-            history = _write(
-                history, jnp.broadcast_to(slots[:, None], where.shape), where, target, keep
-            )
-            new_lens = lens + accepted + 1
-            new_bonus = jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
-            tokens = jnp.where(keep, target, -1)
-        else:
-            history = _write(history, tok_slots, pos, ids, live)
-            logits, cache = model.forward(
-                params, cache, ids, fed_slots, fed_pos, inputs["last_token"]
-            )
-            new_bonus = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            history = _write(history, slots, lens, new_bonus, True)
-            new_lens = lens + 1
-            pad = jnp.full((slots.shape[0], k), -1, jnp.int32)
-            tokens = jnp.concatenate([new_bonus[:, None], pad], axis=1)
-        drafts_next = propose(history, slots, new_lens, ngram)
-        payload = fm_jax.DraftPayload(bonus_tokens=new_bonus, extras={DRAFT_FIELD: drafts_next})
-        return fm_jax.StepOutput(new_lens, payload, (cache, history, tokens, None))
+        decode, slots = _is_decode(batch, res), batch.req_pool_indices
+        mixed = int(batch.forward_mode) == int(fm_jax.ForwardMode.MIXED)
+        relay = batch.token_slots if mixed else None
+        cache, history, logits, lens = spec_forward(
+            model,
+            k,
+            decode,
+            params,
+            cache,
+            history,
+            inputs,
+            res.input_ids,
+            res.seq_lens,
+            res.draft,
+            relay,
+        )
+        history, tokens, new_lens, bonus, drafts_next = spec_accept(
+            ngram, decode, logits, None, slots, lens, res.draft, history
+        )
+        payload = fm_jax.DraftPayload(bonus_tokens=bonus, extras={DRAFT_FIELD: drafts_next})
+        return fm_jax.StepOutput(new_lens, payload, (cache, history, tokens, (drafts_next,)))
 
     return fm.engine_step(forward, inputs=SPEC_INPUTS, donate_argnums=(1, 2), compiler_options={})
+
+
+class SpecSplit(NamedTuple):
+    """The speculative step in two jitted halves around the class's resolve and finish,
+    split at the greedy choice (a constrained batch, `grammar`):
+
+    `forward(params, cache, history, inputs, ids, lens, draft, relay_slots, decode=) ->
+    (cache, history, logits, lens)` (`spec_forward`; cache and history donated) and
+    `accept(logits,
+    masks, slots, lens, draft, history, decode=) -> (history, tokens, new lens, bonus,
+    drafts)` (`spec_accept`; history donated); `inputs` the `SPEC_INPUTS` padded to
+    resolve's shapes, `decode` static.
+    """
+
+    forward: Any
+    accept: Any
+
+
+@functools.cache
+def make_spec_split(model: ServedModel, ngram: Ngram) -> SpecSplit:
+    """The split speculative step (`SpecSplit`), cached per model and drafter."""
+    ngram = ngram.check()
+    k = ngram.draft_tokens
+
+    def forward(params, cache, history, inputs, ids, lens, draft, relay, decode):  # type: ignore[no-untyped-def]
+        return spec_forward(
+            model, k, decode, params, cache, history, inputs, ids, lens, draft, relay
+        )
+
+    def accept(logits, masks, slots, lens, draft, history, decode):  # type: ignore[no-untyped-def]
+        return spec_accept(ngram, decode, logits, masks, slots, lens, draft, history)
+
+    return SpecSplit(
+        jax.jit(forward, donate_argnums=(1, 2), static_argnames="decode"),
+        jax.jit(accept, donate_argnums=(5,), static_argnames="decode"),
+    )
 
 
 def spec_inputs(inputs: Any, b: int, t: int) -> dict[str, np.ndarray]:

@@ -73,9 +73,37 @@ def test_spec_overlap_and_sync_equal_the_non_spec_loop(
         assert res.outputs == non_spec.outputs
         assert res.drafts_accepted > 0
         assert res.drafts_proposed % K == 0
-        assert res.modes.get("MIXED", 0) == 0
+        assert res.modes.get("MIXED", 0) > 0  # prefill chunks beside verify rows
         decode_rows = res.drafts_proposed // K
         assert res.tokens_per_verify(K) == pytest.approx(1 + res.drafts_accepted / decode_rows)
+
+
+def test_spec_under_a_kv_budget_retracts_and_serves_the_same_tokens(
+    model: tuple[object, object],
+    spec_engine: Engine,
+    non_spec: ServeResult,
+    requests: list[Request],
+) -> None:
+    """A KV budget that a few running requests pass: requests are retracted (their slot
+    freed with a verify in flight, its tokens still taken) and resumed by prefilling
+    prompt + outputs in a fresh slot, history and relay rebuilt by that prefill; the
+    tokens equal the non-spec loop's. A resume before the in-flight verify was read (its
+    accepted tokens missing from the recomputed prefix) or a stale history would change
+    them; debug overlap checks the relay's consume order."""
+    try:
+        spec_engine.engine_cfg = CFG._replace(kv_budget=30)
+        for run in (spec_engine.run_sync, spec_engine.run_overlap):
+            res = run(requests)
+            assert res.outputs == non_spec.outputs
+            assert res.retractions > 0
+            assert res.prefill_tokens > sum(len(r.prompt) for r in requests)
+            assert res.drafts_accepted > 0
+    finally:
+        spec_engine.engine_cfg = CFG
+    with pytest.raises(ValueError, match=r"request 0: prompt 10 \+ max_new 12 \+ K 3 exceeds"):
+        m, params = model
+        tight = CFG._replace(kv_budget=24)
+        Engine(m, params, tight, speculative=Ngram(K)).run_sync(requests)  # type: ignore[arg-type]
 
 
 def test_bad_input_is_named_before_anything_is_served(model: tuple[object, object]) -> None:
@@ -107,3 +135,18 @@ def test_cli_refuses_k_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--speculative", "ngram", "--temperature", "0.7"])
     assert "serves greedy requests" in capsys.readouterr().err
+
+
+def test_cli_takes_spec_with_a_grammar_and_a_kv_budget() -> None:
+    """`--speculative ngram` serves beside a grammar and under a KV budget (both once
+    refused with it); the sampling settings it cannot verify stay refused."""
+    from fm_serve.gemma.cli import parse_args
+    from fm_serve.grammar import llguidance_available
+
+    args = parse_args(["--speculative", "ngram", "--kv-budget", "200"])
+    assert args.ngram == Ngram(4) and args.kv_budget == 200
+    if llguidance_available():
+        args = parse_args(["--speculative", "ngram", "--draft-tokens", "2", "--regex", "(a|b)"])
+        assert args.ngram == Ngram(2) and args.grammar.source == "(a|b)"
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative", "ngram", "--logprobs", "2"])

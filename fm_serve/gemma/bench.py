@@ -420,11 +420,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="instead of the benchmark: each sampling feature's price per step (host us, "
         "step ms; off vs on), written to --out as gemma_feature_costs_<tag>.{json,md}",
     )
+    p.add_argument(
+        "--spec-grammar-matrix",
+        action="store_true",
+        help="instead of the benchmark: speculative decoding {off, on} x grammar {off, on} x "
+        "{sync, overlap}, written to --out as gemma_spec_grammar_matrix_<tag>.{json,md}",
+    )
+    p.add_argument(
+        "--draft-tokens", type=int_at_least(1), default=4, help="K, --spec-grammar-matrix"
+    )
     args = p.parse_args(argv)
     if args.startup and args.random_weights:
         p.error("--startup times fm-serve on the real weights; leave out --random-weights")
-    if args.matrix and args.costs:
-        p.error("argument --matrix: not with --costs (one at a time)")
+    if args.matrix + args.costs + args.spec_grammar_matrix > 1:
+        p.error("argument --matrix: not with --costs or --spec-grammar-matrix (one at a time)")
+    if args.spec_grammar_matrix and args.random_weights:
+        p.error("argument --spec-grammar-matrix: needs the tokenizer; leave out --random-weights")
+    if args.spec_grammar_matrix:
+        from fm_serve.spec import Ngram
+
+        try:
+            Ngram(args.draft_tokens).check()
+        except ValueError as err:
+            p.error(f"argument --draft-tokens: {err}")
     if args.max_tokens >= args.max_seq_len:
         p.error(
             f"argument --max-tokens: {args.max_tokens} new tokens do not fit --max-seq-len "
@@ -454,10 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         loaded = load.with_dtype(plain, args.dtype)
         log(f"model loaded in {loaded.load_s:.2f} s")
-    if args.matrix or args.costs:
+    if args.matrix or args.costs or args.spec_grammar_matrix:
         from fm_serve.gemma import features_bench
 
         run = features_bench.matrix if args.matrix else features_bench.costs
+        if args.spec_grammar_matrix:
+            run = features_bench.spec_grammar_matrix
         return run(loaded, args, log)
     for b in args.batch_sizes:
         longest = max(len(r.prompt) for r in bench_requests(loaded, b, args.max_tokens))

@@ -148,12 +148,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         penalised = args.presence_penalty or args.frequency_penalty
         if sampled or penalised or args.repetition_penalty != 1.0:
             p.error("argument --speculative: serves greedy requests without sampling settings")
-        if args.grammar is not None:
-            p.error("argument --speculative: not with --regex or --json-schema")
-        if args.bad_words or args.stop or args.logprobs or args.kv_budget is not None:
-            p.error(
-                "argument --speculative: not with --bad-words, --stop, --logprobs or --kv-budget"
-            )
+        if args.bad_words or args.stop or args.logprobs:
+            p.error("argument --speculative: not with --bad-words, --stop or --logprobs")
     if args.prompts_file is not None:
         try:
             lines = args.prompts_file.read_text().splitlines()

@@ -14,6 +14,7 @@ step time (sync: dispatch to tokens; overlap: wall per step), written as
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -214,3 +215,134 @@ def measure_costs(
         stem.with_suffix(".md").write_text("\n".join(md) + "\n")
         log(f"wrote {stem}.{{json,md}}")
     return doc
+
+
+SPEC_GRAMMAR_PROMPTS = (
+    ('Example: {"name":"Bob","age":41}\nWrite Ada, who is 36, the same way:', "json"),
+    ("Is the sky blue on a clear day? Answer Yes. or No.", "regex"),
+    (
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+        None,
+    ),
+)
+"""The spec x grammar matrix's prompts and, grammar on, their constraint: a JSON record
+whose example is in the prompt (lookup drafts its keys), a yes/no regex, and code left
+unconstrained beside them."""
+YES_NO = r"(Yes|No)\."
+
+
+def spec_grammar_matrix(loaded: Any, args: Any, log: Callable[[str], None]) -> int:
+    """Speculative decoding {off, on} x grammar {off, on} x {sync, overlap} on Gemma 3
+    (`matrix.run_spec_grammar_matrix`), written as `gemma_spec_grammar_matrix_<tag>.{json,md}`;
+    0 when every cell is ok."""
+    from fm_serve.gemma.bench import environment
+    from fm_serve.gemma.serve import grammar_matchers, make_requests
+    from fm_serve.gemma.spec_bench import SCHEMA
+    from fm_serve.grammar import Grammar
+    from fm_serve.matrix import SpecGrammar, run_spec_grammar_matrix
+    from fm_serve.spec import Ngram
+
+    tok = loaded.tokenizer
+    if tok is None:
+        log("the spec x grammar matrix needs the tokenizer (not --random-weights)")
+        return 2
+    prompts = [p for p, _ in SPEC_GRAMMAR_PROMPTS]
+    reqs = make_requests(loaded, prompts, args.max_tokens)
+    kinds = {
+        "json": Grammar("json_schema", json.dumps(SCHEMA)),
+        "regex": Grammar("regex", YES_NO),
+    }
+    grammars = {
+        r.rid: kinds[kind]
+        for r, (_, kind) in zip(reqs, SPEC_GRAMMAR_PROMPTS, strict=True)
+        if kind is not None
+    }
+    batch = args.batch_sizes[0]
+    cfg = engine_for(batch, args.prefill_budget, loaded.model.row_tile)
+    served = Served(loaded.model, loaded.params, reqs, cfg, 0, tok.decode)
+    ngram = Ngram(args.draft_tokens)
+    sg = SpecGrammar(
+        served,
+        grammars,
+        grammar_matchers(loaded),
+        lambda ids: tok.decode(ids, skip_special=True),
+        ngram,
+    )
+    t0 = time.perf_counter()
+    cells = run_spec_grammar_matrix(sg, log=log)
+    doc = {
+        "environment": environment(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "fm-serve-bench " + " ".join(sys.argv[1:]),
+        "weights": "gguf",
+        "dtype": loaded.model.dtype,
+        "requests": len(reqs),
+        "prompts": [list(p) for p in SPEC_GRAMMAR_PROMPTS],
+        "grammars": {"json": SCHEMA, "regex": YES_NO},
+        "max_running": batch,
+        "max_tokens": args.max_tokens,
+        "draft_tokens": ngram.draft_tokens,
+        "max_ngram": ngram.max_ngram,
+        "seconds": time.perf_counter() - t0,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "all_ok": all(c["ok"] for c in cells),
+        "cells": cells,
+    }
+    md = spec_grammar_markdown(
+        doc, {rid: tok.decode(o, skip_special=True) for rid, o in _texts(cells)}
+    )
+    print(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = Path(args.out) / f"gemma_spec_grammar_matrix_{_tag(args)}"
+        stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        stem.with_suffix(".md").write_text(md)
+        log(f"wrote {stem}.{{json,md}}")
+    return 0 if doc["all_ok"] else 1
+
+
+def _texts(cells: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
+    """The outputs of the (spec on, grammar on, overlap) cell."""
+    last = [c for c in cells if c["spec"] and c["grammar"] and c["overlap"]]
+    return sorted(last[0]["outputs"].items()) if last else []
+
+
+def spec_grammar_markdown(doc: dict[str, Any], texts: dict[int, str]) -> str:
+    """The spec x grammar matrix as a table."""
+    env = doc["environment"]
+    lines = [
+        f"# Speculative decoding x structured output x overlap on Gemma 3 270M ({env['device']})",
+        "",
+        f"{env['host']}; {doc['date']}; `{doc['command']}`. {doc['requests']} greedy "
+        f"requests (a JSON record, a yes/no regex, code unconstrained), {doc['max_running']} "
+        f"at once, up to {doc['max_tokens']} new tokens; n-gram drafter K = "
+        f"{doc['draft_tokens']}. Equal to sync: tokens equal the same setting's sync loop; "
+        "to non-spec: equal the non-speculative sync loop's with the same grammar setting "
+        "(else each difference must be a near-tie, top two logits within 1e-4). "
+        "Constrained: each constrained output complete and meeting its grammar. "
+        "Non-vacuous: drafts accepted (grammar on: on a constrained request too), each "
+        "constrained output unlike its unconstrained one. Correctness only: the seconds "
+        f"({doc['seconds']:.0f}) say nothing of speed (load average 1/5/15 min at the end: "
+        f"{'/'.join(str(x) for x in doc['load_average'])}; a shared CPU).",
+        "",
+        "| spec | grammar | loop | ok | equal to sync | to non-spec | constrained "
+        "| non-vacuous | drafts accepted | steps (MIXED) |",
+        "|---|---|---|:---:|:---:|:---:|:---:|:---:|---:|---:|",
+    ]
+    yn = {True: "yes", False: "NO", None: "-"}
+    for c in doc["cells"]:
+        lines.append(
+            f"| {'on' if c['spec'] else 'off'} | {'on' if c['grammar'] else 'off'} | "
+            f"{'overlap' if c['overlap'] else 'sync'} | {yn[c['ok']]} | "
+            f"{yn[c['equal_to_sync']]} | {yn[c['equal_to_non_spec']]} | "
+            f"{yn[c['constrained_ok']]} | {yn[c['non_vacuous']]} | "
+            f"{c['drafts_accepted']}/{c['drafts_proposed']} | {c['steps']} "
+            f"({c['modes'].get('MIXED', 0)}) |"
+        )
+    notes = [f"- {c['setting']}: {n}" for c in doc["cells"] for n in c["notes"]]
+    if notes:
+        lines += ["", "Notes:", "", *notes]
+    if texts:
+        lines += ["", "Outputs (spec on, grammar on, overlap):", ""]
+        lines += [f"- request {rid}: `{t!r}`" for rid, t in texts.items()]
+    return "\n".join(lines) + "\n"
