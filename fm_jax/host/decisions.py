@@ -39,8 +39,6 @@ class Key(NamedTuple):
       draft, slots: a resolve with draft indices; with token slots.
       mode: a resolve's kind fixed in it ('extend': not DECODE, 'decode') or 'traced' (an
         argument); a step's fixed mode is its ForwardMode's name; '' for the other ops.
-      checked: a debug map's tail op with its slot checks (False: slots already checked,
-        on the host or by the last resolve).
       ids: a resolve that places input ids (False: a gather-protocol DECODE, T = B).
       confidence: a publish or finish that also writes confidence rows (and returns a copy
         of the confidence buffer for its host ring).
@@ -53,7 +51,6 @@ class Key(NamedTuple):
     draft: bool = False
     slots: bool = False
     mode: str = ""
-    checked: bool = True
     ids: bool = True
     confidence: bool = False
     omits: tuple[str, ...] = ()
@@ -61,11 +58,10 @@ class Key(NamedTuple):
     @property
     def name(self) -> str:
         """The executable's name as `FutureMap.executables()` and warm-up reports give it:
-        'resolve_fixed_extend', 'unchecked_publish', 'step_fixed_mixed', 'resolve'."""
+        'resolve_fixed_extend', 'publish', 'step_fixed_mixed', 'resolve'."""
         fixed = self.mode in FIXED_MODES
         base = f"{self.op}_fixed_{self.mode}" if fixed else self.op
-        base += "_with_confidence" if self.confidence else ""
-        return base if self.checked else f"unchecked_{base}"
+        return base + ("_with_confidence" if self.confidence else "")
 
     def describe(self) -> str:
         """The key in words: the op and its per-rank sizes."""
@@ -190,14 +186,12 @@ class Decision:
     """How every call of one layout is placed.
 
     Args:
-      key: the executable's key (`key_for` may pick its checked twin per call).
+      key: the executable's key.
       placers: per value, in the call's order, its placer (None: taken as it is).
       assemble: the placed values -> the executable's arguments.
       idx: the slots' layout; `idx_at` their position among the values.
       lens_at: a tail's lengths' position (its host copy), or None.
       batch_check: the batch's value rules on a call's values and placed arrays, or None.
-      key_for: a debug map's tail op: whether the placed slots still need their device
-        check (True picks the checked key), or None.
       packed: the arguments go as one packed host buffer and the device leaves (a step).
     """
 
@@ -211,7 +205,6 @@ class Decision:
         idx_at: int,
         lens_at: int | None = None,
         batch_check: Callable[[Sequence[Any], list[Any]], None] | None = None,
-        key_for: Callable[[Rows], bool] | None = None,
         packed: bool = False,
     ) -> None:
         self.key = key
@@ -219,8 +212,6 @@ class Decision:
         self.assemble = assemble
         self.idx, self.idx_at, self.lens_at = idx, idx_at, lens_at
         self.batch_check = batch_check
-        self.key_for = key_for
-        self._keys = (key._replace(checked=False), key._replace(checked=True))
         self.packed = packed
         self.pack: PackSpec | None = None  # a step's, laid out by its first call
         self._host: list[int] = []  # positions of the packed host leaves among the values
@@ -233,7 +224,7 @@ class Decision:
             self.batch_check(values, placed)
         idx = self.idx
         rows = Rows(placed[self.idx_at], idx.size, idx.counts, idx.by_rank, idx.place)
-        key = self.key if self.key_for is None else self._keys[self.key_for(rows)]
+        key = self.key
         lens = None if self.lens_at is None else placed[self.lens_at]
         if not self.packed:
             return Placed(key, self.assemble(placed), None, rows, lens)

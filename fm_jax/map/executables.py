@@ -104,7 +104,7 @@ class Registry:
 
     def jitted(self, key: Key, pack: PackSpec | None = None, nargs: int = 0) -> Any:
         """The jitted function of `key`'s family (built on first use)."""
-        family = (key.op, key.mode, key.checked, key.confidence, nargs, pack)
+        family = (key.op, key.mode, key.confidence, nargs, pack)
         fn = self._jitted.get(family)
         if fn is None:
             fn = self._jitted[family] = self._build(key, pack, nargs)

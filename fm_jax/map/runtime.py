@@ -137,7 +137,7 @@ def assemble(
     )
     # One executable per op: a debug map's tail ops check their slots on the device even
     # where the host or the last resolve checked them (~35 us a call on XLA:CPU).
-    placement = Placement(inputs, proto, local.spec, debug=False)
+    placement = Placement(inputs, proto, local.spec)
     options = compiler_options(platform)
     build = entry_points(ops, proto, token_buckets, channel, options)
 
