@@ -32,7 +32,7 @@ class Key(NamedTuple):
     """One executable: an operation and the static sizes and inputs it was traced for.
 
     Attributes:
-      op: a class entry point ('publish', 'stash', 'finish', 'sentinels', 'seq_lens_at',
+      op: a class entry point ('publish', 'stash', 'finish', 'seq_lens_at',
         'resolve') or an engine's whole 'step'.
       rows: rows per DP rank (a batch bucket).
       tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
@@ -78,11 +78,6 @@ def writes_state(op: str, debug: bool) -> bool:
     """Whether `op` writes the map's state, so takes it donated (resolve only in debug:
     the consume poison)."""
     return op in ("publish", "stash", "finish", "step") or (debug and op == "resolve")
-
-
-def takes_state(op: str) -> bool:
-    """Whether `op`'s executable takes the state first (all but the sentinels)."""
-    return op != "sentinels"
 
 
 class Placed(NamedTuple):

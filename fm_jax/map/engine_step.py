@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fm_jax.host.decisions import FIXED_MODES, Key
 from fm_jax.host.pack import PackSpec, unpack
@@ -193,16 +192,15 @@ class EngineStep:
             if runtime.unstashed is not None:
                 family = (placed.key.mode, placed.pack, len(args))
                 runtime.stashed(placed.idx, self._omits.get(family, ()))
-        if sentinels is None:
-            return StepResult(result, batch)
-        if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
-            slots = placed.idx.array
-            return StepResult(
-                result, self._protocol.next_batch(Batch(None, slots, slots, slots), sentinels)
-            )
-        if placed.idx.counts is not None:  # host slots: the sentinels -slot of their rows
-            sentinels = -np.asarray(batch.req_pool_indices, self._placement.inputs.dtype)
-        return StepResult(result, self._protocol.next_batch(batch, sentinels))
+        given: Any = None
+        if not isinstance(batch, Mapping):
+            given = batch.req_pool_indices
+        else:  # one global batch (the gather protocol: as given)
+            given = {r: b.req_pool_indices for r, b in batch.items()}
+            if self._protocol.invalidates:
+                slots = placed.idx.array
+                batch = Batch(None, slots, slots, slots)
+        return StepResult(result, self._placement.next_batch(batch, given, placed.idx, sentinels))
 
     # ---------------------------------------------------------------------- executables
     def _not_warmed(self, key: Key) -> str:

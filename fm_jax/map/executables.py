@@ -322,6 +322,15 @@ def _sentinels(
     return protocol.sentinels(indices.astype(dtype), decode_ids(indices.shape[0], token_buckets))
 
 
+def device_sentinels(
+    ops: FutureMapOps, protocol: Protocol, token_buckets: tuple[int, ...]
+) -> Callable[[Any], Any]:
+    """The sentinels of device slots (global, padded per rank) as a step's tail leaves
+    them: the pure ops jitted, no registry entry (compiled once per bucket when met)."""
+    dtype = ops.dtype
+    return jax.jit(ops.map_ranks(lambda idx: _sentinels(protocol, idx, dtype, token_buckets)))
+
+
 def _op_body(
     ops: FutureMapOps,
     key: Key,
@@ -343,16 +352,6 @@ def _op_body(
             return out if debug else out[1]
 
         return resolve
-    if key.op == "sentinels":
-
-        def local_sentinels(indices: jax.Array) -> Any:
-            if debug:  # each rank's slots checked as every op's are
-                chk = checks.OpChecks()
-                checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
-                chk.run()
-            return _sentinels(protocol, indices, local.dtype, token_buckets)
-
-        return ops.map_ranks(local_sentinels)
     if key.op == "finish":
         finish = tail(ops, protocol, token_buckets)
         return with_confidence_copy(finish) if key.confidence else finish

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fm_jax.host.decisions import Key, Placed, takes_state
+from fm_jax.host.decisions import Key, Placed
 from fm_jax.host.validate import StepInput
 from fm_jax.map import host_reads
 from fm_jax.map.engine_step import EngineStep, Forward
@@ -146,19 +146,20 @@ class FutureMap:
 
     def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
         """The jitted entry points by name (for compile counting and HLO inspection):
-        `resolve` takes a traced mode, `resolve_fixed_{extend,decode}` a host mode."""
-        keys = [Key(op, 0) for op in ("publish", "stash", "finish", "sentinels", "seq_lens_at")]
+        `resolve` takes a traced mode, `resolve_fixed_{extend,decode}` a host mode;
+        `sentinels` makes device slots' sentinels (not warmed: host slots' are made on
+        the host)."""
+        keys = [Key(op, 0) for op in ("publish", "stash", "finish", "seq_lens_at")]
         keys += [Key("resolve", 0, mode=m) for m in ("traced", "extend", "decode")]
-        return {k.name: self._registry.jitted(k) for k in keys}
+        out = {k.name: self._registry.jitted(k) for k in keys}
+        return {**out, "sentinels": self._placement.device_sentinels}
 
     def _run(self, placed: Placed, op: str, *, new_step: bool = False) -> Any:
         """Placed call `placed` on its executable; its debug error recorded as `op`'s."""
         key = placed.key
         exe = self._registry.executable(key, placed.pack)
         ops = (op,) if self.debug else ()
-        return self._runtime.run(
-            exe, placed.args, ops, call=op, with_state=takes_state(key.op), new_step=new_step
-        )
+        return self._runtime.run(exe, placed.args, ops, call=op, new_step=new_step)
 
     @serialized
     def check(self) -> None:
@@ -270,20 +271,17 @@ class FutureMap:
         """A step's tail in one donated call: `publish(indices, new_seq_lens,
         confidence=, generation=)`, `stash(indices, payload)`, then `invalidate(batch,
         indices)`. Returns the invalidated batch (the gather protocol: `batch` as given)."""
-        ran, sentinels = self._tail(
+        idx, sentinels = self._tail(
             "finish", indices, new_seq_lens, payload, rows, confidence, generation
         )
-        if not ran and self._protocol.invalidates:  # DP idle: nothing relayed
-            return self._sentinels(batch, indices, rows)
-        if not ran:
-            return batch
-        return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
+        return self._placement.next_batch(batch, indices, idx, sentinels)  # type: ignore[no-any-return]
 
     def _tail(
         self, op: str, indices: Any, lens: Any, payload: Any, rows: Any, confidence: Any, gen: Any
-    ) -> tuple[bool, Any]:
-        """Publish, stash or finish placed and run, with its host bookkeeping: whether it
-        ran (no real row: DP idle, nothing to relay), and finish's sentinels."""
+    ) -> tuple[Any, Any]:
+        """Publish, stash or finish placed and run (not where no rank has a real row: DP
+        idle, nothing to relay), with its host bookkeeping: the slots as placed, and
+        finish's sentinels (None when it did not run)."""
         runtime = self._runtime
         if gen is not None and confidence is None:
             raise errors.generation_without_confidence(op, runtime.confidence is not None)
@@ -293,7 +291,7 @@ class FutureMap:
             assert runtime.confidence is not None  # placement refuses it undeclared
             gens = runtime.confidence.generations(gen, placed.idx)  # checked before a run
         if placed.idx.empty:
-            return False, None
+            return placed.idx, None
         out = self._run(placed, op)
         if gens is not None:
             out, copied = out
@@ -304,7 +302,7 @@ class FutureMap:
             runtime.published(placed.idx, placed.lens, copied, gens)
         if op != "publish" and runtime.unstashed is not None:
             runtime.stashed(placed.idx, placed.key.omits)
-        return True, sentinels
+        return placed.idx, sentinels
 
     @serialized
     def resolve(
@@ -348,15 +346,13 @@ class FutureMap:
 
     @serialized
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
-        """`batch` with `input_ids` and `seq_lens` := the sentinels -indices (padding rows
-        0), global and padded per rank to the batch bucket. Refused in the gather protocol."""
+        """`batch` with `input_ids` and `seq_lens` := the sentinels -indices: host slots'
+        of their real rows, on the host; device slots' (or a mapping's) global, padded per
+        rank (docs/CONTRACT.md, 'Sentinels'). Refused in the gather protocol."""
         if not self._protocol.invalidates:
             raise errors.invalidate_in_gather_protocol()
-        return self._sentinels(batch, indices, rows)
-
-    def _sentinels(self, batch: Batch, indices: RowsInput, rows: int | None) -> Batch:
-        sentinels = self._run(self._placement.slots_op("sentinels", indices, rows), "invalidate")
-        return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
+        idx = self._placement.slots(indices, rows)
+        return self._placement.next_batch(batch, indices, idx)  # type: ignore[no-any-return]
 
     @serialized
     def resolve_seq_lens_cpu(

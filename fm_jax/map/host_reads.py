@@ -245,7 +245,7 @@ def seq_lens(
 ) -> Lengths:
     """`FutureMap.resolve_seq_lens_cpu`: debug, spec: the read consumes the fresh
     publish of each rank it reads."""
-    placed = placement.slots_op("seq_lens_at", indices, rows)
+    placed = placement.seq_lens_at(indices, rows)
     if runtime.armed is not None:  # debug, spec: it waits for a fresh publish
         runtime.read_lengths(placed.idx)
     return _lengths(placement, runtime, run, placed)
@@ -315,7 +315,7 @@ def mixed_tails(
         running[d] = ts[ts > 0]
     got: Any = {}
     if any(len(x) for x in running.values()):
-        placed = placement.slots_op("seq_lens_at", running if by_rank else running[0], None)
+        placed = placement.seq_lens_at(running if by_rank else running[0], None)
         got = _lengths(placement, runtime, run, placed, subset=True)
     if not by_rank:
         got = {0: got}

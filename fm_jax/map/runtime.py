@@ -23,7 +23,7 @@ from fm_jax.host.decisions import Key
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.place import Placement
 from fm_jax.map.debug_channel import DebugChannel
-from fm_jax.map.executables import Registry, compiler_options, entry_points
+from fm_jax.map.executables import Registry, compiler_options, device_sentinels, entry_points
 from fm_jax.map.host_reads import ConfidenceRing, HostLengths
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.checks import FRESH_PUBLISH
@@ -137,7 +137,7 @@ def assemble(
     )
     # One executable per op: a debug map's tail ops check their slots on the device even
     # where the host or the last resolve checked them (~35 us a call on XLA:CPU).
-    placement = Placement(inputs, proto, local.spec)
+    placement = Placement(inputs, proto, local.spec, device_sentinels(ops, proto, token_buckets))
     options = compiler_options(platform)
     build = entry_points(ops, proto, token_buckets, channel, options)
 
@@ -254,12 +254,11 @@ class MapRuntime:
         ops: Sequence[str],
         *,
         call: str,
-        with_state: bool = True,
         new_step: bool = False,
         engine_args: Sequence[Any] = (),
         donated: Sequence[int] = (),
     ) -> Any:
-        """`exe(state, *args, *engine_args)` (`with_state` False: `exe(*args)`); returns
+        """`exe(state, *args, *engine_args)`; returns
         its outputs. `ops`: the names its debug errors are recorded as (one packed error,
         or one per op of a step, before the outputs; empty without checks). `call`: the
         call in words, for errors. `new_step`: a resolve or engine step (not counted if it
@@ -268,11 +267,11 @@ class MapRuntime:
         if new_step:
             self.step += 1
         try:
-            out = exe(self.state, *args, *engine_args) if with_state else exe(*args)
+            out = exe(self.state, *args, *engine_args)
         except BaseException as failure:
             if new_step:
                 self.step -= 1  # refused, or failed: no step was taken
-            named = self._diagnose(failure, call, args, engine_args, donated, with_state)
+            named = self._diagnose(failure, call, args, engine_args, donated)
             if named is None or not isinstance(failure, Exception):
                 raise
             raise named from failure
@@ -291,12 +290,11 @@ class MapRuntime:
         args: Sequence[Any],
         engine_args: Sequence[Any],
         donated: Sequence[int],
-        with_state: bool,
     ) -> FutureMapError | None:
         """What a failed call did, in words: StateLost when it consumed the state (the map
         is lost from here on); a FutureMapError naming the argument when JAX refused it
         before running (the state untouched); None when neither (the error stands)."""
-        state = _named_leaves(self.state) if with_state else {}
+        state = _named_leaves(self.state)
         if any(_deleted(x) for x in state.values()):
             consumed = tuple(
                 i for i in donated if any(map(_deleted, jax.tree.leaves(engine_args[i])))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax.host.buckets import decode_ids, resolve_sizes
-from fm_jax.host.decisions import FIXED_MODES, takes_state
+from fm_jax.host.decisions import FIXED_MODES
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
@@ -128,7 +128,7 @@ def class_calls(
     """The class's warm-up: calls of zeros placed through `placement` as serving places
     its calls. Per batch bucket publish, stash and finish (with confidence rows too on a
     map that relays them; stash and finish once more per partial stash in `partial`, the
-    field names its drafts give), the sentinels and, spec, `seq_lens_at`; then every
+    field names its drafts give) and, spec, `seq_lens_at`; then every
     resolve (`empty_batches`). Returns registry calls (key, None, arguments, 0)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
     if not _names_per_stash(partial):
@@ -159,13 +159,11 @@ def class_calls(
             placed += [tail("stash", zeros, None, part, b), tail("finish", zeros, zeros, part, b)]
             if conf is not None:
                 placed.append(tail("finish", zeros, zeros, part, b, confidence=conf))
-        if protocol.invalidates:
-            placed.append(placement.slots_op("sentinels", zeros, b))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
-            placed.append(placement.slots_op("seq_lens_at", zeros, b))
+            placed.append(placement.seq_lens_at(zeros, b))
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
         placed.append(placement.resolve(e.batch, e.rows, e.tokens))
-    return [(p.key, None, ((state,) if takes_state(p.key.op) else ()) + p.args, 0) for p in placed]
+    return [(p.key, None, (state, *p.args), 0) for p in placed]
 
 
 def _names_per_stash(partial: Any) -> bool:
