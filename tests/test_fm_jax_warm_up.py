@@ -106,12 +106,13 @@ def test_executables_grow_with_the_sum_of_the_buckets(debug: bool) -> None:
         "publish": 3,
         "stash": 3,
         "finish": 3,
+        "sentinels": 3,
         "resolve_fixed_extend": 3,
         "resolve_fixed_decode": 2,  # token buckets 4 and 16 hold a batch of 8 decode rows
         "resolve": 3,
     }
     assert report.by_op == want
-    assert report.executables == sum(want.values()) == 3 * 3 + 8
+    assert report.executables == sum(want.values()) == 3 * 4 + 8
     assert report.compiled + report.from_cache == report.executables
     assert report.seconds > 0 and "executables in" in str(report)
 

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import Placer, Rows, bucket_for, decode_ids, pad_rows
+from fm_jax.host.buckets import bucket_for, decode_ids, pad_rows
+from fm_jax.host.decisions import Placer, Rows
 from fm_jax.host.validate import INTS, HostChecks, StepInput, row_kind
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
@@ -336,12 +337,10 @@ class HostInputs:
         return tuple(leaves), placers
 
     def sentinels(self, indices: Any, idx: Rows) -> Any:
-        """Host slots' sentinels (`indices`, placed as `idx`), made on the host: `-slot` of
-        the real rows for global rows; for a mapping DP rank -> slots global device
-        arrays padded per rank, the ids further to the token bucket of the rows (a step's
-        tail pads them so: `buckets.decode_ids`)."""
-        if not idx.by_rank:
-            return -np.asarray(indices, self.dtype)
+        """The sentinels of host slots given as a mapping DP rank -> slots (`indices`,
+        placed as `idx`), made on the host: global device arrays padded per rank, the ids
+        further to the token bucket of the rows (as a step's tail pads them:
+        `buckets.decode_ids`)."""
         parts = {int(r): -np.asarray(v, self.dtype) for r, v in indices.items()}
 
         def padded(size: int) -> Any:

@@ -9,24 +9,24 @@ by running that decision: value checks, padding, packing. A refusal leaves the m
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import Rows, resolve_sizes
+from fm_jax.host.buckets import resolve_sizes
 from fm_jax.host.decisions import (
     Decision,
     Key,
     Placed,
+    Rows,
     constant,
     payload_kind,
     payload_values,
     resolve_values,
     signature,
 )
-from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.validate import (
     Given,
     StepInput,
@@ -47,18 +47,10 @@ layout is decided at each of its calls."""
 
 
 class Placement:
-    """Placement for one map: its host inputs, protocol and spec fields; `sentinels`, the
-    sentinels of device slots (`next_batch`)."""
+    """Placement for one map: its host inputs, protocol and spec fields."""
 
-    def __init__(
-        self,
-        inputs: HostInputs,
-        protocol: Protocol,
-        spec: SpecConfig | None,
-        sentinels: Callable[[Any], Any],
-    ) -> None:
-        self.inputs = inputs
-        self.device_sentinels = sentinels
+    def __init__(self, inputs: Any, protocol: Protocol, spec: SpecConfig | None) -> None:
+        self.inputs = inputs  # its HostInputs
         self.protocol = protocol
         self.spec = spec
         self.fields = spec.fields() if spec is not None else ()
@@ -114,27 +106,23 @@ class Placement:
         self._remember(sig, decision)
         return decision.run(given)
 
-    def seq_lens_at(self, indices: Any, rows: int | None = None) -> Placed:
-        """`seq_lens_at` of slots `indices`."""
-        idx = self.slots(indices, rows)
-        return Placed(Key("seq_lens_at", idx.size), (idx.array,), None, idx)
-
-    def slots(self, indices: Any, rows: int | None = None) -> Rows:
-        """Slots `indices` checked and placed."""
-        return self.inputs.flat("indices", indices, rows, slots=True).placed(indices)
+    def slots_op(self, op: str, indices: Any, rows: int | None = None) -> Placed:
+        """`seq_lens_at` or (device slots) the sentinels of slots `indices`."""
+        idx = self.inputs.flat("indices", indices, rows, slots=True).placed(indices)
+        return Placed(Key(op, idx.size), (idx.array,), None, idx)
 
     def next_batch(self, batch: Any, indices: Any, idx: Rows, sentinels: Any = None) -> Any:
         """`batch` for the next step (docs/CONTRACT.md, 'Sentinels'): in the sentinel
         protocol its ids and lengths the sentinels of slots `indices` (placed as `idx`):
-        host slots' `-slot` of their real rows, made on the host; device slots' (or a
-        mapping's) global, padded per rank (`sentinels`: a step's own; None: made here)."""
+        host slots' made on the host (global rows: their real rows); device slots'
+        `sentinels`, made on the device (by a step's or finish's tail, or invalidate)."""
         protocol = self.protocol
         if not protocol.invalidates:
             return batch
-        if idx.counts is not None:  # host slots
+        if idx.counts is not None and not idx.by_rank:  # host slots: their real rows
+            sentinels = -np.asarray(indices, self.inputs.dtype)
+        elif idx.counts is not None:
             sentinels = self.inputs.sentinels(indices, idx)
-        elif sentinels is None:
-            sentinels = self.device_sentinels(idx.array)
         return protocol.next_batch(batch, sentinels)
 
     # ------------------------------------------------------------------ a batch
