@@ -7,7 +7,7 @@ then runs one executable through the map's runtime: resolve at the head, `forwar
 resolved ids and lengths, publish, stash and (sentinel protocol) the sentinels at the
 tail; the map's state and the arguments named by `donate_argnums` donated. The map adds
 no dispatch and no host sync. Executables are keyed like resolve's plus the packing
-layout, in the step's own registry; `warm_up` compiles them for the map's buckets (with
+layout, in the map's registry; `warm_up` compiles them for the map's buckets (with
 `guard=True` serving then refuses any call that would compile). Debug errors go to the
 map's channel (`FutureMap.check()`).
 """
