@@ -121,7 +121,8 @@ def engine_steps(calls: int) -> dict[str, Any]:
             slots = np.arange(1, b + 1, dtype=np.int32)
             batch = fj.Batch(fj.ForwardMode.EXTEND, slots, slots, slots)
             p = fm._placement.resolve(batch, None, None, step=step._placed, inputs={})
-            hlo = step._registry.jitted(p.key, p.pack, 0).lower(fm.state, *p.args).compile()
+            fn = fm._registry.jitted(p.key, p.pack, 0, step._build)
+            hlo = fn.lower(fm.state, *p.args).compile()
             row = _ops(hlo.as_text() or "")
 
             def call(st: Any = step, bt: fj.Batch = batch) -> Any:

@@ -4,7 +4,7 @@ transfer, unpacked inside the jit.
 The engine-step group's `no_map_packed` and `no_map_carry` baselines stand for an engine
 that packs its own host arrays (vLLM's TPU runner does), so they pack with this, not with
 fm_jax's packing (fm_jax packs inside `FutureMap`; the bench compares against an engine
-doing the same on its own). The idea is fm_jax's (`fm_jax/host/pack.py`): leaves laid
+doing the same on its own). The idea is fm_jax's (`fm_jax/host/decisions.py`): leaves laid
 end to end as 32-bit words, each sliced back out and bitcast inside the jit, which XLA
 fuses into the consumers. This version is the plain one a baseline needs: every leaf is a
 numpy array of a 4-byte dtype (int32, uint32, float32); no device leaves, no other sizes.

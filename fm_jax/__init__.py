@@ -8,9 +8,10 @@ call ops one by one, on one device or a mesh.
 from fm_jax.host.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax.map.debug_channel import raise_if_violated
 from fm_jax.map.engine_step import EngineStep, StepInput, StepOutput, StepResult
-from fm_jax.map.executables import WarmUpReport, compiler_options, use_persistent_cache
+from fm_jax.map.executables import compiler_options, use_persistent_cache
 from fm_jax.map.future_map import FutureMap
 from fm_jax.map.host_reads import ResolvedConfidence
+from fm_jax.map.warm_up import WarmUpReport
 from fm_jax.ops.errors import FutureMapError, InvariantViolation, StateLost
 from fm_jax.ops.ops import POISON, future_map
 from fm_jax.ops.relay_fields import DraftPayload, RelayField, SpecConfig

@@ -93,7 +93,7 @@ def hlo_collectives(fm: fm_jax.FutureMap, rows: int, tokens: int) -> dict[str, i
         "resolve": ex["resolve"].lower(state, batch),
     }
     if not gather:
-        lowered["invalidate"] = ex["sentinels"].lower(arr(rows))
+        lowered["invalidate"] = ex["sentinels"].lower(state, arr(rows))
     return {op: count_collectives(low.compile().as_text()) for op, low in lowered.items()}
 
 

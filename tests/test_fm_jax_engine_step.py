@@ -293,7 +293,7 @@ def test_a_host_fed_step_is_one_executable_taking_one_host_buffer() -> None:
     placed = fm._placement.resolve(batch, step=step.inputs, inputs={"pos": slots})
     packed, device = placed.args
     assert device == ()  # every host array of the call is in the one buffer
-    fn = step._registry.jitted(placed.key, placed.pack, 2)
+    fn = fm._registry.jitted(placed.key, placed.pack, 2, step._build)
     args = (fm.state, packed, device, jnp.int32(0), jnp.zeros(8, jnp.int32))
     n_params = len(jax.tree.leaves(fm.state)) + 1 + 2
     assert len(fn.trace(*args).lower().in_avals[0]) == n_params

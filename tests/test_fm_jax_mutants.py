@@ -811,7 +811,8 @@ def test_an_idle_mapping_relays_nothing() -> None:
 
 def test_resolve_pads_to_the_buckets_asked_for() -> None:
     """A resolve is padded to the rows= and tokens= buckets it is given (those of a warmed
-    executable); an idle resolve or invalidate (no rows) to the smallest buckets."""
+    executable); an idle resolve (no rows) to the smallest buckets; an idle invalidate of
+    host slots returns their real rows: none."""
     fm = fj.FutureMap(R, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4))
     fm.publish(np.array([1, 2]), np.array([5, 6]))
     fm.stash(np.array([1, 2]), np.array([7, 8]))
@@ -823,7 +824,7 @@ def test_resolve_pads_to_the_buckets_asked_for() -> None:
     idle = fm.resolve(fj.Batch(fj.ForwardMode.IDLE, empty, empty, empty))
     assert idle.input_ids.shape == (1,) and idle.seq_lens.shape == (1,)
     sentinels = fm.invalidate(fj.Batch(fj.ForwardMode.IDLE, empty, empty, empty), empty)
-    assert np.asarray(sentinels.input_ids).tolist() == [0]
+    assert np.asarray(sentinels.input_ids).tolist() == []  # host slots: their real rows
 
 
 def test_host_rows_as_lists_are_padded_to_the_buckets_asked_for() -> None:

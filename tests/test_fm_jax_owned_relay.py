@@ -89,7 +89,8 @@ def _scatters(fm: fj.FutureMap, forward: Any, inputs: tuple, batch: fj.Batch) ->
     """Scatters in the compiled step that serves `batch`."""
     step = fm.engine_step(forward, inputs=inputs)
     p = fm._placement.resolve(batch, None, None, step=step._placed, inputs={})
-    hlo = step._registry.jitted(p.key, p.pack, 0).lower(fm.state, *p.args).compile().as_text()
+    fn = fm._registry.jitted(p.key, p.pack, 0, step._build)
+    hlo = fn.lower(fm.state, *p.args).compile().as_text()
     return len(re.findall(r"\bscatter\(", hlo or ""))
 
 

@@ -1109,8 +1109,10 @@ def test_the_batch_finish_returns_feeds_back_when_the_batch_bucket_is_no_token_b
 ) -> None:
     """`finish` returns the batch for the next step: with rows bucket 4 and token buckets
     (2, 8) its sentinel ids (a device array, from host or jax slots) came at the rows'
-    size, 4, no token bucket, and resolving the DECODE built from them was refused. They
-    now come padded to 8 and the DECODE resolves the stashed tokens."""
+    size, 4, no token bucket, and resolving the DECODE built from them was refused. Jax
+    slots' now come padded to 8, host slots' as a host array of their real rows (placed
+    again as a host batch, CONTRACT 'Sentinels'), and the DECODE resolves the stashed
+    tokens."""
     fm = fj.FutureMap(16, batch_buckets=(4,), token_buckets=(2, 8))
     if given == "host":
         slots: Any = np.array([1, 2, 3], np.int32)
@@ -1123,7 +1125,8 @@ def test_the_batch_finish_returns_feeds_back_when_the_batch_bucket_is_no_token_b
     batch = fj.Batch(fj.ForwardMode.EXTEND, slots, ids, lens - 1)
     fm.resolve(batch)
     after = fm.finish(batch, slots, lens, tokens)
-    assert after.input_ids.shape == (8,) and after.seq_lens.shape == (4,)
+    want = ((3,), (3,)) if given == "host" else ((8,), (4,))
+    assert (after.input_ids.shape, after.seq_lens.shape) == want
     res = fm.resolve(after._replace(forward_mode=fj.ForwardMode.DECODE))
     np.testing.assert_array_equal(np.asarray(res.input_ids)[:3], [9, 8, 7])
     np.testing.assert_array_equal(np.asarray(res.seq_lens)[:3], [2, 2, 2])

@@ -1,11 +1,9 @@
-"""Size buckets: host arrays padded so that a bounded set of shapes reaches the compiler;
-an input's row layout (`Rows`)."""
+"""Size buckets: host arrays padded so that a bounded set of shapes reaches the compiler."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -100,41 +98,3 @@ def pad_to_bucket(x: np.ndarray, buckets: Sequence[int] | None = None) -> np.nda
     a = np.asarray(x)
     bs = normalize_buckets(buckets) if buckets is not None else power_of_two_buckets(8192)
     return pad_rows(a, bucket_for(a.shape[0], bs, "rows"))
-
-
-Placer = Callable[[Any], Any] | None
-"""A value of a decided layout -> what the executable takes; None: taken as it is."""
-
-
-class Rows(NamedTuple):
-    """One input's row layout (which inputs matched to it follow) and its placer; with
-    `array`, a value placed.
-
-    Attributes:
-      array: what the executable takes (a host array, or the caller's jax array); None in
-        a decision.
-      size: rows per DP rank after padding (a bucket size).
-      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
-      by_rank: given as a mapping DP rank -> rows.
-      place: the placer of values of this layout (None: a jax array, taken as it is).
-    """
-
-    array: Any
-    size: int
-    counts: tuple[int, ...] | None
-    by_rank: bool
-    place: Placer = None
-
-    @property
-    def empty(self) -> bool:
-        """No real row on any rank (an idle call)."""
-        return self.counts is not None and not any(self.counts)
-
-    def has_rows(self, rank: int) -> bool:
-        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
-        return self.counts is None or bool(self.counts[rank])
-
-    def placed(self, x: Any) -> Rows:
-        """`x` placed, with this row layout."""
-        place = self.place
-        return Rows(x if place is None else place(x), self.size, self.counts, self.by_rank, place)

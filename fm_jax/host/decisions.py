@@ -7,6 +7,14 @@ assembled, the batch's value rules. `Decision.run(values)` places every call of 
 its first included; a call with no layout (a mapping of ranks, a list, a plain int mode)
 is decided afresh each time. The `Key` names the executable: the class, its engine steps,
 warm-up and the serving guard all key executables by it.
+
+Packing: one host-to-device transfer for every host array of a call (each numpy argument
+of a jitted call is its own transfer, 30-55 us of host time apiece on a GPU host). `pack`
+lays every host leaf end to end in one uint32 buffer, each leaf on a word; inside the jit
+`unpack` slices each leaf out and bitcasts it to its dtype. Words, not bytes: a 4-byte
+leaf comes back by an elementwise bitcast that XLA fuses into its consumers (from bytes it
+would be a reduction with a kernel of its own). Device leaves pass through. A call's
+`PackSpec` is static: part of the executable's key.
 """
 
 from __future__ import annotations
@@ -15,10 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from fm_jax.host.buckets import Rows
-from fm_jax.host.pack import PackSpec, pack, pack_leaves
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.relay_fields import DraftPayload
 from fm_jax.ops.types import Batch, ForwardMode
@@ -32,15 +39,13 @@ class Key(NamedTuple):
     """One executable: an operation and the static sizes and inputs it was traced for.
 
     Attributes:
-      op: a class entry point ('publish', 'stash', 'finish', 'sentinels', 'seq_lens_at',
+      op: a class entry point ('publish', 'stash', 'finish', 'seq_lens_at',
         'resolve') or an engine's whole 'step'.
       rows: rows per DP rank (a batch bucket).
       tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
       draft, slots: a resolve with draft indices; with token slots.
       mode: a resolve's kind fixed in it ('extend': not DECODE, 'decode') or 'traced' (an
         argument); a step's fixed mode is its ForwardMode's name; '' for the other ops.
-      checked: a debug map's tail op with its slot checks (False: slots already checked,
-        on the host or by the last resolve).
       ids: a resolve that places input ids (False: a gather-protocol DECODE, T = B).
       confidence: a publish or finish that also writes confidence rows (and returns a copy
         of the confidence buffer for its host ring).
@@ -53,7 +58,6 @@ class Key(NamedTuple):
     draft: bool = False
     slots: bool = False
     mode: str = ""
-    checked: bool = True
     ids: bool = True
     confidence: bool = False
     omits: tuple[str, ...] = ()
@@ -61,11 +65,10 @@ class Key(NamedTuple):
     @property
     def name(self) -> str:
         """The executable's name as `FutureMap.executables()` and warm-up reports give it:
-        'resolve_fixed_extend', 'unchecked_publish', 'step_fixed_mixed', 'resolve'."""
+        'resolve_fixed_extend', 'publish', 'step_fixed_mixed', 'resolve'."""
         fixed = self.mode in FIXED_MODES
         base = f"{self.op}_fixed_{self.mode}" if fixed else self.op
-        base += "_with_confidence" if self.confidence else ""
-        return base if self.checked else f"unchecked_{base}"
+        return base + ("_with_confidence" if self.confidence else "")
 
     def describe(self) -> str:
         """The key in words: the op and its per-rank sizes."""
@@ -78,15 +81,163 @@ class Key(NamedTuple):
         )
 
 
-def writes_state(op: str, debug: bool) -> bool:
-    """Whether `op` writes the map's state, so takes it donated (resolve only in debug:
-    the consume poison)."""
-    return op in ("publish", "stash", "finish", "step") or (debug and op == "resolve")
+Placer = Callable[[Any], Any] | None
+"""A value of a decided layout -> what the executable takes; None: taken as it is."""
 
 
-def takes_state(op: str) -> bool:
-    """Whether `op`'s executable takes the state first (all but the sentinels)."""
-    return op != "sentinels"
+class Rows(NamedTuple):
+    """One input's row layout (which inputs matched to it follow) and its placer; with
+    `array`, a value placed.
+
+    Attributes:
+      array: what the executable takes (a host array, or the caller's jax array); None in
+        a decision.
+      size: rows per DP rank after padding (a bucket size).
+      counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
+      by_rank: given as a mapping DP rank -> rows.
+      place: the placer of values of this layout (None: a jax array, taken as it is).
+    """
+
+    array: Any
+    size: int
+    counts: tuple[int, ...] | None
+    by_rank: bool
+    place: Placer = None
+
+    @property
+    def empty(self) -> bool:
+        """No real row on any rank (an idle call)."""
+        return self.counts is not None and not any(self.counts)
+
+    def has_rows(self, rank: int) -> bool:
+        """Whether DP rank `rank` has real rows (a jax array's are not read: taken as yes)."""
+        return self.counts is None or bool(self.counts[rank])
+
+    def placed(self, x: Any) -> Rows:
+        """`x` placed, with this row layout."""
+        place = self.place
+        return Rows(x if place is None else place(x), self.size, self.counts, self.by_rank, place)
+
+
+Leaf = tuple[int, tuple[int, ...], np.dtype] | None
+"""A packed leaf's (word offset, shape, dtype); None for a leaf passed as it is."""
+
+WORD = 4
+"""Bytes per word of the packed buffer (uint32)."""
+
+
+class PackSpec:
+    """Where each leaf of a call's argument tree lives: static, hashable (its hash made
+    once: it is looked up on every call).
+
+    Attributes:
+      treedef: the argument tree's structure.
+      leaves: per leaf, its (word offset, shape, dtype), or None for a device leaf.
+      nbytes: the packed buffer's size in bytes, whole words (0: nothing packed).
+      words, same: every host leaf is 4 bytes wide (its words go in as they are); and
+        of one dtype (the leaves concatenated, viewed once).
+    """
+
+    __slots__ = ("_hash", "leaves", "nbytes", "same", "treedef", "words")
+
+    def __init__(self, treedef: Any, leaves: tuple[Leaf, ...], nbytes: int) -> None:
+        self.treedef = treedef
+        self.leaves = leaves
+        self.nbytes = nbytes
+        self._hash = hash((treedef, leaves, nbytes))
+        dtypes = {leaf[2] for leaf in leaves if leaf is not None}
+        self.words = all(d.itemsize == WORD for d in dtypes)
+        self.same = self.words and len(dtypes) == 1
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, PackSpec) or self._hash != other._hash:
+            return False
+        return (self.treedef, self.leaves, self.nbytes) == (
+            other.treedef,
+            other.leaves,
+            other.nbytes,
+        )
+
+    def __repr__(self) -> str:
+        return f"PackSpec({self.nbytes} bytes, {len(self.leaves)} leaves)"
+
+
+def _words(nbytes: int) -> int:
+    return -(-nbytes // WORD)
+
+
+def pack(tree: Any) -> tuple[PackSpec, np.ndarray | None, tuple[Any, ...]]:
+    """Split `tree`'s leaves into (spec, one packed uint32 buffer of its numpy leaves or
+    None when it has none, its other leaves in order). Pad bytes after a leaf are zero."""
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    spec: list[Leaf] = []
+    host: list[np.ndarray] = []
+    device: list[Any] = []
+    offset = 0  # words
+    for x in flat:
+        if isinstance(x, np.ndarray | np.generic):
+            a = np.asarray(x)
+            # The dtype itself (hashable, no name lookup; bf16's .str is the opaque '|V2').
+            spec.append((offset, a.shape, a.dtype))
+            host.append(a)
+            offset += _words(a.nbytes)
+        else:
+            spec.append(None)
+            device.append(x)
+    packed = PackSpec(treedef, tuple(spec), offset * WORD)
+    return packed, pack_leaves(packed, host), tuple(device)
+
+
+def pack_leaves(spec: PackSpec, host: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The host leaves of a call laid out by `spec`, in its order, in one uint32 buffer
+    (None when there are none)."""
+    if not host:
+        return None
+    if spec.same:  # one 4-byte dtype: their words end to end
+        return np.concatenate(host, axis=None).view(np.uint32)
+    if spec.words:
+        parts = [(a if a.ndim == 1 else a.reshape(-1)).view(np.uint32) for a in host]
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+    raw: list[np.ndarray] = []
+    for a in host:
+        x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        raw += [x, np.zeros(-x.size % WORD, np.uint8)]
+    return np.concatenate(raw).view(np.uint32)
+
+
+def _leaf(packed: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """Inside jit: the leaf at word `offset` of `packed` (uint32), at its shape and dtype."""
+    if dtype.kind == "c":
+        # No bitcast makes a complex number: its interleaved parts come out as floats.
+        part = np.dtype(f"float{4 * dtype.itemsize}")
+        parts = _leaf(packed, offset, (*shape, 2), part)
+        return jax.lax.complex(parts[..., 0], parts[..., 1])
+    n = int(np.prod(shape, dtype=np.int64))
+    size = dtype.itemsize
+    words = jax.lax.slice(packed, (offset,), (offset + _words(n * size),))
+    if size == WORD:  # elementwise, same shape: fuses into the consumers
+        value = jax.lax.bitcast_convert_type(words, dtype)
+    elif size > WORD:  # 8-byte leaves: each value from size // WORD words
+        value = jax.lax.bitcast_convert_type(words.reshape(n, size // WORD), dtype)
+    else:  # 1- and 2-byte leaves: each word holds WORD // size values, then the pad goes
+        as_int = np.dtype(f"uint{8 * size}")
+        parts = jax.lax.bitcast_convert_type(words, as_int).reshape(-1)[:n]
+        value = parts != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(parts, dtype)
+    return jnp.reshape(value, shape)
+
+
+def unpack(spec: PackSpec, packed: Any, device: tuple[Any, ...]) -> Any:
+    """Inside jit: the tree `pack` split, host leaves sliced from `packed` at their dtype."""
+    out = []
+    it = iter(device)
+    for leaf in spec.leaves:
+        out.append(next(it) if leaf is None else _leaf(packed, *leaf))
+    return jax.tree_util.tree_unflatten(spec.treedef, out)
 
 
 class Placed(NamedTuple):
@@ -190,14 +341,12 @@ class Decision:
     """How every call of one layout is placed.
 
     Args:
-      key: the executable's key (`key_for` may pick its checked twin per call).
+      key: the executable's key.
       placers: per value, in the call's order, its placer (None: taken as it is).
       assemble: the placed values -> the executable's arguments.
       idx: the slots' layout; `idx_at` their position among the values.
       lens_at: a tail's lengths' position (its host copy), or None.
       batch_check: the batch's value rules on a call's values and placed arrays, or None.
-      key_for: a debug map's tail op: whether the placed slots still need their device
-        check (True picks the checked key), or None.
       packed: the arguments go as one packed host buffer and the device leaves (a step).
     """
 
@@ -211,7 +360,6 @@ class Decision:
         idx_at: int,
         lens_at: int | None = None,
         batch_check: Callable[[Sequence[Any], list[Any]], None] | None = None,
-        key_for: Callable[[Rows], bool] | None = None,
         packed: bool = False,
     ) -> None:
         self.key = key
@@ -219,8 +367,6 @@ class Decision:
         self.assemble = assemble
         self.idx, self.idx_at, self.lens_at = idx, idx_at, lens_at
         self.batch_check = batch_check
-        self.key_for = key_for
-        self._keys = (key._replace(checked=False), key._replace(checked=True))
         self.packed = packed
         self.pack: PackSpec | None = None  # a step's, laid out by its first call
         self._host: list[int] = []  # positions of the packed host leaves among the values
@@ -233,7 +379,7 @@ class Decision:
             self.batch_check(values, placed)
         idx = self.idx
         rows = Rows(placed[self.idx_at], idx.size, idx.counts, idx.by_rank, idx.place)
-        key = self.key if self.key_for is None else self._keys[self.key_for(rows)]
+        key = self.key
         lens = None if self.lens_at is None else placed[self.lens_at]
         if not self.packed:
             return Placed(key, self.assemble(placed), None, rows, lens)

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import Placer, Rows, bucket_for, pad_rows
+from fm_jax.host.buckets import bucket_for, decode_ids, pad_rows
+from fm_jax.host.decisions import Placer, Rows
 from fm_jax.host.validate import INTS, HostChecks, StepInput, row_kind
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
@@ -334,6 +335,20 @@ class HostInputs:
                 else self.matched(name, value, idx, f.dtype, relayed=f.consumed)
             )
         return tuple(leaves), placers
+
+    def sentinels(self, indices: Any, idx: Rows) -> Any:
+        """The sentinels of host slots given as a mapping DP rank -> slots (`indices`,
+        placed as `idx`), made on the host: global device arrays padded per rank, the ids
+        further to the token bucket of the rows (as a step's tail pads them:
+        `buckets.decode_ids`)."""
+        parts = {int(r): -np.asarray(v, self.dtype) for r, v in indices.items()}
+
+        def padded(size: int) -> Any:
+            out = self.layout.global_array(parts, size, self._zeros)
+            return jax.device_put(out, self.layout.sharding) if type(out) is np.ndarray else out
+
+        lens, ids = padded(idx.size), decode_ids(idx.size, self.token_buckets)
+        return lens if ids == idx.size else (padded(ids), lens)
 
     def unpad(self, host: np.ndarray, like: Rows) -> Any:
         """Host rows laid out like `like`, padding removed, in the form `like` was given

@@ -9,24 +9,24 @@ by running that decision: value checks, padding, packing. A refusal leaves the m
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import Rows, resolve_sizes
+from fm_jax.host.buckets import resolve_sizes
 from fm_jax.host.decisions import (
     Decision,
     Key,
     Placed,
+    Rows,
     constant,
     payload_kind,
     payload_values,
     resolve_values,
     signature,
 )
-from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.validate import (
     Given,
     StepInput,
@@ -47,16 +47,10 @@ layout is decided at each of its calls."""
 
 
 class Placement:
-    """Placement for one map: its host inputs, protocol, spec fields and debug mode."""
+    """Placement for one map: its host inputs, protocol and spec fields."""
 
-    def __init__(
-        self, inputs: HostInputs, protocol: Protocol, spec: SpecConfig | None, *, debug: bool
-    ) -> None:
-        self.inputs = inputs
-        self.debug = debug
-        # Debug: the jax array of slots the last resolve checked on the device (set by the
-        # map): a tail op or the sentinels at those very slots need no check of their own.
-        self.last_checked: Callable[[], Any] = lambda: None
+    def __init__(self, inputs: Any, protocol: Protocol, spec: SpecConfig | None) -> None:
+        self.inputs = inputs  # its HostInputs
         self.protocol = protocol
         self.spec = spec
         self.fields = spec.fields() if spec is not None else ()
@@ -113,18 +107,23 @@ class Placement:
         return decision.run(given)
 
     def slots_op(self, op: str, indices: Any, rows: int | None = None) -> Placed:
-        """The sentinels or `seq_lens_at` of slots `indices`."""
+        """`seq_lens_at` or (device slots) the sentinels of slots `indices`."""
         idx = self.inputs.flat("indices", indices, rows, slots=True).placed(indices)
-        checked = self._checked(idx, False) if op == "sentinels" else True
-        return Placed(Key(op, idx.size, checked=checked), (idx.array,), None, idx)
+        return Placed(Key(op, idx.size), (idx.array,), None, idx)
 
-    def _checked(self, idx: Rows, values_on_device: bool) -> bool:
-        """Whether a debug map's tail op checks its slots on the device: for values given
-        as jax arrays, and for jax-array slots unless the last resolve checked that very
-        array (host slots are checked here). Without debug, one executable per op: True."""
-        if not self.debug or values_on_device:
-            return True
-        return idx.counts is None and idx.array is not self.last_checked()
+    def next_batch(self, batch: Any, indices: Any, idx: Rows, sentinels: Any = None) -> Any:
+        """`batch` for the next step (docs/CONTRACT.md, 'Sentinels'): in the sentinel
+        protocol its ids and lengths the sentinels of slots `indices` (placed as `idx`):
+        host slots' made on the host (global rows: their real rows); device slots'
+        `sentinels`, made on the device (by a step's or finish's tail, or invalidate)."""
+        protocol = self.protocol
+        if not protocol.invalidates:
+            return batch
+        if idx.counts is not None and not idx.by_rank:  # host slots: their real rows
+            sentinels = -np.asarray(indices, self.inputs.dtype)
+        elif idx.counts is not None:
+            sentinels = self.inputs.sentinels(indices, idx)
+        return protocol.next_batch(batch, sentinels)
 
     # ------------------------------------------------------------------ a batch
     def decide(
@@ -320,8 +319,6 @@ class Placement:
             if confidence is None
             else inputs.matched("confidence", confidence, idx, CONFIDENCE_DTYPE)
         )
-        given = (lens, payload) if op == "finish" else lens if op == "publish" else payload
-        on_dev = on_device((given, confidence))
         key = Key(op, idx.size, confidence=confidence is not None, omits=omits)
         names = [f.name for f in self.fields]
         spec = self.spec
@@ -340,21 +337,8 @@ class Placement:
             idx=idx,
             idx_at=0,
             lens_at=None if op == "stash" else 1,
-            key_for=lambda rows: self._checked(rows, on_dev),
         )
         return decision, (indices, lens, *leaves, confidence)
-
-
-def on_device(x: Any) -> bool:
-    """Whether `x` (an input as given: rows, a DraftPayload, a mapping or a tuple of them)
-    holds a jax array: not read on the host, so a debug map checks it on the device."""
-    if type(x) is np.ndarray:  # the per-step case, kept short
-        return False
-    if isinstance(x, jax.Array):
-        return True
-    if isinstance(x, Mapping):
-        x = list(x.values())
-    return isinstance(x, tuple | list) and any(on_device(v) for v in x)
 
 
 def _batch_check(

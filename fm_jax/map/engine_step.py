@@ -7,7 +7,7 @@ then runs one executable through the map's runtime: resolve at the head, `forwar
 resolved ids and lengths, publish, stash and (sentinel protocol) the sentinels at the
 tail; the map's state and the arguments named by `donate_argnums` donated. The map adds
 no dispatch and no host sync. Executables are keyed like resolve's plus the packing
-layout, in the step's own registry; `warm_up` compiles them for the map's buckets (with
+layout, in the map's registry; `warm_up` compiles them for the map's buckets (with
 `guard=True` serving then refuses any call that would compile). Debug errors go to the
 map's channel (`FutureMap.check()`).
 """
@@ -19,14 +19,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fm_jax.host.decisions import FIXED_MODES, Key
-from fm_jax.host.pack import PackSpec, unpack
+from fm_jax.host.decisions import FIXED_MODES, Key, PackSpec, unpack
 from fm_jax.host.place import Placement
 from fm_jax.host.validate import StepInput, check_declared
-from fm_jax.map.executables import Call, Registry, WarmUpReport, tail
-from fm_jax.map.warm_up import empty_batches, empty_inputs, on_device
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
@@ -95,6 +91,10 @@ class EngineStep:
         ops: FutureMapOps,
         placement: Placement,
         runtime: Any,
+        registry: Any,
+        tail: Callable[..., Any],
+        plan: Callable[..., list[Any]],
+        warm: Callable[..., Any],
         inputs: Sequence[StepInput] = (),
         donate_argnums: Sequence[int] = (),
         options: Mapping[str, Any],
@@ -125,10 +125,11 @@ class EngineStep:
         self._ops = ops
         self._placement = placement
         self._runtime = runtime
-        self._protocol = protocol = placement.protocol
+        self._protocol = placement.protocol
         self._options = dict(options)
-        self._tail = tail(ops, protocol, placement.inputs.token_buckets, what="", owned=self._owned)
-        self._registry = Registry(self._build, self._not_warmed)
+        self._tail = tail(owned=self._owned)
+        self._registry = registry  # the map's: this step's executables beside the class's
+        self._plan, self._warm = plan, warm
         # The declared fields each executable family's forward leaves out of its payload
         # (recorded when traced: a payload's fields are its pytree structure).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
@@ -175,7 +176,7 @@ class EngineStep:
                 raise errors.generation_without_confidence("the engine step", relay=False)
             placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
             gens = None if ring is None else ring.generations(generation, placed.idx)
-            exe = self._registry.executable(placed.key, placed.pack, len(args))
+            exe = self._registry.executable(placed.key, placed.pack, len(args), self._build)
             ops = ("resolve", "finish") if runtime.debug is not None else ()
             out = runtime.run(
                 exe,
@@ -193,16 +194,15 @@ class EngineStep:
             if runtime.unstashed is not None:
                 family = (placed.key.mode, placed.pack, len(args))
                 runtime.stashed(placed.idx, self._omits.get(family, ()))
-        if sentinels is None:
-            return StepResult(result, batch)
-        if isinstance(batch, Mapping):  # per rank: the global sentinels, like `finish`'s
-            slots = placed.idx.array
-            return StepResult(
-                result, self._protocol.next_batch(Batch(None, slots, slots, slots), sentinels)
-            )
-        if placed.idx.counts is not None:  # host slots: the sentinels -slot of their rows
-            sentinels = -np.asarray(batch.req_pool_indices, self._placement.inputs.dtype)
-        return StepResult(result, self._protocol.next_batch(batch, sentinels))
+        given: Any = None
+        if not isinstance(batch, Mapping):
+            given = batch.req_pool_indices
+        else:  # one global batch (the gather protocol: as given)
+            given = {r: b.req_pool_indices for r, b in batch.items()}
+            if self._protocol.invalidates:
+                slots = placed.idx.array
+                batch = Batch(None, slots, slots, slots)
+        return StepResult(result, self._placement.next_batch(batch, given, placed.idx, sentinels))
 
     # ---------------------------------------------------------------------- executables
     def _not_warmed(self, key: Key) -> str:
@@ -246,7 +246,7 @@ class EngineStep:
         forward, tail_fn, ops, owned = self._forward, self._tail, self._ops, self._owned
         fields = self._placement.fields
         debug, dtype = self._runtime.debug, ops.dtype
-        copies_lengths = self._runtime.host_lengths is not None
+        copies_lengths = self._runtime.copies_lengths
         rows_of = ops.map_ranks(gather)  # each rank's buffer rows at its slots
 
         def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,7 +296,7 @@ class EngineStep:
     # -------------------------------------------------------------------------- warm-up
     def warm_up(
         self, *args: Any, guard: bool = False, traced_modes: bool = True, threads: int | None = None
-    ) -> WarmUpReport:
+    ) -> Any:  # a WarmUpReport
         """Compile the step for every bucket serving reaches, ahead of time: resolve's
         batches (`FutureMap.warm_up`) with zeros for the declared inputs, placed through
         the map's placement fed as serving feeds them: host arrays, and (in one process)
@@ -311,24 +311,15 @@ class EngineStep:
           traced_modes: also warm a traced forward mode (see `FutureMap.warm_up`).
           threads: compile threads; default min(8, CPU count).
         """
-        runtime, placement = self._runtime, self._placement
+        runtime = self._runtime
         with runtime.lock:
             runtime.refuse_if_lost()
-            layout = placement.inputs.layout
-            calls: list[Call] = []
-            for e in empty_batches(
-                placement.inputs,
-                self._protocol,
-                placement.spec,
-                traced_modes=traced_modes,
-                step=True,
-            ):
-                zeros = empty_inputs(self._placed, e.batch, e.rows, e.tokens, placement.dp)
-                fed: list[tuple[Batch, Any, int | None, int | None]]
-                fed = [(e.batch, zeros, e.rows, e.tokens)]
-                if layout.single_process:  # jax arrays as they are: their own sizes
-                    fed.append((*on_device(e, zeros, placement.inputs), None, None))
-                for batch, inputs, rows, tokens in fed:
-                    p = placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
-                    calls.append((p.key, p.pack, (runtime.state, *p.args, *args), len(args)))
-            return self._registry.warm_up(calls, guard=guard, threads=threads)
+            calls = self._plan(self._placement, self._placed, runtime.state, args, traced_modes)
+            return self._warm(
+                self._registry,
+                calls,
+                guard=guard,
+                threads=threads,
+                build=self._build,
+                refusal=self._not_warmed,
+            )

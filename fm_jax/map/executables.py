@@ -1,11 +1,7 @@
-"""Executables: the class's jitted entry points, the registry (key -> executable, the
-only place that compiles), its warm-up and serving guard, and the XLA options.
-
-`entry_points` builds the jitted function of one key family (an op and its mode); each
-argument is placed by the jit with the layout's sharding: one call, one dispatch.
-`Registry.executable(key, pack)` is the family's jitted function or, after
-`warm_up(guard=True)`, the executable compiled for exactly that key and packing layout:
-any other call is refused by name. Warm-up compiles on threads (XLA releases the GIL).
+"""Executables: what the class jits (`entry_points`: one function per key family, an op
+and its mode; each argument placed by the jit with the layout's sharding: one call, one
+dispatch), a step's tail, the XLA options, and a map's ops, layout, buckets and initial
+state assembled from its constructor's arguments (`assemble`, each argument checked).
 
 Compiler options. XLA:CPU's parallel task assigner splits an instruction over threads once
 the bytes it may touch pass 256 KB: for a gather or scatter, the whole pool. From R ~ 64K
@@ -17,160 +13,26 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
-from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import Mesh
 
+from fm_jax.host import buckets as bk
 from fm_jax.host.buckets import decode_ids
-from fm_jax.host.decisions import FIXED_MODES, Key, writes_state
-from fm_jax.host.pack import PackSpec
+from fm_jax.host.decisions import FIXED_MODES, Key, PackSpec
+from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops import checks
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.ops import future_map
-from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.relay_fields import payload_rows
+from fm_jax.ops.protocol import Protocol, parse_protocol
+from fm_jax.ops.relay_fields import SpecConfig, payload_rows
 from fm_jax.ops.rows import gather
-from fm_jax.ops.sharding import check_split
+from fm_jax.ops.sharding import MeshLayout, check_split, lift, mesh_layout, single_device_layout
 from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState
-
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache
-
-
-@dataclass(frozen=True)
-class WarmUpReport:
-    """What a warm-up made ready: `executables` (per name, as in `FutureMap.executables()`:
-    `by_op`), of which `compiled` by XLA and `from_cache` loaded from JAX's persistent
-    compilation cache, in `seconds` of wall time."""
-
-    executables: int
-    compiled: int
-    from_cache: int
-    seconds: float
-    by_op: dict[str, int] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return (
-            f"fm_jax warm-up: {self.executables} executables in {self.seconds:.2f} s "
-            f"({self.compiled} compiled, {self.from_cache} from the persistent cache)"
-        )
-
-
-class Guarded:
-    """A compiled executable that refuses, instead of compiling, arguments it was not
-    built for."""
-
-    __slots__ = ("compiled", "key")
-
-    def __init__(self, compiled: Any, key: Key) -> None:
-        self.compiled = compiled
-        self.key = key
-
-    def __call__(self, *args: Any) -> Any:
-        try:
-            return self.compiled(*args)
-        except (TypeError, ValueError) as e:  # arguments not matched: nothing ran
-            raise FutureMapError(
-                f"serving guard: {self.key.describe()} was warmed for other arguments and "
-                f"would compile again: {e}"
-            ) from None
-
-
-Call = tuple[Key, PackSpec | None, tuple[Any, ...], int]
-"""A call to warm: key, packing layout, every argument, how many are an engine step's."""
-
-
-class Registry:
-    """Executables by key: `build(key, pack, nargs)` makes the jitted function of a key's
-    family fed as `pack` lays out (None: placed arrays) taking `nargs` engine arguments,
-    once per family; `refusal(key)` is the guard's words for a key warm-up did not make."""
-
-    def __init__(
-        self, build: Callable[[Key, PackSpec | None, int], Any], refusal: Callable[[Key], str]
-    ) -> None:
-        self._build = build
-        self._refusal = refusal
-        self._jitted: dict[tuple[Any, ...], Any] = {}
-        self._serving: dict[tuple[Key, PackSpec | None], Guarded] | None = None
-
-    def jitted(self, key: Key, pack: PackSpec | None = None, nargs: int = 0) -> Any:
-        """The jitted function of `key`'s family (built on first use)."""
-        family = (key.op, key.mode, key.checked, key.confidence, nargs, pack)
-        fn = self._jitted.get(family)
-        if fn is None:
-            fn = self._jitted[family] = self._build(key, pack, nargs)
-        return fn
-
-    def executable(self, key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
-        """What serves `key` fed as `pack` lays out: the jitted function, or under the
-        serving guard the warmed executable (FutureMapError if there is none)."""
-        if self._serving is None:
-            return self.jitted(key, pack, nargs)
-        exe = self._serving.get((key, pack))
-        if exe is None:
-            raise FutureMapError(self._refusal(key))
-        return exe
-
-    def warm_up(self, calls: Sequence[Call], *, guard: bool, threads: int | None) -> WarmUpReport:
-        """Compile `calls` (nothing runs, nothing is donated); with `guard`, serve only
-        them afterwards. Returns what was compiled."""
-        t0 = time.perf_counter()
-        # One executable per key and packing layout (calls that place alike compile once).
-        unique: dict[tuple[Key, PackSpec | None], Call] = {}
-        for call in calls:
-            unique.setdefault((call[0], call[1]), call)
-        calls = list(unique.values())
-        lowered = [self.jitted(k, pack, n).trace(*args).lower() for k, pack, args, n in calls]
-        workers = threads or min(8, os.cpu_count() or 1)
-        with _counting_compiles() as counts, ThreadPoolExecutor(max_workers=workers) as pool:
-            compiled = list(pool.map(lambda lo: lo.compile(), lowered))
-        by_op: dict[str, int] = {}
-        for key, _, _, _ in calls:
-            by_op[key.name] = by_op.get(key.name, 0) + 1
-        self._serving = None
-        if guard:
-            self._serving = {
-                (key, pack): Guarded(c, key)
-                for (key, pack, _, _), c in zip(calls, compiled, strict=True)
-            }
-        return WarmUpReport(
-            executables=len(calls),
-            compiled=counts[_COMPILE_EVENT] - counts[_CACHE_HIT_EVENT],
-            from_cache=counts[_CACHE_HIT_EVENT],
-            seconds=time.perf_counter() - t0,
-            by_op=by_op,
-        )
-
-
-@contextmanager
-def _counting_compiles() -> Iterator[dict[str, int]]:
-    """Count the process's compiles (and cache loads) and persistent-cache loads inside
-    the block, every thread's, by event name."""
-    counts = dict.fromkeys((_COMPILE_EVENT, _CACHE_HIT_EVENT), 0)
-    lock = threading.Lock()
-
-    def seen(event: str, *args: Any, **kwargs: Any) -> None:
-        if event in counts:
-            with lock:
-                counts[event] += 1
-
-    monitoring.register_event_duration_secs_listener(seen)
-    monitoring.register_event_listener(seen)
-    try:
-        yield counts
-    finally:
-        monitoring.unregister_event_duration_listener(seen)
-        monitoring.unregister_event_listener(seen)
-
 
 CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
 """The XLA:CPU pass that splits instructions over threads (by bytes, not by work)."""
@@ -343,7 +205,7 @@ def _op_body(
             return out if debug else out[1]
 
         return resolve
-    if key.op == "sentinels":
+    if key.op == "sentinels":  # device slots' (host slots' are made on the host)
 
         def local_sentinels(indices: jax.Array) -> Any:
             if debug:  # each rank's slots checked as every op's are
@@ -352,7 +214,8 @@ def _op_body(
                 chk.run()
             return _sentinels(protocol, indices, local.dtype, token_buckets)
 
-        return ops.map_ranks(local_sentinels)
+        mapped = ops.map_ranks(local_sentinels)
+        return lambda state, indices: mapped(indices)  # the state only read: not donated
     if key.op == "finish":
         finish = tail(ops, protocol, token_buckets)
         return with_confidence_copy(finish) if key.confidence else finish
@@ -381,7 +244,7 @@ def entry_points(
     options: dict[str, str],
 ) -> Callable[[Key, PackSpec | None, int], Any]:
     """The builder of the class's jitted entry points: the state (argument 0) donated
-    where the op writes it (`decisions.writes_state`), compiled with `options`; with a
+    where the op writes it, compiled with `options`; with a
     debug channel `debug`, each returns (packed error, outputs)."""
     layout = ops.layout
     sh = layout.sharding
@@ -393,8 +256,85 @@ def entry_points(
         if debug is not None:
             fn = debug.checked(fn)
         assert pack is None, "a class call is fed placed arrays"
-        donate = (0,) if writes_state(key.op, debug is not None) else ()
+        # The ops that write the state take it donated (resolve in debug: the poison).
+        writes = key.op in ("publish", "stash", "finish") or (debug and key.op == "resolve")
+        donate = (0,) if writes else ()
         shardings = (sh, batch_sh) if key.op == "resolve" else sh
         return jax.jit(fn, in_shardings=shardings, donate_argnums=donate, compiler_options=options)
 
     return build
+
+
+class MapParts(NamedTuple):
+    """What a map is built from (`FutureMap` assembles the rest)."""
+
+    layout: MeshLayout
+    ops: FutureMapOps
+    inputs: HostInputs
+    protocol: Protocol
+    fresh: Callable[[], FutureMapState]
+    state: FutureMapState
+    platform: str
+
+
+def assemble(
+    pool_size: int,
+    mesh: Mesh | None,
+    dp_axis: str | None,
+    tp_axis: str | None,
+    dtype: Any,
+    spec: SpecConfig | None,
+    debug: bool,
+    batch_buckets: Any,
+    token_buckets: Any,
+    device: Any,
+    protocol: str,
+    needs_cpu_seq_lens: bool,
+) -> MapParts:
+    """A map's parts from `FutureMap`'s arguments (documented there), each checked."""
+    if mesh is not None and device is not None:
+        raise FutureMapError("pass a mesh or a device, not both")
+    if device is not None and not isinstance(device, jax.Device):
+        raise FutureMapError(f"device must be a jax.Device, got {device!r}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+    layout = (
+        single_device_layout(device or jax.devices()[0])
+        if mesh is None
+        else mesh_layout(mesh, dp_axis, tp_axis)
+    )
+    local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
+    platform = layout.mesh.devices.flat[0].platform
+    if local.spec is not None and local.spec.kernel == "pallas" and platform not in ("cpu", "gpu"):
+        raise FutureMapError(
+            f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
+            f"lowering for {platform}; use kernel='xla'"
+        )
+    ops = lift(local, layout)
+    proto = parse_protocol(local.protocol)
+    batch_buckets = bk.normalize_buckets(
+        bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
+    )
+    token_buckets = bk.normalize_buckets(
+        bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
+    )
+    if token_buckets[-1] < batch_buckets[-1]:
+        raise FutureMapError(
+            f"token_buckets {token_buckets} must reach the largest batch bucket "
+            f"{batch_buckets[-1]}: a batch of B rows carries at least B tokens (a DECODE "
+            "row one), so the largest token bucket must be >= the largest batch bucket "
+            "(or a resolve of those rows, and warm_up, could not be placed)"
+        )
+    inputs = HostInputs(layout, pool_size, local.dtype, batch_buckets, token_buckets, proto)
+    fresh: Callable[[], FutureMapState] = jax.jit(ops.init, out_shardings=layout.sharding)
+    try:
+        state = fresh()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise FutureMapError(
+            f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
+        ) from None
+    if not isinstance(needs_cpu_seq_lens, bool):
+        raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
+    return MapParts(layout, ops, inputs, proto, fresh, state, platform)

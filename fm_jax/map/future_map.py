@@ -9,6 +9,7 @@ executable for that key -> `runtime.run` (the state donated, the debug error rec
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -18,16 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fm_jax.host.decisions import Key, Placed, takes_state
+from fm_jax.host.decisions import Key, Placed
+from fm_jax.host.place import Placement
 from fm_jax.host.validate import StepInput
 from fm_jax.map import host_reads
+from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.engine_step import EngineStep, Forward
-from fm_jax.map.executables import WarmUpReport
-from fm_jax.map.host_reads import ResolvedConfidence
-from fm_jax.map.runtime import assemble, serialized
-from fm_jax.map.warm_up import class_calls
+from fm_jax.map.executables import assemble, compiler_options, entry_points, tail
+from fm_jax.map.host_reads import ConfidenceRing, ResolvedConfidence
+from fm_jax.map.runtime import MapRuntime, Registry, serialized
+from fm_jax.map.warm_up import WarmUpReport, class_calls, not_warmed, step_calls, warm
 from fm_jax.ops import errors
-from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.relay_fields import DraftPayload, SpecConfig
 from fm_jax.ops.sharding import MeshLayout
 from fm_jax.ops.types import Batch, FutureMapState, MixedTails, Resolved, RowsInput
@@ -101,19 +104,29 @@ class FutureMap:
             protocol,
             needs_cpu_seq_lens,
         )
-        inputs, layout = parts.inputs, parts.layout
-        self.ops = parts.ops
-        self._runtime = parts.runtime
-        self._placement = parts.placement
-        self._protocol = parts.protocol
-        self._options = parts.options
-        self._registry = parts.registry
+        layout, inputs, ops, proto = parts.layout, parts.inputs, parts.ops, parts.protocol
+        self.spec: SpecConfig | None = ops.spec
+        # The last publish's lengths on their way to the host (one process only).
+        lengths = needs_cpu_seq_lens and layout.single_process
+        ring = None
+        if self.spec is not None and self.spec.confidence:
+            ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
+        channel = DebugChannel(layout) if debug else None
+        optional = rf.optional(self.spec.fields()) if self.spec is not None else ()
+        host = (channel, lengths, ring, optional, layout.dp, self.spec is not None)
+        self._runtime = MapRuntime(parts.fresh, parts.state, *host)
+        buckets = inputs.token_buckets
+        self._placement = Placement(inputs, proto, self.spec)
+        self._options = compiler_options(parts.platform)
+        build = entry_points(ops, proto, buckets, channel, self._options)
+        self._registry = Registry(build, not_warmed(inputs.batch_buckets, buckets))
+        self.ops = ops
+        self._protocol = proto
         self.layout: MeshLayout = layout
         self.pool_size = pool_size
         self.dtype: np.dtype = inputs.dtype
-        self.spec: SpecConfig | None = self._placement.spec
         self.debug = debug
-        self.protocol: str = self._protocol.name
+        self.protocol: str = proto.name
         self.batch_buckets = inputs.batch_buckets
         self.token_buckets = inputs.token_buckets
         self.local_ranks: tuple[int, ...] = layout.local_ranks()
@@ -145,20 +158,18 @@ class FutureMap:
             self._runtime.reset()
 
     def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
-        """The jitted entry points by name (for compile counting and HLO inspection):
-        `resolve` takes a traced mode, `resolve_fixed_{extend,decode}` a host mode."""
+        """The jitted entry points by name (compile counting, HLO inspection): `resolve`
+        takes a traced mode, `resolve_fixed_{extend,decode}` a host mode, `sentinels`
+        device slots (host slots' sentinels are made on the host)."""
         keys = [Key(op, 0) for op in ("publish", "stash", "finish", "sentinels", "seq_lens_at")]
         keys += [Key("resolve", 0, mode=m) for m in ("traced", "extend", "decode")]
         return {k.name: self._registry.jitted(k) for k in keys}
 
     def _run(self, placed: Placed, op: str, *, new_step: bool = False) -> Any:
         """Placed call `placed` on its executable; its debug error recorded as `op`'s."""
-        key = placed.key
-        exe = self._registry.executable(key, placed.pack)
+        exe = self._registry.executable(placed.key, placed.pack)
         ops = (op,) if self.debug else ()
-        return self._runtime.run(
-            exe, placed.args, ops, call=op, with_state=takes_state(key.op), new_step=new_step
-        )
+        return self._runtime.run(exe, placed.args, ops, call=op, new_step=new_step)
 
     @serialized
     def check(self) -> None:
@@ -191,7 +202,7 @@ class FutureMap:
         calls = class_calls(
             self._placement, self._runtime.state, traced_modes=traced_modes, partial=partial_stashes
         )
-        summary = self._registry.warm_up(calls, guard=guard, threads=threads)
+        summary = warm(self._registry, calls, guard=guard, threads=threads)
         _log.info("%s", summary)
         return summary
 
@@ -218,6 +229,10 @@ class FutureMap:
             ops=self.ops,
             placement=self._placement,
             runtime=self._runtime,
+            registry=self._registry,
+            tail=functools.partial(tail, self.ops, self._protocol, self.token_buckets, ""),
+            plan=step_calls,
+            warm=warm,
             inputs=inputs,
             donate_argnums=donate_argnums,
             options=self._options if compiler_options is None else compiler_options,
@@ -270,20 +285,16 @@ class FutureMap:
         """A step's tail in one donated call: `publish(indices, new_seq_lens,
         confidence=, generation=)`, `stash(indices, payload)`, then `invalidate(batch,
         indices)`. Returns the invalidated batch (the gather protocol: `batch` as given)."""
-        ran, sentinels = self._tail(
+        idx, sentinels = self._tail(
             "finish", indices, new_seq_lens, payload, rows, confidence, generation
         )
-        if not ran and self._protocol.invalidates:  # DP idle: nothing relayed
-            return self._sentinels(batch, indices, rows)
-        if not ran:
-            return batch
-        return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
+        return self._placement.next_batch(batch, indices, idx, sentinels)  # type: ignore[no-any-return]
 
     def _tail(
         self, op: str, indices: Any, lens: Any, payload: Any, rows: Any, confidence: Any, gen: Any
-    ) -> tuple[bool, Any]:
-        """Publish, stash or finish placed and run, with its host bookkeeping: whether it
-        ran (no real row: DP idle, nothing to relay), and finish's sentinels."""
+    ) -> tuple[Any, Any]:
+        """Publish, stash or finish placed and run (unless DP idle: no real row), with its
+        host bookkeeping: the slots as placed, and finish's sentinels (None if not run)."""
         runtime = self._runtime
         if gen is not None and confidence is None:
             raise errors.generation_without_confidence(op, runtime.confidence is not None)
@@ -293,7 +304,7 @@ class FutureMap:
             assert runtime.confidence is not None  # placement refuses it undeclared
             gens = runtime.confidence.generations(gen, placed.idx)  # checked before a run
         if placed.idx.empty:
-            return False, None
+            return placed.idx, None
         out = self._run(placed, op)
         if gens is not None:
             out, copied = out
@@ -304,7 +315,7 @@ class FutureMap:
             runtime.published(placed.idx, placed.lens, copied, gens)
         if op != "publish" and runtime.unstashed is not None:
             runtime.stashed(placed.idx, placed.key.omits)
-        return True, sentinels
+        return placed.idx, sentinels
 
     @serialized
     def resolve(
@@ -338,25 +349,20 @@ class FutureMap:
         stash order: the consume-tracked ones, and each other once a stash wrote it on that
         rank since the map was made or `reset` (before, a resolve's draft has it None:
         SGLang's DSA availability flag). () without spec."""
-        dp = self.layout.dp
-        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
-            raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
-        if self.spec is None:
-            return ()
-        relayed = set(self._runtime.relayed(int(rank)))
-        return tuple(f.name for f in self.spec.fields() if f.consumed or f.name in relayed)
+        return self._runtime.relayed_fields(rank, self.spec)
 
     @serialized
     def invalidate(self, batch: Batch, indices: RowsInput, *, rows: int | None = None) -> Batch:
-        """`batch` with `input_ids` and `seq_lens` := the sentinels -indices (padding rows
-        0), global and padded per rank to the batch bucket. Refused in the gather protocol."""
+        """`batch` with `input_ids` and `seq_lens` := the sentinels -indices: host slots'
+        of their real rows, on the host; device slots' (or a mapping's) global, padded per
+        rank (docs/CONTRACT.md, 'Sentinels'). Refused in the gather protocol."""
         if not self._protocol.invalidates:
             raise errors.invalidate_in_gather_protocol()
-        return self._sentinels(batch, indices, rows)
-
-    def _sentinels(self, batch: Batch, indices: RowsInput, rows: int | None) -> Batch:
-        sentinels = self._run(self._placement.slots_op("sentinels", indices, rows), "invalidate")
-        return self._protocol.next_batch(batch, sentinels)  # type: ignore[no-any-return]
+        placed = self._placement.slots_op("sentinels", indices, rows)
+        idx, sentinels = placed.idx, None
+        if idx.counts is None:  # device slots: made on the device (debug: checked there)
+            sentinels = self._run(placed, "invalidate")
+        return self._placement.next_batch(batch, indices, idx, sentinels)  # type: ignore[no-any-return]
 
     @serialized
     def resolve_seq_lens_cpu(

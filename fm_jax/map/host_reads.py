@@ -1,10 +1,10 @@
 """A map's reads on the host and the copies the device starts for them.
 
 Lengths (`needs_cpu_seq_lens`). A publish starts the host copy of its lengths
-(`copy_to_host_async`) and `HostLengths` keeps it with its slots, as SGLang copies them on
-a side stream gated on the publish; a read of exactly those slots takes the copy, waiting
-only for the publishing step. Only the last publish is kept: other slots, or the caller's
-device lengths donated since, and the read gathers from the buffer (the same lengths).
+(`copy_to_host_async`) and the runtime keeps it with its slots (`last_published`), as
+SGLang copies them on a side stream gated on the publish; a read of exactly those slots
+takes the copy, waiting only for the publishing step. Only the last publish is kept: other
+slots, or the caller's device lengths donated since, and the read gathers from the buffer.
 
 Confidence (DSpark). A publish with confidence rows returns a copy of the whole [R, gamma]
 buffer; `ConfidenceRing` takes each local DP rank's block, starts its host copy and keeps
@@ -25,84 +25,56 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fm_jax.host.buckets import Rows
-from fm_jax.host.decisions import Placed
+from fm_jax.host.decisions import Placed, Rows
 from fm_jax.host.place import Placement
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.sharding import per_rank
 from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput, host_mode
 
 
-class _Published(NamedTuple):
-    idx: Rows  # the slots, as placed (host: padded; a jax array: taken as given)
-    lens: Any  # the lengths, placed like idx: a host array, or a jax array copying to host
+def read_published(last: Any, idx: Rows, subset: bool = False) -> np.ndarray | None:
+    """The lengths last published (`last`: `MapRuntime.last_published`) at exactly the
+    slots `idx` (as placed, padded), or None when the last publish was at other slots (or
+    there was none). `subset`: host slots each among the last publish's (of its rank) do
+    too."""
+    if subset and last is not None and idx.counts is not None:
+        return _among(last, idx)
+    if last is None or last.idx.size != idx.size:
+        return None
+    if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
+        same = idx.array is last.idx.array
+    else:
+        same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
+    if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
+        return None  # other slots, or the caller's array donated since: the buffer
+    return np.asarray(last.lens)
 
 
-class HostLengths:
-    """The most recent publish's lengths (one map; single process)."""
-
-    def __init__(self) -> None:
-        self._last: _Published | None = None
-
-    def published(self, idx: Rows, lens: Any) -> None:
-        """A publish wrote `lens` at `idx` (both as placed): keep them, a device array with
-        its host copy started."""
-        if isinstance(lens, jax.Array):
-            lens.copy_to_host_async()
-        else:  # the caller's own array may be reused for the next batch: keep a copy
-            lens = np.array(lens)
-        if idx.counts is not None:
-            idx = idx._replace(array=np.array(idx.array))
-        self._last = _Published(idx, lens)
-
-    def forget(self) -> None:
-        """The buffer may no longer hold what was last published (a debug resolve
-        consumed it): the next read gathers from the buffer."""
-        self._last = None
-
-    def read(self, idx: Rows, subset: bool = False) -> np.ndarray | None:
-        """The lengths last published at exactly the slots `idx` (as placed, padded), or
-        None when the last publish was at other slots (or there was none). `subset`: host
-        slots each among the last publish's (of its rank) do too."""
-        last = self._last
-        if subset and last is not None and idx.counts is not None:
-            return self._among(last, idx)
-        if last is None or last.idx.size != idx.size:
+def _among(last: Any, idx: Rows) -> np.ndarray | None:
+    """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
+    slots too); None when one is not there or the lengths were donated since."""
+    counts = last.idx.counts
+    if counts is None or idx.counts is None:
+        return None
+    if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
+        return None
+    have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
+    want = np.asarray(idx.array)
+    out = np.zeros(want.shape, lens.dtype)
+    s0, s1 = last.idx.size, idx.size
+    for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
+        if not n1:
+            continue
+        if not n0:
             return None
-        if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
-            same = idx.array is last.idx.array
-        else:
-            same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
-        if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
-            return None  # other slots, or the caller's array donated since: the buffer
-        return np.asarray(last.lens)
-
-    @staticmethod
-    def _among(last: _Published, idx: Rows) -> np.ndarray | None:
-        """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
-        slots too); None when one is not there or the lengths were donated since."""
-        counts = last.idx.counts
-        if counts is None or idx.counts is None:
+        slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
+        w = want[d * s1 : d * s1 + n1]
+        order = np.argsort(slots, kind="stable")
+        at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
+        if not np.array_equal(slots[order[at]], w):
             return None
-        if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
-            return None
-        have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
-        want = np.asarray(idx.array)
-        out = np.zeros(want.shape, lens.dtype)
-        s0, s1 = last.idx.size, idx.size
-        for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
-            if not n1:
-                continue
-            if not n0:
-                return None
-            slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
-            w = want[d * s1 : d * s1 + n1]
-            order = np.argsort(slots, kind="stable")
-            at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
-            if not np.array_equal(slots[order[at]], w):
-                return None
-            out[d * s1 : d * s1 + n1] = got[order[at]]
-        return out
+        out[d * s1 : d * s1 + n1] = got[order[at]]
+    return out
 
 
 LAG = 2
@@ -258,8 +230,7 @@ def _lengths(
     exactly its slots (`subset`: at slots among them), else gathered; then the debug
     check."""
     inputs, layout = placement.inputs, placement.inputs.layout
-    lengths = runtime.host_lengths
-    copied = None if lengths is None else lengths.read(placed.idx, subset)
+    copied = read_published(runtime.last_published, placed.idx, subset)
     if copied is not None:  # the slots last published: their copy, no gather
         runtime.check()
         return inputs.unpad(copied, placed.idx)

@@ -15,24 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
 
-from fm_jax.host import buckets as bk
-from fm_jax.host.buckets import Rows
-from fm_jax.host.decisions import Key
-from fm_jax.host.host_inputs import HostInputs
-from fm_jax.host.place import Placement
-from fm_jax.map.debug_channel import DebugChannel
-from fm_jax.map.executables import Registry, compiler_options, entry_points
-from fm_jax.map.host_reads import ConfidenceRing, HostLengths
-from fm_jax.ops import relay_fields as rf
+from fm_jax.host.decisions import Key, PackSpec, Rows
 from fm_jax.ops.checks import FRESH_PUBLISH
 from fm_jax.ops.errors import FutureMapError, StateLost
-from fm_jax.ops.ops import future_map
-from fm_jax.ops.protocol import Protocol, parse_protocol
 from fm_jax.ops.relay_fields import SpecConfig, draft_payload
-from fm_jax.ops.sharding import MeshLayout, lift, mesh_layout, single_device_layout
-from fm_jax.ops.types import FutureMapOps, FutureMapState
+from fm_jax.ops.types import FutureMapState
 
 _M = TypeVar("_M", bound=Callable[..., Any])
 
@@ -52,104 +41,83 @@ def serialized(method: _M) -> _M:
     return locked  # type: ignore[return-value]
 
 
-class MapParts(NamedTuple):
-    """A map's parts (`FutureMap` holds them)."""
-
-    layout: MeshLayout
-    ops: FutureMapOps
-    inputs: HostInputs
-    protocol: Protocol
-    runtime: MapRuntime
-    placement: Placement
-    registry: Registry
-    options: dict[str, str]
+Build = Callable[[Key, PackSpec | None, int], Any]
+"""An owner's builder: (key, packing layout, engine arguments) -> the family's jitted function."""
 
 
-def assemble(
-    pool_size: int,
-    mesh: Mesh | None,
-    dp_axis: str | None,
-    tp_axis: str | None,
-    dtype: Any,
-    spec: SpecConfig | None,
-    debug: bool,
-    batch_buckets: Any,
-    token_buckets: Any,
-    device: Any,
-    protocol: str,
-    needs_cpu_seq_lens: bool,
-) -> MapParts:
-    """A map's parts from `FutureMap`'s arguments (documented there), each checked."""
-    if mesh is not None and device is not None:
-        raise FutureMapError("pass a mesh or a device, not both")
-    if device is not None and not isinstance(device, jax.Device):
-        raise FutureMapError(f"device must be a jax.Device, got {device!r}")
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    layout = (
-        single_device_layout(device or jax.devices()[0])
-        if mesh is None
-        else mesh_layout(mesh, dp_axis, tp_axis)
-    )
-    local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
-    platform = layout.mesh.devices.flat[0].platform
-    if local.spec is not None and local.spec.kernel == "pallas" and platform not in ("cpu", "gpu"):
-        raise FutureMapError(
-            f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
-            f"lowering for {platform}; use kernel='xla'"
-        )
-    ops = lift(local, layout)
-    proto = parse_protocol(local.protocol)
-    batch_buckets = bk.normalize_buckets(
-        bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
-    )
-    token_buckets = bk.normalize_buckets(
-        bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
-    )
-    if token_buckets[-1] < batch_buckets[-1]:
-        raise FutureMapError(
-            f"token_buckets {token_buckets} must reach the largest batch bucket "
-            f"{batch_buckets[-1]}: a batch of B rows carries at least B tokens (a DECODE "
-            "row one), so the largest token bucket must be >= the largest batch bucket "
-            "(or a resolve of those rows, and warm_up, could not be placed)"
-        )
-    inputs = HostInputs(layout, pool_size, local.dtype, batch_buckets, token_buckets, proto)
-    fresh: Callable[[], FutureMapState] = jax.jit(ops.init, out_shardings=layout.sharding)
-    try:
-        state = fresh()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise FutureMapError(
-            f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
-        ) from None
-    if not isinstance(needs_cpu_seq_lens, bool):
-        raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
-    # The last publish's lengths on their way to the host (one process only).
-    lengths = HostLengths() if needs_cpu_seq_lens and inputs.single_process else None
-    ring = None
-    if local.spec is not None and local.spec.confidence:
-        ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
-    optional = rf.optional(local.spec.fields()) if local.spec is not None else ()
-    channel = DebugChannel(layout) if debug else None
-    runtime = MapRuntime(
-        fresh, state, channel, lengths, ring, optional, layout.dp, spec=local.spec is not None
-    )
-    # One executable per op: a debug map's tail ops check their slots on the device even
-    # where the host or the last resolve checked them (~35 us a call on XLA:CPU).
-    placement = Placement(inputs, proto, local.spec, debug=False)
-    options = compiler_options(platform)
-    build = entry_points(ops, proto, token_buckets, channel, options)
+class Guarded:
+    """A compiled executable that refuses, instead of compiling, arguments it was not
+    built for."""
 
-    def not_warmed(key: Key) -> str:
-        return (
-            f"serving guard: {key.describe()} was not compiled by warm_up() (batch buckets "
-            f"{batch_buckets}, token buckets {token_buckets}); a call would "
-            "compile it: add its bucket, or pass inputs padded to a warmed one"
-        )
+    __slots__ = ("compiled", "key")
 
-    registry = Registry(build, not_warmed)
-    return MapParts(layout, ops, inputs, proto, runtime, placement, registry, options)
+    def __init__(self, compiled: Any, key: Key) -> None:
+        self.compiled = compiled
+        self.key = key
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.compiled(*args)
+        except (TypeError, ValueError) as e:  # arguments not matched: nothing ran
+            raise FutureMapError(
+                f"serving guard: {self.key.describe()} was warmed for other arguments and "
+                f"would compile again: {e}"
+            ) from None
+
+
+class Registry:
+    """A map's executables, its class's and each engine step's, by owner and key: an
+    owner's `build(key, pack, nargs)` makes the jitted function of a key's family fed as
+    `pack` lays out (None: placed arrays) taking `nargs` engine arguments, once per family;
+    `build` None is the class's own (`default`). After `warm_up(guard=True)` an owner's
+    calls are served only by what was warmed for it; `refusal(key)` says why not."""
+
+    def __init__(self, default: Build, refusal: Callable[[Key], str]) -> None:
+        self.default = default
+        self._jitted: dict[tuple[Any, ...], Any] = {}
+        # Per guarded owner: its warmed executables, and the guard's words for the others.
+        self._serving: dict[Build, tuple[dict[tuple[Key, PackSpec | None], Guarded], Any]] = {}
+        self._refusal = refusal
+
+    def serve(self, build: Build | None, warmed: Any, refusal: Any = None) -> None:
+        """After a warm-up: owner `build`'s calls served only by `warmed` ((key, pack) ->
+        compiled; None: jitted again, unguarded), others refused (`refusal`'s words)."""
+        owner = build or self.default
+        self._serving.pop(owner, None)
+        if warmed is not None:
+            exes = {kp: Guarded(c, kp[0]) for kp, c in warmed.items()}
+            self._serving[owner] = (exes, refusal or self._refusal)
+
+    def jitted(
+        self, key: Key, pack: PackSpec | None = None, nargs: int = 0, build: Build | None = None
+    ) -> Any:
+        """The jitted function of `key`'s family (built on first use)."""
+        build = build or self.default
+        family = (build, key.op, key.mode, key.confidence, nargs, pack)
+        fn = self._jitted.get(family)
+        if fn is None:
+            fn = self._jitted[family] = build(key, pack, nargs)
+        return fn
+
+    def executable(
+        self, key: Key, pack: PackSpec | None, nargs: int = 0, build: Build | None = None
+    ) -> Any:
+        """What serves `key` fed as `pack` lays out: the jitted function, or under the
+        owner's serving guard the warmed executable (FutureMapError if there is none)."""
+        guarded = self._serving.get(build or self.default) if self._serving else None
+        if guarded is None:
+            return self.jitted(key, pack, nargs, build)
+        exe = guarded[0].get((key, pack))
+        if exe is None:
+            raise FutureMapError(guarded[1](key))
+        return exe
+
+
+class Published(NamedTuple):
+    """The last publish's slots and lengths, placed (a jax array: its host copy started)."""
+
+    idx: Rows
+    lens: Any
 
 
 class MapRuntime:
@@ -158,8 +126,9 @@ class MapRuntime:
     Attributes:
       lock: one op at a time (each donates the state the next reads); reentrant.
       state, step: the current buffers; resolves (and engine steps) so far.
-      debug, host_lengths, confidence: the debug channel, the last publish's lengths on
-        their way to the host, the confidence ring; each None when not used.
+      debug, confidence: the debug channel and the confidence ring, or None.
+      copies_lengths, last_published: a publish's lengths are copied to the host
+        (`needs_cpu_seq_lens`, one process); the last one's, placed, or None.
       lost: the StateLost of the call that consumed the state (every op refused with it),
         or None.
       unstashed: per DP rank, the optional draft fields no stash has written there since
@@ -172,9 +141,9 @@ class MapRuntime:
         self,
         fresh: Callable[[], FutureMapState],
         state: FutureMapState,
-        debug: DebugChannel | None,
-        host_lengths: HostLengths | None,
-        confidence: ConfidenceRing | None = None,
+        debug: Any,
+        copies_lengths: Any,
+        confidence: Any = None,
         optional: tuple[str, ...] = (),
         dp: int = 1,
         spec: bool = False,
@@ -190,7 +159,8 @@ class MapRuntime:
         self.lost: StateLost | None = None
         self.step = 0
         self.debug = debug
-        self.host_lengths = host_lengths
+        self.copies_lengths = bool(copies_lengths)
+        self.last_published: Published | None = None
         # Debug, spec: a resolve consumes the lengths it reads (the host copy of a publish
         # is then stale), and a read of lengths waits for a fresh publish.
         self.armed: list[bool] | None = None
@@ -211,8 +181,7 @@ class MapRuntime:
         self.state = self._fresh()
         self.lost = None
         self._unstash()
-        if self.host_lengths is not None:
-            self.host_lengths.forget()
+        self.last_published = None
         if self.confidence is not None:
             self.confidence.clear()
         if self.armed is not None:
@@ -238,6 +207,17 @@ class MapRuntime:
         left = self.unstashed[rank] if self.unstashed is not None else ()
         return tuple(f for f in self.optional if f not in left)
 
+    def relayed_fields(self, rank: Any, spec: SpecConfig | None) -> tuple[str, ...]:
+        """`FutureMap.relayed_fields`: `spec`'s draft fields a resolve gathers on DP rank
+        `rank`, checked."""
+        dp = self._dp
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
+            raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
+        if spec is None:
+            return ()
+        relayed = set(self.relayed(int(rank)))
+        return tuple(f.name for f in spec.fields() if f.consumed or f.name in relayed)
+
     def without_unstashed(self, draft: Any, ranks: Sequence[int]) -> Any:
         """`draft` with None for each optional field no stash has written on any of
         `ranks` (its rows would be the buffer's initial zeros)."""
@@ -254,12 +234,11 @@ class MapRuntime:
         ops: Sequence[str],
         *,
         call: str,
-        with_state: bool = True,
         new_step: bool = False,
         engine_args: Sequence[Any] = (),
         donated: Sequence[int] = (),
     ) -> Any:
-        """`exe(state, *args, *engine_args)` (`with_state` False: `exe(*args)`); returns
+        """`exe(state, *args, *engine_args)`; returns
         its outputs. `ops`: the names its debug errors are recorded as (one packed error,
         or one per op of a step, before the outputs; empty without checks). `call`: the
         call in words, for errors. `new_step`: a resolve or engine step (not counted if it
@@ -268,11 +247,11 @@ class MapRuntime:
         if new_step:
             self.step += 1
         try:
-            out = exe(self.state, *args, *engine_args) if with_state else exe(*args)
+            out = exe(self.state, *args, *engine_args)
         except BaseException as failure:
             if new_step:
                 self.step -= 1  # refused, or failed: no step was taken
-            named = self._diagnose(failure, call, args, engine_args, donated, with_state)
+            named = self._diagnose(failure, call, args, engine_args, donated)
             if named is None or not isinstance(failure, Exception):
                 raise
             raise named from failure
@@ -291,12 +270,11 @@ class MapRuntime:
         args: Sequence[Any],
         engine_args: Sequence[Any],
         donated: Sequence[int],
-        with_state: bool,
     ) -> FutureMapError | None:
         """What a failed call did, in words: StateLost when it consumed the state (the map
         is lost from here on); a FutureMapError naming the argument when JAX refused it
         before running (the state untouched); None when neither (the error stands)."""
-        state = _named_leaves(self.state) if with_state else {}
+        state = _named_leaves(self.state)
         if any(_deleted(x) for x in state.values()):
             consumed = tuple(
                 i for i in donated if any(map(_deleted, jax.tree.leaves(engine_args[i])))
@@ -339,8 +317,8 @@ class MapRuntime:
         """Debug, after a resolve ran: a spec map's resolve may have consumed the lengths
         last published (their host copy is then not the buffer's: a read gathers, and
         finds the poison)."""
-        if self.armed is not None and self.host_lengths is not None:
-            self.host_lengths.forget()
+        if self.armed is not None:
+            self.last_published = None
 
     def published(self, idx: Rows, lens: Any, copied: Any = None, gens: Any = None) -> None:
         """A publish wrote `lens` at `idx` (as placed): start their copy to the host
@@ -349,8 +327,14 @@ class MapRuntime:
         if copied is not None:
             assert self.confidence is not None and gens is not None
             self.confidence.issue(copied, gens, idx)
-        if self.host_lengths is not None:
-            self.host_lengths.published(idx, lens)
+        if self.copies_lengths:  # its host copy started, for a read at these slots
+            if isinstance(lens, jax.Array):
+                lens.copy_to_host_async()
+            else:  # the caller's own array may be reused for the next batch: a copy
+                lens = np.array(lens)
+            if idx.counts is not None:
+                idx = idx._replace(array=np.array(idx.array))
+            self.last_published = Published(idx, lens)
         if self.armed is not None:
             for d in _ranks_with_rows(idx, len(self.armed)):
                 self.armed[d] = True

@@ -1,4 +1,9 @@
-"""Warm-up: placement applied to empty batches of every bucket.
+"""The registry (key -> executable, the only place that compiles), its warm-up and
+serving guard.
+
+`Registry.executable(key, pack)` is the key family's jitted function or, after
+`warm_up(guard=True)`, the executable compiled for exactly that key and packing layout:
+any other call is refused by name. Warm-up compiles on threads (XLA releases the GIL).
 
 What serving reaches for a map's buckets, as calls of zeros (every slot the padding slot,
 every id and length 0): the tail ops once per batch bucket; resolve once per token bucket
@@ -10,20 +15,123 @@ through the map's placement, so the keys and packing layouts warmed are serving'
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import monitoring
 
 from fm_jax.host.buckets import decode_ids, resolve_sizes
-from fm_jax.host.decisions import FIXED_MODES, takes_state
+from fm_jax.host.decisions import FIXED_MODES, Key, PackSpec
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import SpecConfig, draft_payload, element_dtype
 from fm_jax.ops.types import Batch, ForwardMode
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache
+
+
+@dataclass(frozen=True)
+class WarmUpReport:
+    """What a warm-up made ready: `executables` (per name, as in `FutureMap.executables()`:
+    `by_op`), of which `compiled` by XLA and `from_cache` loaded from JAX's persistent
+    compilation cache, in `seconds` of wall time."""
+
+    executables: int
+    compiled: int
+    from_cache: int
+    seconds: float
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return (
+            f"fm_jax warm-up: {self.executables} executables in {self.seconds:.2f} s "
+            f"({self.compiled} compiled, {self.from_cache} from the persistent cache)"
+        )
+
+
+def not_warmed(batch_buckets: tuple[int, ...], token_buckets: tuple[int, ...]) -> Any:
+    """The class's serving guard's words for a key warm-up did not make."""
+    return lambda key: (
+        f"serving guard: {key.describe()} was not compiled by warm_up() (batch buckets "
+        f"{batch_buckets}, token buckets {token_buckets}); a call would "
+        "compile it: add its bucket, or pass inputs padded to a warmed one"
+    )
+
+
+Call = tuple[Key, PackSpec | None, tuple[Any, ...], int]
+"""A call to warm: key, packing layout, every argument, how many are an engine step's."""
+
+
+def warm(
+    registry: Any,
+    calls: Sequence[Call],
+    *,
+    guard: bool,
+    threads: int | None,
+    build: Any = None,
+    refusal: Callable[[Key], str] | None = None,
+) -> WarmUpReport:
+    """Compile `calls` for `registry`'s owner `build` (None: the class; nothing runs,
+    nothing is donated); with `guard`, that owner is served only them afterwards
+    (`refusal`: the guard's words). Returns what was compiled."""
+    t0 = time.perf_counter()
+    # One executable per key and packing layout (calls that place alike compile once).
+    unique: dict[tuple[Key, PackSpec | None], Call] = {}
+    for call in calls:
+        unique.setdefault((call[0], call[1]), call)
+    calls = list(unique.values())
+    lowered = [
+        registry.jitted(k, pack, n, build).trace(*args).lower() for k, pack, args, n in calls
+    ]
+    workers = threads or min(8, os.cpu_count() or 1)
+    with _counting_compiles() as counts, ThreadPoolExecutor(max_workers=workers) as pool:
+        compiled = list(pool.map(lambda lo: lo.compile(), lowered))
+    by_op: dict[str, int] = {}
+    for key, _, _, _ in calls:
+        by_op[key.name] = by_op.get(key.name, 0) + 1
+    warmed = None
+    if guard:
+        warmed = {(key, pack): c for (key, pack, _, _), c in zip(calls, compiled, strict=True)}
+    registry.serve(build, warmed, refusal)
+    return WarmUpReport(
+        executables=len(calls),
+        compiled=counts[_COMPILE_EVENT] - counts[_CACHE_HIT_EVENT],
+        from_cache=counts[_CACHE_HIT_EVENT],
+        seconds=time.perf_counter() - t0,
+        by_op=by_op,
+    )
+
+
+@contextmanager
+def _counting_compiles() -> Iterator[dict[str, int]]:
+    """Count the process's compiles (and cache loads) and persistent-cache loads inside
+    the block, every thread's, by event name."""
+    counts = dict.fromkeys((_COMPILE_EVENT, _CACHE_HIT_EVENT), 0)
+    lock = threading.Lock()
+
+    def seen(event: str, *args: Any, **kwargs: Any) -> None:
+        if event in counts:
+            with lock:
+                counts[event] += 1
+
+    monitoring.register_event_duration_secs_listener(seen)
+    monitoring.register_event_listener(seen)
+    try:
+        yield counts
+    finally:
+        monitoring.unregister_event_duration_listener(seen)
+        monitoring.unregister_event_listener(seen)
 
 
 class EmptyBatch(NamedTuple):
@@ -118,6 +226,28 @@ def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[
     )
 
 
+def step_calls(
+    placement: Any, declared: Any, state: Any, args: tuple[Any, ...], traced_modes: bool
+) -> list[Any]:
+    """An engine step's warm-up (`EngineStep.warm_up`): every resolve (`empty_batches`)
+    with zeros for the `declared` inputs, placed through `placement` as serving feeds
+    them: host arrays and, in one process, jax arrays (`on_device`). Returns registry
+    calls (key, packing layout, arguments, how many are the engine's `args`)."""
+    inputs = placement.inputs
+    calls = []
+    for e in empty_batches(
+        inputs, placement.protocol, placement.spec, traced_modes=traced_modes, step=True
+    ):
+        zeros = empty_inputs(declared, e.batch, e.rows, e.tokens, placement.dp)
+        fed: list[tuple[Batch, Any, int | None, int | None]] = [(e.batch, zeros, e.rows, e.tokens)]
+        if inputs.layout.single_process:  # jax arrays as they are: their own sizes
+            fed.append((*on_device(e, zeros, inputs), None, None))
+        for batch, given, rows, tokens in fed:
+            p = placement.resolve(batch, rows, tokens, step=declared, inputs=given)
+            calls.append((p.key, p.pack, (state, *p.args, *args), len(args)))
+    return calls
+
+
 def class_calls(
     placement: Any,
     state: Any,
@@ -128,7 +258,7 @@ def class_calls(
     """The class's warm-up: calls of zeros placed through `placement` as serving places
     its calls. Per batch bucket publish, stash and finish (with confidence rows too on a
     map that relays them; stash and finish once more per partial stash in `partial`, the
-    field names its drafts give), the sentinels and, spec, `seq_lens_at`; then every
+    field names its drafts give), the sentinels of device slots and, spec, `seq_lens_at`; then every
     resolve (`empty_batches`). Returns registry calls (key, None, arguments, 0)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
     if not _names_per_stash(partial):
@@ -159,13 +289,13 @@ def class_calls(
             placed += [tail("stash", zeros, None, part, b), tail("finish", zeros, zeros, part, b)]
             if conf is not None:
                 placed.append(tail("finish", zeros, zeros, part, b, confidence=conf))
-        if protocol.invalidates:
+        if protocol.invalidates:  # invalidate of device slots
             placed.append(placement.slots_op("sentinels", zeros, b))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
             placed.append(placement.slots_op("seq_lens_at", zeros, b))
     for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
         placed.append(placement.resolve(e.batch, e.rows, e.tokens))
-    return [(p.key, None, ((state,) if takes_state(p.key.op) else ()) + p.args, 0) for p in placed]
+    return [(p.key, None, (state, *p.args), 0) for p in placed]
 
 
 def _names_per_stash(partial: Any) -> bool:
