@@ -211,9 +211,9 @@ def setting_requests(
         ], {}
     if name == "stop_strings":
         out = []
-        for r in reqs:  # the text of two tokens mid-way through the reference output
-            o = reference.outputs[r.rid]
-            k = len(o) // 2
+        for r in reqs:  # the text of two tokens three quarters through the reference
+            o = reference.outputs[r.rid]  # output: requests stay long enough to preempt
+            k = 3 * len(o) // 4
             stop = (served.decode(o[k : k + 2]),) if len(o) >= 4 else ()
             out.append(replace(r, sampling=replace(none, stop=stop)))
         return out, {}
