@@ -28,9 +28,16 @@ from fm_jax.map.runtime import assemble, serialized
 from fm_jax.map.warm_up import class_calls
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.relay_fields import DraftPayload, SpecConfig
 from fm_jax.ops.sharding import MeshLayout
-from fm_jax.ops.types import Batch, FutureMapState, MixedTails, Resolved, RowsInput
+from fm_jax.ops.types import (
+    Batch,
+    DraftPayload,
+    FutureMapState,
+    MixedTails,
+    Resolved,
+    RowsInput,
+    SpecConfig,
+)
 
 _log = logging.getLogger("fm_jax")
 

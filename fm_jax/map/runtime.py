@@ -28,11 +28,11 @@ from fm_jax.map.host_reads import ConfidenceRing, HostLengths
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.checks import FRESH_PUBLISH
 from fm_jax.ops.errors import FutureMapError, StateLost
-from fm_jax.ops.ops import future_map
+from fm_jax.ops.ops import FutureMapOps, future_map, lift
 from fm_jax.ops.protocol import Protocol, parse_protocol
-from fm_jax.ops.relay_fields import SpecConfig, draft_payload
-from fm_jax.ops.sharding import MeshLayout, lift, mesh_layout, single_device_layout
-from fm_jax.ops.types import FutureMapOps, FutureMapState
+from fm_jax.ops.relay_fields import draft_payload
+from fm_jax.ops.sharding import MeshLayout, mesh_layout, single_device_layout
+from fm_jax.ops.types import FutureMapState, SpecConfig
 
 _M = TypeVar("_M", bound=Callable[..., Any])
 

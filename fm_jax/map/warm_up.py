@@ -22,8 +22,8 @@ from fm_jax.host.decisions import FIXED_MODES, takes_state
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.relay_fields import SpecConfig, draft_payload, element_dtype
-from fm_jax.ops.types import Batch, ForwardMode
+from fm_jax.ops.relay_fields import draft_payload, element_dtype
+from fm_jax.ops.types import Batch, ForwardMode, SpecConfig
 
 
 class EmptyBatch(NamedTuple):
