@@ -40,12 +40,15 @@ def _dtype(x: Any) -> np.dtype:
     return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
 
 
-def check_1d_int(name: str, x: Any, into: np.dtype | None = None) -> None:
-    """FutureMapError unless `x` is a 1-D integer array (whose values all fit `into`)."""
+def check_1d_int(name: str, x: Any, into: np.dtype | None = None, rows: int | None = None) -> None:
+    """FutureMapError unless `x` is a 1-D integer array (whose values all fit `into`; of
+    `rows` entries, one per batch row, where given)."""
     shape = jnp.shape(x)
     if len(shape) != 1:
         raise FutureMapError(f"{name} must be 1-D, got shape {shape}")
     check_ints(name, x, into)
+    if rows is not None and shape[0] != rows:
+        raise FutureMapError(f"{name} has {shape[0]} rows, indices have {rows}")
 
 
 def check_ints(name: str, x: Any, into: np.dtype | None = None) -> None:
@@ -59,12 +62,6 @@ def check_ints(name: str, x: Any, into: np.dtype | None = None) -> None:
             f"{name} has dtype {held}, which the {np.dtype(into)} buffers cannot hold without "
             "a value check: cast it first"
         )
-
-
-def check_rows(name: str, x: Any, rows: int) -> None:
-    """FutureMapError unless `x` has `rows` leading entries (one per batch row)."""
-    if jnp.shape(x)[0] != rows:
-        raise FutureMapError(f"{name} has {jnp.shape(x)[0]} rows, indices have {rows}")
 
 
 def check_array(name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype | None = None) -> None:

@@ -1,11 +1,11 @@
 """The FutureMap as pure functions over a state pytree (optax style).
 
-`future_map(...)` fixes the static configuration (`types.OpsConfig`) and returns
+`future_map(...)` fixes the static configuration (`resolve.OpsConfig`) and returns
 `FutureMapOps`, the functions below with it bound. Each takes and returns arrays only, so
 an engine inlines them in its own jitted step: resolve at the head (`resolve.py`), publish
 and stash at the tail, the state threaded through and donated by the engine's jit (every
 write in place). Rows move as `rows.py` moves them; debug mode adds checkify checks
-(`checks.py`); on a mesh each rank's block runs these ops (`sharding.lift`).
+(`checks.py`); on a mesh each rank's block runs these ops (`lift`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from fm_jax.ops import checks, errors
 from fm_jax.ops import relay_fields as rf
-from fm_jax.ops.checks import check_1d_int, check_array, check_int_array, check_ints, check_rows
+from fm_jax.ops.checks import check_1d_int, check_array, check_int_array, check_ints
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import parse_protocol
 from fm_jax.ops.relay_fields import check_spec, payload_rows
@@ -193,15 +193,6 @@ def init(cfg: OpsConfig) -> FutureMapState:
     return state
 
 
-def check_confidence(spec: SpecConfig | None, confidence: Any, rows: int) -> None:
-    """Confidence rows given to a publish: [rows, gamma] float32 where the spec declares
-    gamma; refused on any other map."""
-    gamma = confidence_width(spec)
-    if not gamma:
-        raise errors.confidence_not_declared()
-    check_array("confidence", confidence, (rows, gamma), CONFIDENCE_DTYPE)
-
-
 def publish(
     cfg: OpsConfig,
     state: FutureMapState,
@@ -210,14 +201,17 @@ def publish(
     confidence: Any = None,
 ) -> FutureMapState:
     """`new_seq_lens[indices] := new_seq_lens` (and, given, `confidence[indices] :=
-    confidence`); empty indices is a no-op."""
+    confidence`, [B, gamma] float32 where the spec declares gamma); empty indices is a
+    no-op."""
     dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
-    check_1d_int("new_seq_lens", new_seq_lens, dt)
-    check_rows("new_seq_lens", new_seq_lens, jnp.shape(indices)[0])
+    check_1d_int("new_seq_lens", new_seq_lens, dt, jnp.shape(indices)[0])
+    gamma = confidence_width(cfg.spec)
+    if confidence is not None and not gamma:
+        raise errors.confidence_not_declared()
     if confidence is not None:
-        check_confidence(cfg.spec, confidence, jnp.shape(indices)[0])
+        check_array("confidence", confidence, (jnp.shape(indices)[0], gamma), CONFIDENCE_DTYPE)
     if chk is not None:
         lens, idx = jnp.asarray(new_seq_lens), jnp.asarray(indices)
         checks.relayed_values("new_seq_lens", checks.PUBLISHED_LENGTHS, lens, idx, dt, chk)
@@ -227,7 +221,7 @@ def publish(
     state = state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
     if confidence is None:
         return state  # the rows already published stay
-    assert state.confidence is not None  # declared: check_confidence passed
+    assert state.confidence is not None  # declared: gamma > 0
     bits = jax.lax.bitcast_convert_type(jnp.asarray(confidence), CONFIDENCE_BITS)
     return state._replace(confidence=scatter(state.confidence, indices, bits))
 
@@ -246,8 +240,7 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> tuple[rf.Rel
             check_array(name, v, (rows, *f.shape))
             check_ints(name, v, dt)
         else:  # one int per row
-            check_1d_int(name, v, dt)
-            check_rows(name, v, rows)
+            check_1d_int(name, v, dt, rows)
     return present
 
 
@@ -255,23 +248,18 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
     """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op. A
     draft writes the fields it gives and keeps the others' rows (every consume-tracked
     field is required: `relay_fields.carried`)."""
-    dt, fields = cfg.dtype, cfg.fields
+    dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
     rows = jnp.shape(indices)[0]
-    payload_rows(cfg.spec, payload)
+    relayed = payload_rows(cfg.spec, payload)  # its kind checked first
     if cfg.spec is None:
-        check_1d_int("tokens", payload, dt)
-        check_rows("tokens", payload, rows)
-    else:
-        fields = _check_draft(cfg, payload, rows)
+        check_1d_int("tokens", payload, dt, rows)
+    fields = () if cfg.spec is None else _check_draft(cfg, payload, rows)
     if chk is not None:
         # Consumed fields must not be stashed negative: a -1 would read as the poison.
-        relayed = (
-            [("tokens", payload)]
-            if cfg.spec is None
-            else [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields if f.consumed]
-        )
+        if cfg.spec is not None:
+            relayed = [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields if f.consumed]
         for name, values in relayed:
             low, idx = row_min(jnp.asarray(values)), jnp.asarray(indices)
             checks.relayed_values(name, checks.STASHED_TOKENS, low, idx, dt, chk)
@@ -335,9 +323,8 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
         _check_state(layout, state, pool_size)
         rows = [("indices", indices), ("new_seq_lens", new_seq_lens), ("confidence", confidence)]
         check_split(layout, "publish", rows)
-        if confidence is None:
-            return each(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
-        return each(ops.publish)(state, indices, new_seq_lens, confidence)  # type: ignore[no-any-return]
+        conf = () if confidence is None else (confidence,)
+        return each(ops.publish)(state, indices, new_seq_lens, *conf)  # type: ignore[no-any-return]
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
         _check_state(layout, state, pool_size)

@@ -14,7 +14,7 @@ import numpy as np
 
 from fm_jax.ops import checks, errors
 from fm_jax.ops import relay_fields as rf
-from fm_jax.ops.checks import check_1d_int, check_rows, check_scalar_int, host_mode
+from fm_jax.ops.checks import check_1d_int, check_scalar_int, host_mode
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.relay_fields import draft_payload
@@ -51,15 +51,14 @@ POISON = -1
 Reads = list[tuple[str, jax.Array, jax.Array, Any]]
 
 
-def check_indices(cfg: OpsConfig, name: str, indices: Any, into: Any = None) -> None:
-    """Shape checks; in debug mode the slot checks too, queued `into` the op's checks (or,
-    without them, emitted at once)."""
-    check_1d_int(name, indices, cfg.dtype)
-    if cfg.debug:
-        own = into or checks.OpChecks()
-        checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, own)
-        if into is None:
-            own.run()
+def check_indices(
+    cfg: OpsConfig, name: str, indices: Any, chk: checks.OpChecks | None, rows: int | None = None
+) -> None:
+    """Shape checks (`rows` entries, where given); in debug mode the slot checks too, queued
+    on the op's checks `chk`."""
+    check_1d_int(name, indices, cfg.dtype, rows)
+    if chk is not None:
+        checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, chk)
 
 
 def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
@@ -95,8 +94,7 @@ def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[Future
             raise errors.no_ids_for_kind(ForwardMode(mode).name, "batch.")
         batch = batch._replace(input_ids=jnp.zeros(jnp.shape(idx)[0], dt))
     check_1d_int("input_ids", batch.input_ids, dt)
-    check_1d_int("seq_lens", batch.seq_lens, dt)
-    check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
+    check_1d_int("seq_lens", batch.seq_lens, dt, jnp.shape(idx)[0])
     fill = resolve_sentinel if protocol.invalidates else resolve_gather
     return fill(cfg, state, batch, idx, mode, chk)
 
@@ -201,8 +199,7 @@ def resolve_sentinel(
         # A prefill batch: no draft input.
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
     didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
-    check_indices(cfg, "draft_indices", didx, chk)
-    check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
+    check_indices(cfg, "draft_indices", didx, chk, jnp.shape(idx)[0])  # a draft slot per row
     draft, _ = gather_draft(cfg, state, didx)
     if chk is not None:
         reads = consumed_reads(cfg, draft, didx)
@@ -276,8 +273,7 @@ def resolve_gather(
     out = ids
     ts_read: jax.Array | None = None  # the token slots, where this executable reads them
     if ts_in is not None and (not known or takes_slots):
-        check_1d_int("token_slots", ts_in, dt)
-        check_rows("token_slots", ts_in, t)
+        check_1d_int("token_slots", ts_in, dt, t)
         ts = jnp.asarray(ts_in, dt)
         if chk is not None:
             checks.valid_slots("token_slots", ts, r, dt, chk)
@@ -321,8 +317,7 @@ def resolve_gather(
     draft = None
     if batch.draft_indices is not None:
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
-        check_indices(cfg, "draft_indices", didx, chk)
-        check_rows("draft_indices", didx, b)
+        check_indices(cfg, "draft_indices", didx, chk, b)
         # A spec DECODE batch's lengths are the verified ones last published; any other
         # kind keeps the host's (a rank prefilling beside a spec decoding one).
         draft, (got,) = gather_draft(cfg, state, didx, state.new_seq_lens)
