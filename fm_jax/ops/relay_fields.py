@@ -131,7 +131,7 @@ def put(holder: Any, name: str, value: Any) -> Any:
     return holder._replace(extras={**(holder.extras or {}), name: value})
 
 
-def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
+def check_declared(fields: tuple[RelayField, ...], draft: DraftPayload) -> None:
     """FutureMapError if the DraftPayload `draft` gives a field the spec does not declare:
     every value given is relayed, none dropped."""
     names = {f.name for f in fields}
@@ -149,7 +149,7 @@ def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
             raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")
 
 
-def carried(fields: tuple[RelayField, ...], draft: Any) -> tuple[RelayField, ...]:
+def carried(fields: tuple[RelayField, ...], draft: DraftPayload) -> tuple[RelayField, ...]:
     """The declared fields a draft stash writes, in stash order (a partial stash keeps the
     others' rows). FutureMapError if it leaves out a consume-tracked field, gives half of
     top-k, or gives no field."""
@@ -223,14 +223,7 @@ def check_spec(spec: Any) -> SpecConfig:
 def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
     """A DraftPayload of fields by name (the engine's own in `extras`)."""
     extras = {k: v for k, v in values.items() if k not in STANDARD}
-    return DraftPayload(
-        bonus_tokens=values.get("bonus_tokens"),
-        topk_p=values.get("topk_p"),
-        topk_index=values.get("topk_index"),
-        hidden_states=values.get("hidden_states"),
-        verified_id=values.get("verified_id"),
-        extras=extras or None,
-    )
+    return DraftPayload(**{k: values.get(k) for k in STANDARD}, extras=extras or None)
 
 
 def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:

@@ -108,11 +108,8 @@ def _auto_axes(mesh: Mesh) -> Mesh:
     """`mesh` with every axis Auto: the map's arrays carry no sharding in their types, so
     its shard_maps take host arrays, committed ones and those of Explicit meshes
     (`jax.make_mesh`'s default) alike."""
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    if axis_type is None:
-        return mesh
     names = tuple(mesh.axis_names)
-    return Mesh(mesh.devices, names, axis_types=(axis_type.Auto,) * len(names))
+    return Mesh(mesh.devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def single_device_layout(device: jax.Device) -> MeshLayout:
