@@ -13,14 +13,22 @@ from fm_jax.map.future_map import FutureMap
 from fm_jax.map.host_reads import ResolvedConfidence
 from fm_jax.map.warm_up import WarmUpReport
 from fm_jax.ops.errors import FutureMapError, InvariantViolation, StateLost
-from fm_jax.ops.ops import POISON, future_map
-from fm_jax.ops.relay_fields import DraftPayload, RelayField, SpecConfig
+from fm_jax.ops.ops import POISON, FutureMapOps, future_map
 from fm_jax.ops.sharding import (
     MeshLayout,
     mesh_layout,
     per_rank,
 )
-from fm_jax.ops.types import Batch, ForwardMode, FutureMapOps, FutureMapState, MixedTails, Resolved
+from fm_jax.ops.types import (
+    Batch,
+    DraftPayload,
+    ForwardMode,
+    FutureMapState,
+    MixedTails,
+    RelayField,
+    Resolved,
+    SpecConfig,
+)
 
 __all__ = [
     "POISON",

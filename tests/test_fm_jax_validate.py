@@ -167,7 +167,7 @@ def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
     fm = fj.FutureMap(R, protocol=protocol, batch_buckets=(2, 4), token_buckets=(2, 4))
     asked: list[str] = []
     device_side = {"resolve", "sentinels", "next_batch", "resolve_variants", "step_modes"}
-    for cls in (validate.Protocol, type(fm._placement.protocol)):
+    for cls in dict.fromkeys((validate.Protocol, type(fm._placement.protocol))):
         for name, fn in list(vars(cls).items()):
             if callable(fn) and not name.startswith("__") and name not in device_side:
                 if name == "check_ids":  # the value rule of one ids field, not the batch's

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fm_jax.ops import relay_fields as rf
-from fm_jax.ops.relay_fields import DraftPayload
-from fm_jax.ops.types import Batch, ForwardMode
+from fm_jax.ops.types import Batch, DraftPayload, ForwardMode
 
 FIXED_MODES = {m.name.lower(): m for m in ForwardMode}
 """The ForwardMode a fixed-mode executable is traced with, by its key's mode: a resolve's

@@ -28,8 +28,9 @@ from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.relay_fields import RelayField, SpecConfig, payload_rows, storable
+from fm_jax.ops.relay_fields import payload_rows, storable
 from fm_jax.ops.sharding import MeshLayout
+from fm_jax.ops.types import RelayField, SpecConfig
 
 
 class HostInputs:

@@ -38,8 +38,8 @@ from fm_jax.host.validate import (
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol, Rules
-from fm_jax.ops.relay_fields import SpecConfig, draft_payload
-from fm_jax.ops.types import CONFIDENCE_DTYPE, Batch, ForwardMode, confidence_width
+from fm_jax.ops.relay_fields import draft_payload
+from fm_jax.ops.types import CONFIDENCE_DTYPE, Batch, ForwardMode, SpecConfig, confidence_width
 
 MAX_LAYOUTS = 4096
 """Layouts a map remembers (a serving loop repeats a few hundred); past this many, a new

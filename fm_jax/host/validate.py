@@ -19,9 +19,10 @@ import jax
 import numpy as np
 
 from fm_jax.ops import errors
+from fm_jax.ops.checks import host_mode
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Part, Protocol, Rules
-from fm_jax.ops.types import Batch, ForwardMode, host_mode
+from fm_jax.ops.types import Batch, ForwardMode
 
 INTS = frozenset(
     np.dtype(t)

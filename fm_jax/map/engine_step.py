@@ -26,8 +26,9 @@ from fm_jax.host.validate import StepInput, check_declared
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.ops import FutureMapOps
 from fm_jax.ops.rows import gather
-from fm_jax.ops.types import Batch, ForwardMode, FutureMapOps
+from fm_jax.ops.types import Batch, ForwardMode
 
 __all__ = ["EngineStep", "Forward", "StepInput", "StepOutput", "StepResult"]
 

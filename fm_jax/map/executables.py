@@ -27,12 +27,12 @@ from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops import checks
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.ops import future_map
+from fm_jax.ops.ops import FutureMapOps, future_map, lift
 from fm_jax.ops.protocol import Protocol, parse_protocol
-from fm_jax.ops.relay_fields import SpecConfig, payload_rows
+from fm_jax.ops.relay_fields import payload_rows
 from fm_jax.ops.rows import gather
-from fm_jax.ops.sharding import MeshLayout, check_split, lift, mesh_layout, single_device_layout
-from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState
+from fm_jax.ops.sharding import MeshLayout, check_split, mesh_layout, single_device_layout
+from fm_jax.ops.types import Batch, FutureMapState, SpecConfig
 
 CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
 """The XLA:CPU pass that splits instructions over threads (by bytes, not by work)."""
@@ -90,8 +90,8 @@ def tail(
     `output_tokens`) the forward wrote itself: the value given for each is the whole
     buffer, taken with no scatter (debug: its rows at `indices` checked as relayed rows).
     """
-    local = ops.local
-    assert local is not None  # the class's ops are always lifted (a layout)
+    local, layout = ops.local, ops.layout
+    assert local is not None and layout is not None  # the class's ops are always lifted
     own_lens, own_tokens = "new_seq_lens" in owned, "output_tokens" in owned
     # Owned output_tokens, spec: the other fields stashed as by a map without bonus tokens.
     rest = None
@@ -156,7 +156,7 @@ def tail(
         relayed = payload_rows(local.spec, payload)
         if own_tokens:  # the tokens are the payload's first entry
             _check_owned(what, "output_tokens", relayed.pop(0)[1], state.output_tokens)
-        check_split(ops.layout, what, [*rows, *relayed])
+        check_split(layout, what, [*rows, *relayed])
         conf = () if confidence is None else (confidence,)
         return mapped(state, indices, new_seq_lens, payload, *conf)  # type: ignore[no-any-return]
 
@@ -246,7 +246,7 @@ def entry_points(
     """The builder of the class's jitted entry points: the state (argument 0) donated
     where the op writes it, compiled with `options`; with a
     debug channel `debug`, each returns (packed error, outputs)."""
-    layout = ops.layout
+    layout: MeshLayout = ops.layout  # type: ignore[assignment]  # always lifted
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
     batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]

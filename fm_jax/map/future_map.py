@@ -31,9 +31,16 @@ from fm_jax.map.runtime import MapRuntime, Registry, serialized
 from fm_jax.map.warm_up import WarmUpReport, class_calls, not_warmed, step_calls, warm
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
-from fm_jax.ops.relay_fields import DraftPayload, SpecConfig
 from fm_jax.ops.sharding import MeshLayout
-from fm_jax.ops.types import Batch, FutureMapState, MixedTails, Resolved, RowsInput
+from fm_jax.ops.types import (
+    Batch,
+    DraftPayload,
+    FutureMapState,
+    MixedTails,
+    Resolved,
+    RowsInput,
+    SpecConfig,
+)
 
 _log = logging.getLogger("fm_jax")
 

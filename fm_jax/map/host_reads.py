@@ -27,9 +27,10 @@ import numpy as np
 
 from fm_jax.host.decisions import Placed, Rows
 from fm_jax.host.place import Placement
+from fm_jax.ops.checks import host_mode
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.sharding import per_rank
-from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput, host_mode
+from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput
 
 
 def read_published(last: Any, idx: Rows, subset: bool = False) -> np.ndarray | None:

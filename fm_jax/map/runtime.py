@@ -20,8 +20,8 @@ import numpy as np
 from fm_jax.host.decisions import Key, PackSpec, Rows
 from fm_jax.ops.checks import FRESH_PUBLISH
 from fm_jax.ops.errors import FutureMapError, StateLost
-from fm_jax.ops.relay_fields import SpecConfig, draft_payload
-from fm_jax.ops.types import FutureMapState
+from fm_jax.ops.relay_fields import draft_payload
+from fm_jax.ops.types import FutureMapState, SpecConfig
 
 _M = TypeVar("_M", bound=Callable[..., Any])
 

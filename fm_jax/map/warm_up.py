@@ -34,8 +34,8 @@ from fm_jax.host.decisions import FIXED_MODES, Key, PackSpec
 from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import Protocol
-from fm_jax.ops.relay_fields import SpecConfig, draft_payload, element_dtype
-from fm_jax.ops.types import Batch, ForwardMode
+from fm_jax.ops.relay_fields import draft_payload, element_dtype
+from fm_jax.ops.types import Batch, ForwardMode, SpecConfig
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache

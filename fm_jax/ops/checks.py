@@ -1,4 +1,7 @@
-"""Debug-mode invariants as `jax.experimental.checkify` checks, carried on device; only in
+"""An op's checks of its arguments: their structure when traced (a FutureMapError, nothing
+run), and in debug mode their values on device.
+
+Debug-mode invariants are `jax.experimental.checkify` checks, carried on device; only in
 ops built with debug=True, whose caller wraps its jitted step in
 `checkify.checkify(..., errors=checkify.user_checks)`. Each message starts with the
 invariant's name in brackets, which maps a thrown error back to it.
@@ -24,8 +27,79 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 
+from fm_jax.ops import errors
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.types import ForwardMode
+
+
+# ------------------------------------------------------------------ trace-time structure
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+
+def check_1d_int(name: str, x: Any, into: np.dtype | None = None, rows: int | None = None) -> None:
+    """FutureMapError unless `x` is a 1-D integer array (whose values all fit `into`; of
+    `rows` entries, one per batch row, where given)."""
+    shape = jnp.shape(x)
+    if len(shape) != 1:
+        raise FutureMapError(f"{name} must be 1-D, got shape {shape}")
+    check_ints(name, x, into)
+    if rows is not None and shape[0] != rows:
+        raise FutureMapError(f"{name} has {shape[0]} rows, indices have {rows}")
+
+
+def check_ints(name: str, x: Any, into: np.dtype | None = None) -> None:
+    """FutureMapError unless `x` has an int dtype whose every value (as JAX holds it) fits
+    `into` without a cast that could change it (int64 rows for int32 buffers are refused)."""
+    if not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must have an integer dtype, got {_dtype(x)}")
+    held = jax.dtypes.canonicalize_dtype(_dtype(x))
+    if into is not None and not np.can_cast(held, into, "safe"):
+        raise FutureMapError(
+            f"{name} has dtype {held}, which the {np.dtype(into)} buffers cannot hold without "
+            "a value check: cast it first"
+        )
+
+
+def check_array(name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype | None = None) -> None:
+    """FutureMapError unless `x` is given with exactly `shape` (and, given, `dtype`: the
+    declared dtype of a field that is not an int)."""
+    if x is None:
+        raise FutureMapError(f"{name} is missing")
+    if tuple(jnp.shape(x)) != shape:
+        raise FutureMapError(f"{name} must have shape {shape}, got {tuple(jnp.shape(x))}")
+    if dtype is not None and _dtype(x) != dtype:
+        raise errors.not_the_declared_dtype(name, _dtype(x), dtype)
+
+
+def check_int_array(name: str, x: Any) -> None:
+    """FutureMapError unless `x` is an integer array or scalar (of any shape)."""
+    if x is None or isinstance(x, str) or not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must be an int array, got {x!r}")
+
+
+def check_scalar_int(name: str, x: Any) -> None:
+    """FutureMapError unless `x` is a 0-d integer (the forward mode)."""
+    shape = np.shape(x)  # no jnp.shape: it refuses None and strings
+    if shape != () or not np.issubdtype(_dtype(x), np.integer):
+        raise FutureMapError(f"{name} must be an int scalar, got shape {shape} {_dtype(x)}")
+
+
+def host_mode(mode: Any, where: str) -> ForwardMode:
+    """A forward mode given on the host: an int of a ForwardMode value, never a bool, float
+    or string (int() would make DECODE of True, 1.7 and "1")."""
+    if isinstance(mode, bool | np.bool_) or not isinstance(mode, int | np.integer):
+        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}")
+    try:
+        return ForwardMode(int(mode))
+    except ValueError:
+        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}") from None
+
+
+# ------------------------------------------------------------------ debug invariants
 SLOT_RANGE = "slot range"
 DUPLICATE_SLOT = "duplicate live slot"
 SENTINEL_RANGE = "sentinel range"

@@ -1,18 +1,19 @@
 """The FutureMap as pure functions over a state pytree (optax style).
 
-`future_map(...)` fixes the static configuration (`types.OpsConfig`) and returns
+`future_map(...)` fixes the static configuration (`resolve.OpsConfig`) and returns
 `FutureMapOps`, the functions below with it bound. Each takes and returns arrays only, so
 an engine inlines them in its own jitted step: resolve at the head (`resolve.py`), publish
 and stash at the tail, the state threaded through and donated by the engine's jit (every
 write in place). Rows move as `rows.py` moves them; debug mode adds checkify checks
-(`checks.py`); on a mesh each rank's block runs these ops (`sharding.lift`).
+(`checks.py`); on a mesh each rank's block runs these ops (`lift`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,28 +22,71 @@ from jax.sharding import Mesh
 
 from fm_jax.ops import checks, errors
 from fm_jax.ops import relay_fields as rf
+from fm_jax.ops.checks import check_1d_int, check_array, check_int_array, check_ints
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.protocol import parse_protocol
-from fm_jax.ops.relay_fields import DraftPayload, SpecConfig, check_spec, payload_rows
-from fm_jax.ops.resolve import POISON, check_indices, resolve, row_min
+from fm_jax.ops.relay_fields import check_spec, payload_rows
+from fm_jax.ops.resolve import POISON, OpsConfig, check_indices, resolve, row_min
 from fm_jax.ops.rows import check_fits, gather, scatter, scatter_rows
-from fm_jax.ops.sharding import lift, mesh_layout
+from fm_jax.ops.sharding import MeshLayout, check_split, mesh_layout
 from fm_jax.ops.types import (
     CONFIDENCE_BITS,
     CONFIDENCE_DTYPE,
     Batch,
-    FutureMapOps,
+    DraftPayload,
     FutureMapState,
-    OpsConfig,
-    check_1d_int,
-    check_array,
-    check_ints,
-    check_rows,
+    Resolved,
+    SpecConfig,
     confidence_width,
-    int_dtype,
 )
 
 __all__ = ["POISON", "FutureMapOps", "future_map"]
+
+
+class FutureMapOps(NamedTuple):
+    """The pure FutureMap ops for one static configuration.
+
+    Attributes:
+      init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
+      publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
+        ([B, gamma] float32) only where the spec declares gamma.
+      stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields
+        it gives (every consume-tracked one) and keeps the others' rows.
+      resolve: (state, batch) -> (state, Resolved); the state changes only in debug mode.
+        A draft gather gives every declared field (a row never stashed reads 0): which
+        were ever stashed is known on the host only (the class tracks it).
+      invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
+        (sentinel protocol only).
+      seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
+        `resolve_seq_lens_cpu` (debug: slot checks, lengths not poisoned).
+      pool_size, dtype, spec, debug, protocol: the static configuration.
+      layout: on a mesh (`future_map(..., mesh=)`), its `sharding.MeshLayout`: every array
+        is global ([DP*R, ...] buffers, [DP*B, ...] rows), each rank's block run by
+        `local`, the one-pool ops; None (and `local` None) for one pool on one device.
+    """
+
+    init: Callable[[], FutureMapState]
+    publish: Callable[..., FutureMapState]
+    stash: Callable[[FutureMapState, Any, Any], FutureMapState]
+    resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
+    invalidate: Callable[[Batch, Any], Batch]
+    seq_lens_at: Callable[[FutureMapState, Any], jax.Array]
+    pool_size: int
+    dtype: np.dtype
+    spec: SpecConfig | None
+    debug: bool
+    protocol: str = "sentinel"
+    layout: MeshLayout | None = None
+    local: FutureMapOps | None = None
+
+    def map_ranks(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` run on each DP rank's block (`MeshLayout.map`), as a mesh's ops run theirs:
+        under the Pallas kernel without shard_map's varying-axes check, which Pallas's CPU
+        interpreter cannot trace under (jax 0.10.2); the ops hold no collective for it."""
+        if self.layout is None:
+            raise FutureMapError("map_ranks needs the ops of a mesh (future_map(..., mesh=))")
+        vma = self.spec is None or self.spec.kernel != "pallas"
+        return self.layout.map(fn, check_vma=vma)
 
 
 def future_map(
@@ -117,6 +161,22 @@ def future_map(
     )
 
 
+def int_dtype(dtype: object) -> np.dtype:
+    """A user's int dtype as int32 or int64, refusing int64 without x64 mode."""
+    try:
+        d = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        raise FutureMapError(f"dtype must be int32 or int64, got {dtype!r}") from None
+    if d not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise FutureMapError(f"dtype must be int32 or int64, got {d}")
+    if d == np.int64 and not jax.config.read("jax_enable_x64"):
+        raise FutureMapError(
+            "dtype int64 needs JAX's x64 mode; enable it before building the map "
+            "(jax.config.update('jax_enable_x64', True)). fm_jax never flips global config."
+        )
+    return d
+
+
 def init(cfg: OpsConfig) -> FutureMapState:
     """The zeroed buffers (debug: the consume-tracked ones and the lengths poisoned)."""
     r, dt = cfg.pool_size, cfg.dtype
@@ -133,15 +193,6 @@ def init(cfg: OpsConfig) -> FutureMapState:
     return state
 
 
-def check_confidence(spec: SpecConfig | None, confidence: Any, rows: int) -> None:
-    """Confidence rows given to a publish: [rows, gamma] float32 where the spec declares
-    gamma; refused on any other map."""
-    gamma = confidence_width(spec)
-    if not gamma:
-        raise errors.confidence_not_declared()
-    check_array("confidence", confidence, (rows, gamma), CONFIDENCE_DTYPE)
-
-
 def publish(
     cfg: OpsConfig,
     state: FutureMapState,
@@ -150,14 +201,17 @@ def publish(
     confidence: Any = None,
 ) -> FutureMapState:
     """`new_seq_lens[indices] := new_seq_lens` (and, given, `confidence[indices] :=
-    confidence`); empty indices is a no-op."""
+    confidence`, [B, gamma] float32 where the spec declares gamma); empty indices is a
+    no-op."""
     dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
-    check_1d_int("new_seq_lens", new_seq_lens, dt)
-    check_rows("new_seq_lens", new_seq_lens, jnp.shape(indices)[0])
+    check_1d_int("new_seq_lens", new_seq_lens, dt, jnp.shape(indices)[0])
+    gamma = confidence_width(cfg.spec)
+    if confidence is not None and not gamma:
+        raise errors.confidence_not_declared()
     if confidence is not None:
-        check_confidence(cfg.spec, confidence, jnp.shape(indices)[0])
+        check_array("confidence", confidence, (jnp.shape(indices)[0], gamma), CONFIDENCE_DTYPE)
     if chk is not None:
         lens, idx = jnp.asarray(new_seq_lens), jnp.asarray(indices)
         checks.relayed_values("new_seq_lens", checks.PUBLISHED_LENGTHS, lens, idx, dt, chk)
@@ -167,7 +221,7 @@ def publish(
     state = state._replace(new_seq_lens=scatter(state.new_seq_lens, indices, new_seq_lens))
     if confidence is None:
         return state  # the rows already published stay
-    assert state.confidence is not None  # declared: check_confidence passed
+    assert state.confidence is not None  # declared: gamma > 0
     bits = jax.lax.bitcast_convert_type(jnp.asarray(confidence), CONFIDENCE_BITS)
     return state._replace(confidence=scatter(state.confidence, indices, bits))
 
@@ -186,8 +240,7 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> tuple[rf.Rel
             check_array(name, v, (rows, *f.shape))
             check_ints(name, v, dt)
         else:  # one int per row
-            check_1d_int(name, v, dt)
-            check_rows(name, v, rows)
+            check_1d_int(name, v, dt, rows)
     return present
 
 
@@ -195,23 +248,18 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
     """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op. A
     draft writes the fields it gives and keeps the others' rows (every consume-tracked
     field is required: `relay_fields.carried`)."""
-    dt, fields = cfg.dtype, cfg.fields
+    dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
     rows = jnp.shape(indices)[0]
-    payload_rows(cfg.spec, payload)
+    relayed = payload_rows(cfg.spec, payload)  # its kind checked first
     if cfg.spec is None:
-        check_1d_int("tokens", payload, dt)
-        check_rows("tokens", payload, rows)
-    else:
-        fields = _check_draft(cfg, payload, rows)
+        check_1d_int("tokens", payload, dt, rows)
+    fields = () if cfg.spec is None else _check_draft(cfg, payload, rows)
     if chk is not None:
         # Consumed fields must not be stashed negative: a -1 would read as the poison.
-        relayed = (
-            [("tokens", payload)]
-            if cfg.spec is None
-            else [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields if f.consumed]
-        )
+        if cfg.spec is not None:
+            relayed = [(f"draft.{f.name}", rf.get(payload, f.name)) for f in fields if f.consumed]
         for name, values in relayed:
             low, idx = row_min(jnp.asarray(values)), jnp.asarray(indices)
             checks.relayed_values(name, checks.STASHED_TOKENS, low, idx, dt, chk)
@@ -246,3 +294,83 @@ def seq_lens_at(cfg: OpsConfig, state: FutureMapState, indices: Any) -> jax.Arra
         checks.lengths_unconsumed(got, jnp.asarray(indices), chk)
         chk.run()
     return got
+
+
+# ------------------------------------------------------------------ on a mesh
+def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
+    want = layout.dp * pool_size
+    for path, buf in jax.tree_util.tree_leaves_with_path(state):
+        if not jnp.shape(buf) or jnp.shape(buf)[0] != want:
+            raise FutureMapError(
+                f"state{jax.tree_util.keystr(path)} has shape {jnp.shape(buf)}, expected "
+                f"DP*R = {layout.dp}*{pool_size} = {want} rows"
+            )
+
+
+def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
+    """The one-pool `ops` over global arrays laid out by `layout`, each rank on its block
+    (`future_map(..., mesh=)`, and the class's ops on one device or a mesh)."""
+    pool_size, mesh, spec_ = ops.pool_size, layout.mesh, layout.spec
+    lifted = ops._replace(layout=layout, local=ops)
+    each = lifted.map_ranks
+
+    def init() -> FutureMapState:
+        return jax.shard_map(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
+
+    def publish(
+        state: FutureMapState, indices: Any, new_seq_lens: Any, confidence: Any = None
+    ) -> FutureMapState:
+        _check_state(layout, state, pool_size)
+        rows = [("indices", indices), ("new_seq_lens", new_seq_lens), ("confidence", confidence)]
+        check_split(layout, "publish", rows)
+        conf = () if confidence is None else (confidence,)
+        return each(ops.publish)(state, indices, new_seq_lens, *conf)  # type: ignore[no-any-return]
+
+    def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
+        _check_state(layout, state, pool_size)
+        check_split(layout, "stash", [("indices", indices), *payload_rows(ops.spec, payload)])
+        return each(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
+
+    def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
+        _check_state(layout, state, pool_size)
+        mode = batch.forward_mode
+        # A host mode is fixed in every rank's executable; a traced one is a scalar or one
+        # per rank, each rank seeing its [1] slice.
+        fixed = mode if isinstance(mode, int | np.integer) else None
+        if fixed is None:
+            check_int_array("forward_mode", mode)
+            shape = jnp.shape(mode)  # type: ignore[arg-type]
+            if shape == ():
+                mode = jnp.broadcast_to(mode, (layout.dp,))  # type: ignore[arg-type]
+            elif shape != (layout.dp,):
+                raise FutureMapError(
+                    f"batch.forward_mode must be one mode for every rank (a scalar) or one per "
+                    f"DP rank, shape ({layout.dp},), got {shape}"
+                )
+
+        def local_resolve(state: FutureMapState, b: Batch) -> Any:
+            local_mode = b.forward_mode[0] if fixed is None else fixed  # type: ignore[index]
+            return ops.resolve(state, b._replace(forward_mode=local_mode))
+
+        batch = batch._replace(forward_mode=mode if fixed is None else None)
+        check_split(layout, "resolve", list(zip(Batch._fields, batch, strict=True)))
+        return each(local_resolve)(state, batch)  # type: ignore[no-any-return]
+
+    def invalidate(batch: Batch, indices: Any) -> Batch:
+        check_split(layout, "invalidate", [("indices", indices)])
+        # Elementwise: every rank's sentinels are its own rank-local -indices.
+        return ops.invalidate(batch, indices)
+
+    def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
+        _check_state(layout, state, pool_size)
+        check_split(layout, "seq_lens_at", [("indices", indices)])
+        return each(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
+
+    return lifted._replace(
+        init=init,
+        publish=publish,
+        stash=stash,
+        resolve=resolve,
+        invalidate=invalidate,
+        seq_lens_at=seq_lens_at,
+    )

@@ -4,7 +4,8 @@ placeholders in the next batch (`invalidate`, or `finish`'s third write) that re
 fills; in the gather protocol it leaves nothing: resolve gathers a DECODE batch's ids at
 its slots and a MIXED batch's running rows' ids at its `token_slots`. A `Protocol`
 answers what the host path asks (which ids a batch brings and may hold, what its token
-slots must be), what a step's tail leaves, and which resolve variants warm-up compiles.
+slots must be), what a step's tail leaves, and which resolve variants warm-up compiles;
+the gather protocol's flags are all `not invalidates`, each naming the rule it answers.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import numpy as np
 
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.relay_fields import SpecConfig
-from fm_jax.ops.types import ForwardMode
+from fm_jax.ops.types import ForwardMode, SpecConfig
 
-PROTOCOLS = ("sentinel", "gather")
-"""The relay protocols' public names."""
+PROTOCOLS = ("sentinel", "gather")  # the public names
 
 
 class Part(NamedTuple):
@@ -50,119 +49,54 @@ class Rules(NamedTuple):
 class Protocol:
     """A relay protocol: the host's rules, the tail's output and the warm-up variants."""
 
-    name: str = ""  # 'sentinel' or 'gather', as the public API spells it
-    invalidates = False  # the tail leaves -slot sentinels; a batch always brings ids
-    # Resolve gathers a DECODE batch's ids at its slots (a non-spec one brings none).
-    gathers_decode_ids = False
-    takes_token_slots = False  # a MIXED batch names its running rows' slots per token
-    serves_spec_mixed = False  # resolve binds a spec MIXED batch's running rows' lengths
+    def __init__(self, name: str) -> None:
+        self.name = name  # 'sentinel' or 'gather', as the public API spells it
+        self.invalidates = name == "sentinel"  # the tail leaves -slot sentinels
+        gather = not self.invalidates
+        # Resolve gathers a DECODE batch's ids at its slots (a non-spec one brings none).
+        self.gathers_decode_ids = gather
+        self.takes_token_slots = gather  # a MIXED batch names its running rows' slots per token
+        self.serves_spec_mixed = gather  # resolve binds a spec MIXED batch's running lengths
 
     def __repr__(self) -> str:
         return f"Protocol({self.name!r})"
 
     # ------------------------------------------------------------------ host rules
     def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
-        """Host token ids by value (the rule of what an id may be in this protocol)."""
-        raise NotImplementedError
-
-    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
-        """Every rule of this protocol on a batch's layout (`parts`: the batch, or each DP
-        rank's of a mapping, `by_rank`), asked once before anything is placed: refuses
-        what its kinds and fields break, and returns the rules left for the host values."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ the device
-    def sentinels(self, indices: jax.Array, ids: int) -> Any:
-        """Inside a step's tail, on one rank's `indices`: the next batch's `ids` ids and
-        its lengths, as `next_batch` takes them (None: the batch is left as it is)."""
-        return None
-
-    def next_batch(self, batch: Any, sentinels: Any) -> Any:
-        """The batch the host schedules next, after the tail left `sentinels`."""
-        return batch
-
-    # ------------------------------------------------------------------ warm-up
-    def resolve_variants(
-        self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
-    ) -> list[tuple[str, bool]]:
-        """The (resolve mode, with token slots) pairs serving reaches at a token bucket:
-        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced'."""
-        raise NotImplementedError
-
-    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
-        """The modes an engine step (whose forward sees its mode) serves where a resolve's
-        variant is 'extend': every mode that is not DECODE and that this protocol takes
-        with (or without) token slots."""
-        raise NotImplementedError
-
-
-class _Sentinel(Protocol):
-    name = "sentinel"
-    invalidates = True
-
-    def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
-        """A sentinel -s names a slot s in [0, R)."""
-        if ids.size and ids.min() <= -pool_size:
+        """Host token ids by value: a sentinel -s names a slot s in [0, R); the gather
+        protocol has none (every id >= 0: a decode row's id is gathered at its slot)."""
+        if not ids.size:
+            return
+        if self.invalidates and ids.min() <= -pool_size:
             raise FutureMapError(
                 f"{name} holds sentinels {ids[ids <= -pool_size].tolist()} naming slots "
                 f"outside [0, {pool_size})"
             )
-
-    def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
-        """No token slots (a MIXED batch's running rows carry sentinels), no spec MIXED
-        batch; a non-spec DECODE batch's ids are one per row."""
-        for p in parts:
-            if p.slots:
-                raise errors.token_slots_in_sentinel_protocol(p.where or "batch.")
-        if spec is not None and any(ForwardMode.MIXED in (p.modes or ()) for p in parts):
-            raise errors.spec_mixed_in_sentinel_protocol()
-        return Rules(ids_per_row=spec is None)
-
-    def sentinels(self, indices: jax.Array, ids: int) -> Any:
-        # One array for ids and lengths where they have the same size (one output, not
-        # two); else (the ids -slot padded with 0 to `ids`, the lengths).
-        lens = -jnp.asarray(indices)
-        pad = ids - lens.shape[0]
-        return lens if pad <= 0 else (jnp.pad(lens, (0, pad)), lens)
-
-    def next_batch(self, batch: Any, sentinels: Any) -> Any:
-        ids, lens = sentinels if type(sentinels) is tuple else (sentinels, sentinels)
-        b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
-        return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
-
-    def resolve_variants(
-        self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
-    ) -> list[tuple[str, bool]]:
-        # A non-spec decode row is one token: DECODE only up to the largest batch's tokens.
-        out = [("extend", False)]
-        if spec is not None or tokens <= decode_tokens:
-            out.append(("decode", False))
-        return out + ([("traced", False)] if traced else [])
-
-    def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
-        mixed = [ForwardMode.MIXED] if spec is None else []  # a spec MIXED is refused
-        return [ForwardMode.EXTEND, *mixed, ForwardMode.IDLE]
-
-
-class _Gather(Protocol):
-    name = "gather"
-    gathers_decode_ids = True
-    takes_token_slots = True
-    serves_spec_mixed = True
-
-    def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
-        """No sentinels: every id is >= 0 (a decode row's id is gathered at its slot)."""
-        if ids.size and ids.min() < 0:
+        if not self.invalidates and ids.min() < 0:
             raise FutureMapError(
                 f"{name} holds negative ids {ids[ids < 0][:8].tolist()}: the gather protocol "
                 "has no sentinels (a decode row's id is gathered at its slot)"
             )
 
     def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
-        """A non-spec DECODE batch known on the host places no ids (they are gathered at
-        its slots; ids given are refused); any other batch brings its ids, except a DECODE
-        rank of a mapping (zeros, never read). A MIXED batch brings token slots, a DECODE
-        batch none, and slots given without a MIXED rank gather nothing (all 0)."""
+        """Every rule of this protocol on a batch's layout (`parts`: the batch, or each DP
+        rank's of a mapping, `by_rank`), asked once before anything is placed: refuses
+        what its kinds and fields break, and returns the rules left for the host values.
+
+        Sentinel: no token slots (a MIXED batch's running rows carry sentinels), no spec
+        MIXED batch; a non-spec DECODE batch's ids are one per row. Gather: a non-spec
+        DECODE batch known on the host places no ids (they are gathered at its slots; ids
+        given are refused); any other batch brings its ids, except a DECODE rank of a
+        mapping (zeros, never read). A MIXED batch brings token slots, a DECODE batch
+        none, and slots given without a MIXED rank gather nothing (all 0)."""
+        mixed = any(ForwardMode.MIXED in (p.modes or ()) for p in parts)
+        if self.invalidates:
+            for p in parts:
+                if p.slots:
+                    raise errors.token_slots_in_sentinel_protocol(p.where or "batch.")
+            if spec is not None and mixed:
+                raise errors.spec_mixed_in_sentinel_protocol()
+            return Rules(ids_per_row=spec is None)
         places_ids, zero_ids, zero_slots = True, [], []
         for i, p in enumerate(parts):
             if p.modes is None:  # traced: its kind is known only on the device
@@ -191,7 +125,6 @@ class _Gather(Protocol):
             if p.slots and ForwardMode.MIXED not in p.modes:
                 kinds_named = "/".join(sorted({m.name for m in p.modes}))
                 zero_slots.append((i, p.where, kinds_named))
-        mixed = any(ForwardMode.MIXED in (p.modes or ()) for p in parts)
         return Rules(
             places_ids=places_ids,
             zero_ids=tuple(zero_ids),
@@ -199,31 +132,61 @@ class _Gather(Protocol):
             mixed_order=spec is not None and mixed,
         )
 
+    # ------------------------------------------------------------------ the device
+    def sentinels(self, indices: jax.Array, ids: int) -> Any:
+        """Inside a step's tail, on one rank's `indices`: the next batch's `ids` ids and
+        its lengths, as `next_batch` takes them (gather: None, the batch is left as it is).
+        One array for ids and lengths where they have the same size (one output, not two);
+        else (the ids -slot padded with 0 to `ids`, the lengths)."""
+        if not self.invalidates:
+            return None
+        lens = -jnp.asarray(indices)
+        pad = ids - lens.shape[0]
+        return lens if pad <= 0 else (jnp.pad(lens, (0, pad)), lens)
+
+    def next_batch(self, batch: Any, sentinels: Any) -> Any:
+        """The batch the host schedules next, after the tail left `sentinels`."""
+        if not self.invalidates:
+            return batch
+        ids, lens = sentinels if type(sentinels) is tuple else (sentinels, sentinels)
+        b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
+        return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
+
+    # ------------------------------------------------------------------ warm-up
     def resolve_variants(
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
     ) -> list[tuple[str, bool]]:
-        # A MIXED batch (not DECODE, or traced) brings token slots; a non-spec DECODE
-        # places no ids (its own variant, per batch bucket).
-        out = [("extend", False), ("extend", True)]
-        if spec is not None:
-            out.append(("decode", False))
-        return out + ([("traced", False), ("traced", True)] if traced else [])
+        """The (resolve mode, with token slots) pairs serving reaches at a token bucket:
+        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced'. Sentinel:
+        a non-spec decode row is one token, DECODE only up to the largest batch's tokens.
+        Gather: a MIXED batch (not DECODE, or traced) brings token slots; a non-spec
+        DECODE places no ids (its own variant, per batch bucket)."""
+        slots = [False] if self.invalidates else [False, True]
+        decode = spec is not None or (self.invalidates and tokens <= decode_tokens)
+        extend = [("extend", s) for s in slots]
+        return extend + [("decode", False)] * decode + [("traced", s) for s in slots if traced]
 
     def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
-        # Token slots come with a MIXED batch, and only with one.
-        return [ForwardMode.MIXED] if with_slots else [ForwardMode.EXTEND, ForwardMode.IDLE]
+        """The modes an engine step (whose forward sees its mode) serves where a resolve's
+        variant is 'extend': every mode that is not DECODE and that this protocol takes
+        with (or without) token slots (gather: token slots come with a MIXED batch, and
+        only with one; sentinel: a spec MIXED is refused)."""
+        if not self.invalidates:
+            return [ForwardMode.MIXED] if with_slots else [ForwardMode.EXTEND, ForwardMode.IDLE]
+        mixed = [ForwardMode.MIXED] if spec is None else []
+        return [ForwardMode.EXTEND, *mixed, ForwardMode.IDLE]
 
 
-SENTINEL: Protocol = _Sentinel()
-GATHER: Protocol = _Gather()
-_BY_NAME = {p.name: p for p in (SENTINEL, GATHER)}
+SENTINEL, GATHER = Protocol("sentinel"), Protocol("gather")
 
 
 def parse_protocol(protocol: object) -> Protocol:
     """The Protocol named `protocol` (or `protocol` itself); FutureMapError otherwise."""
     if isinstance(protocol, Protocol):
         return protocol
-    found = _BY_NAME.get(protocol) if isinstance(protocol, str) else None
+    found = (
+        {p.name: p for p in (SENTINEL, GATHER)}.get(protocol) if isinstance(protocol, str) else None
+    )
     if found is None:
         raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     return found

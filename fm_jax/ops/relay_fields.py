@@ -1,16 +1,11 @@
-"""The fields a spec map relays, declared once (`SpecConfig`): what stash writes, resolve
-gathers and debug consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
-
-A field lives in one buffer of the state, [R, *shape]: the bonus tokens in `output_tokens`
-(shared with non-spec tokens), the other standard fields in their own `FutureMapState`
-attribute, an engine's own in `FutureMapState.extras` by name; a `DraftPayload` holds
-them the same way.
-"""
+"""The relayed fields' rules: a SpecConfig checked, how each field is stored (its values,
+or a real float's raw bits), where it lives in a state or a draft, and which fields a
+draft stash writes."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,31 +13,7 @@ import numpy as np
 
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
-
-HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
-"""The standard fields' names, in the order a map declares them."""
-
-
-class RelayField(NamedTuple):
-    """One per-row value a spec map relays from a step's stash to the next step's resolve.
-
-    Attributes:
-      name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
-      shape: the per-row shape; () for one value per row.
-      dtype: the element dtype, one a buffer stores (`storable`; 64-bit ones need x64);
-        None for the map's int dtype.
-      consumed: debug consume tracking (an int field): the buffer starts at -1, every value
-        gathered from a live slot must be >= 0, and -1 is written back at the slots read.
-      bits: deprecated, changes nothing (every real float is stored as its raw bits);
-        True on a field that is not a real float is refused.
-    """
-
-    name: str
-    shape: tuple[int, ...] = ()
-    dtype: Any = None
-    consumed: bool = False
-    bits: bool = False
+from fm_jax.ops.types import HIDDEN_DTYPES, KERNELS, STANDARD, DraftPayload, RelayField, SpecConfig
 
 
 def storable(dtype: np.dtype) -> bool:
@@ -68,24 +39,6 @@ def stored_as_bits(field: RelayField) -> bool:
     every byte stashed (NaN payloads, -0.0) is the byte resolved on every backend (XLA:CPU
     scatters bfloat16 and float8 in f32, rewriting NaNs). The bitcast costs nothing."""
     return field.dtype is not None and bool(jnp.issubdtype(field.dtype, jnp.floating))
-
-
-def standard_fields(
-    topk: int, hidden: int, hidden_dtype: Any, verified_id: bool, bonus_tokens: bool = True
-) -> tuple[RelayField, ...]:
-    """A draft's standard fields: bonus tokens (unless off) and verified ids (if declared),
-    both consume-tracked; top-k probabilities and ids if K > 0; hidden states if H > 0."""
-    out = [RelayField("bonus_tokens", consumed=True)] if bonus_tokens else []
-    if verified_id:
-        out.append(RelayField("verified_id", consumed=True))
-    if topk:
-        out += [
-            RelayField("topk_p", (topk,), np.dtype(np.float32)),
-            RelayField("topk_index", (topk,)),
-        ]
-    if hidden:
-        out.append(RelayField("hidden_states", (hidden,), np.dtype(hidden_dtype)))
-    return tuple(out)
 
 
 def count_at_least(x: Any, low: int) -> bool:
@@ -178,7 +131,7 @@ def put(holder: Any, name: str, value: Any) -> Any:
     return holder._replace(extras={**(holder.extras or {}), name: value})
 
 
-def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
+def check_declared(fields: tuple[RelayField, ...], draft: DraftPayload) -> None:
     """FutureMapError if the DraftPayload `draft` gives a field the spec does not declare:
     every value given is relayed, none dropped."""
     names = {f.name for f in fields}
@@ -196,7 +149,7 @@ def check_declared(fields: tuple[RelayField, ...], draft: Any) -> None:
             raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")
 
 
-def carried(fields: tuple[RelayField, ...], draft: Any) -> tuple[RelayField, ...]:
+def carried(fields: tuple[RelayField, ...], draft: DraftPayload) -> tuple[RelayField, ...]:
     """The declared fields a draft stash writes, in stash order (a partial stash keeps the
     others' rows). FutureMapError if it leaves out a consume-tracked field, gives half of
     top-k, or gives no field."""
@@ -220,49 +173,6 @@ def carried(fields: tuple[RelayField, ...], draft: Any) -> tuple[RelayField, ...
 def optional(fields: tuple[RelayField, ...]) -> tuple[str, ...]:
     """The fields a draft stash may leave out: those not consume-tracked."""
     return tuple(f.name for f in fields if not f.consumed)
-
-
-KERNELS = ("xla", "pallas")
-"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all
-(`rows.py`)."""
-
-
-class SpecConfig(NamedTuple):
-    """The fields a spec map relays, declared at init (`fields()`; docs/guide.md, 'Relay
-    fields', declares SGLang's EAGLE and n-gram payloads).
-
-    Attributes:
-      topk: K, width of `topk_p` / `topk_index`; 0 relays no top-k fields.
-      hidden: H, width of `hidden_states`; 0 relays none.
-      hidden_dtype: bfloat16, float16 or float32.
-      verified_id: relay each row's verified id (EAGLE's), consume-tracked.
-      extra: the engine's own fields, relayed in `DraftPayload.extras`.
-      bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
-        for a draft that brings none (an n-gram one).
-      kernel: 'xla' (default), one scatter or gather per buffer; 'pallas', one kernel for
-        every field (and, in the gather protocol, the lengths at the draft slots): Triton
-        on a GPU, Pallas's interpreter on CPU, no TPU. Its fields' dtypes are real numbers
-        or ints.
-      confidence: gamma, the width of each slot's confidence row: `publish` then takes
-        `confidence=` rows [B, gamma] float32 and starts their host copy into a ring
-        (`FutureMap.resolve_confidence_cpu`); 0 (default): no confidence relay.
-    """
-
-    topk: int
-    hidden: int = 0
-    hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
-    verified_id: bool = False
-    extra: tuple[RelayField, ...] = ()
-    bonus_tokens: bool = True
-    kernel: str = "xla"
-    confidence: int = 0
-
-    def fields(self) -> tuple[RelayField, ...]:
-        """Every relayed field, in stash order (the standard ones, then `extra`)."""
-        std = standard_fields(
-            self.topk, self.hidden, self.hidden_dtype, self.verified_id, self.bonus_tokens
-        )
-        return std + tuple(self.extra)
 
 
 def check_spec(spec: Any) -> SpecConfig:
@@ -310,31 +220,10 @@ def check_spec(spec: Any) -> SpecConfig:
     return out
 
 
-class DraftPayload(NamedTuple):
-    """Speculative draft state: what `stash` writes and `resolve` gathers; a field the spec
-    does not declare is None. A stash writes the fields given and keeps the others' rows
-    (every consume-tracked field given); the class's resolve gives None for a field no
-    stash has written (`FutureMap.relayed_fields`)."""
-
-    bonus_tokens: jax.Array | np.ndarray | None = None  # [B] int
-    topk_p: jax.Array | np.ndarray | None = None  # [B, K] float32
-    topk_index: jax.Array | np.ndarray | None = None  # [B, K] int
-    hidden_states: jax.Array | np.ndarray | None = None  # [B, H], None when H == 0
-    verified_id: jax.Array | np.ndarray | None = None  # [B] int, when the spec declares it
-    extras: Mapping[str, Any] | None = None  # the engine's own fields by name, [B, ...]
-
-
 def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
     """A DraftPayload of fields by name (the engine's own in `extras`)."""
     extras = {k: v for k, v in values.items() if k not in STANDARD}
-    return DraftPayload(
-        bonus_tokens=values.get("bonus_tokens"),
-        topk_p=values.get("topk_p"),
-        topk_index=values.get("topk_index"),
-        hidden_states=values.get("hidden_states"),
-        verified_id=values.get("verified_id"),
-        extras=extras or None,
-    )
+    return DraftPayload(**{k: values.get(k) for k in STANDARD}, extras=extras or None)
 
 
 def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:

@@ -1,11 +1,12 @@
 """Resolve, what fills a batch's inputs at forward entry: the batch checked, then its
 protocol's body, given the batch's slots `idx`, its mode (a host int, or traced) and the
 op's debug checks `chk` (None without debug). The state changes only in debug mode: the
-consume poison written back where the resolve read (`poison`)."""
+consume poison written back where the resolve read (`poison`). The ops' static
+configuration (`OpsConfig`) is declared here, resolve being its first reader."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,38 +14,51 @@ import numpy as np
 
 from fm_jax.ops import checks, errors
 from fm_jax.ops import relay_fields as rf
+from fm_jax.ops.checks import check_1d_int, check_scalar_int, host_mode
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.relay_fields import DraftPayload, draft_payload
+from fm_jax.ops.protocol import Protocol
+from fm_jax.ops.relay_fields import draft_payload
 from fm_jax.ops.rows import gather, gather_rows, scatter
 from fm_jax.ops.types import (
     Batch,
+    DraftPayload,
     ForwardMode,
     FutureMapState,
-    OpsConfig,
+    RelayField,
     Resolved,
-    check_1d_int,
-    check_rows,
-    check_scalar_int,
-    host_mode,
+    SpecConfig,
 )
+
+
+class OpsConfig(NamedTuple):
+    """A map's static configuration as its ops read it (`ops.future_map` fixes it)."""
+
+    pool_size: int  # R, slots; slot 0 is padding
+    dtype: np.dtype  # of tokens, lengths and top-k ids
+    spec: SpecConfig | None
+    fields: tuple[RelayField, ...]  # every relayed field, in stash order
+    consumed: tuple[str, ...]  # the consume-tracked fields' names
+    debug: bool  # poison and checkify checks
+    protocol: Protocol
+    one_kernel: bool  # spec fields move in one Pallas kernel per op
+
 
 POISON = -1
 """Debug-mode content of a consume-tracked slot with no unread write."""
 
+# Every read of a consume-tracked buffer: (field, values, slots read, whether this batch
+# does the read: a traced mode's other kind does not).
 Reads = list[tuple[str, jax.Array, jax.Array, Any]]
-"""Every read of a consume-tracked buffer: (field, values, slots read, whether this batch
-does the read: a traced mode's other kind does not)."""
 
 
-def check_indices(cfg: OpsConfig, name: str, indices: Any, into: Any = None) -> None:
-    """Shape checks; in debug mode the slot checks too, queued `into` the op's checks (or,
-    without them, emitted at once)."""
-    check_1d_int(name, indices, cfg.dtype)
-    if cfg.debug:
-        own = into or checks.OpChecks()
-        checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, own)
-        if into is None:
-            own.run()
+def check_indices(
+    cfg: OpsConfig, name: str, indices: Any, chk: checks.OpChecks | None, rows: int | None = None
+) -> None:
+    """Shape checks (`rows` entries, where given); in debug mode the slot checks too, queued
+    on the op's checks `chk`."""
+    check_1d_int(name, indices, cfg.dtype, rows)
+    if chk is not None:
+        checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, chk)
 
 
 def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
@@ -80,8 +94,7 @@ def resolve(cfg: OpsConfig, state: FutureMapState, batch: Batch) -> tuple[Future
             raise errors.no_ids_for_kind(ForwardMode(mode).name, "batch.")
         batch = batch._replace(input_ids=jnp.zeros(jnp.shape(idx)[0], dt))
     check_1d_int("input_ids", batch.input_ids, dt)
-    check_1d_int("seq_lens", batch.seq_lens, dt)
-    check_rows("seq_lens", batch.seq_lens, jnp.shape(idx)[0])
+    check_1d_int("seq_lens", batch.seq_lens, dt, jnp.shape(idx)[0])
     fill = resolve_sentinel if protocol.invalidates else resolve_gather
     return fill(cfg, state, batch, idx, mode, chk)
 
@@ -112,16 +125,6 @@ def consumed_reads(
     return [(row_min(jnp.asarray(rf.get(draft, name))), didx) for name in cfg.consumed]
 
 
-def poison_after(seen: jax.Array, rows: int, dtype: Any) -> jax.Array:
-    """`rows` POISON values that data-depend on `seen`, a scalar reduced from every value
-    just gathered from the buffer. Without a data dependence from that read to this
-    in-place write, XLA's (CPU) copy insertion cannot prove their order and copies the
-    whole buffer, O(R) per resolve; `max(min(x, POISON), POISON)` is POISON for every x
-    yet survives the simplifier, for two flops (a scalar), not two per row."""
-    dep = jnp.maximum(jnp.minimum(seen.astype(dtype), POISON), POISON)
-    return jnp.broadcast_to(dep, (rows,))
-
-
 def poison(
     state: FutureMapState,
     slots: jax.Array,
@@ -131,16 +134,16 @@ def poison(
 ) -> FutureMapState:
     """POISON written at `slots` (whole rows; slot R: dropped) to a consume-tracked field's
     buffer or to `new_seq_lens`, ordered after the reads that `maxima[k]` (a check's
-    witness among the op's maxima) was reduced from."""
+    witness among the op's maxima) was reduced from. Without a data dependence from those
+    reads to this in-place write, XLA's (CPU) copy insertion cannot prove their order and
+    copies the whole buffer, O(R) per resolve; `max(min(x, POISON), POISON)` is POISON for
+    every x yet survives the simplifier, for two flops (a scalar), not two per row."""
     if maxima is None or k is None or slots.shape[0] == 0:
         return state
     lens = field == "new_seq_lens"
     buf = state.new_seq_lens if lens else rf.get(state, field)
-    values = poison_after(maxima[k], slots.shape[0], buf.dtype)
-    values = jnp.broadcast_to(
-        values.reshape(-1, *(1,) * (buf.ndim - 1)), (slots.shape[0], *buf.shape[1:])
-    )
-    buf = scatter(buf, slots, values)
+    dep = jnp.maximum(jnp.minimum(maxima[k].astype(buf.dtype), POISON), POISON)
+    buf = scatter(buf, slots, jnp.broadcast_to(dep, (slots.shape[0], *buf.shape[1:])))
     return state._replace(new_seq_lens=buf) if lens else rf.put(state, field, buf)
 
 
@@ -196,8 +199,7 @@ def resolve_sentinel(
         # A prefill batch: no draft input.
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
     didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
-    check_indices(cfg, "draft_indices", didx, chk)
-    check_rows("draft_indices", didx, jnp.shape(idx)[0])  # one draft slot per row
+    check_indices(cfg, "draft_indices", didx, chk, jnp.shape(idx)[0])  # a draft slot per row
     draft, _ = gather_draft(cfg, state, didx)
     if chk is not None:
         reads = consumed_reads(cfg, draft, didx)
@@ -215,12 +217,7 @@ def resolve_sentinel(
 
 
 def _fill_sentinels(
-    cfg: OpsConfig,
-    state: FutureMapState,
-    batch: Batch,
-    idx: jax.Array,
-    seq_lens: jax.Array,
-    chk: Any,
+    cfg: OpsConfig, state: FutureMapState, batch: Batch, idx: jax.Array, lens: jax.Array, chk: Any
 ) -> tuple[FutureMapState, Resolved]:
     """A non-spec batch's ids: each sentinel -s replaced by `output_tokens[s]`."""
     dt, r = cfg.dtype, cfg.pool_size
@@ -239,7 +236,7 @@ def _fill_sentinels(
         read = jnp.where(is_ref, -ids, r)
         slots = jnp.concatenate([jnp.asarray(idx, dt), read])
         state = poison(state, slots, chk.run(), k)
-    return state, Resolved(input_ids, seq_lens)
+    return state, Resolved(input_ids, lens)
 
 
 def resolve_gather(
@@ -276,8 +273,7 @@ def resolve_gather(
     out = ids
     ts_read: jax.Array | None = None  # the token slots, where this executable reads them
     if ts_in is not None and (not known or takes_slots):
-        check_1d_int("token_slots", ts_in, dt)
-        check_rows("token_slots", ts_in, t)
+        check_1d_int("token_slots", ts_in, dt, t)
         ts = jnp.asarray(ts_in, dt)
         if chk is not None:
             checks.valid_slots("token_slots", ts, r, dt, chk)
@@ -321,8 +317,7 @@ def resolve_gather(
     draft = None
     if batch.draft_indices is not None:
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
-        check_indices(cfg, "draft_indices", didx, chk)
-        check_rows("draft_indices", didx, b)
+        check_indices(cfg, "draft_indices", didx, chk, b)
         # A spec DECODE batch's lengths are the verified ones last published; any other
         # kind keeps the host's (a rank prefilling beside a spec decoding one).
         draft, (got,) = gather_draft(cfg, state, didx, state.new_seq_lens)
@@ -343,9 +338,9 @@ def _bind_running_lengths(
     cfg: OpsConfig,
     state: FutureMapState,
     idx: jax.Array,
-    ts_read: jax.Array,
-    takes_slots: Any,
-    seq_lens: jax.Array,
+    ts: jax.Array,
+    takes: Any,
+    lens: Any,
     chk: Any,
 ) -> jax.Array:
     """Spec MIXED: the host planned this batch before the last verify's accept lengths
@@ -355,13 +350,13 @@ def _bind_running_lengths(
     dt = cfg.dtype
     live = idx > 0
     order = jnp.cumsum(live, dtype=dt) - 1  # a live row's place among the live rows
-    first = jnp.sum(live, dtype=dt) - jnp.sum(ts_read > 0, dtype=dt)
-    running = takes_slots & live & (order >= first)
+    first = jnp.sum(live, dtype=dt) - jnp.sum(ts > 0, dtype=dt)
+    running = takes & live & (order >= first)
     fresh = gather(state.new_seq_lens, idx)
     if chk is not None:
-        checks.running_rows_match(running, idx, ts_read, order - first, chk)
+        checks.running_rows_match(running, idx, ts, order - first, chk)
         checks.positive_lengths(jnp.asarray(True), jnp.where(running, fresh, 1), idx, chk)
-    return jnp.where(running, fresh + 1, seq_lens)
+    return jnp.where(running, fresh + 1, lens)
 
 
 def _draft_reads(

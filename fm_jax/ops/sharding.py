@@ -16,13 +16,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.relay_fields import payload_rows
-from fm_jax.ops.types import Batch, FutureMapOps, FutureMapState, Resolved, check_int_array
 
 
 class MeshLayout(NamedTuple):
@@ -111,11 +108,8 @@ def _auto_axes(mesh: Mesh) -> Mesh:
     """`mesh` with every axis Auto: the map's arrays carry no sharding in their types, so
     its shard_maps take host arrays, committed ones and those of Explicit meshes
     (`jax.make_mesh`'s default) alike."""
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    if axis_type is None:
-        return mesh
     names = tuple(mesh.axis_names)
-    return Mesh(mesh.devices, names, axis_types=(axis_type.Auto,) * len(names))
+    return Mesh(mesh.devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def single_device_layout(device: jax.Device) -> MeshLayout:
@@ -168,86 +162,6 @@ def _kind(x: Any) -> str:
     if type(x) in (list, tuple):
         return f"a Python {type(x).__name__}"
     return f"a {type(x).__name__}"
-
-
-def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
-    want = layout.dp * pool_size
-    for path, buf in jax.tree_util.tree_leaves_with_path(state):
-        if not jnp.shape(buf) or jnp.shape(buf)[0] != want:
-            raise FutureMapError(
-                f"state{jax.tree_util.keystr(path)} has shape {jnp.shape(buf)}, expected "
-                f"DP*R = {layout.dp}*{pool_size} = {want} rows"
-            )
-
-
-def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
-    """The one-pool `ops` over global arrays laid out by `layout`, each rank on its block
-    (`future_map(..., mesh=)`, and the class's ops on one device or a mesh)."""
-    pool_size, mesh, spec_ = ops.pool_size, layout.mesh, layout.spec
-    lifted = ops._replace(layout=layout, local=ops)
-    each = lifted.map_ranks
-
-    def init() -> FutureMapState:
-        return jax.shard_map(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
-
-    def publish(
-        state: FutureMapState, indices: Any, new_seq_lens: Any, confidence: Any = None
-    ) -> FutureMapState:
-        _check_state(layout, state, pool_size)
-        rows = [("indices", indices), ("new_seq_lens", new_seq_lens), ("confidence", confidence)]
-        check_split(layout, "publish", rows)
-        if confidence is None:
-            return each(ops.publish)(state, indices, new_seq_lens)  # type: ignore[no-any-return]
-        return each(ops.publish)(state, indices, new_seq_lens, confidence)  # type: ignore[no-any-return]
-
-    def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
-        _check_state(layout, state, pool_size)
-        check_split(layout, "stash", [("indices", indices), *payload_rows(ops.spec, payload)])
-        return each(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
-
-    def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
-        _check_state(layout, state, pool_size)
-        mode = batch.forward_mode
-        # A host mode is fixed in every rank's executable; a traced one is a scalar or one
-        # per rank, each rank seeing its [1] slice.
-        fixed = mode if isinstance(mode, int | np.integer) else None
-        if fixed is None:
-            check_int_array("forward_mode", mode)
-            shape = jnp.shape(mode)  # type: ignore[arg-type]
-            if shape == ():
-                mode = jnp.broadcast_to(mode, (layout.dp,))  # type: ignore[arg-type]
-            elif shape != (layout.dp,):
-                raise FutureMapError(
-                    f"batch.forward_mode must be one mode for every rank (a scalar) or one per "
-                    f"DP rank, shape ({layout.dp},), got {shape}"
-                )
-
-        def local_resolve(state: FutureMapState, b: Batch) -> Any:
-            local_mode = b.forward_mode[0] if fixed is None else fixed  # type: ignore[index]
-            return ops.resolve(state, b._replace(forward_mode=local_mode))
-
-        batch = batch._replace(forward_mode=mode if fixed is None else None)
-        check_split(layout, "resolve", list(zip(Batch._fields, batch, strict=True)))
-        return each(local_resolve)(state, batch)  # type: ignore[no-any-return]
-
-    def invalidate(batch: Batch, indices: Any) -> Batch:
-        check_split(layout, "invalidate", [("indices", indices)])
-        # Elementwise: every rank's sentinels are its own rank-local -indices.
-        return ops.invalidate(batch, indices)
-
-    def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
-        _check_state(layout, state, pool_size)
-        check_split(layout, "seq_lens_at", [("indices", indices)])
-        return each(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
-
-    return lifted._replace(
-        init=init,
-        publish=publish,
-        stash=stash,
-        resolve=resolve,
-        invalidate=invalidate,
-        seq_lens_at=seq_lens_at,
-    )
 
 
 def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:

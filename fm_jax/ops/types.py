@@ -1,18 +1,15 @@
-"""The pytrees and static configuration of fm_jax's ops, and the trace-time structural
-checks of their arguments (no values read)."""
+"""What the ops take, store and return: the pytrees and the declaration of the relayed
+fields. Declarations only: nothing here checks or raises (`relay_fields` and `checks` do)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from fm_jax.ops import errors
-from fm_jax.ops.errors import FutureMapError
 
 
 class ForwardMode(enum.IntEnum):
@@ -28,8 +25,8 @@ class FutureMapState(NamedTuple):
     """The relay buffers, leading dimension R (pool size); spec fields None without spec.
 
     Slot 0 mirrors the request pool's padding row: padded rows write garbage there. A real
-    float field's buffer holds its raw bits (`stored_as_bits`: uint32 for topk_p, uint16
-    for bf16 hidden states), written in place and bit-exact on every backend.
+    float field's buffer holds its raw bits (uint32 for topk_p, uint16 for bf16 hidden
+    states), written in place and bit-exact on every backend.
     """
 
     output_tokens: jax.Array  # [R] int: last token (non-spec) or bonus token (spec)
@@ -48,7 +45,6 @@ Rows = jax.Array | np.ndarray
 RowsInput = jax.Array | np.ndarray | Sequence[Any] | Mapping[int, Any]
 """Per-row data a FutureMap method takes: global rows (a jax array, a host array or a
 list), or a mapping DP rank -> host rows."""
-
 
 Mode = ForwardMode | int | jax.Array | np.ndarray | None
 """A batch's kind: known on the host (a ForwardMode; on a mesh also an int32 numpy array,
@@ -78,12 +74,26 @@ class Batch(NamedTuple):
     token_slots: Rows | None = None
 
 
+class DraftPayload(NamedTuple):
+    """Speculative draft state: what `stash` writes and `resolve` gathers; a field the spec
+    does not declare is None. A stash writes the fields given and keeps the others' rows
+    (every consume-tracked field given); the class's resolve gives None for a field no
+    stash has written (`FutureMap.relayed_fields`)."""
+
+    bonus_tokens: jax.Array | np.ndarray | None = None  # [B] int
+    topk_p: jax.Array | np.ndarray | None = None  # [B, K] float32
+    topk_index: jax.Array | np.ndarray | None = None  # [B, K] int
+    hidden_states: jax.Array | np.ndarray | None = None  # [B, H], None when H == 0
+    verified_id: jax.Array | np.ndarray | None = None  # [B] int, when the spec declares it
+    extras: Mapping[str, Any] | None = None  # the engine's own fields by name, [B, ...]
+
+
 class Resolved(NamedTuple):
     """What resolve hands the forward: ids and lengths with placeholders filled, and the draft."""
 
     input_ids: jax.Array  # [T]
     seq_lens: jax.Array  # [B]
-    draft: Any = None  # a DraftPayload of jax arrays, or None
+    draft: DraftPayload | None = None  # of jax arrays; None without draft_indices
 
 
 class MixedTails(NamedTuple):
@@ -95,152 +105,89 @@ class MixedTails(NamedTuple):
     prefix_lens: np.ndarray | None  # [B] int64: the host's, running rows' published length
 
 
-def host_mode(mode: Any, where: str) -> ForwardMode:
-    """A forward mode given on the host: an int of a ForwardMode value, never a bool, float
-    or string (int() would make DECODE of True, 1.7 and "1")."""
-    if isinstance(mode, bool | np.bool_) or not isinstance(mode, int | np.integer):
-        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}")
-    try:
-        return ForwardMode(int(mode))
-    except ValueError:
-        raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}") from None
-
-
-def int_dtype(dtype: object) -> np.dtype:
-    """A user's int dtype as int32 or int64, refusing int64 without x64 mode."""
-    try:
-        d = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError:
-        raise FutureMapError(f"dtype must be int32 or int64, got {dtype!r}") from None
-    if d not in (np.dtype(np.int32), np.dtype(np.int64)):
-        raise FutureMapError(f"dtype must be int32 or int64, got {d}")
-    if d == np.int64 and not jax.config.read("jax_enable_x64"):
-        raise FutureMapError(
-            "dtype int64 needs JAX's x64 mode; enable it before building the map "
-            "(jax.config.update('jax_enable_x64', True)). fm_jax never flips global config."
-        )
-    return d
-
-
+# ------------------------------------------------------------------ the relayed fields
+STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
+"""The standard fields' names, in the order a map declares them."""
+HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+KERNELS = ("xla", "pallas")
+"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all
+(`rows.py`)."""
 CONFIDENCE_DTYPE = np.dtype(np.float32)  # a confidence row's values (SGLang's: float32)
 CONFIDENCE_BITS = np.dtype(np.uint32)  # what its buffer holds: their raw bits
 
 
-def confidence_width(spec: Any) -> int:
-    """gamma, the width of a slot's confidence row; 0 when the map relays none."""
-    return 0 if spec is None else spec.confidence
+class RelayField(NamedTuple):
+    """One per-row value a spec map relays from a step's stash to the next step's resolve.
 
-
-class OpsConfig(NamedTuple):
-    """A map's static configuration as its ops read it (`ops.future_map` fixes it)."""
-
-    pool_size: int  # R, slots; slot 0 is padding
-    dtype: np.dtype  # of tokens, lengths and top-k ids
-    spec: Any  # a relay_fields.SpecConfig, or None
-    fields: tuple[Any, ...]  # every relayed field (RelayField), in stash order
-    consumed: tuple[str, ...]  # the consume-tracked fields' names
-    debug: bool  # poison and checkify checks
-    protocol: Any  # a `protocol.Protocol`
-    one_kernel: bool  # spec fields move in one Pallas kernel per op
-
-
-class FutureMapOps(NamedTuple):
-    """The pure FutureMap ops for one static configuration.
+    It lives in one buffer of the state, [R, *shape]: the bonus tokens in `output_tokens`
+    (shared with non-spec tokens), the other standard fields in their own `FutureMapState`
+    attribute, an engine's own in `FutureMapState.extras` by name; a `DraftPayload` holds
+    them the same way.
 
     Attributes:
-      init: () -> FutureMapState, the zeroed (debug: poisoned) buffers.
-      publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
-        ([B, gamma] float32) only where the spec declares gamma.
-      stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields
-        it gives (every consume-tracked one) and keeps the others' rows.
-      resolve: (state, batch) -> (state, Resolved); the state changes only in debug mode.
-        A draft gather gives every declared field (a row never stashed reads 0): which
-        were ever stashed is known on the host only (the class tracks it).
-      invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
-        (sentinel protocol only).
-      seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
-        `resolve_seq_lens_cpu` (debug: slot checks, lengths not poisoned).
-      pool_size, dtype, spec, debug, protocol: the static configuration.
-      layout: on a mesh (`future_map(..., mesh=)`), its `sharding.MeshLayout`: every array
-        is global ([DP*R, ...] buffers, [DP*B, ...] rows), each rank's block run by
-        `local`, the one-pool ops; None (and `local` None) for one pool on one device.
+      name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
+      shape: the per-row shape; () for one value per row.
+      dtype: the element dtype, one a buffer stores (`relay_fields.storable`; 64-bit ones
+        need x64); None for the map's int dtype.
+      consumed: debug consume tracking (an int field): the buffer starts at -1, every value
+        gathered from a live slot must be >= 0, and -1 is written back at the slots read.
+      bits: deprecated, changes nothing (every real float is stored as its raw bits);
+        True on a field that is not a real float is refused.
     """
 
-    init: Callable[[], FutureMapState]
-    publish: Callable[..., FutureMapState]
-    stash: Callable[[FutureMapState, Any, Any], FutureMapState]
-    resolve: Callable[[FutureMapState, Batch], tuple[FutureMapState, Resolved]]
-    invalidate: Callable[[Batch, Any], Batch]
-    seq_lens_at: Callable[[FutureMapState, Any], jax.Array]
-    pool_size: int
-    dtype: np.dtype
-    spec: Any  # a relay_fields.SpecConfig, or None
-    debug: bool
-    protocol: str = "sentinel"
-    layout: Any = None
-    local: FutureMapOps | None = None
-
-    def map_ranks(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` run on each DP rank's block (`MeshLayout.map`), as a mesh's ops run theirs:
-        under the Pallas kernel without shard_map's varying-axes check, which Pallas's CPU
-        interpreter cannot trace under (jax 0.10.2); the ops hold no collective for it."""
-        if self.layout is None:
-            raise FutureMapError("map_ranks needs the ops of a mesh (future_map(..., mesh=))")
-        vma = self.spec is None or self.spec.kernel != "pallas"
-        return self.layout.map(fn, check_vma=vma)
+    name: str
+    shape: tuple[int, ...] = ()
+    dtype: Any = None
+    consumed: bool = False
+    bits: bool = False
 
 
-# ------------------------------------------------------------------ trace-time checks
-def _dtype(x: Any) -> np.dtype:
-    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+class SpecConfig(NamedTuple):
+    """The fields a spec map relays, declared at init (`fields()`; docs/guide.md, 'Relay
+    fields', declares SGLang's EAGLE and n-gram payloads): what stash writes, resolve
+    gathers and debug consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
+
+    Attributes:
+      topk: K, width of `topk_p` / `topk_index`; 0 relays no top-k fields.
+      hidden: H, width of `hidden_states`; 0 relays none.
+      hidden_dtype: bfloat16, float16 or float32.
+      verified_id: relay each row's verified id (EAGLE's), consume-tracked.
+      extra: the engine's own fields, relayed in `DraftPayload.extras`.
+      bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
+        for a draft that brings none (an n-gram one).
+      kernel: 'xla' (default), one scatter or gather per buffer; 'pallas', one kernel for
+        every field (and, in the gather protocol, the lengths at the draft slots): Triton
+        on a GPU, Pallas's interpreter on CPU, no TPU. Its fields' dtypes are real numbers
+        or ints.
+      confidence: gamma, the width of each slot's confidence row: `publish` then takes
+        `confidence=` rows [B, gamma] float32 and starts their host copy into a ring
+        (`FutureMap.resolve_confidence_cpu`); 0 (default): no confidence relay.
+    """
+
+    topk: int
+    hidden: int = 0
+    hidden_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+    verified_id: bool = False
+    extra: tuple[RelayField, ...] = ()
+    bonus_tokens: bool = True
+    kernel: str = "xla"
+    confidence: int = 0
+
+    def fields(self) -> tuple[RelayField, ...]:
+        """Every relayed field, in stash order: bonus tokens (unless off) and verified ids
+        (if declared), both consume-tracked; top-k probabilities and ids if K > 0; hidden
+        states if H > 0; then `extra`."""
+        out = [RelayField("bonus_tokens", consumed=True)] if self.bonus_tokens else []
+        if self.verified_id:
+            out.append(RelayField("verified_id", consumed=True))
+        if self.topk:
+            k = (self.topk,)
+            out += [RelayField("topk_p", k, np.dtype(np.float32)), RelayField("topk_index", k)]
+        if self.hidden:
+            out.append(RelayField("hidden_states", (self.hidden,), np.dtype(self.hidden_dtype)))
+        return (*out, *self.extra)
 
 
-def check_1d_int(name: str, x: Any, into: np.dtype | None = None) -> None:
-    """FutureMapError unless `x` is a 1-D integer array (whose values all fit `into`)."""
-    shape = jnp.shape(x)
-    if len(shape) != 1:
-        raise FutureMapError(f"{name} must be 1-D, got shape {shape}")
-    check_ints(name, x, into)
-
-
-def check_ints(name: str, x: Any, into: np.dtype | None = None) -> None:
-    """FutureMapError unless `x` has an int dtype whose every value (as JAX holds it) fits
-    `into` without a cast that could change it (int64 rows for int32 buffers are refused)."""
-    if not np.issubdtype(_dtype(x), np.integer):
-        raise FutureMapError(f"{name} must have an integer dtype, got {_dtype(x)}")
-    held = jax.dtypes.canonicalize_dtype(_dtype(x))
-    if into is not None and not np.can_cast(held, into, "safe"):
-        raise FutureMapError(
-            f"{name} has dtype {held}, which the {np.dtype(into)} buffers cannot hold without "
-            "a value check: cast it first"
-        )
-
-
-def check_rows(name: str, x: Any, rows: int) -> None:
-    """FutureMapError unless `x` has `rows` leading entries (one per batch row)."""
-    if jnp.shape(x)[0] != rows:
-        raise FutureMapError(f"{name} has {jnp.shape(x)[0]} rows, indices have {rows}")
-
-
-def check_array(name: str, x: Any, shape: tuple[int, ...], dtype: np.dtype | None = None) -> None:
-    """FutureMapError unless `x` is given with exactly `shape` (and, given, `dtype`: the
-    declared dtype of a field that is not an int)."""
-    if x is None:
-        raise FutureMapError(f"{name} is missing")
-    if tuple(jnp.shape(x)) != shape:
-        raise FutureMapError(f"{name} must have shape {shape}, got {tuple(jnp.shape(x))}")
-    if dtype is not None and _dtype(x) != dtype:
-        raise errors.not_the_declared_dtype(name, _dtype(x), dtype)
-
-
-def check_int_array(name: str, x: Any) -> None:
-    """FutureMapError unless `x` is an integer array or scalar (of any shape)."""
-    if x is None or isinstance(x, str) or not np.issubdtype(_dtype(x), np.integer):
-        raise FutureMapError(f"{name} must be an int array, got {x!r}")
-
-
-def check_scalar_int(name: str, x: Any) -> None:
-    """FutureMapError unless `x` is a 0-d integer (the forward mode)."""
-    shape = np.shape(x)  # no jnp.shape: it refuses None and strings
-    if shape != () or not np.issubdtype(_dtype(x), np.integer):
-        raise FutureMapError(f"{name} must be an int scalar, got shape {shape} {_dtype(x)}")
+def confidence_width(spec: SpecConfig | None) -> int:
+    """gamma, the width of a slot's confidence row; 0 when the map relays none."""
+    return 0 if spec is None else spec.confidence
