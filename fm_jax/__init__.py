@@ -7,7 +7,7 @@ call ops one by one, on one device or a mesh.
 
 from fm_jax.host.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax.map.debug_channel import raise_if_violated
-from fm_jax.map.engine_step import EngineStep, StepInput, StepOutput, StepResult
+from fm_jax.map.engine_step import EngineStep, HostOut, StepInput, StepOutput, StepResult
 from fm_jax.map.executables import compiler_options, use_persistent_cache
 from fm_jax.map.future_map import FutureMap
 from fm_jax.map.host_reads import ResolvedConfidence
@@ -35,6 +35,7 @@ __all__ = [
     "Batch",
     "DraftPayload",
     "EngineStep",
+    "HostOut",
     "ForwardMode",
     "FutureMap",
     "FutureMapError",

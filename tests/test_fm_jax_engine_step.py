@@ -354,3 +354,84 @@ def test_step_on_a_mesh_matches_the_class_ops_rank_by_rank() -> None:
     for debug, r in report.items():
         assert r["same"] and r["sharding"], (debug, r)
     assert report["False"]["tokens"] == report["True"]["tokens"]
+
+
+# ---------------------------------------------------------------------- the host ring
+def _heavy_forward(res: fj.Resolved, batch: fj.Batch, inputs: dict, a: jax.Array):
+    """Tokens from a chain of 1024-wide matmuls: long enough that the step is still
+    running when its call returns (XLA:CPU runs an executable this size off the caller)."""
+    for _ in range(4):
+        a = jnp.tanh(a @ a)
+    tokens = (res.input_ids[: res.seq_lens.shape[0]] + (a[0, 0] > 2).astype(jnp.int32)) % 97
+    return fj.StepOutput(res.seq_lens + 1, tokens, {"tokens": tokens, "a": a})
+
+
+def test_the_host_ring_hands_each_steps_outputs_over_in_order_without_waiting() -> None:
+    """Pins a read that blocks on a running step (None instead), steps read out of order or
+    twice, or outputs other than the step's own: each step's picked tokens, read a step
+    late, equal what its result holds."""
+    fm = fj.FutureMap(8, batch_buckets=[2], token_buckets=[2])
+    step = fm.engine_step(_heavy_forward, host_out=lambda out: out["tokens"])
+    a = jnp.full((1024, 1024), 1e-3, jnp.float32)
+    slots = np.array([1, 2], np.int32)
+    first = step(fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32)), a)
+    assert step.read_host(wait=True).step == 0
+    results = []
+    batch = first.batch._replace(forward_mode=D)
+    for _ in range(3):
+        r = step(batch, a)
+        results.append(r)
+        batch = r.batch._replace(forward_mode=D)
+    assert step.read_host() is None  # the last step still runs: no wait
+    got = [step.read_host(wait=True) for _ in results]
+    assert [g.step for g in got] == [1, 2, 3]
+    for g, r in zip(got, results, strict=True):
+        assert type(g.out) is np.ndarray and _bytes(g.out) == _bytes(r.out["tokens"])
+    assert step.read_host() is None and step.read_host(wait=True) is None  # all read
+
+
+def test_a_full_host_ring_refuses_the_next_step_before_it_runs() -> None:
+    """Pins unread steps piling up without bound, or a refusal that ran the step anyway:
+    with host_ring=2 unread, the third step is refused by name and changes nothing."""
+    fm = fj.FutureMap(8, batch_buckets=[2], token_buckets=[2])
+    step = fm.engine_step(
+        lambda r, b, i: fj.StepOutput(r.seq_lens + 1, r.input_ids, r.input_ids),
+        host_out=lambda out: out,
+        host_ring=2,
+    )
+    batch = fj.Batch(
+        E, np.array([1, 2], np.int32), np.array([3, 4], np.int32), np.ones(2, np.int32)
+    )
+    step(batch)
+    step(batch)
+    before = {k: _bytes(v) for k, v in fm.buffers().items()}
+    with pytest.raises(fj.FutureMapError, match="host ring holds 2 unread steps"):
+        step(batch)
+    assert fm.step == 2 and {k: _bytes(v) for k, v in fm.buffers().items()} == before
+    assert step.read_host(wait=True).step == 0
+    step(batch)
+    assert [step.read_host(wait=True).step for _ in range(2)] == [1, 2]
+
+
+def test_host_out_misuse_is_named_and_the_step_result_stands() -> None:
+    """A host_out that is no function, a ring size that is no count, a read on a step
+    without host_out, and a host_out that picks no array: each named; the last one when
+    its step is read, the step itself served."""
+    fm = fj.FutureMap(8, batch_buckets=[2], token_buckets=[2])
+    fwd = lambda r, b, i: fj.StepOutput(r.seq_lens + 1, r.input_ids, {"n": 3})  # noqa: E731
+    with pytest.raises(fj.FutureMapError, match="host_out must be callable"):
+        fm.engine_step(fwd, host_out="tokens")
+    for size in (0, True, 2.0):
+        with pytest.raises(fj.FutureMapError, match="host_ring must be an int >= 1"):
+            fm.engine_step(fwd, host_out=lambda out: out, host_ring=size)
+    with pytest.raises(fj.FutureMapError, match="built without host_out"):
+        fm.engine_step(fwd).read_host()
+    step = fm.engine_step(fwd, host_out=lambda out: [out["n"], "tokens"])
+    batch = fj.Batch(
+        E, np.array([1, 2], np.int32), np.array([3, 4], np.int32), np.ones(2, np.int32)
+    )
+    r = step(batch)
+    assert int(r.out["n"]) == 3 and fm.step == 1
+    with pytest.raises(fj.FutureMapError, match="host_out failed on step 0: .*got \\['str'\\]"):
+        step.read_host()
+    assert step.read_host() is None

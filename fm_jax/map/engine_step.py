@@ -14,11 +14,13 @@ map's channel (`FutureMap.check()`).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fm_jax.host.decisions import FIXED_MODES, Key, PackSpec, unpack
 from fm_jax.host.place import Placement
@@ -30,7 +32,7 @@ from fm_jax.ops.ops import FutureMapOps
 from fm_jax.ops.rows import gather
 from fm_jax.ops.types import Batch, ForwardMode
 
-__all__ = ["EngineStep", "Forward", "StepInput", "StepOutput", "StepResult"]
+__all__ = ["EngineStep", "Forward", "HostOut", "StepInput", "StepOutput", "StepResult"]
 
 
 class StepOutput(NamedTuple):
@@ -74,6 +76,18 @@ class StepResult(NamedTuple):
     batch: Batch | Mapping[int, Batch]
 
 
+class HostOut(NamedTuple):
+    """One step's outputs as the host reads them (`EngineStep.read_host`).
+
+    Attributes:
+      step: the step's number among this EngineStep's calls, from 0.
+      out: what `host_out` picked from that step's `StepOutput.out`, as numpy arrays.
+    """
+
+    step: int
+    out: Any
+
+
 Forward = Callable[..., StepOutput]
 """(resolved, batch, inputs, *args) -> StepOutput: the engine's model and sampling."""
 
@@ -98,10 +112,16 @@ class EngineStep:
         warm: Callable[..., Any],
         inputs: Sequence[StepInput] = (),
         donate_argnums: Sequence[int] = (),
+        host_out: Callable[[Any], Any] | None = None,
+        host_ring: int = 4,
         options: Mapping[str, Any],
     ) -> None:
         if not callable(forward):
             raise FutureMapError(f"engine_step needs a callable forward, got {forward!r}")
+        if host_out is not None and not callable(host_out):
+            raise FutureMapError(f"host_out must be callable (out -> arrays), got {host_out!r}")
+        if isinstance(host_ring, bool) or not isinstance(host_ring, int) or host_ring < 1:
+            raise FutureMapError(f"host_ring must be an int >= 1, got {host_ring!r}")
         if not isinstance(donate_argnums, Sequence) or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in donate_argnums
         ):
@@ -134,6 +154,10 @@ class EngineStep:
         # The declared fields each executable family's forward leaves out of its payload
         # (recorded when traced: a payload's fields are its pytree structure).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
+        # Per step unread: (its number, what host_out picked, copying; or host_out's error).
+        self._host_out, self._ring_size = host_out, host_ring
+        self._ring: collections.deque[tuple[int, Any]] = collections.deque()
+        self._calls = 0
 
     @property
     def inputs(self) -> tuple[StepInput, ...]:
@@ -172,6 +196,11 @@ class EngineStep:
         with runtime.lock:  # one op at a time on the map (see FutureMap)
             if runtime.lost is not None:
                 runtime.refuse_if_lost()
+            if self._host_out is not None and len(self._ring) >= self._ring_size:
+                raise FutureMapError(
+                    f"the engine step's host ring holds {len(self._ring)} unread steps "
+                    f"(host_ring={self._ring_size}): read_host() before the next step"
+                )
             ring = runtime.confidence
             if ring is None and generation is not None:
                 raise errors.generation_without_confidence("the engine step", relay=False)
@@ -195,6 +224,9 @@ class EngineStep:
             if runtime.unstashed is not None:
                 family = (placed.key.mode, placed.pack, len(args))
                 runtime.stashed(placed.idx, self._omits.get(family, ()))
+            if self._host_out is not None:
+                self._ring.append((self._calls, _copying(self._host_out, result)))
+            self._calls += 1
         given: Any = None
         if not isinstance(batch, Mapping):
             given = batch.req_pool_indices
@@ -204,6 +236,32 @@ class EngineStep:
                 slots = placed.idx.array
                 batch = Batch(None, slots, slots, slots)
         return StepResult(result, self._placement.next_batch(batch, given, placed.idx, sentinels))
+
+    def read_host(self, *, wait: bool = False) -> HostOut | None:
+        """The oldest unread step's `host_out` arrays on the host (their copies start as
+        the step is enqueued), or None: no step unread, or (`wait` False) that step not
+        done yet. With `wait`, waits for that step only. Steps are read in order, each once.
+        """
+        if self._host_out is None:
+            raise FutureMapError("read_host: this engine step was built without host_out=")
+        if not self._ring:
+            return None
+        n, picked = self._ring[0]
+        if isinstance(picked, Exception):
+            self._ring.popleft()
+            raise FutureMapError(f"host_out failed on step {n}: {picked}") from picked
+        leaves, tree = jax.tree_util.tree_flatten(picked)
+        if not wait and not all(x.is_ready() for x in leaves):
+            return None
+        self._ring.popleft()
+        try:
+            host = [np.asarray(x) for x in leaves]
+        except RuntimeError as err:  # deleted: a later step took the array donated
+            raise FutureMapError(
+                f"read_host: step {n}'s host_out picked an array a later step donated "
+                "(its copy went with it): pick outputs no step takes back, such as tokens"
+            ) from err
+        return HostOut(n, jax.tree_util.tree_unflatten(tree, host))
 
     # ---------------------------------------------------------------------- executables
     def _not_warmed(self, key: Key) -> str:
@@ -324,3 +382,19 @@ class EngineStep:
                 build=self._build,
                 refusal=self._not_warmed,
             )
+
+
+def _copying(host_out: Callable[[Any], Any], out: Any) -> Any:
+    """`host_out(out)` with each array's host copy started; the error it raised, if any
+    (the step has run: `read_host` reports it, the step's result stands)."""
+    try:
+        picked = host_out(out)
+        leaves = jax.tree_util.tree_leaves(picked)
+        bad = sorted({type(x).__name__ for x in leaves if not isinstance(x, jax.Array)})
+        if bad or not leaves:
+            raise TypeError(f"it must pick jax arrays from StepOutput.out, got {bad or 'none'}")
+        for x in leaves:
+            x.copy_to_host_async()
+    except Exception as err:  # noqa: BLE001 - reported by read_host, never absorbed
+        return err
+    return picked

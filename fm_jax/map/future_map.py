@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,21 +51,19 @@ Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 class FutureMap:
     """A FutureMap that holds its state and updates it in place through donated jitted ops.
 
-    Inputs (`fm_jax.host.host_inputs`): host arrays are checked by value and padded to a
-    bucket per DP rank (one dispatch, no Python-side transfer); jax arrays are taken as they
-    are; a mapping DP rank -> host rows feeds a mesh's ranks one by one (ranks left out are
-    idle). Outputs are global jax arrays padded per rank (slot 0, token 0; `fm_jax.per_rank`
-    splits them). Debug mode adds no host sync: errors wait on device for `check()`.
+    Host arrays are checked by value and padded to a bucket per DP rank; jax arrays are
+    taken as they are; a mapping DP rank -> host rows feeds a mesh's ranks (ranks left out
+    are idle). Outputs are global jax arrays padded per rank (slot 0, token 0;
+    `fm_jax.per_rank` splits them). Debug mode adds no host sync: errors wait for `check()`.
     Threads take turns on one lock per map. A call refused before it runs consumes nothing;
     one that fails after consuming the donated state raises `StateLost`, as does every
     later op until `reset()` (docs/CONTRACT.md, 'Donation and lifetimes').
 
     Args:
-      pool_size: R, slots per DP rank (max running requests + 1); slot 0 is padding.
-        R - 1 fits `dtype`.
+      pool_size: R, slots per DP rank (max running requests + 1, R - 1 fits `dtype`).
       mesh: a `jax.sharding.Mesh` for one pool per DP rank; None: one device.
-      dp_axis, tp_axis: the mesh's data-parallel axis (None: one pool replicated
-        everywhere) and tensor-parallel axis (buffers replicated on it), or None.
+      dp_axis, tp_axis: the mesh's data-parallel axis (None: one pool replicated) and
+        tensor-parallel axis (buffers replicated on it), or None.
       dtype: int32 (default) or int64 (needs JAX's x64 mode).
       spec: static shapes of the spec extras, or None.
       debug: consume tracking and invariant checks.
@@ -77,8 +75,8 @@ class FutureMap:
         fills) or 'gather' (resolve gathers decode ids, MIXED running rows' ids and spec
         lengths; no invalidate). docs/CONTRACT.md, 'Two protocols'.
       needs_cpu_seq_lens: each publish starts copying its lengths to the host, so that
-        `resolve_seq_lens_cpu` of those slots waits for that step only (`host_reads`).
-        False: no copy; a read gathers from the buffer, behind everything queued.
+        `resolve_seq_lens_cpu` waits for that step only (False: a read gathers from the
+        buffer, behind everything queued).
     """
 
     def __init__(
@@ -113,8 +111,7 @@ class FutureMap:
         )
         layout, inputs, ops, proto = parts.layout, parts.inputs, parts.ops, parts.protocol
         self.spec: SpecConfig | None = ops.spec
-        # The last publish's lengths on their way to the host (one process only).
-        lengths = needs_cpu_seq_lens and layout.single_process
+        lengths = needs_cpu_seq_lens and layout.single_process  # host copies: one process
         ring = None
         if self.spec is not None and self.spec.confidence:
             ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
@@ -141,8 +138,7 @@ class FutureMap:
     @property
     @serialized
     def state(self) -> FutureMapState:
-        """The map's own global buffers, read under its lock: valid until the next op
-        donates them (from another thread, or to keep them: `buffers(copy=True)`)."""
+        """The map's own global buffers: valid until the next op donates them."""
         return self._runtime.state
 
     @property
@@ -159,15 +155,14 @@ class FutureMap:
         return {k: jax.tree.map(jnp.copy, v) for k, v in out.items()} if copy else out
 
     def reset(self) -> None:
-        """Re-create the initial state, forgetting every relayed request (start each again
-        with a prefill); the step count and pending debug errors stay. Recovers `StateLost`."""
+        """Re-create the initial state, forgetting every relayed request (each starts again
+        with a prefill); step count and debug errors stay. Recovers from `StateLost`."""
         with self._runtime.lock:  # not refused when lost: it is the way back
             self._runtime.reset()
 
     def executables(self) -> dict[str, Any]:  # jax's jitted-function type is private
         """The jitted entry points by name (compile counting, HLO inspection): `resolve`
-        takes a traced mode, `resolve_fixed_{extend,decode}` a host mode, `sentinels`
-        device slots (host slots' sentinels are made on the host)."""
+        takes a traced mode, `resolve_fixed_{extend,decode}` a host mode."""
         keys = [Key(op, 0) for op in ("publish", "stash", "finish", "sentinels", "seq_lens_at")]
         keys += [Key("resolve", 0, mode=m) for m in ("traced", "extend", "decode")]
         return {k.name: self._registry.jitted(k) for k in keys}
@@ -219,6 +214,8 @@ class FutureMap:
         *,
         inputs: Sequence[StepInput] = (),
         donate_argnums: Sequence[int] = (),
+        host_out: Callable[[Any], Any] | None = None,
+        host_ring: int = 4,
         compiler_options: Mapping[str, Any] | None = None,
     ) -> EngineStep:
         """The engine's jitted step with this map's relay inside (`EngineStep`): the
@@ -228,6 +225,8 @@ class FutureMap:
           forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced in the step.
           inputs: the engine's own per-row or per-token host arrays (`StepInput`).
           donate_argnums: indices into the step's `args` to donate (the KV cache).
+          host_out: `out -> arrays` the host reads a step late (tokens, logprobs), copied
+            as each step is enqueued (`EngineStep.read_host`); at most `host_ring` unread.
           compiler_options: XLA options; default `fm_jax.compiler_options()` (on CPU that
             keeps elementwise ops on the calling thread: `{}` for XLA's thread pool).
         """
@@ -242,6 +241,8 @@ class FutureMap:
             warm=warm,
             inputs=inputs,
             donate_argnums=donate_argnums,
+            host_out=host_out,
+            host_ring=host_ring,
             options=self._options if compiler_options is None else compiler_options,
         )
 
@@ -270,11 +271,8 @@ class FutureMap:
 
     @serialized
     def stash(self, indices: RowsInput, payload: Payload, *, rows: int | None = None) -> None:
-        """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place.
-
-        `indices`: slots [B] (rank-local), or a mapping DP rank -> slots; `payload` in the
-        same form (`Payload`); `rows`: per-rank padded size (required across processes).
-        """
+        """Write tokens (non-spec) or a DraftPayload (spec) at `indices`, in place: slots
+        and `payload` (`Payload`) in the forms and with the `rows` that `publish` takes."""
         self._tail("stash", indices, None, payload, rows, None, None)
 
     @serialized
@@ -289,9 +287,8 @@ class FutureMap:
         confidence: RowsInput | None = None,
         generation: Any = None,
     ) -> Batch:
-        """A step's tail in one donated call: `publish(indices, new_seq_lens,
-        confidence=, generation=)`, `stash(indices, payload)`, then `invalidate(batch,
-        indices)`. Returns the invalidated batch (the gather protocol: `batch` as given)."""
+        """A step's tail in one donated call: `publish`, `stash`, then `invalidate(batch,
+        indices)`; returns the invalidated batch (the gather protocol: `batch` as given)."""
         idx, sentinels = self._tail(
             "finish", indices, new_seq_lens, payload, rows, confidence, generation
         )
@@ -300,8 +297,8 @@ class FutureMap:
     def _tail(
         self, op: str, indices: Any, lens: Any, payload: Any, rows: Any, confidence: Any, gen: Any
     ) -> tuple[Any, Any]:
-        """Publish, stash or finish placed and run (unless DP idle: no real row), with its
-        host bookkeeping: the slots as placed, and finish's sentinels (None if not run)."""
+        """Publish, stash or finish placed and run (not on a DP-idle call) with its host
+        bookkeeping; returns the slots as placed and finish's sentinels (None: not run)."""
         runtime = self._runtime
         if gen is not None and confidence is None:
             raise errors.generation_without_confidence(op, runtime.confidence is not None)
@@ -332,14 +329,13 @@ class FutureMap:
         rows: int | None = None,
         tokens: int | None = None,
     ) -> Resolved:
-        """Fill the batch's placeholders from the buffers, a new step; returns the Resolved
-        global arrays padded per rank to the buckets.
+        """Fill the batch's placeholders from the buffers, a new step: the Resolved global
+        arrays, padded per rank to the buckets.
 
         Args:
           batch: a Batch, its `forward_mode` a host ForwardMode or a jax int32 array
             (traced: a scalar, or one per DP rank); or a mapping DP rank -> host Batch.
-          rows, tokens: per-rank padded sizes (buckets); required across processes. Gather
-            protocol: a non-spec host DECODE brings no ids (they are gathered).
+          rows, tokens: per-rank padded sizes (buckets); required across processes.
         """
         placed = self._placement.resolve(batch, rows, tokens)
         out = self._run(placed, "resolve", new_step=True)
@@ -352,10 +348,9 @@ class FutureMap:
 
     @serialized
     def relayed_fields(self, rank: int = 0) -> tuple[str, ...]:
-        """The draft fields a resolve gathers on DP rank `rank` (an int in [0, DP)), in
-        stash order: the consume-tracked ones, and each other once a stash wrote it on that
-        rank since the map was made or `reset` (before, a resolve's draft has it None:
-        SGLang's DSA availability flag). () without spec."""
+        """The draft fields a resolve gathers on DP rank `rank` in [0, DP), in stash order:
+        the consume-tracked ones, and each other once a stash wrote it on that rank since
+        the map was made or `reset` (before: None, SGLang's DSA availability flag)."""
         return self._runtime.relayed_fields(rank, self.spec)
 
     @serialized
@@ -376,9 +371,8 @@ class FutureMap:
         self, indices: RowsInput, *, rows: int | None = None
     ) -> np.ndarray | dict[int, np.ndarray]:
         """Host copy of `new_seq_lens[indices]`, in the form `indices` was given; pending
-        debug errors raise here. At exactly the last publish's slots it takes that
-        publish's copy, waiting for its step only; others are gathered, behind everything
-        queued. Debug: 'consume lengths (WRWR)' and, spec, 'fresh publish' (CONTRACT.md)."""
+        debug errors raise here. The last publish's slots take its copy (waiting for its
+        step only), others behind everything queued (debug: CONTRACT.md, 'Lengths')."""
         return host_reads.seq_lens(self._placement, self._runtime, self._run, indices, rows)
 
     @serialized
