@@ -137,6 +137,7 @@ def test_bound_counts_the_model_s_weights_and_sets_tok_s_beside_it() -> None:
     assert many["roof"] == "compute" and many["step_ms"] == pytest.approx(128.0)
     run = {"host_cost_ratio": 0, "t_step_ms": 20.0, "sync_tok_s": 50.0, "overlap_tok_s": 80.0}
     doc = {"bound": {**fake, "weight_bytes": 4e8, "bandwidth_gb_s": 40.0}, "row_tile": 4}
+    doc["prefill_budget"] = 32
     doc["batches"] = [{"batch": 1, "runs": [run]}]
     row = bench.bound_lines(doc)[-1]
     assert row == "| 1 | 20.0 | 10.0 | memory | 1 | 50.0 | 80.0 | 100.0 | 0.50 | 0.80 |"

@@ -304,7 +304,9 @@ def bound_lines(doc: dict[str, Any]) -> list[str]:
         "of the weight read and the step's FLOPs at that rate; bound tok/s = B / bound step "
         "(decode only: the runs' prefill and MIXED steps and their stop-token ends count "
         f"against them). With row tile {doc['row_tile']} every matmul reads the weights once "
-        "per tile, so a decode step of B rows reads them about ceil(B / tile) times.",
+        "per tile, so a decode step of B rows reads them about ceil(B / tile) times, and a "
+        f"prefill step of up to {doc['prefill_budget']} + B tokens that many over the tile. "
+        "S: the sync run's mean step, its prefill and MIXED steps included.",
         "",
         "| B | S ms | bound step ms | roof | weight reads per step | sync tok/s | overlap "
         "tok/s | bound tok/s | sync of bound | overlap of bound |",
