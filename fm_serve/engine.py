@@ -12,9 +12,9 @@ when it ends (a sync per step would undo the overlap), raising InvariantViolatio
 the step and op of every violation.
 
 Sampling features (`sampling.Features`, fixed per engine): the sampler state rides through
-both steps donated beside the cache; with logprobs the step's logprob arrays are copied to
-the host with its tokens (a copy started right after the dispatch, read a step late with
-the tokens in overlap, so they add no wait). `abort(rid)` during a run (from `on_token`,
+both steps donated beside the cache; with logprobs the step's logprob arrays reach the
+host with its tokens through the engine step's host ring (`host_out`: copies started as the
+step is enqueued, read a step late in overlap, so they add no wait). `abort(rid)` during a run (from `on_token`,
 which streams each token as it is read) finishes a request at once.
 """
 
@@ -452,18 +452,25 @@ class Engine:
         (overlap), else right after dispatching N (sync, speculative only)."""
         sched = self._scheduler(requests, lag, host_cost or HostCost(), on_token)
         cache, state = self._fresh_cache(), self._state()
+        while self._overlap_step.read_host(wait=True) is not None:
+            pass  # a run cut short left steps unread
         gather = self.protocol == "gather"
         steps, wait, modes, dispatch_s, host_s = 0, 0.0, dict[str, int](), [], []
         prefill = 0
-        pending: tuple[ScheduledBatch, jax.Array, Any] | None = None
+        pending: tuple[ScheduledBatch, Any, Any] | None = None
 
-        def take(launched: tuple[ScheduledBatch, jax.Array, Any]) -> float:
+        def take(launched: tuple[ScheduledBatch, Any, Any]) -> float:
             """Read a launched step's tokens and hand them to the scheduler; the wait."""
             nonlocal wait
             prev, prev_tokens, prev_lp = launched
             t_wait = time.perf_counter()
-            host_tokens = np.asarray(prev_tokens)  # blocks on that step only
-            host_lp = None if prev_lp is None else tuple(np.asarray(a) for a in prev_lp)
+            if prev_tokens is None:  # an engine step: its copies are in the step's host ring
+                got = self._overlap_step.read_host(wait=True)  # blocks on that step only
+                assert got is not None
+                host_tokens, host_lp = got.out
+            else:  # a split step's tail, outside the engine step
+                host_tokens = np.asarray(prev_tokens)
+                host_lp = None if prev_lp is None else tuple(np.asarray(a) for a in prev_lp)
             waited = time.perf_counter() - t_wait
             wait += waited
             made = sched.process(prev, host_tokens, host_lp)
@@ -486,10 +493,10 @@ class Engine:
                     # The head: resolve and the forward; the sampling waits for the masks.
                     cache, state, split = self._split_head(fm_batch, model_inputs, cache, state)
                 else:
-                    cache, state, tokens, lp = self._overlap_step(
+                    cache, state, _, _ = self._overlap_step(
                         fm_batch, self.params, cache, state, inputs=model_inputs
                     ).out
-                    launched = _copying(batch, tokens, lp)
+                    launched = (batch, None, None)  # read from the step's host ring
                 dispatch_s.append(time.perf_counter() - t_launch)
                 steps += 1
                 prefill += batch.prefill_tokens

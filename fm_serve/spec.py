@@ -60,7 +60,7 @@ import numpy as np
 
 import fm_jax
 from fm_serve.served import ServedModel
-from fm_serve.step import TOKEN_LAYOUT_INPUTS, allowed
+from fm_serve.step import TOKEN_LAYOUT_INPUTS, allowed, host_out
 
 MAX_DRAFT_TOKENS = 16
 """The most draft tokens per step (K)."""
@@ -315,7 +315,13 @@ def make_spec_step(model: ServedModel, fm: fm_jax.FutureMap, ngram: Ngram) -> fm
         payload = fm_jax.DraftPayload(bonus_tokens=bonus, extras={DRAFT_FIELD: drafts_next})
         return fm_jax.StepOutput(new_lens, payload, (cache, history, tokens, (drafts_next,)))
 
-    return fm.engine_step(forward, inputs=SPEC_INPUTS, donate_argnums=(1, 2), compiler_options={})
+    return fm.engine_step(
+        forward,
+        inputs=SPEC_INPUTS,
+        donate_argnums=(1, 2),
+        host_out=host_out,
+        compiler_options={},
+    )
 
 
 class SpecSplit(NamedTuple):

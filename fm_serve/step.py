@@ -241,5 +241,12 @@ def make_overlap_step(
         forward,
         inputs=MODEL_INPUTS + sampling.step_inputs(features),
         donate_argnums=(1, 2),
+        host_out=host_out,
         compiler_options={},
     )
+
+
+def host_out(out: Any) -> tuple[Any, Any]:
+    """What the host reads of a step, a step late (`EngineStep.read_host`): its tokens,
+    and its logprobs (speculative: the drafts it stashed)."""
+    return out[2], out[3]
