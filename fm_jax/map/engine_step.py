@@ -1,16 +1,5 @@
-"""The engine's own step with the FutureMap inside: one jitted, donated dispatch per step.
-
-`FutureMap.engine_step(forward, ...)` returns an `EngineStep`. Each call places the batch
-and the engine's declared host inputs (`StepInput`) through the map's placement, as
-`FutureMap.resolve` places a batch, all host arrays packed into one buffer (one transfer),
-then runs one executable through the map's runtime: resolve at the head, `forward` on the
-resolved ids and lengths, publish, stash and (sentinel protocol) the sentinels at the
-tail; the map's state and the arguments named by `donate_argnums` donated. The map adds
-no dispatch and no host sync. Executables are keyed like resolve's plus the packing
-layout, in the map's registry; `warm_up` compiles them for the map's buckets (with
-`guard=True` serving then refuses any call that would compile). Debug errors go to the
-map's channel (`FutureMap.check()`).
-"""
+"""The engine's own step with the FutureMap inside: one jitted, donated dispatch per step
+(resolve, the engine's `forward`, publish, stash and the sentinels), no host sync added."""
 
 from __future__ import annotations
 
@@ -63,12 +52,9 @@ class StepResult(NamedTuple):
 
     Attributes:
       out: `StepOutput.out` of the engine's forward.
-      batch: the batch for the next step: in the sentinel protocol the invalidated batch
-        (`input_ids` and `seq_lens` the sentinels `-req_pool_indices`, in the form the
-        slots were given: host slots' sentinels a host array of their rows, made on the
-        host, so that the batch, its mode set to DECODE, is placed as a host batch (warmed
-        so); jax slots' the step's own, padded per rank like them, the ids further to the
-        token bucket of the rows, so that the DECODE is placed again as jax arrays), in
+      batch: the batch for the next step: in the sentinel protocol the invalidated batch,
+        its sentinels in the form the slots were given (host slots': host rows; jax slots':
+        padded per rank, the ids to the token bucket; docs/CONTRACT.md, 'Sentinels'); in
         the gather protocol the batch as given.
     """
 
@@ -93,11 +79,8 @@ Forward = Callable[..., StepOutput]
 
 
 class EngineStep:
-    """An engine's jitted step with the FutureMap's relay inside (see the module docstring).
-
-    Built by `FutureMap.engine_step` over the map's ops, placement and runtime; call it
-    once per batch: `result = step(batch, *args, inputs={...})`.
-    """
+    """An engine's jitted step with the FutureMap's relay inside, built by
+    `FutureMap.engine_step`; call it once per batch: `step(batch, *args, inputs={...})`."""
 
     def __init__(
         self,
@@ -151,8 +134,7 @@ class EngineStep:
         self._tail = tail(owned=self._owned)
         self._registry = registry  # the map's: this step's executables beside the class's
         self._plan, self._warm = plan, warm
-        # The declared fields each executable family's forward leaves out of its payload
-        # (recorded when traced: a payload's fields are its pytree structure).
+        # The declared fields each executable family's payload leaves out (seen when traced).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
         # Per step unread: (its number, what host_out picked, copying; or host_out's error).
         self._host_out, self._ring_size = host_out, host_ring
@@ -164,7 +146,6 @@ class EngineStep:
         """The engine's declared inputs (host arrays, and the relay buffers it owns)."""
         return self._declared
 
-    # ------------------------------------------------------------------------- the step
     def __call__(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -184,10 +165,8 @@ class EngineStep:
           inputs: the declared `StepInput`s by name: host arrays of the batch's real rows
             or tokens (padded here like the batch), or jax arrays already padded.
           rows, tokens: per-rank padded sizes (buckets); required across processes.
-          generation: a map with a confidence relay: the host's per-slot generation
-            counters (as `FutureMap.publish` takes them), snapshotted with the confidence
-            rows when the forward returns some. Required there (checked before the step
-            runs); refused on other maps.
+          generation: with a confidence relay, required: the host's per-slot generation
+            counters (as `FutureMap.publish` takes them); refused on other maps.
 
         Returns:
           StepResult: the forward's `out` and the batch for the next step.
@@ -218,7 +197,7 @@ class EngineStep:
                 donated=self._donate,
             )
             if runtime.debug is not None:
-                runtime.resolved(placed.idx)
+                runtime.resolved()
             runtime.state, result, sentinels, lens, copied = out
             runtime.published(placed.idx, lens, copied, gens)
             if runtime.unstashed is not None:
@@ -263,7 +242,6 @@ class EngineStep:
             ) from err
         return HostOut(n, jax.tree_util.tree_unflatten(tree, host))
 
-    # ---------------------------------------------------------------------- executables
     def _not_warmed(self, key: Key) -> str:
         inputs = self._placement.inputs
         return (
@@ -352,15 +330,12 @@ class EngineStep:
 
         return body
 
-    # -------------------------------------------------------------------------- warm-up
     def warm_up(
         self, *args: Any, guard: bool = False, traced_modes: bool = True, threads: int | None = None
     ) -> Any:  # a WarmUpReport
         """Compile the step for every bucket serving reaches, ahead of time: resolve's
-        batches (`FutureMap.warm_up`) with zeros for the declared inputs, placed through
-        the map's placement fed as serving feeds them: host arrays, and (in one process)
-        jax arrays for every field and input (a DECODE's ids at the token bucket of its
-        rows, as `StepResult.batch` gives them). Nothing runs, nothing is donated.
+        batches (`FutureMap.warm_up`) and zeros for the declared inputs, as host arrays and
+        (in one process) jax arrays. Nothing runs, nothing is donated.
 
         Args:
           *args: the engine's arguments as serving passes them (only their shapes,

@@ -1,11 +1,5 @@
-"""`FutureMap`: the pure ops behind jitted, donated entry points, on one device or a mesh.
-
-One device is a one-device mesh of one DP rank; a mesh gives each DP rank its own pool of
-`pool_size` slots, replicated over the other axes (the layout of `fm_jax.future_map(...,
-mesh=)`): methods, argument rules and return types are the same in both. A call goes one
-way: the caller's arguments -> `placement` (checked, padded, a key) -> the `registry`'s
-executable for that key -> `runtime.run` (the state donated, the debug error recorded).
-"""
+"""`FutureMap`: the pure ops behind jitted, donated entry points, on one device or a mesh
+(one device is a mesh of one DP rank; methods, argument rules and return types are the same)."""
 
 from __future__ import annotations
 
@@ -51,13 +45,10 @@ Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 class FutureMap:
     """A FutureMap that holds its state and updates it in place through donated jitted ops.
 
-    Host arrays are checked by value and padded to a bucket per DP rank; jax arrays are
-    taken as they are; a mapping DP rank -> host rows feeds a mesh's ranks (ranks left out
-    are idle). Outputs are global jax arrays padded per rank (slot 0, token 0;
-    `fm_jax.per_rank` splits them). Debug mode adds no host sync: errors wait for `check()`.
-    Threads take turns on one lock per map. A call refused before it runs consumes nothing;
-    one that fails after consuming the donated state raises `StateLost`, as does every
-    later op until `reset()` (docs/CONTRACT.md, 'Donation and lifetimes').
+    Host arrays are checked and padded to a bucket per DP rank; a mapping DP rank -> host
+    rows feeds a mesh's ranks. Outputs are global arrays padded per rank (`fm_jax.per_rank`
+    splits them). One lock per map. A failure after the state was donated raises
+    `StateLost` until `reset()` (docs/CONTRACT.md, 'Donation and lifetimes').
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1, R - 1 fits `dtype`).
@@ -341,7 +332,7 @@ class FutureMap:
         out = self._run(placed, "resolve", new_step=True)
         if self.debug:
             self._runtime.state, out = out  # debug: the consume poison was written
-            self._runtime.resolved(placed.idx)
+            self._runtime.resolved()
         if self._runtime.unstashed is not None and out.draft is not None:
             out = out._replace(draft=self._runtime.without_unstashed(out.draft, self.local_ranks))
         return out  # type: ignore[no-any-return]

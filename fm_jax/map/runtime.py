@@ -1,11 +1,6 @@
-"""A map's parts, assembled from its constructor's arguments, and its state as it serves.
-
-`assemble` checks the arguments (a FutureMapError names the first wrong one) and builds
-the parts. `MapRuntime.run` is the one way an executable is called on the state, by the
-map's ops and its engine steps alike. A failed call is diagnosed on the failure path only:
-one that consumed the donated state leaves the map lost (`StateLost`, until `reset`); one
-JAX refused before running leaves the state as it was, named as a `FutureMapError`.
-"""
+"""A map's state as it serves: the lock, the registry of executables, and `MapRuntime.run`,
+the one way an executable is called on the state (a failure that consumed the donated
+state leaves the map lost: `StateLost` until `reset`)."""
 
 from __future__ import annotations
 
@@ -66,11 +61,9 @@ class Guarded:
 
 
 class Registry:
-    """A map's executables, its class's and each engine step's, by owner and key: an
-    owner's `build(key, pack, nargs)` makes the jitted function of a key's family fed as
-    `pack` lays out (None: placed arrays) taking `nargs` engine arguments, once per family;
-    `build` None is the class's own (`default`). After `warm_up(guard=True)` an owner's
-    calls are served only by what was warmed for it; `refusal(key)` says why not."""
+    """A map's executables by owner (a `Build`; None: the class's own, `default`) and key,
+    each family built once. After `warm_up(guard=True)` an owner's calls are served only by
+    what was warmed for it; `refusal(key)` says why not."""
 
     def __init__(self, default: Build, refusal: Callable[[Key], str]) -> None:
         self.default = default
@@ -161,8 +154,6 @@ class MapRuntime:
         self.debug = debug
         self.copies_lengths = bool(copies_lengths)
         self.last_published: Published | None = None
-        # Debug, spec: a resolve consumes the lengths it reads (the host copy of a publish
-        # is then stale), and a read of lengths waits for a fresh publish.
         self.armed: list[bool] | None = None
         if debug is not None and spec:
             self.armed = [False] * debug.layout.dp
@@ -175,9 +166,7 @@ class MapRuntime:
             raise StateLost(str(lost), lost.call, lost.step, lost.consumed_args) from lost.__cause__
 
     def reset(self) -> None:
-        """The initial state again (every slot's rows and lengths as at construction): no
-        request is relayed any more, nothing published is read back. The step count and
-        pending debug errors are kept."""
+        """The initial state again (`FutureMap.reset`); step count and debug errors kept."""
         self.state = self._fresh()
         self.lost = None
         self._unstash()
@@ -238,12 +227,9 @@ class MapRuntime:
         engine_args: Sequence[Any] = (),
         donated: Sequence[int] = (),
     ) -> Any:
-        """`exe(state, *args, *engine_args)`; returns
-        its outputs. `ops`: the names its debug errors are recorded as (one packed error,
-        or one per op of a step, before the outputs; empty without checks). `call`: the
-        call in words, for errors. `new_step`: a resolve or engine step (not counted if it
-        fails). `donated`: which of `engine_args` (an engine step's own) are donated.
-        """
+        """`exe(state, *args, *engine_args)`'s outputs, its debug errors recorded under
+        `ops`' names. `call`: the call in words, for errors; `new_step`: a resolve or engine
+        step (not counted if it fails); `donated`: which of `engine_args` are donated."""
         if new_step:
             self.step += 1
         try:
@@ -313,10 +299,9 @@ class MapRuntime:
                     )
         return None
 
-    def resolved(self, idx: Rows) -> None:
+    def resolved(self) -> None:
         """Debug, after a resolve ran: a spec map's resolve may have consumed the lengths
-        last published (their host copy is then not the buffer's: a read gathers, and
-        finds the poison)."""
+        last published (a read then gathers, and finds the poison)."""
         if self.armed is not None:
             self.last_published = None
 
@@ -340,8 +325,7 @@ class MapRuntime:
                 self.armed[d] = True
 
     def check(self) -> None:
-        """Raise InvariantViolation listing every failed debug check since the last call
-        (a host sync); without debug, nothing to check."""
+        """`FutureMap.check`; without debug, nothing to check."""
         if self.debug is not None:
             self.debug.check()
 

@@ -23,11 +23,8 @@ class ForwardMode(enum.IntEnum):
 
 class FutureMapState(NamedTuple):
     """The relay buffers, leading dimension R (pool size); spec fields None without spec.
-
-    Slot 0 mirrors the request pool's padding row: padded rows write garbage there. A real
-    float field's buffer holds its raw bits (uint32 for topk_p, uint16 for bf16 hidden
-    states), written in place and bit-exact on every backend.
-    """
+    Slot 0 mirrors the request pool's padding row (padded rows write garbage there); a real
+    float field's buffer holds its raw bits, bit-exact on every backend."""
 
     output_tokens: jax.Array  # [R] int: last token (non-spec) or bonus token (spec)
     new_seq_lens: jax.Array  # [R] int: length after the slot's last forward
@@ -52,8 +49,7 @@ one per DP rank), or traced (an int32 jax array). None: fixed inside an executab
 
 
 class Batch(NamedTuple):
-    """The fields of a scheduled batch that resolve and invalidate touch (the FutureMap
-    class also takes host arrays for each).
+    """The fields of a scheduled batch that resolve and invalidate touch.
 
     `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one; in
     the gather protocol only the host's (a MIXED batch's running rows hold 0; a non-spec
@@ -76,9 +72,7 @@ class Batch(NamedTuple):
 
 class DraftPayload(NamedTuple):
     """Speculative draft state: what `stash` writes and `resolve` gathers; a field the spec
-    does not declare is None. A stash writes the fields given and keeps the others' rows
-    (every consume-tracked field given); the class's resolve gives None for a field no
-    stash has written (`FutureMap.relayed_fields`)."""
+    does not declare is None, as is (the class's resolve) one no stash has written yet."""
 
     bonus_tokens: jax.Array | np.ndarray | None = None  # [B] int
     topk_p: jax.Array | np.ndarray | None = None  # [B, K] float32
@@ -105,7 +99,6 @@ class MixedTails(NamedTuple):
     prefix_lens: np.ndarray | None  # [B] int64: the host's, running rows' published length
 
 
-# ------------------------------------------------------------------ the relayed fields
 STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
 """The standard fields' names, in the order a map declares them."""
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -117,12 +110,8 @@ CONFIDENCE_BITS = np.dtype(np.uint32)  # what its buffer holds: their raw bits
 
 
 class RelayField(NamedTuple):
-    """One per-row value a spec map relays from a step's stash to the next step's resolve.
-
-    It lives in one buffer of the state, [R, *shape]: the bonus tokens in `output_tokens`
-    (shared with non-spec tokens), the other standard fields in their own `FutureMapState`
-    attribute, an engine's own in `FutureMapState.extras` by name; a `DraftPayload` holds
-    them the same way.
+    """One per-row value a spec map relays from a step's stash to the next step's resolve,
+    in one buffer of the state, [R, *shape] (an engine's own in `extras` by name).
 
     Attributes:
       name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
@@ -156,9 +145,7 @@ class SpecConfig(NamedTuple):
       bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
         for a draft that brings none (an n-gram one).
       kernel: 'xla' (default), one scatter or gather per buffer; 'pallas', one kernel for
-        every field (and, in the gather protocol, the lengths at the draft slots): Triton
-        on a GPU, Pallas's interpreter on CPU, no TPU. Its fields' dtypes are real numbers
-        or ints.
+        every field: Triton on a GPU, Pallas's interpreter on CPU, no TPU.
       confidence: gamma, the width of each slot's confidence row: `publish` then takes
         `confidence=` rows [B, gamma] float32 and starts their host copy into a ring
         (`FutureMap.resolve_confidence_cpu`); 0 (default): no confidence relay.
