@@ -26,21 +26,11 @@ keys use 'extend' for every kind but DECODE; an engine step's name its mode exac
 
 
 class Key(NamedTuple):
-    """One executable: an operation and the static sizes and inputs it was traced for.
-
-    Attributes:
-      op: a class entry point ('publish', 'stash', 'finish', 'seq_lens_at',
-        'resolve') or an engine's whole 'step'.
-      rows: rows per DP rank (a batch bucket).
-      tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
-      draft, slots: a resolve with draft indices; with token slots.
-      mode: a resolve's kind fixed in it ('extend': not DECODE, 'decode') or 'traced' (an
-        argument); a step's fixed mode is its ForwardMode's name; '' for the other ops.
-      ids: a resolve that places input ids (False: a gather-protocol DECODE, T = B).
-      confidence: a publish or finish that also writes confidence rows (and returns a copy
-        of the confidence buffer for its host ring).
-      omits: a partial stash's (or finish's) declared fields left out, in stash order.
-    """
+    """One executable: an operation ('publish', ..., 'resolve', or an engine's 'step') and
+    the static sizes and inputs it was traced for. `mode`: a resolve's kind fixed in it
+    ('extend': not DECODE, 'decode'), 'traced', a step's ForwardMode name, or '' for the
+    other ops; `ids` False: a gather-protocol DECODE (T = B); `omits`: a partial stash's
+    fields left out."""
 
     op: str
     rows: int

@@ -28,17 +28,13 @@ class StepOutput(NamedTuple):
     """What the engine's `forward` returns to the step's tail.
 
     Attributes:
-      new_seq_lens: [B] each row's length after this forward, published; or, when the
-        forward owns the `new_seq_lens` buffer (`StepInput("new_seq_lens", "slot")`),
-        that buffer as the forward wrote it, taken as the map's with no scatter.
+      new_seq_lens: [B] each row's length after this forward, published (a forward that
+        owns the buffer, `StepInput("new_seq_lens", "slot")`: the whole buffer, written).
       payload: [B] sampled tokens (non-spec), or a DraftPayload of [B, ...] rows (spec),
-        stashed at the batch's `req_pool_indices`; when the forward owns `output_tokens`,
-        the tokens (spec: `bonus_tokens`) are that buffer as the forward wrote it.
-      out: anything else (a pytree of arrays: the updated KV cache, the tokens for the
-        host), returned to the caller as is.
-      confidence: [B, gamma] float32 confidence rows, published with the lengths (a map
-        declaring `SpecConfig(confidence=gamma)`; the step then takes `generation=`), or
-        None: the rows already published stay.
+        stashed at the batch's `req_pool_indices` (owned `output_tokens`: the buffer).
+      out: anything else (the updated KV cache, the tokens for the host), returned as is.
+      confidence: [B, gamma] float32 confidence rows, published with the lengths
+        (`SpecConfig(confidence=gamma)`; the step then takes `generation=`), or None.
     """
 
     new_seq_lens: Any
@@ -63,12 +59,8 @@ class StepResult(NamedTuple):
 
 
 class HostOut(NamedTuple):
-    """One step's outputs as the host reads them (`EngineStep.read_host`).
-
-    Attributes:
-      step: the step's number among this EngineStep's calls, from 0.
-      out: what `host_out` picked from that step's `StepOutput.out`, as numpy arrays.
-    """
+    """One step's outputs as the host reads them (`EngineStep.read_host`): the step's
+    number among this EngineStep's calls (from 0), and what `host_out` picked, in numpy."""
 
     step: int
     out: Any
@@ -115,8 +107,7 @@ class EngineStep:
         donate = tuple(donate_argnums)
         self._forward = forward
         self._declared = check_declared(inputs, ops.dtype)
-        # Host inputs are placed with the batch; the relay buffers the forward owns are
-        # handed to it from the map's state inside the step.
+        # Host inputs are placed with the batch; owned relay buffers come from the state.
         self._placed = tuple(d for d in self._declared if d.per != "slot")
         self._owned = frozenset(d.name for d in self._declared if d.per == "slot")
         spec = ops.spec
@@ -289,8 +280,7 @@ class EngineStep:
         def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug is None:
                 return lambda *a: (None, fn(*a))
-            # Each shard_map checked on its own: checkify cannot merge the errors of
-            # consecutive shard_maps (`executables.tail`).
+            # Each shard_map checked on its own (`executables.tail`).
             return debug.checked(fn)
 
         def body(state: Any, packed: Any, device: Any, *args: Any) -> Any:

@@ -59,15 +59,11 @@ class FutureMap:
       spec: static shapes of the spec extras, or None.
       debug: consume tracking and invariant checks.
       batch_buckets: allowed per-rank batch sizes; default powers of two up to 1024.
-      token_buckets: allowed per-rank flat token counts; default powers of two up to 8192;
-        the largest at least the largest batch bucket (a row has a token).
+      token_buckets: allowed per-rank flat token counts; default powers of two up to 8192.
       device: without a mesh, where the buffers live; default JAX's default device.
-      protocol: 'sentinel' (default: `invalidate` leaves -slot placeholders that resolve
-        fills) or 'gather' (resolve gathers decode ids, MIXED running rows' ids and spec
-        lengths; no invalidate). docs/CONTRACT.md, 'Two protocols'.
+      protocol: 'sentinel' (default) or 'gather' (docs/CONTRACT.md, 'Two protocols').
       needs_cpu_seq_lens: each publish starts copying its lengths to the host, so that
-        `resolve_seq_lens_cpu` waits for that step only (False: a read gathers from the
-        buffer, behind everything queued).
+        `resolve_seq_lens_cpu` waits for that step only.
     """
 
     def __init__(
@@ -139,9 +135,8 @@ class FutureMap:
 
     @serialized
     def buffers(self, *, copy: bool = False) -> dict[str, jax.Array]:
-        """The present buffers by name, global [DP*R, ...]: the map's own (as `state`; a
-        live DLPack export of one blocks the next op's donation), or with `copy` copies
-        made on the device under the lock (no host sync), valid whatever ops follow."""
+        """The present buffers by name, global [DP*R, ...]: the map's own (as `state`), or
+        with `copy` device copies made under the lock, valid whatever ops follow."""
         out = {k: v for k, v in self._runtime.state._asdict().items() if v is not None}
         return {k: jax.tree.map(jnp.copy, v) for k, v in out.items()} if copy else out
 
@@ -179,18 +174,16 @@ class FutureMap:
         threads: int | None = None,
         partial_stashes: Sequence[Collection[str]] = (),
     ) -> WarmUpReport:
-        """Compile every executable serving calls, for every bucket, ahead of time (empty
-        batches placed as serving places its inputs); nothing runs; logged at INFO.
+        """Compile every executable serving calls, for every bucket, ahead of time; nothing
+        runs; logged at INFO.
 
         Args:
           guard: afterwards a call that would compile raises FutureMapError naming the op,
             its sizes and the buckets, before anything runs.
-          traced_modes: also warm resolve with a traced forward mode (False for an engine
-            whose every batch has a host ForwardMode on one device).
+          traced_modes: also warm resolve with a traced forward mode.
           threads: compile threads; default min(8, CPU count).
           partial_stashes: spec: each partial stash the engine makes, as the names of the
-            fields its drafts give (e.g. `[("bonus_tokens",)]`): stash and finish warmed
-            for each too; a set a stash would refuse is refused here.
+            fields its drafts give (e.g. `[("bonus_tokens",)]`).
         """
         calls = class_calls(
             self._placement, self._runtime.state, traced_modes=traced_modes, partial=partial_stashes
@@ -209,8 +202,8 @@ class FutureMap:
         host_ring: int = 4,
         compiler_options: Mapping[str, Any] | None = None,
     ) -> EngineStep:
-        """The engine's jitted step with this map's relay inside (`EngineStep`): the
-        recommended way in, one dispatch per step.
+        """The engine's jitted step with this map's relay inside (`EngineStep`), one
+        dispatch per step.
 
         Args:
           forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced in the step.
@@ -218,8 +211,7 @@ class FutureMap:
           donate_argnums: indices into the step's `args` to donate (the KV cache).
           host_out: `out -> arrays` the host reads a step late (tokens, logprobs), copied
             as each step is enqueued (`EngineStep.read_host`); at most `host_ring` unread.
-          compiler_options: XLA options; default `fm_jax.compiler_options()` (on CPU that
-            keeps elementwise ops on the calling thread: `{}` for XLA's thread pool).
+          compiler_options: XLA options; default `fm_jax.compiler_options()`.
         """
         return EngineStep(
             forward,
@@ -255,8 +247,8 @@ class FutureMap:
           rows: per-rank padded size (a batch bucket); required across processes.
           confidence: with `SpecConfig(confidence=gamma)`: [B, gamma] float32 rows in the
             same form, written and copied to the host ring. None: the rows stay.
-          generation: with `confidence` only, and required there: the host's per-slot
-            generation counters ([R] per DP rank: [DP*R], or a mapping), snapshotted.
+          generation: required with `confidence` only: the host's per-slot generation
+            counters ([DP*R], or a mapping DP rank -> [R]).
         """
         self._tail("publish", indices, new_seq_lens, None, rows, confidence, generation)
 
@@ -288,8 +280,8 @@ class FutureMap:
     def _tail(
         self, op: str, indices: Any, lens: Any, payload: Any, rows: Any, confidence: Any, gen: Any
     ) -> tuple[Any, Any]:
-        """Publish, stash or finish placed and run (not on a DP-idle call) with its host
-        bookkeeping; returns the slots as placed and finish's sentinels (None: not run)."""
+        """Publish, stash or finish placed and run, with its host bookkeeping; returns the
+        slots as placed and finish's sentinels."""
         runtime = self._runtime
         if gen is not None and confidence is None:
             raise errors.generation_without_confidence(op, runtime.confidence is not None)
@@ -339,9 +331,9 @@ class FutureMap:
 
     @serialized
     def relayed_fields(self, rank: int = 0) -> tuple[str, ...]:
-        """The draft fields a resolve gathers on DP rank `rank` in [0, DP), in stash order:
-        the consume-tracked ones, and each other once a stash wrote it on that rank since
-        the map was made or `reset` (before: None, SGLang's DSA availability flag)."""
+        """The draft fields a resolve gathers on DP rank `rank`, in stash order: the
+        consume-tracked ones, and each other once a stash wrote it there since the map was
+        made or `reset` (SGLang's DSA availability flag)."""
         return self._runtime.relayed_fields(rank, self.spec)
 
     @serialized
@@ -374,18 +366,16 @@ class FutureMap:
         prefix_lens: RowsInput | Mapping[int, RowsInput] | None = None,
     ) -> MixedTails | dict[int, MixedTails]:
         """A spec MIXED batch's host lengths, its running rows rebound (gather protocol;
-        SGLang's `resolve_mixed_spec_tails`): each running row's length := its published
-        length + 1, its `prefix_lens` (one per row, in the batch's form) the published one.
-        Reads the last publish's lengths, not consuming them: call it before the step that
-        runs the batch. The batch is checked as `resolve` checks it, lengths >= 0."""
+        SGLang's `resolve_mixed_spec_tails`): a running row's length := its published
+        length + 1, its `prefix_lens` the published one. Reads the last publish's lengths,
+        not consuming them: call it before the step that runs the batch."""
         return host_reads.mixed_tails(self._placement, self._runtime, self._run, batch, prefix_lens)
 
     @serialized
     def resolve_confidence_cpu(
         self, indices: Any, *, wait: bool = False
     ) -> ResolvedConfidence | None | dict[int, ResolvedConfidence | None]:
-        """The confidence rows of host slots `indices` (or a mapping DP rank -> slots)
-        from LAG (2) publishes with confidence back, with their generations (older than
-        the slot's: its previous request's row). None before two such publishes, for no
-        slots, and (unless `wait`: block) while that copy is not done."""
+        """The confidence rows of host slots `indices` (or a mapping DP rank -> slots) from
+        two publishes with confidence back, with their generations; None before two such
+        publishes, for no slots, and (unless `wait`) while that copy is not done."""
         return host_reads.confidence(self._runtime, indices, wait)

@@ -77,13 +77,9 @@ DEPTH = LAG + 1
 
 
 class ResolvedConfidence(NamedTuple):
-    """A batch's confidence rows as the ring held them, and their generations.
-
-    Attributes:
-      confidence: [B, gamma] float32, each slot's row as published (bit for bit).
-      generation: [B] int64, each slot's generation when the row was copied: equal to the
-        slot's current generation only if no new request took the slot since.
-    """
+    """A batch's confidence rows ([B, gamma] float32, as published) and each slot's
+    generation when its row was copied ([B] int64: the slot's current one only if no new
+    request took the slot since)."""
 
     confidence: np.ndarray
     generation: np.ndarray

@@ -22,8 +22,8 @@ _M = TypeVar("_M", bound=Callable[..., Any])
 
 
 def serialized(method: _M) -> _M:
-    """A map's `method` run under its lock (each op donates the state the next one reads;
-    uncontended about 1 us a call), refused with `StateLost` while the map is lost."""
+    """A map's `method` run under its lock (uncontended about 1 us a call), refused with
+    `StateLost` while the map is lost."""
 
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,8 +73,7 @@ class Registry:
         self._refusal = refusal
 
     def serve(self, build: Build | None, warmed: Any, refusal: Any = None) -> None:
-        """After a warm-up: owner `build`'s calls served only by `warmed` ((key, pack) ->
-        compiled; None: jitted again, unguarded), others refused (`refusal`'s words)."""
+        """After a warm-up: owner `build`'s calls served only by `warmed` (None: unguarded)."""
         owner = build or self.default
         self._serving.pop(owner, None)
         if warmed is not None:
@@ -96,7 +95,7 @@ class Registry:
         self, key: Key, pack: PackSpec | None, nargs: int = 0, build: Build | None = None
     ) -> Any:
         """What serves `key` fed as `pack` lays out: the jitted function, or under the
-        owner's serving guard the warmed executable (FutureMapError if there is none)."""
+        owner's serving guard the warmed executable."""
         guarded = self._serving.get(build or self.default) if self._serving else None
         if guarded is None:
             return self.jitted(key, pack, nargs, build)
@@ -159,8 +158,7 @@ class MapRuntime:
             self.armed = [False] * debug.layout.dp
 
     def refuse_if_lost(self) -> None:
-        """Raise StateLost (a new instance: the message, attributes and cause of the first)
-        while a failed call has left the map without its state."""
+        """Raise StateLost (a new instance of the first) while the map is lost."""
         lost = self.lost
         if lost is not None:
             raise StateLost(str(lost), lost.call, lost.step, lost.consumed_args) from lost.__cause__
@@ -181,8 +179,8 @@ class MapRuntime:
         self.unstashed = [set(self.optional) for _ in range(self._dp)] if self.optional else None
 
     def stashed(self, idx: Rows, omits: Sequence[str]) -> None:
-        """A stash at `idx` (as placed) wrote every optional field but `omits` on each rank
-        with a row there (every rank for jax-array slots, whose rows are not read)."""
+        """A stash at `idx` wrote every optional field but `omits` on each rank with a row
+        there."""
         pending = self.unstashed
         if pending is None:
             return
@@ -197,8 +195,7 @@ class MapRuntime:
         return tuple(f for f in self.optional if f not in left)
 
     def relayed_fields(self, rank: Any, spec: SpecConfig | None) -> tuple[str, ...]:
-        """`FutureMap.relayed_fields`: `spec`'s draft fields a resolve gathers on DP rank
-        `rank`, checked."""
+        """`FutureMap.relayed_fields`, `rank` checked."""
         dp = self._dp
         if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
             raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
@@ -208,8 +205,7 @@ class MapRuntime:
         return tuple(f.name for f in spec.fields() if f.consumed or f.name in relayed)
 
     def without_unstashed(self, draft: Any, ranks: Sequence[int]) -> Any:
-        """`draft` with None for each optional field no stash has written on any of
-        `ranks` (its rows would be the buffer's initial zeros)."""
+        """`draft` with None for each optional field no stash has written on any of `ranks`."""
         relayed = {f for d in ranks for f in self.relayed(d)}
         fields = {f: v for f, v in draft._asdict().items() if f != "extras"}
         fields.update(draft.extras or {})
@@ -257,9 +253,8 @@ class MapRuntime:
         engine_args: Sequence[Any],
         donated: Sequence[int],
     ) -> FutureMapError | None:
-        """What a failed call did, in words: StateLost when it consumed the state (the map
-        is lost from here on); a FutureMapError naming the argument when JAX refused it
-        before running (the state untouched); None when neither (the error stands)."""
+        """What a failed call did, in words: StateLost when it consumed the state; a
+        FutureMapError naming the argument JAX refused before running; else None."""
         state = _named_leaves(self.state)
         if any(_deleted(x) for x in state.values()):
             consumed = tuple(
@@ -306,9 +301,8 @@ class MapRuntime:
             self.last_published = None
 
     def published(self, idx: Rows, lens: Any, copied: Any = None, gens: Any = None) -> None:
-        """A publish wrote `lens` at `idx` (as placed): start their copy to the host
-        (debug, spec: and arm the ranks it wrote); with confidence rows, `copied` the
-        confidence buffer, `gens` the generations snapshotted, both to the ring."""
+        """A publish wrote `lens` at `idx`: start their host copy (debug, spec: arm the
+        ranks it wrote); `copied` (the confidence buffer) and `gens` go to the ring."""
         if copied is not None:
             assert self.confidence is not None and gens is not None
             self.confidence.issue(copied, gens, idx)
@@ -330,9 +324,8 @@ class MapRuntime:
             self.debug.check()
 
     def read_lengths(self, idx: Rows) -> None:
-        """Debug, spec: a read of lengths at `idx` waits for each rank's last publish,
-        which no read may have consumed before ('fresh publish', SGLang's consume-once
-        wait); it consumes them. A violation goes to the debug channel (`check()`)."""
+        """Debug, spec: a read of lengths at `idx` consumes each rank's last publish, which
+        no read may have consumed before ('fresh publish', SGLang's consume-once wait)."""
         armed, debug = self.armed, self.debug
         if armed is None or debug is None:
             return

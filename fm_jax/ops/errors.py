@@ -40,8 +40,7 @@ class InvariantViolation(RuntimeError):
       step: the FutureMap step (resolves so far) of the failing op, if known.
       op: the op that failed, if known.
       rank: the DP rank whose pool failed, on a map with more than one; else None.
-      slots: the rank-local slot the failed check names (its largest offender), or []
-        (a bad forward mode names none).
+      slots: the rank-local slot the failed check names (its largest offender), or [].
       violations: every violation reported with this one, in op order.
     """
 

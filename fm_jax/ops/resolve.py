@@ -231,13 +231,11 @@ def resolve_gather(
 ) -> tuple[FutureMapState, Resolved]:
     """The gather protocol's resolve: the forward's inputs built at its entry.
 
-    Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`
-    (padding rows 0, padded with 0 to T); MIXED `output_tokens[token_slots]` where a token
-    slot is nonzero. Lengths: as given, except a spec DECODE batch's (the verified ones
-    last published, `new_seq_lens[draft_indices]`) and a spec MIXED batch's running rows'
-    (`_bind_running_lengths`). Debug: every gather from a consume-tracked buffer is
-    checked and -1 written back at the live slots it read (`_consume_reads`). A traced
-    mode gathers for DECODE and MIXED both and selects per row: O(B + T) either way.
+    Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`;
+    MIXED `output_tokens[token_slots]` where a token slot is nonzero. Lengths: as given,
+    except a spec DECODE batch's (`new_seq_lens[draft_indices]`) and a spec MIXED batch's
+    running rows' (`_bind_running_lengths`). A traced mode gathers for DECODE and MIXED
+    both and selects per row: O(B + T) either way.
     """
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     ids = jnp.asarray(batch.input_ids, dt)

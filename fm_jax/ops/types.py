@@ -51,15 +51,12 @@ one per DP rank), or traced (an int32 jax array). None: fixed inside an executab
 class Batch(NamedTuple):
     """The fields of a scheduled batch that resolve and invalidate touch.
 
-    `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one; in
-    the gather protocol only the host's (a MIXED batch's running rows hold 0; a non-spec
-    DECODE batch's are not read, None: T = B). `token_slots` ([T], gather protocol, MIXED
-    only): where a running row's token goes, the slot to gather it from, else 0; a spec
-    MIXED batch lists its running rows last, one per nonzero token slot in order.
-    `forward_mode`: a traced int32 scalar serves every kind in one executable (on a mesh:
-    a scalar or [DP]), a host ForwardMode fixes it when traced (refused if no ForwardMode
-    value: 7, True, 1.0, "1"; a bad traced one runs as not DECODE, debug reports it).
-    `draft_indices` ([B]): on a spec DECODE batch, the slots whose draft to gather.
+    `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one (gather
+    protocol: a non-spec DECODE batch's None, T = B). `token_slots` ([T], gather protocol,
+    MIXED only): the slot a running row's token is gathered from, else 0. `forward_mode`: a
+    traced int32 scalar serves every kind in one executable (on a mesh: a scalar or [DP]),
+    a host ForwardMode fixes it when traced. `draft_indices` ([B]): on a spec DECODE batch,
+    the slots whose draft to gather (docs/CONTRACT.md, 'Batch kinds').
     """
 
     forward_mode: Mode
@@ -103,8 +100,7 @@ STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_state
 """The standard fields' names, in the order a map declares them."""
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 KERNELS = ("xla", "pallas")
-"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all
-(`rows.py`)."""
+"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all."""
 CONFIDENCE_DTYPE = np.dtype(np.float32)  # a confidence row's values (SGLang's: float32)
 CONFIDENCE_BITS = np.dtype(np.uint32)  # what its buffer holds: their raw bits
 
@@ -118,10 +114,8 @@ class RelayField(NamedTuple):
       shape: the per-row shape; () for one value per row.
       dtype: the element dtype, one a buffer stores (`relay_fields.storable`; 64-bit ones
         need x64); None for the map's int dtype.
-      consumed: debug consume tracking (an int field): the buffer starts at -1, every value
-        gathered from a live slot must be >= 0, and -1 is written back at the slots read.
-      bits: deprecated, changes nothing (every real float is stored as its raw bits);
-        True on a field that is not a real float is refused.
+      consumed: debug consume tracking (an int field; docs/CONTRACT.md, 'Debug mode').
+      bits: deprecated, changes nothing (every real float is stored as its raw bits).
     """
 
     name: str
@@ -132,9 +126,8 @@ class RelayField(NamedTuple):
 
 
 class SpecConfig(NamedTuple):
-    """The fields a spec map relays, declared at init (`fields()`; docs/guide.md, 'Relay
-    fields', declares SGLang's EAGLE and n-gram payloads): what stash writes, resolve
-    gathers and debug consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
+    """The fields a spec map relays, declared at init (`fields()`): stash, resolve and debug
+    consume tracking follow this list (docs/CONTRACT.md, 'Relay fields').
 
     Attributes:
       topk: K, width of `topk_p` / `topk_index`; 0 relays no top-k fields.
