@@ -218,11 +218,10 @@ class StepInput(NamedTuple):
 
     Attributes:
       name: its key in the step's `inputs` mapping, and in `forward`'s.
-      per: "row" ([B, *shape], padded like `req_pool_indices`) or "token" ([T, *shape],
-        padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
-        Or "slot": one of the map's relay buffers (`OWNABLE`, shape (), the map's int
-        dtype) handed to the forward, which writes it and returns it where `StepOutput`
-        relays that value (docs/CONTRACT.md, 'Engine-owned relay buffers').
+      per: "row" ([B, *shape], padded like `req_pool_indices`), "token" ([T, *shape],
+        padded like `input_ids`), padding 0; or "slot": one of the map's relay buffers
+        (`OWNABLE`) handed to the forward, which writes it and returns it in `StepOutput`
+        (docs/CONTRACT.md, 'Engine-owned relay buffers').
       shape: the trailing shape of one row or token.
       dtype: its dtype; host arrays of another dtype are cast only where no value can
         change (numpy's 'safe' casting, or ints into an int dtype their values fit).

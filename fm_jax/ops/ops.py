@@ -44,13 +44,12 @@ class FutureMapOps(NamedTuple):
       publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
         ([B, gamma] float32) only where the spec declares gamma.
       stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields
-        it gives (every consume-tracked one) and keeps the others' rows.
+        it gives and keeps the others' rows.
       resolve: (state, batch) -> (state, Resolved); the state changes only in debug mode.
         A draft gather gives every declared field (a row never stashed reads 0).
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
         (sentinel protocol only).
-      seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
-        `resolve_seq_lens_cpu` (debug: slot checks, lengths not poisoned).
+      seq_lens_at: (state, indices) -> `new_seq_lens[indices]` (`resolve_seq_lens_cpu`).
       pool_size, dtype, spec, debug, protocol: the static configuration.
       layout: on a mesh, its `MeshLayout` (global arrays, each rank's block run by
         `local`, the one-pool ops); None (and `local` None) for one pool on one device.
@@ -97,17 +96,16 @@ def future_map(
       pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
         On a mesh: slots per DP rank. R - 1 fits `dtype`.
       mesh: a `jax.sharding.Mesh` holding one pool per DP rank (global arrays, rank d's
-        block its own pool); None (default): one pool. In debug mode wrap the ops in
-        `checkify.checkify` (`fm_jax.raise_if_violated(err, layout=ops.layout)`).
+        block its own pool); None (default): one pool. In debug mode wrap the step in
+        `checkify.checkify(..., errors=checkify.user_checks)` and pass its error to
+        `fm_jax.raise_if_violated(err, layout=ops.layout)`.
       dp_axis: the mesh's data-parallel axis, or None (one pool replicated everywhere).
       tp_axis: the mesh's tensor-parallel axis, or None; buffers are replicated along it.
       dtype: int32 (default) or int64 (needs JAX's x64 mode) for tokens, lengths, top-k ids.
       spec: the spec fields' declaration, or None for non-spec decoding.
       debug: poison the consume-tracked buffers and the lengths with -1 and add the
-        checkify invariant checks (a spec resolve consumes the lengths it reads).
-      protocol: 'sentinel' (the host leaves -slot placeholders that resolve fills) or
-        'gather' (resolve gathers decode ids and spec lengths at forward entry; no
-        invalidate). docs/CONTRACT.md, 'Two protocols'.
+        checkify invariant checks (docs/CONTRACT.md, 'Debug mode').
+      protocol: 'sentinel' (default) or 'gather' (docs/CONTRACT.md, 'Two protocols').
 
     Returns:
       FutureMapOps. Inputs are checked for rank, shape and dtype when traced.

@@ -218,7 +218,7 @@ def _fill_sentinels(
     # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
     input_ids = jnp.where(is_ref, gather(state.output_tokens, -ids), ids)
     if chk is not None:
-        k = checks.consumed_values_valid(input_ids, -ids, chk)  # a row with ids >= 0: never
+        k = checks.consumed_values_valid(input_ids, -ids, chk)  # ids >= 0 are never flagged
         # Poisoned: the batch's slots and the slots its sentinels read (else slot R, dropped).
         read = jnp.where(is_ref, -ids, r)
         slots = jnp.concatenate([jnp.asarray(idx, dt), read])
