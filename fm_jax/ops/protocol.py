@@ -74,14 +74,9 @@ class Protocol:
     def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
         """Every rule of this protocol on a batch's layout (`parts`: the batch, or each DP
         rank's of a mapping, `by_rank`), asked once before anything is placed: refuses
-        what its kinds and fields break, and returns the rules left for the host values.
-
-        Sentinel: no token slots (a MIXED batch's running rows carry sentinels), no spec
-        MIXED batch; a non-spec DECODE batch's ids are one per row. Gather: a non-spec
-        DECODE batch known on the host places no ids (they are gathered at its slots; ids
-        given are refused); any other batch brings its ids, except a DECODE rank of a
-        mapping (zeros, never read). A MIXED batch brings token slots, a DECODE batch
-        none, and slots given without a MIXED rank gather nothing (all 0)."""
+        what its kinds and fields break (docs/CONTRACT.md, 'Two protocols'), and returns
+        the rules left for the host values. Gather: a non-spec DECODE batch known on the
+        host places no ids; a DECODE rank of a mapping places zeros, never read."""
         mixed = any(ForwardMode.MIXED in (p.modes or ()) for p in parts)
         if self.invalidates:
             for p in parts:
@@ -146,10 +141,8 @@ class Protocol:
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
     ) -> list[tuple[str, bool]]:
         """The (resolve mode, with token slots) pairs serving reaches at a token bucket:
-        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced'. Sentinel:
-        a non-spec decode row is one token, DECODE only up to the largest batch's tokens.
-        Gather: a MIXED batch (not DECODE, or traced) brings token slots; a non-spec
-        DECODE places no ids (its own variant, per batch bucket)."""
+        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced' (a non-spec
+        gather DECODE places no ids: its own variant, per batch bucket)."""
         slots = [False] if self.invalidates else [False, True]
         decode = spec is not None or (self.invalidates and tokens <= decode_tokens)
         extend = [("extend", s) for s in slots]
