@@ -21,8 +21,7 @@ from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.types import Batch, DraftPayload, ForwardMode
 
 FIXED_MODES = {m.name.lower(): m for m in ForwardMode}
-"""The ForwardMode a fixed-mode executable is traced with, by its key's mode: a resolve's
-keys use 'extend' for every kind but DECODE; an engine step's name its mode exactly."""
+"""The ForwardMode a fixed-mode executable is traced with, by its key's mode (`Key.mode`)."""
 
 
 class Key(NamedTuple):

@@ -47,8 +47,9 @@ class FutureMap:
 
     Host arrays are checked and padded to a bucket per DP rank; a mapping DP rank -> host
     rows feeds a mesh's ranks. Outputs are global arrays padded per rank (`fm_jax.per_rank`
-    splits them). One lock per map. A failure after the state was donated raises
-    `StateLost` until `reset()` (docs/CONTRACT.md, 'Donation and lifetimes').
+    splits them). One lock per map; debug errors wait for `check()`. A failure after the
+    state was donated raises `StateLost` until `reset()` (CONTRACT.md, 'Donation and
+    lifetimes').
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1, R - 1 fits `dtype`).
