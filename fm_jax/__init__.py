@@ -1,9 +1,6 @@
-"""fm_jax: a functional FutureMap for overlap-scheduled JAX serving engines.
-
-Pure ops (`future_map`, on one device or a mesh) to inline in an engine's own
-jitted step, and a `FutureMap` class with donated, in-place entry points for engines that
-call ops one by one, on one device or a mesh.
-"""
+"""fm_jax: a functional FutureMap for overlap-scheduled JAX serving engines: pure ops
+(`future_map`) to inline in an engine's own jitted step, and a `FutureMap` class with
+donated, in-place entry points, on one device or a mesh."""
 
 from fm_jax.host.buckets import pad_to_bucket, power_of_two_buckets
 from fm_jax.map.debug_channel import raise_if_violated

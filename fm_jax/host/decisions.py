@@ -1,20 +1,11 @@
-"""A call's placement decided once per layout, and the one function that places its values.
+"""A call's placement decided once per layout (`Decision`, run on every call of it), the
+executable's `Key`, and packing.
 
-A call's layout (`signature`) is its op, the explicit sizes, and per value its kind (a host
-array, a jax array, None, a host ForwardMode), shape and dtype. A `Decision` holds all that
-placement works out from the layout alone: the key, each value's placer, how arguments are
-assembled, the batch's value rules. `Decision.run(values)` places every call of the layout,
-its first included; a call with no layout (a mapping of ranks, a list, a plain int mode)
-is decided afresh each time. The `Key` names the executable: the class, its engine steps,
-warm-up and the serving guard all key executables by it.
-
-Packing: one host-to-device transfer for every host array of a call (each numpy argument
-of a jitted call is its own transfer, 30-55 us of host time apiece on a GPU host). `pack`
-lays every host leaf end to end in one uint32 buffer, each leaf on a word; inside the jit
-`unpack` slices each leaf out and bitcasts it to its dtype. Words, not bytes: a 4-byte
-leaf comes back by an elementwise bitcast that XLA fuses into its consumers (from bytes it
-would be a reduction with a kernel of its own). Device leaves pass through. A call's
-`PackSpec` is static: part of the executable's key.
+Packing: every host array of a call goes in one uint32 buffer, one transfer (each numpy
+argument of a jitted call is a transfer of its own, 30-55 us of host time apiece on a GPU
+host); `unpack` slices each leaf out inside the jit. Words, not bytes: a 4-byte leaf comes
+back by an elementwise bitcast XLA fuses into its consumers (from bytes, a reduction with a
+kernel of its own).
 """
 
 from __future__ import annotations
@@ -30,26 +21,15 @@ from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.types import Batch, DraftPayload, ForwardMode
 
 FIXED_MODES = {m.name.lower(): m for m in ForwardMode}
-"""The ForwardMode a fixed-mode executable is traced with, by its key's mode: a resolve's
-keys use 'extend' for every kind but DECODE; an engine step's name its mode exactly."""
+"""The ForwardMode a fixed-mode executable is traced with, by its key's mode (`Key.mode`)."""
 
 
 class Key(NamedTuple):
-    """One executable: an operation and the static sizes and inputs it was traced for.
-
-    Attributes:
-      op: a class entry point ('publish', 'stash', 'finish', 'seq_lens_at',
-        'resolve') or an engine's whole 'step'.
-      rows: rows per DP rank (a batch bucket).
-      tokens: tokens per rank (a resolve's or a step's token bucket); 0 for a tail op.
-      draft, slots: a resolve with draft indices; with token slots.
-      mode: a resolve's kind fixed in it ('extend': not DECODE, 'decode') or 'traced' (an
-        argument); a step's fixed mode is its ForwardMode's name; '' for the other ops.
-      ids: a resolve that places input ids (False: a gather-protocol DECODE, T = B).
-      confidence: a publish or finish that also writes confidence rows (and returns a copy
-        of the confidence buffer for its host ring).
-      omits: a partial stash's (or finish's) declared fields left out, in stash order.
-    """
+    """One executable: an operation ('publish', ..., 'resolve', or an engine's 'step') and
+    the static sizes and inputs it was traced for. `mode`: a resolve's kind fixed in it
+    ('extend': not DECODE, 'decode'), 'traced', a step's ForwardMode name, or '' for the
+    other ops; `ids` False: a gather-protocol DECODE (T = B); `omits`: a partial stash's
+    fields left out."""
 
     op: str
     rows: int
@@ -85,16 +65,14 @@ Placer = Callable[[Any], Any] | None
 
 
 class Rows(NamedTuple):
-    """One input's row layout (which inputs matched to it follow) and its placer; with
-    `array`, a value placed.
+    """One input's row layout and its placer; with `array`, a value placed.
 
     Attributes:
-      array: what the executable takes (a host array, or the caller's jax array); None in
-        a decision.
+      array: what the executable takes; None in a decision.
       size: rows per DP rank after padding (a bucket size).
       counts: real rows per DP rank, all ranks in order; None for a jax array (not read).
       by_rank: given as a mapping DP rank -> rows.
-      place: the placer of values of this layout (None: a jax array, taken as it is).
+      place: the placer of values of this layout (None: taken as it is).
     """
 
     array: Any
@@ -126,16 +104,9 @@ WORD = 4
 
 
 class PackSpec:
-    """Where each leaf of a call's argument tree lives: static, hashable (its hash made
-    once: it is looked up on every call).
-
-    Attributes:
-      treedef: the argument tree's structure.
-      leaves: per leaf, its (word offset, shape, dtype), or None for a device leaf.
-      nbytes: the packed buffer's size in bytes, whole words (0: nothing packed).
-      words, same: every host leaf is 4 bytes wide (its words go in as they are); and
-        of one dtype (the leaves concatenated, viewed once).
-    """
+    """Where each leaf of a call's argument tree lives: static, part of the executable's
+    key, its hash made once (looked up on every call). `words`: every host leaf 4 bytes
+    wide; `same`: and of one dtype (the leaves concatenated, viewed once)."""
 
     __slots__ = ("_hash", "leaves", "nbytes", "same", "treedef", "words")
 
@@ -240,17 +211,9 @@ def unpack(spec: PackSpec, packed: Any, device: tuple[Any, ...]) -> Any:
 
 
 class Placed(NamedTuple):
-    """A call placed for its executable.
-
-    Attributes:
-      key: the executable's key.
-      args: its arguments after the state: placed arrays (a Batch for a resolve), or for
-        an engine step `(packed, device leaves)`.
-      pack: the packing layout of `args` (None: not packed); part of the executable's
-        identity.
-      idx: the slots as placed (their real rows per rank, for host lengths and debug).
-      lens: a tail's lengths as placed (for their host copy); else None.
-    """
+    """A call placed for its executable: its arguments after the state (an engine step's
+    `(packed, device leaves)`), their packing (None: not packed), the slots as placed and a
+    tail's lengths as placed (for their host copy)."""
 
     key: Key
     args: tuple[Any, ...]
@@ -337,17 +300,9 @@ def constant(value: Any) -> Callable[[Any], Any]:
 
 
 class Decision:
-    """How every call of one layout is placed.
-
-    Args:
-      key: the executable's key.
-      placers: per value, in the call's order, its placer (None: taken as it is).
-      assemble: the placed values -> the executable's arguments.
-      idx: the slots' layout; `idx_at` their position among the values.
-      lens_at: a tail's lengths' position (its host copy), or None.
-      batch_check: the batch's value rules on a call's values and placed arrays, or None.
-      packed: the arguments go as one packed host buffer and the device leaves (a step).
-    """
+    """How every call of one layout is placed: per value its placer, `assemble` (placed
+    values -> the executable's arguments), the slots' layout at `idx_at`, a tail's lengths
+    at `lens_at`, the batch's value rules, and whether the arguments are packed (a step)."""
 
     def __init__(
         self,

@@ -1,17 +1,6 @@
-"""What a FutureMap's caller passes, decided once per layout and placed by one placer.
-
-Three forms, judged alike on one device (the one-rank layout) and on a mesh:
-- a host array (numpy, a list): global rows, each DP rank's rows end to end, the same
-  number per rank. Checked by value (`validate`), each rank's part padded with zero rows
-  (slot 0, token 0) to a bucket; the jit transfers it while dispatching.
-- a jax array: global rows, each rank's part already a bucket size; not read (no sync):
-  a debug map checks it on the device.
-- a mapping DP rank -> host array: the ranks of this process; a local rank left out is
-  idle (all padding).
-Each method decides from an input's form, shape and dtype alone, refusing what they break
-(naming the field), and returns its `Rows`: its sizes and its placer, the one function
-that checks (`validate`) and pads a value of that layout.
-"""
+"""What a FutureMap's caller passes (a host array, a jax array, a mapping DP rank -> host
+rows: docs/guide.md's table), decided once per layout from its form, shape and dtype: its
+`Rows`, sizes and the placer that checks (`validate`) and pads each value of the layout."""
 
 from __future__ import annotations
 
@@ -61,9 +50,8 @@ class HostInputs:
     def placer(
         self, name: str, kind: str, size: int, into: np.dtype | None, x: Any, cast: Any = None
     ) -> Callable[[Any], Any]:
-        """The placer of values shaped like `x` (host rows, global or a mapping of ranks):
-        each rank's rows checked as `kind` (`HostChecks.check`, into `into`) and padded to
-        `size` rows, first cast to `cast` where no value can change (a step input)."""
+        """The placer of host values shaped like `x`: each rank's rows cast to `cast` where
+        no value can change, checked as `kind` (`HostChecks.check`) and padded to `size`."""
         check = self.checks.check
         ranked = (lambda d: f"{name}[rank {d}]") if self.dp > 1 else (lambda d: name)
 
@@ -214,18 +202,9 @@ class HostInputs:
         per: str = "row",
         cast: Any = None,
     ) -> Placer:
-        """The placer of a per-row input ([rows, ...]) laid out like `like`.
-
-        Args:
-          name: the field, named in errors.
-          x: the rows, in the same form as `like` (a mapping if `like` was one).
-          like: the slots these rows belong to, or (`per='token'`) the token ids.
-          dtype: the field's declared dtype (None: the map's int dtype), as
-            `HostChecks.check` judges it.
-          relayed: tokens or lengths a forward relays: host values must be >= 0.
-          per: 'row' or 'token': what one row of `x` stands for, named in errors.
-          cast: host rows cast first to this dtype where no value can change.
-        """
+        """The placer of a per-row (`per='token'`: per-token) input laid out like `like`,
+        in the same form; `dtype` the field's declared one (None: the map's int dtype),
+        `relayed` values >= 0, host rows first cast to `cast` where no value can change."""
         ints = dtype is None or np.dtype(dtype).kind in "iu"
         into = None if dtype is None else np.dtype(dtype)
         kind = row_kind(into, relayed)
@@ -286,9 +265,8 @@ class HostInputs:
         return self.placer(name, kind, like.size, into, x, cast)
 
     def step_input(self, d: StepInput, x: Any, like: Rows) -> Placer:
-        """The placer of an engine's declared input `x`: a jax array taken as it is (its
-        dtype and shape checked), host rows (or a mapping of ranks) of the declared trailing
-        shape, cast to its dtype where no value can change, laid out like `like`."""
+        """The placer of an engine's declared input `x` laid out like `like` (a jax array
+        taken as it is, host rows cast to its dtype where no value can change)."""
         name = f"inputs[{d.name!r}]"
         if isinstance(x, jax.Array):
             if x.dtype != d.dtype or x.shape[1:] != d.shape:
@@ -306,9 +284,8 @@ class HostInputs:
     def payload(
         self, payload: Any, idx: Rows, spec: SpecConfig | None, fields: tuple[RelayField, ...]
     ) -> tuple[tuple[Any, ...], list[Placer]]:
-        """Stash's payload (tokens or a DraftPayload, or a mapping of ranks of them) laid
-        out like `idx`: its leaves (tokens, or each declared field's rows, None where no
-        rank gives it) and their placers."""
+        """Stash's payload laid out like `idx`: its leaves (tokens, or each declared field's
+        rows, None where no rank gives it) and their placers."""
         drafts = list(payload.values()) if isinstance(payload, Mapping) else [payload]
         if not drafts and spec is not None:
             raise errors.tokens_on_spec_map(per_rank=True)
@@ -338,10 +315,8 @@ class HostInputs:
         return tuple(leaves), placers
 
     def sentinels(self, indices: Any, idx: Rows) -> Any:
-        """The sentinels of host slots given as a mapping DP rank -> slots (`indices`,
-        placed as `idx`), made on the host: global device arrays padded per rank, the ids
-        further to the token bucket of the rows (as a step's tail pads them:
-        `buckets.decode_ids`)."""
+        """The sentinels of host slots given as a mapping DP rank -> slots, made on the
+        host: global arrays padded per rank, the ids to the token bucket of the rows."""
         parts = {int(r): -np.asarray(v, self.dtype) for r, v in indices.items()}
 
         def padded(size: int) -> Any:
@@ -370,8 +345,8 @@ class HostInputs:
 
 
 def _host(name: str, x: Any, cast: Any = None) -> np.ndarray:
-    """`x` as a host array of numbers (a dtype a buffer stores: `relay_fields.storable`),
-    cast to `cast` where given and no value can change; a refused object names the field."""
+    """`x` as a host array of a dtype a buffer stores, cast to `cast` where no value can
+    change."""
     if isinstance(x, np.ndarray):
         a = x
     else:

@@ -1,10 +1,5 @@
-"""Placement: what a caller passes, turned into one executable's key and arguments.
-
-A call's layout (`decisions.signature`) is decided once: the batch as given and its
-protocol's rules (asked once per layout), its sizes (one pair per token bucket), the key,
-each value's placer (`host_inputs`). Every call of a layout, its first included, is placed
-by running that decision: value checks, padding, packing. A refusal leaves the map as it was.
-"""
+"""Placement: what a caller passes, turned into one executable's key and arguments; a
+layout decided once (`decisions.Decision`), every call of it placed by running that."""
 
 from __future__ import annotations
 
@@ -61,7 +56,6 @@ class Placement:
         if sig is not None and self.inputs.single_process and len(self._decided) < MAX_LAYOUTS:
             self._decided[sig] = decision
 
-    # ------------------------------------------------------------------ entry points
     def resolve(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -113,9 +107,8 @@ class Placement:
 
     def next_batch(self, batch: Any, indices: Any, idx: Rows, sentinels: Any = None) -> Any:
         """`batch` for the next step (docs/CONTRACT.md, 'Sentinels'): in the sentinel
-        protocol its ids and lengths the sentinels of slots `indices` (placed as `idx`):
-        host slots' made on the host (global rows: their real rows); device slots'
-        `sentinels`, made on the device (by a step's or finish's tail, or invalidate)."""
+        protocol its ids and lengths the sentinels of slots `indices`, host slots' made
+        here, device slots' the `sentinels` made on the device."""
         protocol = self.protocol
         if not protocol.invalidates:
             return batch
@@ -125,7 +118,6 @@ class Placement:
             sentinels = self.inputs.sentinels(indices, idx)
         return protocol.next_batch(batch, sentinels)
 
-    # ------------------------------------------------------------------ a batch
     def decide(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -134,9 +126,8 @@ class Placement:
         step: Sequence[StepInput] | None,
         inputs: Mapping[str, Any] | None,
     ) -> tuple[Decision, tuple[Any, ...]]:
-        """The decision of a resolve (or, with `step` and its declared `inputs`, an engine
-        step), and the values it places in decision order: the batch's fields, then the
-        declared inputs. Every refusal of a form, shape, count or bucket is made here."""
+        """The decision of a resolve (or, with `step`, an engine step), and the values it
+        places in decision order. Every refusal of a form, shape, count or bucket is here."""
         given = given_batch(batch, self.dp)
         rules = self.protocol.rules(self.spec, given.parts, by_rank=given.ranks is not None)
         ids = self._ids(given, rules)
@@ -222,8 +213,7 @@ class Placement:
     def _sizes(
         self, slots: Any, ids: Any, rows: int | None, tokens: int | None
     ) -> tuple[int | None, int | None]:
-        """A resolve's per-rank padded sizes: for host inputs the (rows, tokens) pair its
-        token bucket fixes (`buckets.resolve_sizes`); jax arrays keep the sizes they have."""
+        """A resolve's per-rank padded sizes (jax arrays keep the sizes they have)."""
         if isinstance(slots, jax.Array) or isinstance(ids, jax.Array):
             return rows, tokens
         batch_buckets, token_buckets = self.inputs.batch_buckets, self.inputs.token_buckets
@@ -251,10 +241,9 @@ class Placement:
         return modes
 
     def _filled(self, given: Given, ids: Any) -> tuple[Any, Any]:
-        """The token slots and draft slots to place: as given for a Batch; a mapping's
-        for every rank (ranks without token slots gather nothing, all 0; ranks without a
-        draft input read padding slot 0: garbage, unused), None where no rank gives any
-        (or, token slots, where no rank is MIXED: every slot given is 0, by the rules)."""
+        """The token slots and draft slots to place: as given for a Batch; a mapping's for
+        every rank (zeros where a rank gives none), None where no rank gives any (token
+        slots: or no rank is MIXED)."""
         draft, slots = given.draft, given.token_slots
         if self.spec is None and (draft if given.ranks is not None else draft is not None):
             raise errors.draft_indices_on_plain_map()
@@ -293,7 +282,6 @@ class Placement:
             return Key("resolve", 0, mode=ForwardMode(modes[0]).name.lower()), None
         return Key("resolve", 0, mode="decode" if kinds == {True} else "extend"), None
 
-    # ------------------------------------------------------------------ the tail
     def _decide_tail(
         self, op: str, idx: Rows, indices: Any, lens: Any, payload: Any, confidence: Any
     ) -> tuple[Decision, tuple[Any, ...]]:
@@ -344,16 +332,13 @@ class Placement:
 def _batch_check(
     rules: Rules, modes: list[ForwardMode], parts: Any, values: Sequence[Any], placed: list[Any]
 ) -> None:
-    """A batch's value rules (`validate.batch_values`) on a call: its parts' token slots as
-    given (a Batch's from its values, a mapping's decided with it), its placed slots and
-    token slots."""
+    """A batch's value rules (`validate.batch_values`) on a call."""
     given = (values[5],) if parts is None else parts
     batch_values(rules, modes, given, placed[1], placed[5])
 
 
 def _zeros(rows: Any, dtype: np.dtype) -> Any:
-    """Ids never read: zeros, one per row (None where `rows` has no length: placing the
-    slots names it)."""
+    """Ids never read: zeros, one per row (None where `rows` has no length)."""
     try:
         return np.zeros(len(rows), dtype)
     except TypeError:
@@ -361,8 +346,7 @@ def _zeros(rows: Any, dtype: np.dtype) -> Any:
 
 
 def _rows_per_rank(x: Any, dp: int) -> int | None:
-    """Rows per DP rank of a host input before it is placed (a mapping: its largest
-    rank's); None when `x` has no length (placing it then names what is wrong)."""
+    """Rows per DP rank of a host input (a mapping: its largest rank's); None: no length."""
     try:
         if isinstance(x, Mapping):
             return max((len(v) for v in x.values()), default=0)

@@ -1,13 +1,5 @@
-"""Every check of a caller's host values, and of a batch's and a step's form.
-
-Values (`HostChecks.check`, one rank's rows; `checker`, the same with its dispatch done
-once for a layout's placer): slot range and duplicates, ints that fit, the protocol's
-rule for ids, relayed tokens and lengths >= 0, a non-int field's rows in its own dtype
-(docs/CONTRACT.md, 'Relay fields'); a batch's values against its protocol's rules
-(`batch_values`). Forms: a batch as given (`given_batch`), an engine step's declared
-inputs (`check_declared`) and what a call gives for them (`given_inputs`). Each refusal
-is a FutureMapError naming the field.
-"""
+"""Every check of a caller's host values (`HostChecks`), of a batch's form and values, and
+of an engine step's declared inputs; each refusal a FutureMapError naming the field."""
 
 from __future__ import annotations
 
@@ -86,11 +78,9 @@ class HostChecks:
     def check(
         self, kind: str, name: str, a: np.ndarray, into: np.dtype | None = None
     ) -> np.ndarray:
-        """One rank's host rows checked by value as a `kind` of input, in the dtype the
-        map stores them: 'slots' (ints in [0, R), no live slot twice), 'ids' (ints; the
-        protocol's rule for ids), 'ints' (ints that fit `into`, default the map's int
-        dtype), 'relayed' (that, >= 0: relayed tokens and lengths), 'values' (rows of a
-        non-int field declared `into`: that dtype only)."""
+        """One rank's host rows checked as a `kind` of input, in the dtype the map stores
+        them: 'slots', 'ids' (the protocol's rule), 'ints' (that fit `into`, default the
+        map's), 'relayed' (ints >= 0), 'values' (a non-int field's: dtype `into` only)."""
         if kind == "values":
             assert into is not None
             return self.declared(name, a, into)
@@ -124,8 +114,7 @@ class HostChecks:
 
     @staticmethod
     def declared(name: str, a: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        """`a`, refused unless it has `dtype`, a non-int field's declared dtype (never cast:
-        a cast could change its values or bits)."""
+        """`a`, refused unless it has `dtype`, a non-int field's declared dtype (never cast)."""
         if a.dtype != dtype:
             raise errors.not_the_declared_dtype(name, a.dtype, dtype)
         return a
@@ -138,17 +127,10 @@ def batch_values(
     idx: Any,
     slots: Any,
 ) -> None:
-    """A batch's host values against its protocol's rules (`Protocol.rules`): token slots
-    that must gather nothing are all 0, and a spec MIXED batch's running rows are its last
-    live rows in token-slot order, as resolve binds their lengths there.
-
-    Args:
-      rules: the rules its layout left.
-      modes: its forward modes, one per DP rank (or one standing for every rank).
-      given: each part's token slots as given (`Rules.zero_slots` indexes them).
-      idx, slots: its placed slots and token slots (jax arrays are not read: debug
-        checks them on the device).
-    """
+    """A batch's host values against its protocol's `rules`: token slots that must gather
+    nothing are all 0, and a spec MIXED batch's running rows are its last live rows in
+    token-slot order, as resolve binds their lengths there. `given`: each part's token
+    slots as given; `idx`, `slots`: as placed (jax arrays are not read: debug checks them)."""
     for i, where, kinds in rules.zero_slots:
         if not _all_zero(given[i]):
             raise FutureMapError(
@@ -182,8 +164,8 @@ def one_id_per_row(
     ids: tuple[int, ...] | None,
     rows: tuple[int, ...] | None,
 ) -> None:
-    """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`), judged from
-    its real ids and rows per DP rank (None: a jax array, not read) and its modes."""
+    """A DECODE rank's batch has one input id per row (`Rules.ids_per_row`); `ids`, `rows`:
+    real counts per DP rank (None: a jax array, not read)."""
     if not rules.ids_per_row or ids is None or rows is None:
         return
     decode = [m == ForwardMode.DECODE for m in modes]
@@ -222,8 +204,7 @@ def row_kind(dtype: np.dtype | None, relayed: bool) -> str:
 
 
 def _non_negative(name: str, a: np.ndarray) -> np.ndarray:
-    """`a` (relayed tokens or lengths), refused if it holds a negative value (a stashed -1
-    would read as the consume poison)."""
+    """`a`, refused if it holds a negative value (a stashed -1 reads as the poison)."""
     if a.size and a.min() < 0:
         raise FutureMapError(
             f"{name} holds negative values {np.unique(a[a < 0])[:8].tolist()}: token ids and "
@@ -237,11 +218,10 @@ class StepInput(NamedTuple):
 
     Attributes:
       name: its key in the step's `inputs` mapping, and in `forward`'s.
-      per: "row" ([B, *shape], padded like `req_pool_indices`) or "token" ([T, *shape],
-        padded like `input_ids`; a gather-protocol DECODE batch has T = B). Padding is 0.
-        Or "slot": one of the map's relay buffers (`OWNABLE`, shape (), the map's int
-        dtype) handed to the forward, which writes it and returns it where `StepOutput`
-        relays that value (docs/CONTRACT.md, 'Engine-owned relay buffers').
+      per: "row" ([B, *shape], padded like `req_pool_indices`), "token" ([T, *shape],
+        padded like `input_ids`), padding 0; or "slot": one of the map's relay buffers
+        (`OWNABLE`) handed to the forward, which writes it and returns it in `StepOutput`
+        (docs/CONTRACT.md, 'Engine-owned relay buffers').
       shape: the trailing shape of one row or token.
       dtype: its dtype; host arrays of another dtype are cast only where no value can
         change (numpy's 'safe' casting, or ints into an int dtype their values fit).
@@ -258,10 +238,7 @@ OWNABLE = ("new_seq_lens", "output_tokens")
 
 
 def check_declared(inputs: Sequence[StepInput], map_dtype: np.dtype) -> tuple[StepInput, ...]:
-    """The engine's declared inputs checked and normalised (tuple shapes, numpy dtypes):
-    StepInputs of distinct names, per 'row', 'token' or 'slot' (a relay buffer of
-    `OWNABLE`, declared as the map stores it: shape (), dtype `map_dtype`), shapes and
-    dtypes JAX keeps."""
+    """The engine's declared inputs checked and normalised (tuple shapes, numpy dtypes)."""
     out, seen = [], set()
     for d in inputs:
         if not isinstance(d, StepInput):
@@ -316,16 +293,9 @@ def given_inputs(
 
 
 class Given(NamedTuple):
-    """A batch as its caller gave it, its forward modes parsed.
-
-    Attributes:
-      parts: the batch, or each DP rank's batch of a mapping, as its protocol judges it.
-      ranks: a mapping's ranks in order (() for an empty mapping); None for a Batch.
-      traced: a traced forward_mode (an int32 jax array); None where modes are on the host.
-      modes: the host modes: a Batch's (one, or one per DP rank), a mapping's one per rank.
-      slots, ids, lens, draft, token_slots: the fields (a mapping's by rank; its drafts and
-        token slots only of the ranks that give some).
-    """
+    """A batch as its caller gave it, its forward modes parsed: `parts` (the batch, or
+    each rank's of a mapping, as its protocol judges it), a mapping's `ranks` (None for a
+    Batch), a `traced` mode or the host `modes`, then the fields (a mapping's by rank)."""
 
     parts: tuple[Part, ...]
     ranks: tuple[Any, ...] | None

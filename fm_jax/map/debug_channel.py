@@ -1,13 +1,8 @@
 """Debug errors, from the checkify check inside a jitted op to the `InvariantViolation`.
 
-Inside jit, `DebugChannel.checked(fn)` checkifies an op and packs its error into one int
-array (a `checkify.Error` leaves a jitted call as several arrays and a pytree rebuild,
-~7 us a call); `record` keeps each packed error on device, tagged with step and op, with
-no sync; `check()` fetches them in one transfer and translates every failure into an
-`InvariantViolation` naming invariant, step, op and, with several DP ranks, the rank
-(checkify reports a shard_map'd failure 'at mapped index i', the mesh's i-th device). An
-error leaves the pending list only once translated. `raise_if_violated` is the same
-translation for engines that checkify the pure ops in their own step.
+Inside jit an op's error is packed into one int array (a `checkify.Error` leaves a jitted
+call as several arrays and a pytree rebuild, ~7 us a call); `record` keeps it on device
+with no sync; `check()` fetches them all in one transfer and translates every failure.
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ _INVARIANT = re.compile(r"^\[([^\]]+)\]")
 def _violations(
     msg: str, step: int | None, op: str, layout: MeshLayout | None
 ) -> list[InvariantViolation]:
-    """`msg` (a failed checkify error's message) as one violation per failing DP rank.
-
-    TP replicas of a rank fail alike: a rank is reported once, with its first message.
-    """
+    """`msg` (a failed checkify error's message) as one violation per failing DP rank
+    (checkify names a shard_map'd failure 'at mapped index i'; TP replicas: once)."""
     out: dict[int | None, InvariantViolation] = {}
     for line in msg.splitlines():
         m = _MAPPED.match(line)
@@ -106,15 +99,9 @@ def _raise_all(found: list[InvariantViolation]) -> None:
 def raise_if_violated(
     err: checkify.Error, *, step: int | None = None, op: str = "", layout: MeshLayout | None = None
 ) -> None:
-    """Raise InvariantViolation if `err` (from a checkified fm_jax step) holds a failure.
-
-    This reads the error on the host: a sync. Call it where the engine syncs anyway.
-
-    Args:
-      err: the checkify error of a step built from `future_map` ops.
-      step, op: named in the message.
-      layout: the sharded ops' layout, to name the failing DP rank.
-    """
+    """Raise InvariantViolation if `err` (from a checkified fm_jax step) holds a failure;
+    a host sync. `step`, `op` are named in the message; `layout` (the sharded ops') names
+    the failing DP rank."""
     host = jax.tree.map(np.asarray, err)  # on the host: no sharding rules apply to get()
     msg = host.get()
     if msg is not None:
@@ -123,23 +110,17 @@ def raise_if_violated(
 
 class DebugChannel:
     """The debug errors of one map: packed inside its jitted ops, pending on device, reported
-    by `check()`.
-
-    Args:
-      layout: the map's layout (names the DP rank of a failure on a multi-rank map).
-    """
+    by `check()`."""
 
     def __init__(self, layout: MeshLayout) -> None:
         self.layout = layout
-        # Per trace of any of the map's checked ops: the error's pytree structure and leaf
-        # shapes and dtypes (a few per bucket and op; traces happen at warm-up).
+        # Per trace of a checked op: the error's pytree structure, leaf shapes and dtypes.
         self._layouts: list[tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]] = []
         # (step, op, packed error): on device, or on the host once fetched by a flush.
         self._pending: list[tuple[int, str, Any]] = []
         # Failures already fetched by a flush (or found on the host), in op order.
         self._failed: list[InvariantViolation] = []
 
-    # ------------------------------------------------------------------ inside jit
     def checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` with its checkify user checks, returning (packed error, fn's outputs)."""
         checkified = checkify.checkify(fn, errors=checkify.user_checks)
@@ -178,7 +159,6 @@ class DebugChannel:
         ]
         return jax.tree_util.tree_unflatten(treedef, leaves)  # type: ignore[no-any-return]
 
-    # ------------------------------------------------------------------ on the host
     def record(self, step: int, op: str, packed: jax.Array) -> None:
         """Keep `op`'s packed error (still on device) until `check()`."""
         self._pending.append((step, op, packed))
@@ -191,8 +171,7 @@ class DebugChannel:
         return len(self._pending) + len(self._failed)
 
     def _failures(self) -> list[tuple[int, str, Any, str]]:
-        """The pending entries that hold a failure, fetched to the host (one transfer), each
-        with its failure message."""
+        """The pending entries that hold a failure, fetched to the host, with messages."""
         host = [_to_host(packed) for _, _, packed in self._pending]
         out = []
         for (step, op, _), h in zip(self._pending, host, strict=True):
@@ -202,11 +181,8 @@ class DebugChannel:
         return out
 
     def _flush(self) -> None:
-        """Fetch the pending errors and keep only the failed ones (a host sync).
-
-        Never raises: it runs inside an unrelated op. If the fetch fails, everything stays
-        pending and `check()` meets the same failure.
-        """
+        """Fetch the pending errors and keep only the failed ones (a host sync). Never
+        raises (it runs inside an unrelated op): a failed fetch leaves all for `check()`."""
         try:
             failed = self._failures()
         except Exception:  # noqa: BLE001  # reported by check(), not by this op
@@ -219,10 +195,8 @@ class DebugChannel:
     def host_violation(
         self, step: int, op: str, invariant: str, text: str, rank: int | None = None
     ) -> None:
-        """Record a violation found on the host (a rule of host calls, such as the fresh
-        publish a read waits for), after every op error pending before it (a host sync:
-        the pending errors are fetched, as `check()` would), to be raised by `check()`
-        in op order."""
+        """Record a violation found on the host (the fresh publish a read waits for), after
+        every op error pending before it (a host sync), for `check()` in op order."""
         self._flush()
         named = rank if self.layout.dp > 1 else None
         where = f"DP rank {named}, " if named is not None else ""
@@ -237,11 +211,8 @@ class DebugChannel:
         )
 
     def check(self) -> None:
-        """Raise InvariantViolation listing every failed check since the last call.
-
-        A host sync. Every failure is reported, in op order; the pending list is cleared
-        only after all of them are translated.
-        """
+        """Raise InvariantViolation listing every failed check since the last call, in op
+        order (a host sync); the pending list is cleared only once all are translated."""
         if not self._pending and not self._failed:
             return
         found = self._failed + [

@@ -1,16 +1,5 @@
-"""The engine's own step with the FutureMap inside: one jitted, donated dispatch per step.
-
-`FutureMap.engine_step(forward, ...)` returns an `EngineStep`. Each call places the batch
-and the engine's declared host inputs (`StepInput`) through the map's placement, as
-`FutureMap.resolve` places a batch, all host arrays packed into one buffer (one transfer),
-then runs one executable through the map's runtime: resolve at the head, `forward` on the
-resolved ids and lengths, publish, stash and (sentinel protocol) the sentinels at the
-tail; the map's state and the arguments named by `donate_argnums` donated. The map adds
-no dispatch and no host sync. Executables are keyed like resolve's plus the packing
-layout, in the map's registry; `warm_up` compiles them for the map's buckets (with
-`guard=True` serving then refuses any call that would compile). Debug errors go to the
-map's channel (`FutureMap.check()`).
-"""
+"""The engine's own step with the FutureMap inside: one jitted, donated dispatch per step
+(resolve, the engine's `forward`, publish, stash and the sentinels), no host sync added."""
 
 from __future__ import annotations
 
@@ -39,17 +28,13 @@ class StepOutput(NamedTuple):
     """What the engine's `forward` returns to the step's tail.
 
     Attributes:
-      new_seq_lens: [B] each row's length after this forward, published; or, when the
-        forward owns the `new_seq_lens` buffer (`StepInput("new_seq_lens", "slot")`),
-        that buffer as the forward wrote it, taken as the map's with no scatter.
+      new_seq_lens: [B] each row's length after this forward, published (a forward that
+        owns the buffer, `StepInput("new_seq_lens", "slot")`: the whole buffer, written).
       payload: [B] sampled tokens (non-spec), or a DraftPayload of [B, ...] rows (spec),
-        stashed at the batch's `req_pool_indices`; when the forward owns `output_tokens`,
-        the tokens (spec: `bonus_tokens`) are that buffer as the forward wrote it.
-      out: anything else (a pytree of arrays: the updated KV cache, the tokens for the
-        host), returned to the caller as is.
-      confidence: [B, gamma] float32 confidence rows, published with the lengths (a map
-        declaring `SpecConfig(confidence=gamma)`; the step then takes `generation=`), or
-        None: the rows already published stay.
+        stashed at the batch's `req_pool_indices` (owned `output_tokens`: the buffer).
+      out: anything else (the updated KV cache, the tokens for the host), returned as is.
+      confidence: [B, gamma] float32 confidence rows, published with the lengths
+        (`SpecConfig(confidence=gamma)`; the step then takes `generation=`), or None.
     """
 
     new_seq_lens: Any
@@ -63,12 +48,9 @@ class StepResult(NamedTuple):
 
     Attributes:
       out: `StepOutput.out` of the engine's forward.
-      batch: the batch for the next step: in the sentinel protocol the invalidated batch
-        (`input_ids` and `seq_lens` the sentinels `-req_pool_indices`, in the form the
-        slots were given: host slots' sentinels a host array of their rows, made on the
-        host, so that the batch, its mode set to DECODE, is placed as a host batch (warmed
-        so); jax slots' the step's own, padded per rank like them, the ids further to the
-        token bucket of the rows, so that the DECODE is placed again as jax arrays), in
+      batch: the batch for the next step: in the sentinel protocol the invalidated batch,
+        its sentinels in the form the slots were given (host slots': host rows; jax slots':
+        padded per rank, the ids to the token bucket; docs/CONTRACT.md, 'Sentinels'); in
         the gather protocol the batch as given.
     """
 
@@ -77,12 +59,8 @@ class StepResult(NamedTuple):
 
 
 class HostOut(NamedTuple):
-    """One step's outputs as the host reads them (`EngineStep.read_host`).
-
-    Attributes:
-      step: the step's number among this EngineStep's calls, from 0.
-      out: what `host_out` picked from that step's `StepOutput.out`, as numpy arrays.
-    """
+    """One step's outputs as the host reads them (`EngineStep.read_host`): the step's
+    number among this EngineStep's calls (from 0), and what `host_out` picked, in numpy."""
 
     step: int
     out: Any
@@ -93,11 +71,8 @@ Forward = Callable[..., StepOutput]
 
 
 class EngineStep:
-    """An engine's jitted step with the FutureMap's relay inside (see the module docstring).
-
-    Built by `FutureMap.engine_step` over the map's ops, placement and runtime; call it
-    once per batch: `result = step(batch, *args, inputs={...})`.
-    """
+    """An engine's jitted step with the FutureMap's relay inside, built by
+    `FutureMap.engine_step`; call it once per batch: `step(batch, *args, inputs={...})`."""
 
     def __init__(
         self,
@@ -132,8 +107,7 @@ class EngineStep:
         donate = tuple(donate_argnums)
         self._forward = forward
         self._declared = check_declared(inputs, ops.dtype)
-        # Host inputs are placed with the batch; the relay buffers the forward owns are
-        # handed to it from the map's state inside the step.
+        # Host inputs are placed with the batch; owned relay buffers come from the state.
         self._placed = tuple(d for d in self._declared if d.per != "slot")
         self._owned = frozenset(d.name for d in self._declared if d.per == "slot")
         spec = ops.spec
@@ -151,8 +125,7 @@ class EngineStep:
         self._tail = tail(owned=self._owned)
         self._registry = registry  # the map's: this step's executables beside the class's
         self._plan, self._warm = plan, warm
-        # The declared fields each executable family's forward leaves out of its payload
-        # (recorded when traced: a payload's fields are its pytree structure).
+        # The declared fields each executable family's payload leaves out (seen when traced).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
         # Per step unread: (its number, what host_out picked, copying; or host_out's error).
         self._host_out, self._ring_size = host_out, host_ring
@@ -164,7 +137,6 @@ class EngineStep:
         """The engine's declared inputs (host arrays, and the relay buffers it owns)."""
         return self._declared
 
-    # ------------------------------------------------------------------------- the step
     def __call__(
         self,
         batch: Batch | Mapping[int, Batch],
@@ -184,10 +156,8 @@ class EngineStep:
           inputs: the declared `StepInput`s by name: host arrays of the batch's real rows
             or tokens (padded here like the batch), or jax arrays already padded.
           rows, tokens: per-rank padded sizes (buckets); required across processes.
-          generation: a map with a confidence relay: the host's per-slot generation
-            counters (as `FutureMap.publish` takes them), snapshotted with the confidence
-            rows when the forward returns some. Required there (checked before the step
-            runs); refused on other maps.
+          generation: with a confidence relay, required: the host's per-slot generation
+            counters (as `FutureMap.publish` takes them); refused on other maps.
 
         Returns:
           StepResult: the forward's `out` and the batch for the next step.
@@ -218,7 +188,7 @@ class EngineStep:
                 donated=self._donate,
             )
             if runtime.debug is not None:
-                runtime.resolved(placed.idx)
+                runtime.resolved()
             runtime.state, result, sentinels, lens, copied = out
             runtime.published(placed.idx, lens, copied, gens)
             if runtime.unstashed is not None:
@@ -263,7 +233,6 @@ class EngineStep:
             ) from err
         return HostOut(n, jax.tree_util.tree_unflatten(tree, host))
 
-    # ---------------------------------------------------------------------- executables
     def _not_warmed(self, key: Key) -> str:
         inputs = self._placement.inputs
         return (
@@ -311,8 +280,7 @@ class EngineStep:
         def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug is None:
                 return lambda *a: (None, fn(*a))
-            # Each shard_map checked on its own: checkify cannot merge the errors of
-            # consecutive shard_maps (`executables.tail`).
+            # Each shard_map checked on its own (`executables.tail`).
             return debug.checked(fn)
 
         def body(state: Any, packed: Any, device: Any, *args: Any) -> Any:
@@ -352,15 +320,12 @@ class EngineStep:
 
         return body
 
-    # -------------------------------------------------------------------------- warm-up
     def warm_up(
         self, *args: Any, guard: bool = False, traced_modes: bool = True, threads: int | None = None
     ) -> Any:  # a WarmUpReport
         """Compile the step for every bucket serving reaches, ahead of time: resolve's
-        batches (`FutureMap.warm_up`) with zeros for the declared inputs, placed through
-        the map's placement fed as serving feeds them: host arrays, and (in one process)
-        jax arrays for every field and input (a DECODE's ids at the token bucket of its
-        rows, as `StepResult.batch` gives them). Nothing runs, nothing is donated.
+        batches (`FutureMap.warm_up`) and zeros for the declared inputs, as host arrays and
+        (in one process) jax arrays. Nothing runs, nothing is donated.
 
         Args:
           *args: the engine's arguments as serving passes them (only their shapes,

@@ -1,13 +1,5 @@
-"""Executables: what the class jits (`entry_points`: one function per key family, an op
-and its mode; each argument placed by the jit with the layout's sharding: one call, one
-dispatch), a step's tail, the XLA options, and a map's ops, layout, buckets and initial
-state assembled from its constructor's arguments (`assemble`, each argument checked).
-
-Compiler options. XLA:CPU's parallel task assigner splits an instruction over threads once
-the bytes it may touch pass 256 KB: for a gather or scatter, the whole pool. From R ~ 64K
-slots each O(B) FutureMap op would be a hand-off to a pool thread and back (~20-40 us on a
-2-core VM, a step's cost growing with R): on CPU the ops run on the calling thread.
-"""
+"""Executables: what the class jits (`entry_points`, one function per key family), a step's
+tail, the XLA options, and `assemble`: a map's parts from its constructor's arguments."""
 
 from __future__ import annotations
 
@@ -41,12 +33,13 @@ _FLAG = "xla_disable_hlo_passes"
 
 
 def compiler_options(platform: str | None = None) -> dict[str, str]:
-    """XLA options for jitting a step that runs FutureMap ops on `platform`.
+    """XLA options for jitting a step that runs FutureMap ops on `platform` (default:
+    JAX's default backend); engines that inline the pure ops pass these to their own jit.
 
-    On CPU (`platform` default: JAX's default backend): the parallel task assigner
-    disabled (module docstring), beside the passes XLA_FLAGS disables (options replace that
-    list); elsewhere none. Engines that inline the pure ops pass these to their own jit; on
-    CPU this also keeps the step's other elementwise ops on one thread.
+    On CPU the parallel task assigner is disabled (beside the passes XLA_FLAGS disables):
+    it splits an instruction over threads once the bytes it may touch pass 256 KB, for a
+    gather or scatter the whole pool, so from R ~ 64K each O(B) op would be a hand-off to a
+    pool thread and back (~20-40 us). Elsewhere none.
     """
     platform = platform or jax.default_backend()
     if platform != "cpu":
@@ -58,14 +51,11 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
 
 
 def use_persistent_cache(path: str | os.PathLike[str], *, min_compile_seconds: float = 0.0) -> None:
-    """Turn on JAX's persistent compilation cache in directory `path`, for this process.
-
-    A later process making the same call loads the executables it finds there
-    (`FutureMap.warm_up` reports how many). JAX's default writes only compiles of a second
-    or more, which no FutureMap executable takes (~20-80 ms on CPU): this writes those of
-    at least `min_compile_seconds` (0: all, as sglang-jax serves). Process-wide; call it
-    before the first compile. `path` is created if missing, and trusted: whoever can
-    write it can change what this process runs.
+    """Turn on JAX's persistent compilation cache in directory `path`, process-wide; call
+    it before the first compile. JAX's default writes only compiles of a second or more,
+    which no FutureMap executable takes: this writes those of at least
+    `min_compile_seconds` (0: all). `path` is trusted: whoever can write it can change what
+    this process runs.
     """
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.fspath(path))
@@ -82,13 +72,9 @@ def tail(
     owned: frozenset[str] = frozenset(),
 ) -> Any:
     """A step's tail over global arrays: (state, indices, new_seq_lens, payload,
-    confidence=None) -> (state, the sentinels `_sentinels` leaves, or None).
-
-    Publish, stash and the sentinels in one shard_map: checkify cannot merge the errors of
-    consecutive shard_maps. Arguments are checked when traced as publish's and stash's
-    are (refusals begin with `what`). `owned` names the relay buffers (`new_seq_lens`,
-    `output_tokens`) the forward wrote itself: the value given for each is the whole
-    buffer, taken with no scatter (debug: its rows at `indices` checked as relayed rows).
+    confidence=None) -> (state, sentinels). Publish, stash and the sentinels in one
+    shard_map: checkify cannot merge the errors of consecutive shard_maps. `owned`: the
+    relay buffers the forward wrote itself, each given whole and taken with no scatter.
     """
     local, layout = ops.local, ops.layout
     assert local is not None and layout is not None  # the class's ops are always lifted
@@ -122,8 +108,7 @@ def tail(
     ) -> tuple[FutureMapState, Any]:
         if own_lens:
             state = state._replace(new_seq_lens=new_seq_lens)
-            if confidence is not None:  # publish scatters the owned rows back unchanged
-                # beside the confidence rows (debug: and checks them): one B-row scatter
+            if confidence is not None:  # the owned rows scattered back beside confidence
                 state = local.publish(state, indices, gather(new_seq_lens, indices), confidence)
             elif local.debug:
                 check_owned("new_seq_lens", checks.PUBLISHED_LENGTHS, new_seq_lens, indices)
@@ -164,8 +149,7 @@ def tail(
 
 
 def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
-    """FutureMapError unless `got`, a forward's return for its owned buffer `name`, has
-    that buffer's shape and dtype."""
+    """FutureMapError unless `got` has the owned buffer's shape and dtype."""
     if isinstance(got, jax.Array) and (got.shape, got.dtype) == (buf.shape, buf.dtype):
         return
     head = f"{what}: " if what else ""
@@ -179,8 +163,7 @@ def _check_owned(what: str, name: str, got: Any, buf: jax.Array) -> None:
 def _sentinels(
     protocol: Protocol, indices: jax.Array, dtype: Any, token_buckets: tuple[int, ...]
 ) -> Any:
-    """One rank's sentinels as `protocol` leaves them, their ids padded to the token
-    bucket of the rows (`buckets.decode_ids`): the DECODE they make is placed again."""
+    """One rank's sentinels, their ids padded to the token bucket of the rows."""
     return protocol.sentinels(indices.astype(dtype), decode_ids(indices.shape[0], token_buckets))
 
 
@@ -243,9 +226,8 @@ def entry_points(
     debug: Any,
     options: dict[str, str],
 ) -> Callable[[Key, PackSpec | None, int], Any]:
-    """The builder of the class's jitted entry points: the state (argument 0) donated
-    where the op writes it, compiled with `options`; with a
-    debug channel `debug`, each returns (packed error, outputs)."""
+    """The builder of the class's jitted entry points, the state donated where the op
+    writes it; with a debug channel `debug`, each returns (packed error, outputs)."""
     layout: MeshLayout = ops.layout  # type: ignore[assignment]  # always lifted
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.

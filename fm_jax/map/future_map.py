@@ -1,11 +1,5 @@
-"""`FutureMap`: the pure ops behind jitted, donated entry points, on one device or a mesh.
-
-One device is a one-device mesh of one DP rank; a mesh gives each DP rank its own pool of
-`pool_size` slots, replicated over the other axes (the layout of `fm_jax.future_map(...,
-mesh=)`): methods, argument rules and return types are the same in both. A call goes one
-way: the caller's arguments -> `placement` (checked, padded, a key) -> the `registry`'s
-executable for that key -> `runtime.run` (the state donated, the debug error recorded).
-"""
+"""`FutureMap`: the pure ops behind jitted, donated entry points, on one device or a mesh
+(one device is a mesh of one DP rank; methods, argument rules and return types are the same)."""
 
 from __future__ import annotations
 
@@ -51,13 +45,11 @@ Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 class FutureMap:
     """A FutureMap that holds its state and updates it in place through donated jitted ops.
 
-    Host arrays are checked by value and padded to a bucket per DP rank; jax arrays are
-    taken as they are; a mapping DP rank -> host rows feeds a mesh's ranks (ranks left out
-    are idle). Outputs are global jax arrays padded per rank (slot 0, token 0;
-    `fm_jax.per_rank` splits them). Debug mode adds no host sync: errors wait for `check()`.
-    Threads take turns on one lock per map. A call refused before it runs consumes nothing;
-    one that fails after consuming the donated state raises `StateLost`, as does every
-    later op until `reset()` (docs/CONTRACT.md, 'Donation and lifetimes').
+    Host arrays are checked and padded to a bucket per DP rank; a mapping DP rank -> host
+    rows feeds a mesh's ranks. Outputs are global arrays padded per rank (`fm_jax.per_rank`
+    splits them). One lock per map; debug errors wait for `check()`. A failure after the
+    state was donated raises `StateLost` until `reset()` (CONTRACT.md, 'Donation and
+    lifetimes').
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1, R - 1 fits `dtype`).
@@ -68,15 +60,11 @@ class FutureMap:
       spec: static shapes of the spec extras, or None.
       debug: consume tracking and invariant checks.
       batch_buckets: allowed per-rank batch sizes; default powers of two up to 1024.
-      token_buckets: allowed per-rank flat token counts; default powers of two up to 8192;
-        the largest at least the largest batch bucket (a row has a token).
+      token_buckets: allowed per-rank flat token counts; default powers of two up to 8192.
       device: without a mesh, where the buffers live; default JAX's default device.
-      protocol: 'sentinel' (default: `invalidate` leaves -slot placeholders that resolve
-        fills) or 'gather' (resolve gathers decode ids, MIXED running rows' ids and spec
-        lengths; no invalidate). docs/CONTRACT.md, 'Two protocols'.
+      protocol: 'sentinel' (default) or 'gather' (docs/CONTRACT.md, 'Two protocols').
       needs_cpu_seq_lens: each publish starts copying its lengths to the host, so that
-        `resolve_seq_lens_cpu` waits for that step only (False: a read gathers from the
-        buffer, behind everything queued).
+        `resolve_seq_lens_cpu` waits for that step only.
     """
 
     def __init__(
@@ -148,9 +136,8 @@ class FutureMap:
 
     @serialized
     def buffers(self, *, copy: bool = False) -> dict[str, jax.Array]:
-        """The present buffers by name, global [DP*R, ...]: the map's own (as `state`; a
-        live DLPack export of one blocks the next op's donation), or with `copy` copies
-        made on the device under the lock (no host sync), valid whatever ops follow."""
+        """The present buffers by name, global [DP*R, ...]: the map's own (as `state`), or
+        with `copy` device copies made under the lock, valid whatever ops follow."""
         out = {k: v for k, v in self._runtime.state._asdict().items() if v is not None}
         return {k: jax.tree.map(jnp.copy, v) for k, v in out.items()} if copy else out
 
@@ -188,18 +175,16 @@ class FutureMap:
         threads: int | None = None,
         partial_stashes: Sequence[Collection[str]] = (),
     ) -> WarmUpReport:
-        """Compile every executable serving calls, for every bucket, ahead of time (empty
-        batches placed as serving places its inputs); nothing runs; logged at INFO.
+        """Compile every executable serving calls, for every bucket, ahead of time; nothing
+        runs; logged at INFO.
 
         Args:
           guard: afterwards a call that would compile raises FutureMapError naming the op,
             its sizes and the buckets, before anything runs.
-          traced_modes: also warm resolve with a traced forward mode (False for an engine
-            whose every batch has a host ForwardMode on one device).
+          traced_modes: also warm resolve with a traced forward mode.
           threads: compile threads; default min(8, CPU count).
           partial_stashes: spec: each partial stash the engine makes, as the names of the
-            fields its drafts give (e.g. `[("bonus_tokens",)]`): stash and finish warmed
-            for each too; a set a stash would refuse is refused here.
+            fields its drafts give (e.g. `[("bonus_tokens",)]`).
         """
         calls = class_calls(
             self._placement, self._runtime.state, traced_modes=traced_modes, partial=partial_stashes
@@ -218,8 +203,8 @@ class FutureMap:
         host_ring: int = 4,
         compiler_options: Mapping[str, Any] | None = None,
     ) -> EngineStep:
-        """The engine's jitted step with this map's relay inside (`EngineStep`): the
-        recommended way in, one dispatch per step.
+        """The engine's jitted step with this map's relay inside (`EngineStep`), one
+        dispatch per step.
 
         Args:
           forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced in the step.
@@ -227,8 +212,7 @@ class FutureMap:
           donate_argnums: indices into the step's `args` to donate (the KV cache).
           host_out: `out -> arrays` the host reads a step late (tokens, logprobs), copied
             as each step is enqueued (`EngineStep.read_host`); at most `host_ring` unread.
-          compiler_options: XLA options; default `fm_jax.compiler_options()` (on CPU that
-            keeps elementwise ops on the calling thread: `{}` for XLA's thread pool).
+          compiler_options: XLA options; default `fm_jax.compiler_options()`.
         """
         return EngineStep(
             forward,
@@ -264,8 +248,8 @@ class FutureMap:
           rows: per-rank padded size (a batch bucket); required across processes.
           confidence: with `SpecConfig(confidence=gamma)`: [B, gamma] float32 rows in the
             same form, written and copied to the host ring. None: the rows stay.
-          generation: with `confidence` only, and required there: the host's per-slot
-            generation counters ([R] per DP rank: [DP*R], or a mapping), snapshotted.
+          generation: required with `confidence` only: the host's per-slot generation
+            counters ([DP*R], or a mapping DP rank -> [R]).
         """
         self._tail("publish", indices, new_seq_lens, None, rows, confidence, generation)
 
@@ -297,8 +281,8 @@ class FutureMap:
     def _tail(
         self, op: str, indices: Any, lens: Any, payload: Any, rows: Any, confidence: Any, gen: Any
     ) -> tuple[Any, Any]:
-        """Publish, stash or finish placed and run (not on a DP-idle call) with its host
-        bookkeeping; returns the slots as placed and finish's sentinels (None: not run)."""
+        """Publish, stash or finish placed and run, with its host bookkeeping; returns the
+        slots as placed and finish's sentinels."""
         runtime = self._runtime
         if gen is not None and confidence is None:
             raise errors.generation_without_confidence(op, runtime.confidence is not None)
@@ -341,16 +325,16 @@ class FutureMap:
         out = self._run(placed, "resolve", new_step=True)
         if self.debug:
             self._runtime.state, out = out  # debug: the consume poison was written
-            self._runtime.resolved(placed.idx)
+            self._runtime.resolved()
         if self._runtime.unstashed is not None and out.draft is not None:
             out = out._replace(draft=self._runtime.without_unstashed(out.draft, self.local_ranks))
         return out  # type: ignore[no-any-return]
 
     @serialized
     def relayed_fields(self, rank: int = 0) -> tuple[str, ...]:
-        """The draft fields a resolve gathers on DP rank `rank` in [0, DP), in stash order:
-        the consume-tracked ones, and each other once a stash wrote it on that rank since
-        the map was made or `reset` (before: None, SGLang's DSA availability flag)."""
+        """The draft fields a resolve gathers on DP rank `rank`, in stash order: the
+        consume-tracked ones, and each other once a stash wrote it there since the map was
+        made or `reset` (SGLang's DSA availability flag)."""
         return self._runtime.relayed_fields(rank, self.spec)
 
     @serialized
@@ -383,18 +367,16 @@ class FutureMap:
         prefix_lens: RowsInput | Mapping[int, RowsInput] | None = None,
     ) -> MixedTails | dict[int, MixedTails]:
         """A spec MIXED batch's host lengths, its running rows rebound (gather protocol;
-        SGLang's `resolve_mixed_spec_tails`): each running row's length := its published
-        length + 1, its `prefix_lens` (one per row, in the batch's form) the published one.
-        Reads the last publish's lengths, not consuming them: call it before the step that
-        runs the batch. The batch is checked as `resolve` checks it, lengths >= 0."""
+        SGLang's `resolve_mixed_spec_tails`): a running row's length := its published
+        length + 1, its `prefix_lens` the published one. Reads the last publish's lengths,
+        not consuming them: call it before the step that runs the batch."""
         return host_reads.mixed_tails(self._placement, self._runtime, self._run, batch, prefix_lens)
 
     @serialized
     def resolve_confidence_cpu(
         self, indices: Any, *, wait: bool = False
     ) -> ResolvedConfidence | None | dict[int, ResolvedConfidence | None]:
-        """The confidence rows of host slots `indices` (or a mapping DP rank -> slots)
-        from LAG (2) publishes with confidence back, with their generations (older than
-        the slot's: its previous request's row). None before two such publishes, for no
-        slots, and (unless `wait`: block) while that copy is not done."""
+        """The confidence rows of host slots `indices` (or a mapping DP rank -> slots) from
+        two publishes with confidence back, with their generations; None before two such
+        publishes, for no slots, and (unless `wait`) while that copy is not done."""
         return host_reads.confidence(self._runtime, indices, wait)

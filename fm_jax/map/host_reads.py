@@ -1,20 +1,13 @@
-"""A map's reads on the host and the copies the device starts for them.
+"""A map's reads on the host (`FutureMap.resolve_*_cpu`, under its lock) and the copies the
+device starts for them.
 
-Lengths (`needs_cpu_seq_lens`). A publish starts the host copy of its lengths
-(`copy_to_host_async`) and the runtime keeps it with its slots (`last_published`), as
-SGLang copies them on a side stream gated on the publish; a read of exactly those slots
-takes the copy, waiting only for the publishing step. Only the last publish is kept: other
-slots, or the caller's device lengths donated since, and the read gathers from the buffer.
+Lengths: a publish starts the host copy of its lengths and the runtime keeps it with its
+slots (as SGLang copies them on a side stream); a read of those slots takes the copy,
+waiting for the publishing step only; any other read gathers from the buffer.
 
-Confidence (DSpark). A publish with confidence rows returns a copy of the whole [R, gamma]
-buffer; `ConfidenceRing` takes each local DP rank's block, starts its host copy and keeps
-the last `DEPTH` per rank, each with a snapshot of the host's per-slot generations
-(SGLang's `req_generation`). A read takes the entry `LAG` publishes back, which has had a
-whole step to land, and never waits unless asked (not landed, or the first `LAG`
-publishes: None). Only publishes with rows move the ring, on the ranks that had rows.
-
-`seq_lens`, `mixed_tails` and `confidence` serve the `FutureMap.resolve_*_cpu` reads
-under the map's lock (`runtime`: its `MapRuntime`).
+Confidence (DSpark): `ConfidenceRing` keeps each local rank's last `DEPTH` copies of the
+buffer, each with the host's per-slot generations; a read takes the entry `LAG` publishes
+back (a whole step to land) and never waits unless asked.
 """
 
 from __future__ import annotations
@@ -34,10 +27,8 @@ from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput
 
 
 def read_published(last: Any, idx: Rows, subset: bool = False) -> np.ndarray | None:
-    """The lengths last published (`last`: `MapRuntime.last_published`) at exactly the
-    slots `idx` (as placed, padded), or None when the last publish was at other slots (or
-    there was none). `subset`: host slots each among the last publish's (of its rank) do
-    too."""
+    """The lengths last published at exactly the slots `idx` (`subset`: at host slots
+    among them), or None: other slots, or none."""
     if subset and last is not None and idx.counts is not None:
         return _among(last, idx)
     if last is None or last.idx.size != idx.size:
@@ -52,8 +43,8 @@ def read_published(last: Any, idx: Rows, subset: bool = False) -> np.ndarray | N
 
 
 def _among(last: Any, idx: Rows) -> np.ndarray | None:
-    """Host slots `idx` looked up, rank by rank, among the live slots of `last` (host
-    slots too); None when one is not there or the lengths were donated since."""
+    """Host slots `idx` looked up, rank by rank, among the live slots of `last`; None when
+    one is not there or the lengths were donated since."""
     counts = last.idx.counts
     if counts is None or idx.counts is None:
         return None
@@ -86,13 +77,9 @@ DEPTH = LAG + 1
 
 
 class ResolvedConfidence(NamedTuple):
-    """A batch's confidence rows as the ring held them, and their generations.
-
-    Attributes:
-      confidence: [B, gamma] float32, each slot's row as published (bit for bit).
-      generation: [B] int64, each slot's generation when the row was copied: equal to the
-        slot's current generation only if no new request took the slot since.
-    """
+    """A batch's confidence rows ([B, gamma] float32, as published) and each slot's
+    generation when its row was copied ([B] int64: the slot's current one only if no new
+    request took the slot since)."""
 
     confidence: np.ndarray
     generation: np.ndarray
@@ -128,10 +115,8 @@ class ConfidenceRing:
         return list(self._entries)
 
     def generations(self, x: Any, idx: Rows) -> dict[int, np.ndarray]:
-        """The host's per-slot generation counters as given to a publish with confidence at
-        `idx` (as placed): [R] ints (one DP rank), [DP*R] (each rank's end to end) or a
-        mapping DP rank -> [R] (every rank with rows); copied (the snapshot), before
-        anything runs. FutureMapError naming `generation`."""
+        """The host's per-slot generation counters given to a publish ([DP*R] ints, or a
+        mapping DP rank -> [R]), copied (the snapshot) before anything runs."""
         r = self.pool_size
         if x is None:
             raise FutureMapError(
@@ -148,10 +133,8 @@ class ConfidenceRing:
         return {d: a[d * r : (d + 1) * r] for d in self._entries}
 
     def issue(self, rows: jax.Array, generation: Mapping[int, np.ndarray], idx: Rows) -> None:
-        """A publish wrote confidence rows at `idx` (as placed) and returned the buffer
-        `rows`: in the ring of every local rank that had rows (all for jax-array slots,
-        whose counts are unknown), its block with its host copy started, and its
-        generations."""
+        """A publish wrote confidence rows at `idx` and returned the buffer `rows`: each
+        local rank with rows there rings its block, its host copy started."""
         blocks: dict[int, jax.Array] = {}
         for shard in rows.addressable_shards:  # one replica per rank
             d = self._rank.get(shard.device)
@@ -227,9 +210,8 @@ def seq_lens(
 def _lengths(
     placement: Placement, runtime: Any, run: Run, placed: Placed, subset: bool = False
 ) -> Lengths:
-    """`new_seq_lens` at the placed slots, on the host: the last publish's copy at
-    exactly its slots (`subset`: at slots among them), else gathered; then the debug
-    check."""
+    """`new_seq_lens` at the placed slots, on the host: the last publish's copy, else
+    gathered; then the debug check."""
     inputs, layout = placement.inputs, placement.inputs.layout
     copied = read_published(runtime.last_published, placed.idx, subset)
     if copied is not None:  # the slots last published: their copy, no gather
@@ -251,10 +233,8 @@ def _lengths(
 def mixed_tails(
     placement: Placement, runtime: Any, run: Run, batch: Any, prefix_lens: Any
 ) -> MixedTails | dict[int, MixedTails]:
-    """`FutureMap.resolve_mixed_tails_cpu`: every argument checked before the read:
-    the batch as `resolve` checks it (placed by the same general path, nothing run:
-    slots in range, no live slot twice, token slots one per input id, the running rows
-    last in token-slot order), and the host lengths it rebinds >= 0."""
+    """`FutureMap.resolve_mixed_tails_cpu`: every argument checked before the read (the
+    batch as `resolve` checks it, nothing run; the host lengths it rebinds >= 0)."""
     if placement.spec is None or not placement.protocol.serves_spec_mixed:
         raise FutureMapError(
             "resolve_mixed_tails_cpu: a spec MIXED batch is a feature of a spec map of "
@@ -355,9 +335,8 @@ def _mixed_rows(
 def _rebind(
     idx: np.ndarray, lens: np.ndarray, ts: np.ndarray, prefix: np.ndarray | None, fresh: Any
 ) -> MixedTails:
-    """The running rows (the last live rows, one per nonzero token slot, in order) take
-    their published lengths `fresh` (in token-slot order): + 1 in seq_lens_cpu, as they are
-    in prefix_lens; the sum is over the live rows."""
+    """The running rows (the last live rows) take their published lengths `fresh`: + 1 in
+    seq_lens_cpu, as they are in prefix_lens; the sum is over the live rows."""
     live = idx > 0
     n = int(np.count_nonzero(ts))
     seq = lens.copy()

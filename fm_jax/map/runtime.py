@@ -1,11 +1,6 @@
-"""A map's parts, assembled from its constructor's arguments, and its state as it serves.
-
-`assemble` checks the arguments (a FutureMapError names the first wrong one) and builds
-the parts. `MapRuntime.run` is the one way an executable is called on the state, by the
-map's ops and its engine steps alike. A failed call is diagnosed on the failure path only:
-one that consumed the donated state leaves the map lost (`StateLost`, until `reset`); one
-JAX refused before running leaves the state as it was, named as a `FutureMapError`.
-"""
+"""A map's state as it serves: the lock, the registry of executables, and `MapRuntime.run`,
+the one way an executable is called on the state (a failure that consumed the donated
+state leaves the map lost: `StateLost` until `reset`)."""
 
 from __future__ import annotations
 
@@ -27,8 +22,8 @@ _M = TypeVar("_M", bound=Callable[..., Any])
 
 
 def serialized(method: _M) -> _M:
-    """A map's `method` run under its lock (each op donates the state the next one reads;
-    uncontended about 1 us a call), refused with `StateLost` while the map is lost."""
+    """A map's `method` run under its lock (uncontended about 1 us a call), refused with
+    `StateLost` while the map is lost."""
 
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,11 +61,9 @@ class Guarded:
 
 
 class Registry:
-    """A map's executables, its class's and each engine step's, by owner and key: an
-    owner's `build(key, pack, nargs)` makes the jitted function of a key's family fed as
-    `pack` lays out (None: placed arrays) taking `nargs` engine arguments, once per family;
-    `build` None is the class's own (`default`). After `warm_up(guard=True)` an owner's
-    calls are served only by what was warmed for it; `refusal(key)` says why not."""
+    """A map's executables by owner (a `Build`; None: the class's own, `default`) and key,
+    each family built once. After `warm_up(guard=True)` an owner's calls are served only by
+    what was warmed for it; `refusal(key)` says why not."""
 
     def __init__(self, default: Build, refusal: Callable[[Key], str]) -> None:
         self.default = default
@@ -80,8 +73,7 @@ class Registry:
         self._refusal = refusal
 
     def serve(self, build: Build | None, warmed: Any, refusal: Any = None) -> None:
-        """After a warm-up: owner `build`'s calls served only by `warmed` ((key, pack) ->
-        compiled; None: jitted again, unguarded), others refused (`refusal`'s words)."""
+        """After a warm-up: owner `build`'s calls served only by `warmed` (None: unguarded)."""
         owner = build or self.default
         self._serving.pop(owner, None)
         if warmed is not None:
@@ -103,7 +95,7 @@ class Registry:
         self, key: Key, pack: PackSpec | None, nargs: int = 0, build: Build | None = None
     ) -> Any:
         """What serves `key` fed as `pack` lays out: the jitted function, or under the
-        owner's serving guard the warmed executable (FutureMapError if there is none)."""
+        owner's serving guard the warmed executable."""
         guarded = self._serving.get(build or self.default) if self._serving else None
         if guarded is None:
             return self.jitted(key, pack, nargs, build)
@@ -161,23 +153,18 @@ class MapRuntime:
         self.debug = debug
         self.copies_lengths = bool(copies_lengths)
         self.last_published: Published | None = None
-        # Debug, spec: a resolve consumes the lengths it reads (the host copy of a publish
-        # is then stale), and a read of lengths waits for a fresh publish.
         self.armed: list[bool] | None = None
         if debug is not None and spec:
             self.armed = [False] * debug.layout.dp
 
     def refuse_if_lost(self) -> None:
-        """Raise StateLost (a new instance: the message, attributes and cause of the first)
-        while a failed call has left the map without its state."""
+        """Raise StateLost (a new instance of the first) while the map is lost."""
         lost = self.lost
         if lost is not None:
             raise StateLost(str(lost), lost.call, lost.step, lost.consumed_args) from lost.__cause__
 
     def reset(self) -> None:
-        """The initial state again (every slot's rows and lengths as at construction): no
-        request is relayed any more, nothing published is read back. The step count and
-        pending debug errors are kept."""
+        """The initial state again (`FutureMap.reset`); step count and debug errors kept."""
         self.state = self._fresh()
         self.lost = None
         self._unstash()
@@ -192,8 +179,8 @@ class MapRuntime:
         self.unstashed = [set(self.optional) for _ in range(self._dp)] if self.optional else None
 
     def stashed(self, idx: Rows, omits: Sequence[str]) -> None:
-        """A stash at `idx` (as placed) wrote every optional field but `omits` on each rank
-        with a row there (every rank for jax-array slots, whose rows are not read)."""
+        """A stash at `idx` wrote every optional field but `omits` on each rank with a row
+        there."""
         pending = self.unstashed
         if pending is None:
             return
@@ -208,8 +195,7 @@ class MapRuntime:
         return tuple(f for f in self.optional if f not in left)
 
     def relayed_fields(self, rank: Any, spec: SpecConfig | None) -> tuple[str, ...]:
-        """`FutureMap.relayed_fields`: `spec`'s draft fields a resolve gathers on DP rank
-        `rank`, checked."""
+        """`FutureMap.relayed_fields`, `rank` checked."""
         dp = self._dp
         if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
             raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
@@ -219,8 +205,7 @@ class MapRuntime:
         return tuple(f.name for f in spec.fields() if f.consumed or f.name in relayed)
 
     def without_unstashed(self, draft: Any, ranks: Sequence[int]) -> Any:
-        """`draft` with None for each optional field no stash has written on any of
-        `ranks` (its rows would be the buffer's initial zeros)."""
+        """`draft` with None for each optional field no stash has written on any of `ranks`."""
         relayed = {f for d in ranks for f in self.relayed(d)}
         fields = {f: v for f, v in draft._asdict().items() if f != "extras"}
         fields.update(draft.extras or {})
@@ -238,12 +223,9 @@ class MapRuntime:
         engine_args: Sequence[Any] = (),
         donated: Sequence[int] = (),
     ) -> Any:
-        """`exe(state, *args, *engine_args)`; returns
-        its outputs. `ops`: the names its debug errors are recorded as (one packed error,
-        or one per op of a step, before the outputs; empty without checks). `call`: the
-        call in words, for errors. `new_step`: a resolve or engine step (not counted if it
-        fails). `donated`: which of `engine_args` (an engine step's own) are donated.
-        """
+        """`exe(state, *args, *engine_args)`'s outputs, its debug errors recorded under
+        `ops`' names. `call`: the call in words, for errors; `new_step`: a resolve or engine
+        step (not counted if it fails); `donated`: which of `engine_args` are donated."""
         if new_step:
             self.step += 1
         try:
@@ -271,9 +253,8 @@ class MapRuntime:
         engine_args: Sequence[Any],
         donated: Sequence[int],
     ) -> FutureMapError | None:
-        """What a failed call did, in words: StateLost when it consumed the state (the map
-        is lost from here on); a FutureMapError naming the argument when JAX refused it
-        before running (the state untouched); None when neither (the error stands)."""
+        """What a failed call did, in words: StateLost when it consumed the state; a
+        FutureMapError naming the argument JAX refused before running; else None."""
         state = _named_leaves(self.state)
         if any(_deleted(x) for x in state.values()):
             consumed = tuple(
@@ -313,17 +294,15 @@ class MapRuntime:
                     )
         return None
 
-    def resolved(self, idx: Rows) -> None:
+    def resolved(self) -> None:
         """Debug, after a resolve ran: a spec map's resolve may have consumed the lengths
-        last published (their host copy is then not the buffer's: a read gathers, and
-        finds the poison)."""
+        last published (a read then gathers, and finds the poison)."""
         if self.armed is not None:
             self.last_published = None
 
     def published(self, idx: Rows, lens: Any, copied: Any = None, gens: Any = None) -> None:
-        """A publish wrote `lens` at `idx` (as placed): start their copy to the host
-        (debug, spec: and arm the ranks it wrote); with confidence rows, `copied` the
-        confidence buffer, `gens` the generations snapshotted, both to the ring."""
+        """A publish wrote `lens` at `idx`: start their host copy (debug, spec: arm the
+        ranks it wrote); `copied` (the confidence buffer) and `gens` go to the ring."""
         if copied is not None:
             assert self.confidence is not None and gens is not None
             self.confidence.issue(copied, gens, idx)
@@ -340,15 +319,13 @@ class MapRuntime:
                 self.armed[d] = True
 
     def check(self) -> None:
-        """Raise InvariantViolation listing every failed debug check since the last call
-        (a host sync); without debug, nothing to check."""
+        """`FutureMap.check`; without debug, nothing to check."""
         if self.debug is not None:
             self.debug.check()
 
     def read_lengths(self, idx: Rows) -> None:
-        """Debug, spec: a read of lengths at `idx` waits for each rank's last publish,
-        which no read may have consumed before ('fresh publish', SGLang's consume-once
-        wait); it consumes them. A violation goes to the debug channel (`check()`)."""
+        """Debug, spec: a read of lengths at `idx` consumes each rank's last publish, which
+        no read may have consumed before ('fresh publish', SGLang's consume-once wait)."""
         armed, debug = self.armed, self.debug
         if armed is None or debug is None:
             return

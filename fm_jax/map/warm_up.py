@@ -1,17 +1,7 @@
-"""The registry (key -> executable, the only place that compiles), its warm-up and
-serving guard.
-
-`Registry.executable(key, pack)` is the key family's jitted function or, after
-`warm_up(guard=True)`, the executable compiled for exactly that key and packing layout:
-any other call is refused by name. Warm-up compiles on threads (XLA releases the GIL).
-
-What serving reaches for a map's buckets, as calls of zeros (every slot the padding slot,
-every id and length 0): the tail ops once per batch bucket; resolve once per token bucket
-and resolve variant of the protocol (the token bucket fixes its rows), with and without a
-draft on a spec map; in the gather protocol a non-spec DECODE (no ids) once per batch
-bucket: the count grows with the sum of the buckets, not their product. Each call goes
-through the map's placement, so the keys and packing layouts warmed are serving's.
-"""
+"""Warm-up: every call serving reaches for a map's buckets, as calls of zeros placed through
+the map's placement (so the keys warmed are serving's), compiled on threads (XLA releases
+the GIL). The count grows with the sum of the buckets, not their product: the tail ops
+once per batch bucket, resolve once per token bucket and variant."""
 
 from __future__ import annotations
 
@@ -82,9 +72,8 @@ def warm(
     build: Any = None,
     refusal: Callable[[Key], str] | None = None,
 ) -> WarmUpReport:
-    """Compile `calls` for `registry`'s owner `build` (None: the class; nothing runs,
-    nothing is donated); with `guard`, that owner is served only them afterwards
-    (`refusal`: the guard's words). Returns what was compiled."""
+    """Compile `calls` for `registry`'s owner `build` (None: the class); nothing runs.
+    With `guard`, that owner is served only them afterwards (`refusal`: the guard's words)."""
     t0 = time.perf_counter()
     # One executable per key and packing layout (calls that place alike compile once).
     unique: dict[tuple[Key, PackSpec | None], Call] = {}
@@ -115,8 +104,7 @@ def warm(
 
 @contextmanager
 def _counting_compiles() -> Iterator[dict[str, int]]:
-    """Count the process's compiles (and cache loads) and persistent-cache loads inside
-    the block, every thread's, by event name."""
+    """Count the process's compiles and persistent-cache loads inside the block."""
     counts = dict.fromkeys((_COMPILE_EVENT, _CACHE_HIT_EVENT), 0)
     lock = threading.Lock()
 
@@ -165,8 +153,7 @@ def empty_batches(
     largest = batch_buckets[-1]
     _, decode_tokens = resolve_sizes(largest, largest, batch_buckets, token_buckets)
     traced = jnp.zeros((dp,) if dp > 1 else (), jnp.int32)
-    # The (rows, tokens) pairs serving reaches: one per token bucket that is a pair's own
-    # (a token bucket the batch buckets skip past pairs with the next one's rows).
+    # The (rows, tokens) pairs serving reaches: one per token bucket.
     pairs = dict.fromkeys(resolve_sizes(0, t, batch_buckets, token_buckets) for t in token_buckets)
     for b, t in pairs:
         rows, toks = np.zeros(dp * b, dt), np.zeros(dp * t, dt)
@@ -192,8 +179,7 @@ def empty_batches(
                     )
                     yield EmptyBatch(batch, b, t)
                 if mode == "traced" and dp > 1:
-                    # Ranks of different kinds, all on the host: the same executable, its
-                    # modes (one per rank, one id per row) fed from the host.
+                    # Ranks of different kinds, on the host: the same executable, modes fed.
                     per_rank = np.full(dp, ForwardMode.MIXED if with_slots else ForwardMode.EXTEND)
                     per_rank[0] = ForwardMode.DECODE
                     slots = rows if with_slots else None
@@ -209,11 +195,8 @@ def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -
 
 
 def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[Batch, Any]:
-    """The batch of `e` and its declared `inputs` as a caller that feeds jax arrays passes
-    them: each host array on the device with the map's layout of every batch field, ids
-    of one per row (a DECODE, or ranks of several kinds one of which is DECODE) as a
-    step's sentinels give them: padded to the token bucket of the rows
-    (`buckets.decode_ids`)."""
+    """The batch of `e` and its declared `inputs` as jax arrays, ids of one per row padded
+    to the token bucket of the rows as a step's sentinels give them."""
     batch, dp = e.batch, host.dp
     ids = batch.input_ids
     if ids is not None and len(ids) == dp * e.rows:  # one id per row: a DECODE (rank)
@@ -229,10 +212,8 @@ def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[
 def step_calls(
     placement: Any, declared: Any, state: Any, args: tuple[Any, ...], traced_modes: bool
 ) -> list[Any]:
-    """An engine step's warm-up (`EngineStep.warm_up`): every resolve (`empty_batches`)
-    with zeros for the `declared` inputs, placed through `placement` as serving feeds
-    them: host arrays and, in one process, jax arrays (`on_device`). Returns registry
-    calls (key, packing layout, arguments, how many are the engine's `args`)."""
+    """An engine step's warm-up calls: every resolve with zeros for the `declared` inputs,
+    as host arrays and, in one process, jax arrays."""
     inputs = placement.inputs
     calls = []
     for e in empty_batches(
@@ -255,11 +236,9 @@ def class_calls(
     traced_modes: bool,
     partial: Sequence[Collection[str]] = (),
 ) -> list[Any]:
-    """The class's warm-up: calls of zeros placed through `placement` as serving places
-    its calls. Per batch bucket publish, stash and finish (with confidence rows too on a
-    map that relays them; stash and finish once more per partial stash in `partial`, the
-    field names its drafts give), the sentinels of device slots and, spec, `seq_lens_at`; then every
-    resolve (`empty_batches`). Returns registry calls (key, None, arguments, 0)."""
+    """The class's warm-up calls: per batch bucket publish, stash and finish (with
+    confidence rows; stash and finish per partial stash), the sentinels of device slots
+    and, spec, `seq_lens_at`; then every resolve (`empty_batches`)."""
     inputs, protocol, spec = placement.inputs, placement.protocol, placement.spec
     if not _names_per_stash(partial):
         raise FutureMapError(
@@ -299,8 +278,7 @@ def class_calls(
 
 
 def _names_per_stash(partial: Any) -> bool:
-    """Whether `partial` is what `warm_up(partial_stashes=)` takes: a sequence (not a
-    string) of collections (not strings) of field names (strings)."""
+    """Whether `partial` is a sequence of collections of field names (no bare strings)."""
     if isinstance(partial, str | bytes) or not isinstance(partial, Sequence):
         return False
     return all(

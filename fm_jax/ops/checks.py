@@ -1,22 +1,11 @@
 """An op's checks of its arguments: their structure when traced (a FutureMapError, nothing
-run), and in debug mode their values on device.
+run), and in debug mode their values on device, as checkify checks whose message starts
+with the invariant's name in brackets.
 
-Debug-mode invariants are `jax.experimental.checkify` checks, carried on device; only in
-ops built with debug=True, whose caller wraps its jitted step in
-`checkify.checkify(..., errors=checkify.user_checks)`. Each message starts with the
-invariant's name in brackets, which maps a thrown error back to it.
-
-Cost model (XLA:CPU, where the debug overhead is mostly fixed cost per op):
-- every check's payload is one scalar of the map's int dtype (the slot it names, or the
-  forward mode), so checkify merges all of an op's checks into one error (a pred, a code,
-  one payload) whatever their number. The price: an op call reports its first failed check
-  only, in the order the op adds them (slots, mode, lengths, sentinels, consume; tail ops:
-  slots, then values); later checks assume the earlier held;
-- the offending slot is a masked max (one pass over the rows), not argmax plus a gather (a
-  variadic reduce, ~8x the flops), and all of an op's maxima are one stacked max
-  (`OpChecks`);
-- slot range and duplicate live slots share one sort of the indices; no check touches
-  anything of pool size, so the cost is flat in R.
+Cost (XLA:CPU, mostly fixed cost per op): every check's payload is one scalar of the map's
+int dtype, so checkify merges an op's checks into one error; the price is that a call
+reports its first failed check only, in the order added (later checks assume the earlier
+held). Slot range and duplicates share one sort; nothing touches the pool: flat in R.
 """
 
 from __future__ import annotations
@@ -35,7 +24,6 @@ from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.types import ForwardMode
 
 
-# ------------------------------------------------------------------ trace-time structure
 def _dtype(x: Any) -> np.dtype:
     return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
 
@@ -99,7 +87,6 @@ def host_mode(mode: Any, where: str) -> ForwardMode:
         raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}") from None
 
 
-# ------------------------------------------------------------------ debug invariants
 SLOT_RANGE = "slot range"
 DUPLICATE_SLOT = "duplicate live slot"
 SENTINEL_RANGE = "sentinel range"
@@ -122,22 +109,17 @@ def check(ok: jax.Array, msg: str, dtype: Any, value: jax.Array) -> None:
 
 
 class OpChecks:
-    """The debug checks of one op, with their row reductions evaluated together.
-
-    A check needing a reduction over rows gives a vector whose max is its witness (a slot,
-    0 when clean); `run` pads, stacks and max-reduces them at once, then emits every check
-    in the order added. XLA:CPU makes each scalar reduction two kernels and runs an
-    executable of more than 8 across its thread pool: one reduction per check made a debug
-    resolve 17 kernels.
-    """
+    """The debug checks of one op, their row reductions in one stacked max: a check's
+    vector's max is its witness (a slot, 0 when clean; a masked max, not argmax plus a
+    gather). XLA:CPU makes each scalar reduction two kernels and runs an executable of more
+    than 8 across its thread pool: one reduction per check made a debug resolve 17."""
 
     def __init__(self) -> None:
         self._terms: list[tuple[jax.Array | None, Callable[[jax.Array], None]]] = []
 
     def add(self, vector: jax.Array | None, emit: Callable[[jax.Array], None]) -> int | None:
-        """Queue `emit(max(vector))` (`emit(None)` without a vector) for `run`; returns the
-        position of `max(vector)` in `run`'s result (None without a vector). An empty
-        vector is not queued: padded, its max would be the pad, not a clean 0."""
+        """Queue `emit(max(vector))` (`emit(None)` without a vector); returns its position
+        in `run`'s result. An empty vector is not queued (its padded max would not be 0)."""
         if vector is not None and vector.shape[0] == 0:
             return None
         self._terms.append((vector, emit))
@@ -181,9 +163,8 @@ def _no_slot(into: OpChecks, mask: jax.Array, slots: jax.Array, msg: str, dtype:
 
 
 def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any, into: OpChecks) -> None:
-    """Every slot of `indices` lies in [0, pool_size) and no live slot (>= 1) repeats (slot
-    0, padding, may). One unstable sort serves both: its ends are the smallest and largest
-    slot, equal neighbours the repeats."""
+    """Every slot of `indices` lies in [0, pool_size) and no live slot (>= 1) repeats; one
+    unstable sort serves both."""
     if indices.shape[0] == 0:
         return
     s = jax.lax.sort(indices, is_stable=False)
@@ -248,11 +229,10 @@ def relayed_values(
 def positive_lengths(
     is_decode: jax.Array, seq_lens: jax.Array, indices: jax.Array, into: OpChecks
 ) -> int | None:
-    """After a DECODE restore, every live row's length is > 0 (published; spec: not
-    consumed since). Returns its witness's position in `into.run()`'s result (None without
-    rows): the spec lengths' poison is ordered after it. Assumes `indices` >= 0. Names the
-    slot, not its length: reading the buffer at the slot would not be ordered before a
-    later in-place publish in a fused step (a whole-buffer copy)."""
+    """After a DECODE restore, every live row's length is > 0; returns its witness's
+    position in `into.run()`'s result (the spec lengths' poison is ordered after it). Names
+    the slot, not its length: a read of the buffer would not be ordered before a later
+    in-place publish in a fused step (a whole-buffer copy)."""
     if indices.shape[0] == 0:
         return None
     msg = (
@@ -298,10 +278,8 @@ def running_rows_match(
 
 def consumed_values_valid(values: jax.Array, source_slots: jax.Array, into: OpChecks) -> int | None:
     """Every value gathered from a live slot of a consume-tracked buffer is >= 0 (a -1 is
-    an RR or a read before the first write); slot 0 (padding) is never checked. Assumes
-    `source_slots` >= 0 (0 where a row read nothing). Returns the position in
-    `into.run()`'s result of a scalar that data-depends on all of `values` (None without
-    rows)."""
+    an RR or a read before the first write). Returns the position in `into.run()`'s result
+    of a scalar that data-depends on all of `values` (None without rows)."""
     if values.shape[0] == 0:
         return None
     msg = (

@@ -1,8 +1,5 @@
-"""The errors fm_jax raises, and the refusals several modules make, each worded once.
-
-A refusal returns the FutureMapError to raise: the class raises it on the host before
-placing, the pure ops when traced, with the same words. `where` prefixes the field with
-the batch it came from (e.g. "batch[rank 1]." on a mapping of DP ranks)."""
+"""The errors fm_jax raises, and the refusals several modules make (the class on the host,
+the pure ops when traced), each worded once; `where` prefixes the field with its batch."""
 
 from __future__ import annotations
 
@@ -15,11 +12,8 @@ class FutureMapError(ValueError):
 
 
 class StateLost(FutureMapError):
-    """A map call failed after its executable had consumed the map's donated state.
-
-    The buffers are gone, and with them every request the map was relaying. The map
-    refuses every op with this error (a new instance, the same message and cause) until
-    `FutureMap.reset()` re-creates the initial state.
+    """A map call failed after its executable had consumed the map's donated state: every
+    op is refused with it until `FutureMap.reset()`.
 
     Attributes:
       call: the call that failed ('engine step', or the class op's name).
@@ -39,17 +33,14 @@ class StateLost(FutureMapError):
 
 class InvariantViolation(RuntimeError):
     """A debug-mode invariant failed on device; raised at `FutureMap.check()` or a sync point.
-
-    One exception reports every violation that check found: its attributes describe the
-    first (in op order), `violations` lists them all.
+    Its attributes describe the first violation (in op order), `violations` lists them all.
 
     Attributes:
       invariant: the invariant's short name (e.g. 'consume (WRWR)', 'seq_lens > 0').
       step: the FutureMap step (resolves so far) of the failing op, if known.
       op: the op that failed, if known.
       rank: the DP rank whose pool failed, on a map with more than one; else None.
-      slots: the rank-local slot the failed check names (its largest offender), or []
-        (a bad forward mode names none).
+      slots: the rank-local slot the failed check names (its largest offender), or [].
       violations: every violation reported with this one, in op order.
     """
 
@@ -72,7 +63,6 @@ class InvariantViolation(RuntimeError):
         super().__init__(message)
 
 
-# ------------------------------------------------------------------ refusals
 def tokens_on_spec_map(per_rank: bool = False) -> FutureMapError:
     """stash on a spec map got something other than a DraftPayload."""
     tail = " (per rank on a mapping)" if per_rank else ""
@@ -149,8 +139,7 @@ def invalidate_in_gather_protocol() -> FutureMapError:
 
 
 def not_the_declared_dtype(name: str, given: object, declared: object) -> FutureMapError:
-    """Rows of a field that is not an int, in another dtype than the declared one (never
-    cast: a cast could change their values or bits)."""
+    """Rows of a non-int field in another dtype than the declared one (never cast)."""
     return FutureMapError(
         f"{name} has dtype {given}, declared {declared}: give its rows in that dtype"
     )
@@ -165,8 +154,7 @@ def confidence_not_declared() -> FutureMapError:
 
 
 def generation_without_confidence(call: str, relay: bool) -> FutureMapError:
-    """`generation=` given without confidence rows (generations are only snapshotted with
-    them): on a map with the relay (`relay`) or without one."""
+    """`generation=` given without confidence rows, on a map with the relay or without."""
     if relay:
         return FutureMapError(
             f"{call}: generation given without confidence: the generations are snapshotted "

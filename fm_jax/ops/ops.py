@@ -1,12 +1,5 @@
-"""The FutureMap as pure functions over a state pytree (optax style).
-
-`future_map(...)` fixes the static configuration (`resolve.OpsConfig`) and returns
-`FutureMapOps`, the functions below with it bound. Each takes and returns arrays only, so
-an engine inlines them in its own jitted step: resolve at the head (`resolve.py`), publish
-and stash at the tail, the state threaded through and donated by the engine's jit (every
-write in place). Rows move as `rows.py` moves them; debug mode adds checkify checks
-(`checks.py`); on a mesh each rank's block runs these ops (`lift`).
-"""
+"""The FutureMap as pure functions over a state pytree (optax style), for an engine to inline
+in its own jitted step with the state donated; `lift` runs them per rank of a mesh."""
 
 from __future__ import annotations
 
@@ -51,18 +44,15 @@ class FutureMapOps(NamedTuple):
       publish: (state, indices, new_seq_lens, confidence=None) -> state; `confidence`
         ([B, gamma] float32) only where the spec declares gamma.
       stash: (state, indices, tokens | DraftPayload) -> state; a draft writes the fields
-        it gives (every consume-tracked one) and keeps the others' rows.
+        it gives and keeps the others' rows.
       resolve: (state, batch) -> (state, Resolved); the state changes only in debug mode.
-        A draft gather gives every declared field (a row never stashed reads 0): which
-        were ever stashed is known on the host only (the class tracks it).
+        A draft gather gives every declared field (a row never stashed reads 0).
       invalidate: (batch, indices) -> batch with sentinels `-indices` as ids and lengths
         (sentinel protocol only).
-      seq_lens_at: (state, indices) -> `new_seq_lens[indices]`, the device side of
-        `resolve_seq_lens_cpu` (debug: slot checks, lengths not poisoned).
+      seq_lens_at: (state, indices) -> `new_seq_lens[indices]` (`resolve_seq_lens_cpu`).
       pool_size, dtype, spec, debug, protocol: the static configuration.
-      layout: on a mesh (`future_map(..., mesh=)`), its `sharding.MeshLayout`: every array
-        is global ([DP*R, ...] buffers, [DP*B, ...] rows), each rank's block run by
-        `local`, the one-pool ops; None (and `local` None) for one pool on one device.
+      layout: on a mesh, its `MeshLayout` (global arrays, each rank's block run by
+        `local`, the one-pool ops); None (and `local` None) for one pool on one device.
     """
 
     init: Callable[[], FutureMapState]
@@ -105,20 +95,17 @@ def future_map(
     Args:
       pool_size: R, rows of the request pool (max running requests + 1); slot 0 is padding.
         On a mesh: slots per DP rank. R - 1 fits `dtype`.
-      mesh: a `jax.sharding.Mesh` holding one pool per DP rank (`sharding.py`: the state
-        and every row argument global arrays, rank d's block its own pool, each op run per
-        rank with `jax.shard_map`, no collective); None (default): one pool. Jit the ops
-        with the state donated; in debug mode wrap them in `checkify.checkify`
-        (`fm_jax.raise_if_violated(err, layout=ops.layout)` names a failure's DP rank).
+      mesh: a `jax.sharding.Mesh` holding one pool per DP rank (global arrays, rank d's
+        block its own pool); None (default): one pool. In debug mode wrap the step in
+        `checkify.checkify(..., errors=checkify.user_checks)` and pass its error to
+        `fm_jax.raise_if_violated(err, layout=ops.layout)`.
       dp_axis: the mesh's data-parallel axis, or None (one pool replicated everywhere).
       tp_axis: the mesh's tensor-parallel axis, or None; buffers are replicated along it.
       dtype: int32 (default) or int64 (needs JAX's x64 mode) for tokens, lengths, top-k ids.
       spec: the spec fields' declaration, or None for non-spec decoding.
       debug: poison the consume-tracked buffers and the lengths with -1 and add the
-        checkify invariant checks (a spec resolve consumes the lengths it reads).
-      protocol: 'sentinel' (the host leaves -slot placeholders that resolve fills) or
-        'gather' (resolve gathers decode ids and spec lengths at forward entry; no
-        invalidate). docs/CONTRACT.md, 'Two protocols'.
+        checkify invariant checks (docs/CONTRACT.md, 'Debug mode').
+      protocol: 'sentinel' (default) or 'gather' (docs/CONTRACT.md, 'Two protocols').
 
     Returns:
       FutureMapOps. Inputs are checked for rank, shape and dtype when traced.
@@ -201,8 +188,7 @@ def publish(
     confidence: Any = None,
 ) -> FutureMapState:
     """`new_seq_lens[indices] := new_seq_lens` (and, given, `confidence[indices] :=
-    confidence`, [B, gamma] float32 where the spec declares gamma); empty indices is a
-    no-op."""
+    confidence`); empty indices is a no-op."""
     dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
@@ -227,9 +213,8 @@ def publish(
 
 
 def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> tuple[rf.RelayField, ...]:
-    """The fields the draft writes (`relay_fields.carried`), each [rows, *shape]: an int
-    field's rows of any int dtype whose every value fits its buffer (they are cast), any
-    other field's of its own dtype."""
+    """The fields the draft writes, each checked [rows, *shape]: an int field of any int
+    dtype whose values fit its buffer (they are cast), any other of its own dtype."""
     present = rf.carried(cfg.fields, draft)
     for f in present:
         name, v = f"draft.{f.name}", rf.get(draft, f.name)
@@ -246,8 +231,7 @@ def _check_draft(cfg: OpsConfig, draft: DraftPayload, rows: int) -> tuple[rf.Rel
 
 def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
     """Write tokens (non-spec) or a DraftPayload (spec) at `indices`; empty is a no-op. A
-    draft writes the fields it gives and keeps the others' rows (every consume-tracked
-    field is required: `relay_fields.carried`)."""
+    draft writes the fields it gives (`relay_fields.carried`)."""
     dt = cfg.dtype
     chk = checks.OpChecks() if cfg.debug else None
     check_indices(cfg, "indices", indices, chk)
@@ -296,7 +280,6 @@ def seq_lens_at(cfg: OpsConfig, state: FutureMapState, indices: Any) -> jax.Arra
     return got
 
 
-# ------------------------------------------------------------------ on a mesh
 def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
     want = layout.dp * pool_size
     for path, buf in jax.tree_util.tree_leaves_with_path(state):
@@ -334,8 +317,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
         _check_state(layout, state, pool_size)
         mode = batch.forward_mode
-        # A host mode is fixed in every rank's executable; a traced one is a scalar or one
-        # per rank, each rank seeing its [1] slice.
+        # A host mode is fixed in every rank's executable; a traced one: each rank its [1].
         fixed = mode if isinstance(mode, int | np.integer) else None
         if fixed is None:
             check_int_array("forward_mode", mode)

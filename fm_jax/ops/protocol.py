@@ -1,12 +1,6 @@
 """The two relay protocols as objects: every rule that differs between them, in one place
-(docs/CONTRACT.md, 'Two protocols'). In the sentinel protocol the host leaves `-slot`
-placeholders in the next batch (`invalidate`, or `finish`'s third write) that resolve
-fills; in the gather protocol it leaves nothing: resolve gathers a DECODE batch's ids at
-its slots and a MIXED batch's running rows' ids at its `token_slots`. A `Protocol`
-answers what the host path asks (which ids a batch brings and may hold, what its token
-slots must be), what a step's tail leaves, and which resolve variants warm-up compiles;
-the gather protocol's flags are all `not invalidates`, each naming the rule it answers.
-"""
+(docs/CONTRACT.md, 'Two protocols'): what the host path asks, what a step's tail leaves,
+and which resolve variants warm-up compiles."""
 
 from __future__ import annotations
 
@@ -61,7 +55,6 @@ class Protocol:
     def __repr__(self) -> str:
         return f"Protocol({self.name!r})"
 
-    # ------------------------------------------------------------------ host rules
     def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
         """Host token ids by value: a sentinel -s names a slot s in [0, R); the gather
         protocol has none (every id >= 0: a decode row's id is gathered at its slot)."""
@@ -81,14 +74,9 @@ class Protocol:
     def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
         """Every rule of this protocol on a batch's layout (`parts`: the batch, or each DP
         rank's of a mapping, `by_rank`), asked once before anything is placed: refuses
-        what its kinds and fields break, and returns the rules left for the host values.
-
-        Sentinel: no token slots (a MIXED batch's running rows carry sentinels), no spec
-        MIXED batch; a non-spec DECODE batch's ids are one per row. Gather: a non-spec
-        DECODE batch known on the host places no ids (they are gathered at its slots; ids
-        given are refused); any other batch brings its ids, except a DECODE rank of a
-        mapping (zeros, never read). A MIXED batch brings token slots, a DECODE batch
-        none, and slots given without a MIXED rank gather nothing (all 0)."""
+        what its kinds and fields break (docs/CONTRACT.md, 'Two protocols'), and returns
+        the rules left for the host values. Gather: a non-spec DECODE batch known on the
+        host places no ids; a DECODE rank of a mapping places zeros, never read."""
         mixed = any(ForwardMode.MIXED in (p.modes or ()) for p in parts)
         if self.invalidates:
             for p in parts:
@@ -132,12 +120,9 @@ class Protocol:
             mixed_order=spec is not None and mixed,
         )
 
-    # ------------------------------------------------------------------ the device
     def sentinels(self, indices: jax.Array, ids: int) -> Any:
-        """Inside a step's tail, on one rank's `indices`: the next batch's `ids` ids and
-        its lengths, as `next_batch` takes them (gather: None, the batch is left as it is).
-        One array for ids and lengths where they have the same size (one output, not two);
-        else (the ids -slot padded with 0 to `ids`, the lengths)."""
+        """Inside a step's tail, on one rank's `indices`: the next batch's `ids` ids and its
+        lengths (gather: None); one array where they have the same size (one output)."""
         if not self.invalidates:
             return None
         lens = -jnp.asarray(indices)
@@ -152,25 +137,20 @@ class Protocol:
         b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
         return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
 
-    # ------------------------------------------------------------------ warm-up
     def resolve_variants(
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
     ) -> list[tuple[str, bool]]:
         """The (resolve mode, with token slots) pairs serving reaches at a token bucket:
-        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced'. Sentinel:
-        a non-spec decode row is one token, DECODE only up to the largest batch's tokens.
-        Gather: a MIXED batch (not DECODE, or traced) brings token slots; a non-spec
-        DECODE places no ids (its own variant, per batch bucket)."""
+        mode 'extend' (fixed, not DECODE), 'decode' (fixed DECODE) or 'traced' (a non-spec
+        gather DECODE places no ids: its own variant, per batch bucket)."""
         slots = [False] if self.invalidates else [False, True]
         decode = spec is not None or (self.invalidates and tokens <= decode_tokens)
         extend = [("extend", s) for s in slots]
         return extend + [("decode", False)] * decode + [("traced", s) for s in slots if traced]
 
     def step_modes(self, spec: SpecConfig | None, with_slots: bool) -> list[ForwardMode]:
-        """The modes an engine step (whose forward sees its mode) serves where a resolve's
-        variant is 'extend': every mode that is not DECODE and that this protocol takes
-        with (or without) token slots (gather: token slots come with a MIXED batch, and
-        only with one; sentinel: a spec MIXED is refused)."""
+        """The modes an engine step serves where a resolve's variant is 'extend': every mode
+        not DECODE that this protocol takes with (or without) token slots."""
         if not self.invalidates:
             return [ForwardMode.MIXED] if with_slots else [ForwardMode.EXTEND, ForwardMode.IDLE]
         mixed = [ForwardMode.MIXED] if spec is None else []

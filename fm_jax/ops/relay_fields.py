@@ -17,9 +17,8 @@ from fm_jax.ops.types import HIDDEN_DTYPES, KERNELS, STANDARD, DraftPayload, Rel
 
 
 def storable(dtype: np.dtype) -> bool:
-    """Whether a buffer holds values of `dtype` as they are: bool, ints, floats up to 64
-    bits, complex up to 128, and JAX's whole-byte floats (bfloat16, the float8s: numpy kind
-    'V'). Not long double, void, structured, strings, objects, dates or sub-byte floats."""
+    """Whether a buffer holds values of `dtype`: bool, ints, floats up to 64 bits, complex
+    up to 128, and JAX's whole-byte floats (bfloat16, the float8s)."""
     if dtype.kind in "biu":
         return True
     if dtype.kind in "fc":
@@ -35,9 +34,8 @@ def bits_dtype(dtype: Any) -> np.dtype:
 
 
 def stored_as_bits(field: RelayField) -> bool:
-    """Whether the field's buffer holds its values' raw bits: every real float's does, so
-    every byte stashed (NaN payloads, -0.0) is the byte resolved on every backend (XLA:CPU
-    scatters bfloat16 and float8 in f32, rewriting NaNs). The bitcast costs nothing."""
+    """Whether the field's buffer holds its values' raw bits: every real float's, so NaN
+    payloads and -0.0 survive (XLA:CPU scatters bfloat16 in f32, rewriting NaNs)."""
     return field.dtype is not None and bool(jnp.issubdtype(field.dtype, jnp.floating))
 
 
@@ -47,8 +45,7 @@ def count_at_least(x: Any, low: int) -> bool:
 
 
 def check_extra(fields: tuple[Any, ...]) -> tuple[RelayField, ...]:
-    """An engine's own fields, normalised (dtype a numpy dtype or None); FutureMapError
-    naming a name taken or repeated, a bad shape or dtype, or a consumed non-int."""
+    """An engine's own fields, normalised (dtype a numpy dtype or None), or FutureMapError."""
     out, seen = [], set(STANDARD)
     for f in fields:
         if not isinstance(f, RelayField):
@@ -151,8 +148,7 @@ def check_declared(fields: tuple[RelayField, ...], draft: DraftPayload) -> None:
 
 def carried(fields: tuple[RelayField, ...], draft: DraftPayload) -> tuple[RelayField, ...]:
     """The declared fields a draft stash writes, in stash order (a partial stash keeps the
-    others' rows). FutureMapError if it leaves out a consume-tracked field, gives half of
-    top-k, or gives no field."""
+    others' rows); FutureMapError if it leaves out a consume-tracked field or half of top-k."""
     out = []
     for f in fields:
         if get(draft, f.name) is not None:
@@ -227,9 +223,8 @@ def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
 
 
 def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
-    """Stash's payload by name, once its kind is checked: `tokens` on a map without spec;
-    on a spec map a DraftPayload of declared fields only, each as `draft.<name>` (None
-    where not given). What every entry point of stash checks first."""
+    """Stash's payload by name once its kind is checked: `tokens`, or each declared field
+    of a DraftPayload as `draft.<name>` (None where not given)."""
     if spec is None:
         if isinstance(payload, DraftPayload):
             raise FutureMapError("stash got a DraftPayload but the map was built without spec")

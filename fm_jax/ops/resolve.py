@@ -1,8 +1,5 @@
 """Resolve, what fills a batch's inputs at forward entry: the batch checked, then its
-protocol's body, given the batch's slots `idx`, its mode (a host int, or traced) and the
-op's debug checks `chk` (None without debug). The state changes only in debug mode: the
-consume poison written back where the resolve read (`poison`). The ops' static
-configuration (`OpsConfig`) is declared here, resolve being its first reader."""
+protocol's body; in debug mode the consume poison written back where it read."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ Reads = list[tuple[str, jax.Array, jax.Array, Any]]
 def check_indices(
     cfg: OpsConfig, name: str, indices: Any, chk: checks.OpChecks | None, rows: int | None = None
 ) -> None:
-    """Shape checks (`rows` entries, where given); in debug mode the slot checks too, queued
-    on the op's checks `chk`."""
+    """Shape checks (`rows` entries, where given); in debug mode the slot checks too."""
     check_1d_int(name, indices, cfg.dtype, rows)
     if chk is not None:
         checks.valid_slots(name, indices, cfg.pool_size, cfg.dtype, chk)
@@ -132,12 +128,10 @@ def poison(
     k: int | None,
     field: str = "bonus_tokens",
 ) -> FutureMapState:
-    """POISON written at `slots` (whole rows; slot R: dropped) to a consume-tracked field's
-    buffer or to `new_seq_lens`, ordered after the reads that `maxima[k]` (a check's
-    witness among the op's maxima) was reduced from. Without a data dependence from those
-    reads to this in-place write, XLA's (CPU) copy insertion cannot prove their order and
-    copies the whole buffer, O(R) per resolve; `max(min(x, POISON), POISON)` is POISON for
-    every x yet survives the simplifier, for two flops (a scalar), not two per row."""
+    """POISON written at `slots` (slot R: dropped) to `field`'s buffer, ordered after the
+    reads `maxima[k]` was reduced from. Without that data dependence XLA's copy insertion
+    cannot prove the order and copies the whole buffer, O(R) per resolve;
+    `max(min(x, POISON), POISON)` is POISON for every x yet survives the simplifier."""
     if maxima is None or k is None or slots.shape[0] == 0:
         return state
     lens = field == "new_seq_lens"
@@ -152,9 +146,8 @@ def resolve_sentinel(
 ) -> tuple[FutureMapState, Resolved]:
     """The sentinel protocol's resolve: DECODE `seq_lens := new_seq_lens[idx]`; non-spec
     `input_ids := where(ids < 0, output_tokens[max(-ids, 0)], ids)`; spec, with
-    `draft_indices`, the draft gathered. Debug: the consume check on what was gathered,
-    then -1 written back at the batch's slots (spec: the draft's) and, non-spec, at the
-    slots its sentinels read."""
+    `draft_indices`, the draft gathered. Debug: the consume check, then -1 written back at
+    the slots read."""
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     known = isinstance(mode, int | np.integer)
     if spec is not None and known and mode == ForwardMode.MIXED:
@@ -166,16 +159,14 @@ def resolve_sentinel(
             "sentinel protocol: its running rows' ids and lengths were not filled"
         )
         chk.add(None, lambda _: checks.check(mode != ForwardMode.MIXED, msg, dt, mode))
-    if known:
-        # The mode is known when traced: only a DECODE executable gathers lengths.
+    if known:  # only a DECODE executable gathers lengths
         decode = int(mode) == ForwardMode.DECODE
         is_decode: jax.Array = jnp.asarray(decode)
         seq_lens = gather(state.new_seq_lens, idx) if decode else jnp.asarray(batch.seq_lens, dt)
     else:
         decode = True  # may be: the branch below decides on the device
         is_decode = jnp.asarray(mode == ForwardMode.DECODE)
-        # A branch, not a per-row select: only DECODE gathers, and the op stays a few
-        # flops per row (XLA:CPU runs computations under ~1000 flops inline).
+        # A branch, not a per-row select: XLA:CPU runs computations under ~1000 flops inline.
         seq_lens = jax.lax.cond(
             is_decode,
             lambda: gather(state.new_seq_lens, idx),
@@ -196,7 +187,6 @@ def resolve_sentinel(
             maxima = chk.run()
             if restored is not None:
                 state = poison(state, restored, maxima, k_len, "new_seq_lens")
-        # A prefill batch: no draft input.
         return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
     didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
     check_indices(cfg, "draft_indices", didx, chk, jnp.shape(idx)[0])  # a draft slot per row
@@ -228,11 +218,8 @@ def _fill_sentinels(
     # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
     input_ids = jnp.where(is_ref, gather(state.output_tokens, -ids), ids)
     if chk is not None:
-        # A row with ids >= 0 keeps ids >= 0, so it is never flagged; a reference row's
-        # source slot is -ids (>= 1 once sentinels are in range).
-        k = checks.consumed_values_valid(input_ids, -ids, chk)
-        # Poisoned: the batch's slots and the slots its sentinels read (on a valid batch,
-        # among them; rows that read nothing aim at slot R, dropped).
+        k = checks.consumed_values_valid(input_ids, -ids, chk)  # ids >= 0 are never flagged
+        # Poisoned: the batch's slots and the slots its sentinels read (else slot R, dropped).
         read = jnp.where(is_ref, -ids, r)
         slots = jnp.concatenate([jnp.asarray(idx, dt), read])
         state = poison(state, slots, chk.run(), k)
@@ -244,13 +231,11 @@ def resolve_gather(
 ) -> tuple[FutureMapState, Resolved]:
     """The gather protocol's resolve: the forward's inputs built at its entry.
 
-    Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`
-    (padding rows 0, padded with 0 to T); MIXED `output_tokens[token_slots]` where a token
-    slot is nonzero. Lengths: as given, except a spec DECODE batch's (the verified ones
-    last published, `new_seq_lens[draft_indices]`) and a spec MIXED batch's running rows'
-    (`_bind_running_lengths`). Debug: every gather from a consume-tracked buffer is
-    checked and -1 written back at the live slots it read (`_consume_reads`). A traced
-    mode gathers for DECODE and MIXED both and selects per row: O(B + T) either way.
+    Ids: EXTEND and IDLE as given; non-spec DECODE `output_tokens[req_pool_indices]`;
+    MIXED `output_tokens[token_slots]` where a token slot is nonzero. Lengths: as given,
+    except a spec DECODE batch's (`new_seq_lens[draft_indices]`) and a spec MIXED batch's
+    running rows' (`_bind_running_lengths`). A traced mode gathers for DECODE and MIXED
+    both and selects per row: O(B + T) either way.
     """
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     ids = jnp.asarray(batch.input_ids, dt)
@@ -258,9 +243,8 @@ def resolve_gather(
     ts_in = batch.token_slots
     known = isinstance(mode, int | np.integer)
     is_decode: Any = mode == ForwardMode.DECODE
-    # Gathers at its token slots: a mode fixed when traced is 'DECODE or not' (one
-    # executable serves EXTEND, MIXED and IDLE; the host refuses token slots on a batch
-    # not MIXED); a traced mode only when MIXED (debug reports another kind's).
+    # Gathers at its token slots: a fixed mode when not DECODE (the host refuses token
+    # slots on a batch not MIXED); a traced mode only when MIXED.
     takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
     if known:
         if mode == ForwardMode.MIXED and ts_in is None:
@@ -289,8 +273,7 @@ def resolve_gather(
                     lambda slot: checks.check(slot == 0, msg, dt, slot),
                 )
         got = gather(state.output_tokens, ts)
-        # A token slot of 0 keeps the host's id: slot 0 (padding) is never gathered, and
-        # the consume check skips its reads.
+        # A token slot of 0 keeps the host's id (padding: never gathered nor checked).
         reads.append(("bonus_tokens", got, ts, takes_slots))
         ts_read = ts
         out = jnp.where(takes_slots & (ts > 0), got, out)
@@ -318,8 +301,7 @@ def resolve_gather(
     if batch.draft_indices is not None:
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices(cfg, "draft_indices", didx, chk, b)
-        # A spec DECODE batch's lengths are the verified ones last published; any other
-        # kind keeps the host's (a rank prefilling beside a spec decoding one).
+        # A spec DECODE batch's lengths are the verified ones last published.
         draft, (got,) = gather_draft(cfg, state, didx, state.new_seq_lens)
         seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
         if chk is not None:

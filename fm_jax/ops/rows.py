@@ -1,17 +1,12 @@
-"""Moving rows in and out of the relay buffers: what every op is built from.
+"""Moving rows in and out of the relay buffers: writes drop an out-of-range slot (negative
+included), reads clip.
 
-Writes drop an out-of-range slot (negative included: no wrapping); reads clip. XLA moves
-each buffer with its own scatter or gather, a kernel launch each (a spec stash of bonus
-tokens, top-k and hidden states is 4 on CUDA, its resolve 4-5, at 20-55 us of host time
-each on a VM: `python -m fm_bench.inplace`). `SpecConfig(kernel='pallas')` moves every
-buffer's row in one Pallas kernel with the same bytes: program (b, j) copies chunk j of
-row b of each buffer, a load and a store (8 and 16-bit floats as unsigned ints), NaN
-payloads and -0.0 untouched. Triton on CUDA and ROCm; Pallas's interpreter on CPU (a
-correctness path, not a fast one); no TPU lowering. Chunks are powers of two of at most
-`CHUNK` elements; a row whose width is none ends with a chunk overlapping the one before
-(written twice with the same bytes), so no access leaves its row and no mask is needed.
-Offsets are computed in the index dtype (`check_fits`). Rows sharing a slot (padding rows
-at slot 0) write in an unspecified order, as XLA's scatter does on a GPU.
+XLA moves each buffer with its own scatter or gather, a kernel launch each (a spec stash is
+4 on CUDA, 20-55 us of host time apiece: `python -m fm_bench.inplace`).
+`SpecConfig(kernel='pallas')` moves every buffer's row in one kernel: program (b, j) copies
+chunk j of row b of each buffer, bytes untouched (Triton on a GPU; Pallas's interpreter on
+CPU; no TPU). A row's last chunk overlaps the one before, so no access leaves its row and
+no mask is needed. Rows sharing a slot write in an unspecified order, as XLA's scatter.
 """
 
 from __future__ import annotations
@@ -47,8 +42,8 @@ def gather(buf: jax.Array, indices: jax.Array) -> jax.Array:
 def scatter_rows(
     bufs: list[jax.Array], idx: Any, values: list[Any], one_kernel: bool, dtype: np.dtype
 ) -> list[jax.Array]:
-    """`scatter` of each value into its buffer at `idx` (of the map's int `dtype`): one
-    kernel for them all (`one_kernel`), else one scatter per buffer."""
+    """`scatter` of each value into its buffer at `idx`: one kernel for them all
+    (`one_kernel`), else one scatter per buffer."""
     values = [jnp.asarray(v).astype(b.dtype) for b, v in zip(bufs, values, strict=True)]
     if one_kernel:
         return scatter_kernel(bufs, jnp.asarray(idx, dtype), values)
@@ -65,7 +60,6 @@ def gather_rows(
     return [gather(b, idx) for b in bufs]
 
 
-# ------------------------------------------------------------------ the kernel
 def check_fits(name: str, rows: int, width: int, index_dtype: np.dtype) -> None:
     """FutureMapError unless `rows` rows of `width` elements are addressable in offsets of
     `index_dtype` (the kernel computes slot * width in it)."""
@@ -122,17 +116,15 @@ def _gather_kernel(widths: tuple[int, ...], rows: int, idx_ref: Any, *refs: Any)
 
 
 def _moved_as(dtype: np.dtype) -> np.dtype:
-    """The dtype the kernel moves `dtype`'s values in: ints and 32/64-bit floats as they
-    are; 8 and 16-bit floats as the unsigned ints of their width (XLA:CPU's interpreter
-    path would compute them in f32)."""
+    """The dtype the kernel moves `dtype`'s values in: 8 and 16-bit floats as unsigned ints
+    (XLA:CPU's interpreter path would compute them in f32)."""
     if dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize >= 4):
         return dtype
     return np.dtype(f"uint{8 * dtype.itemsize}")
 
 
 def _flat(x: jax.Array) -> jax.Array:
-    """`x` flattened, in the dtype the kernel moves it in (a reshape and at most a
-    same-width bitcast: no copy on a GPU; on CPU XLA copies for the bitcast)."""
+    """`x` flattened, in the dtype the kernel moves it in (no copy on a GPU)."""
     flat = x.reshape(-1)
     moved = _moved_as(np.dtype(x.dtype))
     return flat if moved == flat.dtype else jax.lax.bitcast_convert_type(flat, moved)
@@ -178,9 +170,7 @@ def scatter_kernel(
     bufs: Sequence[jax.Array], idx: jax.Array, values: Sequence[jax.Array]
 ) -> list[jax.Array]:
     """`bufs[i][idx] := values[i]` for every buffer in one kernel, a slot outside [0, R)
-    writing nothing; the buffers are aliased to the outputs (in place once the caller's jit
-    donates them). Assumes [R, ...] buffers, [B] int `idx` with B >= 1 and [B, ...] values
-    of each buffer's row shape and dtype."""
+    writing nothing; the buffers aliased to the outputs (in place once donated). B >= 1."""
     rows, b = bufs[0].shape[0], idx.shape[0]
     widths = _widths(bufs, b, idx.dtype)
     k = len(bufs)
@@ -200,8 +190,7 @@ def scatter_kernel(
 
 
 def gather_kernel(bufs: Sequence[jax.Array], idx: jax.Array) -> list[jax.Array]:
-    """`bufs[i][clip(idx, 0, R - 1)]` for every buffer in one kernel. Assumes [R, ...]
-    buffers and a [B] int `idx` with B >= 1."""
+    """`bufs[i][clip(idx, 0, R - 1)]` for every buffer in one kernel; B >= 1."""
     rows, b = bufs[0].shape[0], idx.shape[0]
     widths = _widths(bufs, b, idx.dtype)
 

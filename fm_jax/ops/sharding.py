@@ -1,13 +1,8 @@
-"""The FutureMap on a `jax.sharding.Mesh`: one pool of slots per data-parallel rank.
+"""The FutureMap on a `jax.sharding.Mesh`: one pool of R slots per data-parallel rank.
 
-DP = the size of the mesh's `dp_axis` (1 without one), R = slots per rank. Every state
-buffer is one global array of DP*R rows sharded over `dp_axis`: rank d owns rows
-[d*R, (d+1)*R), row d*R its padding slot 0; every other axis (`tp_axis` too) holds
-replicas. A batch likewise: each rank's rows padded to one size B (its tokens to T), laid
-end to end, with rank-local slots in [0, R); `forward_mode` is one mode per rank, [DP]
-int32 (an idle rank: IDLE, all rows padding). Each op is the one-pool op mapped over
-`dp_axis` with `jax.shard_map`: a rank touches only its own block, so the compiled ops
-hold no collectives and outputs keep the inputs' sharding.
+Every state buffer and batch field is one global array sharded over `dp_axis`: rank d owns
+rows [d*R, (d+1)*R) (a batch: its B rows, padded, end to end), every other axis holds
+replicas. Each op is the one-pool op under `jax.shard_map`: no collectives.
 """
 
 from __future__ import annotations
@@ -39,10 +34,9 @@ class MeshLayout(NamedTuple):
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """The sharding of every state buffer and batch field. On one device, that
-        device's SingleDeviceSharding, which arrays committed to it carry: they, host
-        arrays and the map's outputs reach one executable (a NamedSharding would compile
-        another)."""
+        """The sharding of every state buffer and batch field (one device: its
+        SingleDeviceSharding, as committed arrays carry; a NamedSharding would compile
+        another executable)."""
         if self.mesh.devices.size == 1:
             return jax.sharding.SingleDeviceSharding(self.mesh.devices.flat[0])
         return NamedSharding(self.mesh, self.spec)
@@ -73,18 +67,15 @@ class MeshLayout(NamedTuple):
         return len(self.mesh.local_devices) == self.mesh.devices.size
 
     def map(self, fn: Callable[..., Any], *, check_vma: bool = True) -> Callable[..., Any]:
-        """`fn` run on each DP rank's block of every argument and result (`jax.shard_map`;
-        blocks along the leading axis, replicated over every other mesh axis); `check_vma`
-        as shard_map's."""
+        """`fn` run on each DP rank's block of every argument and result (`jax.shard_map`)."""
         return jax.shard_map(
             fn, mesh=self.mesh, in_specs=self.spec, out_specs=self.spec, check_vma=check_vma
         )
 
     def global_array(self, blocks: Mapping[int, np.ndarray], size: int, like: np.ndarray) -> Any:
         """The global [DP*size, ...] array whose rank-d block is `blocks[d]` padded with
-        zero rows to `size` (a local rank missing: zeros, padding); `like` gives the
-        trailing shape and dtype. In one process a host array (a jit with this sharding
-        places it); across processes a global jax.Array of this process's blocks."""
+        zero rows to `size`: in one process a host array, across processes a global
+        jax.Array of this process's blocks."""
         tail, dt = like.shape[1:], like.dtype
         if self.single_process:
             out = np.zeros((self.dp * size, *tail), dt)
@@ -105,9 +96,8 @@ class MeshLayout(NamedTuple):
 
 
 def _auto_axes(mesh: Mesh) -> Mesh:
-    """`mesh` with every axis Auto: the map's arrays carry no sharding in their types, so
-    its shard_maps take host arrays, committed ones and those of Explicit meshes
-    (`jax.make_mesh`'s default) alike."""
+    """`mesh` with every axis Auto, so its shard_maps take arrays of Explicit meshes
+    (`jax.make_mesh`'s default) as they take host arrays."""
     names = tuple(mesh.axis_names)
     return Mesh(mesh.devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
@@ -119,8 +109,7 @@ def single_device_layout(device: jax.Device) -> MeshLayout:
 
 def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = None) -> MeshLayout:
     """The layout of `mesh` with these axes (None: no such axis; `tp_axis` is only
-    checked, buffers being replicated along every axis but `dp_axis`); FutureMapError
-    naming a missing or repeated axis."""
+    checked)."""
     if not isinstance(mesh, Mesh):
         raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
@@ -135,8 +124,7 @@ def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = No
 
 def check_split(layout: MeshLayout, what: str, named: Iterable[tuple[str, Any]]) -> None:
     """Each named per-row value (None: not given) an array whose leading size splits into
-    DP equal per-rank parts; else FutureMapError naming the op `what` (empty: the caller
-    names it), the field and what it is (a list or number, a 0-d array, uneven rows)."""
+    DP equal per-rank parts; else FutureMapError naming the op `what` and the field."""
     rows = "[B, ...]" if layout.dp == 1 else f"[{layout.dp}*B, ...], each DP rank's B rows"
     head = f"{what}: " if what else ""
     for name, x in named:
@@ -165,8 +153,7 @@ def _kind(x: Any) -> str:
 
 
 def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:
-    """Host copies of each local DP rank's block of a global [DP*N, ...] array (this
-    process's shards only, one replica per rank: it works in every process)."""
+    """Host copies of each local DP rank's block of a global [DP*N, ...] array."""
     out: dict[int, np.ndarray] = {}
     for sh in x.addressable_shards:
         rank = layout.rank_of(sh.device)

@@ -23,11 +23,8 @@ class ForwardMode(enum.IntEnum):
 
 class FutureMapState(NamedTuple):
     """The relay buffers, leading dimension R (pool size); spec fields None without spec.
-
-    Slot 0 mirrors the request pool's padding row: padded rows write garbage there. A real
-    float field's buffer holds its raw bits (uint32 for topk_p, uint16 for bf16 hidden
-    states), written in place and bit-exact on every backend.
-    """
+    Slot 0 mirrors the request pool's padding row (padded rows write garbage there); a real
+    float field's buffer holds its raw bits, bit-exact on every backend."""
 
     output_tokens: jax.Array  # [R] int: last token (non-spec) or bonus token (spec)
     new_seq_lens: jax.Array  # [R] int: length after the slot's last forward
@@ -52,18 +49,14 @@ one per DP rank), or traced (an int32 jax array). None: fixed inside an executab
 
 
 class Batch(NamedTuple):
-    """The fields of a scheduled batch that resolve and invalidate touch (the FutureMap
-    class also takes host arrays for each).
+    """The fields of a scheduled batch that resolve and invalidate touch.
 
-    `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one; in
-    the gather protocol only the host's (a MIXED batch's running rows hold 0; a non-spec
-    DECODE batch's are not read, None: T = B). `token_slots` ([T], gather protocol, MIXED
-    only): where a running row's token goes, the slot to gather it from, else 0; a spec
-    MIXED batch lists its running rows last, one per nonzero token slot in order.
-    `forward_mode`: a traced int32 scalar serves every kind in one executable (on a mesh:
-    a scalar or [DP]), a host ForwardMode fixes it when traced (refused if no ForwardMode
-    value: 7, True, 1.0, "1"; a bad traced one runs as not DECODE, debug reports it).
-    `draft_indices` ([B]): on a spec DECODE batch, the slots whose draft to gather.
+    `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one (gather
+    protocol: a non-spec DECODE batch's None, T = B). `token_slots` ([T], gather protocol,
+    MIXED only): the slot a running row's token is gathered from, else 0. `forward_mode`: a
+    traced int32 scalar serves every kind in one executable (on a mesh: a scalar or [DP]),
+    a host ForwardMode fixes it when traced. `draft_indices` ([B]): on a spec DECODE batch,
+    the slots whose draft to gather (docs/CONTRACT.md, 'Batch kinds').
     """
 
     forward_mode: Mode
@@ -76,9 +69,7 @@ class Batch(NamedTuple):
 
 class DraftPayload(NamedTuple):
     """Speculative draft state: what `stash` writes and `resolve` gathers; a field the spec
-    does not declare is None. A stash writes the fields given and keeps the others' rows
-    (every consume-tracked field given); the class's resolve gives None for a field no
-    stash has written (`FutureMap.relayed_fields`)."""
+    does not declare is None, as is (the class's resolve) one no stash has written yet."""
 
     bonus_tokens: jax.Array | np.ndarray | None = None  # [B] int
     topk_p: jax.Array | np.ndarray | None = None  # [B, K] float32
@@ -105,34 +96,26 @@ class MixedTails(NamedTuple):
     prefix_lens: np.ndarray | None  # [B] int64: the host's, running rows' published length
 
 
-# ------------------------------------------------------------------ the relayed fields
 STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
 """The standard fields' names, in the order a map declares them."""
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 KERNELS = ("xla", "pallas")
-"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all
-(`rows.py`)."""
+"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all."""
 CONFIDENCE_DTYPE = np.dtype(np.float32)  # a confidence row's values (SGLang's: float32)
 CONFIDENCE_BITS = np.dtype(np.uint32)  # what its buffer holds: their raw bits
 
 
 class RelayField(NamedTuple):
-    """One per-row value a spec map relays from a step's stash to the next step's resolve.
-
-    It lives in one buffer of the state, [R, *shape]: the bonus tokens in `output_tokens`
-    (shared with non-spec tokens), the other standard fields in their own `FutureMapState`
-    attribute, an engine's own in `FutureMapState.extras` by name; a `DraftPayload` holds
-    them the same way.
+    """One per-row value a spec map relays from a step's stash to the next step's resolve,
+    in one buffer of the state, [R, *shape] (an engine's own in `extras` by name).
 
     Attributes:
       name: the field's name (an entry of `DraftPayload.extras` for an engine's own field).
       shape: the per-row shape; () for one value per row.
       dtype: the element dtype, one a buffer stores (`relay_fields.storable`; 64-bit ones
         need x64); None for the map's int dtype.
-      consumed: debug consume tracking (an int field): the buffer starts at -1, every value
-        gathered from a live slot must be >= 0, and -1 is written back at the slots read.
-      bits: deprecated, changes nothing (every real float is stored as its raw bits);
-        True on a field that is not a real float is refused.
+      consumed: debug consume tracking (an int field; docs/CONTRACT.md, 'Debug mode').
+      bits: deprecated, changes nothing (every real float is stored as its raw bits).
     """
 
     name: str
@@ -143,9 +126,8 @@ class RelayField(NamedTuple):
 
 
 class SpecConfig(NamedTuple):
-    """The fields a spec map relays, declared at init (`fields()`; docs/guide.md, 'Relay
-    fields', declares SGLang's EAGLE and n-gram payloads): what stash writes, resolve
-    gathers and debug consume-tracks follows this list (docs/CONTRACT.md, 'Relay fields').
+    """The fields a spec map relays, declared at init (`fields()`): stash, resolve and debug
+    consume tracking follow this list (docs/CONTRACT.md, 'Relay fields').
 
     Attributes:
       topk: K, width of `topk_p` / `topk_index`; 0 relays no top-k fields.
@@ -156,9 +138,7 @@ class SpecConfig(NamedTuple):
       bonus_tokens: relay each row's bonus token in `output_tokens`, consume-tracked; off
         for a draft that brings none (an n-gram one).
       kernel: 'xla' (default), one scatter or gather per buffer; 'pallas', one kernel for
-        every field (and, in the gather protocol, the lengths at the draft slots): Triton
-        on a GPU, Pallas's interpreter on CPU, no TPU. Its fields' dtypes are real numbers
-        or ints.
+        every field: Triton on a GPU, Pallas's interpreter on CPU, no TPU.
       confidence: gamma, the width of each slot's confidence row: `publish` then takes
         `confidence=` rows [B, gamma] float32 and starts their host copy into a ring
         (`FutureMap.resolve_confidence_cpu`); 0 (default): no confidence relay.
