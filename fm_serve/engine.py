@@ -14,8 +14,8 @@ the step and op of every violation.
 Sampling features (`sampling.Features`, fixed per engine): the sampler state rides through
 both steps donated beside the cache; with logprobs the step's logprob arrays reach the
 host with its tokens through the engine step's host ring (`host_out`: copies started as the
-step is enqueued, read a step late in overlap, so they add no wait). `abort(rid)` during a run (from `on_token`,
-which streams each token as it is read) finishes a request at once.
+step is enqueued, read a step late in overlap, so they add no wait). `abort(rid)` during a
+run (from `on_token`, which streams each token as it is read) finishes a request at once.
 """
 
 from __future__ import annotations
