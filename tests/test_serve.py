@@ -88,6 +88,7 @@ def _lose_relay(engine: Engine) -> None:
         fm._runtime.state = init()
         return step(*args, **kwargs)
 
+    broken.read_host = step.read_host  # type: ignore[attr-defined]  # the step's host ring
     engine._overlap_step = broken  # type: ignore[assignment]
 
 
@@ -130,7 +131,8 @@ def test_overlap_reads_tokens_only_after_dispatching_the_next_step(
             lag.append(dispatched[0] - self.processed)  # steps dispatched beyond this one
             return super().process(batch, tokens, logprobs)
 
-    engine._overlap_step = counting
+    counting.read_host = step.read_host  # type: ignore[attr-defined]  # the step's host ring
+    engine._overlap_step = counting  # type: ignore[assignment]
     engine._scheduler = lambda reqs, overlap, cost, on_token: Recording(
         reqs,
         tiny_engine(),
