@@ -215,6 +215,27 @@ def test_bad_input_is_refused_before_anything_runs_or_is_donated() -> None:
     assert {k: _bytes(v) for k, v in fm.buffers().items()} == before
 
 
+def test_each_step_of_a_map_checks_its_own_declared_inputs() -> None:
+    # Two steps on one map declare `a` differently: a layout one step has placed must not
+    # carry the other's checks (a float32 input fed int32 rows is refused, never cast).
+    fm = fj.FutureMap(8, batch_buckets=[2], token_buckets=[2])
+    seen = []
+
+    def forward(res: fj.Resolved, b: fj.Batch, inputs: dict) -> fj.StepOutput:
+        seen.append(inputs["a"].dtype)
+        return fj.StepOutput(res.seq_lens + 1, res.input_ids[:2])
+
+    ints = fm.engine_step(forward, inputs=[fj.StepInput("a", "row", dtype=np.int32)])
+    floats = fm.engine_step(forward, inputs=[fj.StepInput("a", "row", dtype=np.float32)])
+    slots = np.array([1, 2], np.int32)
+    batch = fj.Batch(E, slots, np.array([3, 4], np.int32), np.ones(2, np.int32))
+    ints(batch, inputs={"a": np.zeros(2, np.int32)})
+    with pytest.raises(fj.FutureMapError, match=r"inputs\['a'\] has dtype int32, declared float32"):
+        floats(batch, inputs={"a": np.zeros(2, np.int32)})
+    floats(batch, inputs={"a": np.zeros(2, np.float32)})
+    assert seen == [np.int32, np.float32]
+
+
 def test_step_donates_the_map_state_and_the_named_args() -> None:
     fm, step = _small_step()
     slots = np.array([1, 2], np.int32)

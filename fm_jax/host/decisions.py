@@ -1,12 +1,8 @@
 """A call's placement decided once per layout (`Decision`, run on every call of it), the
-executable's `Key`, and packing.
-
-Packing: every host array of a call goes in one uint32 buffer, one transfer (each numpy
-argument of a jitted call is a transfer of its own, 30-55 us of host time apiece on a GPU
-host); `unpack` slices each leaf out inside the jit. Words, not bytes: a 4-byte leaf comes
-back by an elementwise bitcast XLA fuses into its consumers (from bytes, a reduction with a
-kernel of its own).
-"""
+executable's `Key`, and packing: every host array of a call in one uint32 buffer, one
+transfer (each numpy argument of a jitted call is a transfer of its own, 30-55 us of host
+time apiece on a GPU host), sliced out inside the jit by `unpack`. Words, not bytes: a
+4-byte leaf comes back by an elementwise bitcast XLA fuses into its consumers."""
 
 from __future__ import annotations
 
@@ -317,7 +313,8 @@ class Decision:
         packed: bool = False,
     ) -> None:
         self.key = key
-        self.placers = tuple(placers)
+        # (position, placer) of the values not taken as they are
+        self.placers = tuple((i, p) for i, p in enumerate(placers) if p is not None)
         self.assemble = assemble
         self.idx, self.idx_at, self.lens_at = idx, idx_at, lens_at
         self.batch_check = batch_check
@@ -328,7 +325,9 @@ class Decision:
 
     def run(self, values: Sequence[Any]) -> Placed:
         """Place a call of this layout: value checks, padding, packing."""
-        placed = [x if p is None else p(x) for p, x in zip(self.placers, values, strict=True)]
+        placed = list(values)  # as many as the placers: the layout's signature matched
+        for i, place in self.placers:
+            placed[i] = place(placed[i])
         if self.batch_check is not None:
             self.batch_check(values, placed)
         idx = self.idx

@@ -52,9 +52,9 @@ class Placement:
         self.dp = inputs.dp
         self._decided: dict[Any, Decision] = {}
 
-    def _remember(self, sig: Any, decision: Decision) -> None:
-        if sig is not None and self.inputs.single_process and len(self._decided) < MAX_LAYOUTS:
-            self._decided[sig] = decision
+    def _remember(self, decided: dict[Any, Decision], sig: Any, decision: Decision) -> None:
+        if sig is not None and self.inputs.single_process and len(decided) < MAX_LAYOUTS:
+            decided[sig] = decision
 
     def resolve(
         self,
@@ -64,16 +64,20 @@ class Placement:
         *,
         step: Sequence[StepInput] | None = None,
         inputs: Mapping[str, Any] | None = None,
+        decided: dict[Any, Decision] | None = None,
     ) -> Placed:
-        """A resolve, or (with `step`, the engine's declared inputs) an engine step."""
+        """A resolve, or (with `step`, the engine's declared inputs, and `decided`, that
+        engine step's own layouts: another step declares other inputs) an engine step."""
         values = resolve_values(batch, step, inputs)
         sig = signature("step" if step is not None else "resolve", values, rows, tokens)
-        decision = self._decided.get(sig) if sig is not None else None
+        if decided is None:
+            decided = self._decided
+        decision = decided.get(sig) if sig is not None else None
         if decision is not None:
             return decision.run(values)
         decision, given = self.decide(batch, rows, tokens, step, inputs)
         if sig is not None and (type(values[0]) is ForwardMode or isinstance(values[0], jax.Array)):
-            self._remember(sig, decision)  # a plain int or per-rank modes pick by value
+            self._remember(decided, sig, decision)  # a plain int or per-rank modes pick by value
         return decision.run(given)
 
     def tail(
@@ -97,7 +101,7 @@ class Placement:
         if idx.counts is not None and not any(idx.counts):  # DP idle: nothing to relay
             return Placed(Key(op, idx.size), (), None, idx.placed(indices))
         decision, given = self._decide_tail(op, idx, indices, lens, payload, confidence)
-        self._remember(sig, decision)
+        self._remember(self._decided, sig, decision)
         return decision.run(given)
 
     def slots_op(self, op: str, indices: Any, rows: int | None = None) -> Placed:
@@ -116,7 +120,9 @@ class Placement:
             sentinels = -np.asarray(indices, self.inputs.dtype)
         elif idx.counts is not None:
             sentinels = self.inputs.sentinels(indices, idx)
-        return protocol.next_batch(batch, sentinels)
+        ids, lens = sentinels if type(sentinels) is tuple else (sentinels, sentinels)
+        b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
+        return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
 
     def decide(
         self,

@@ -109,8 +109,21 @@ class HostChecks:
             return functools.partial(_checked, self._check_ids, name)
         return functools.partial(_non_negative, name)
 
-    def _check_ids(self, name: str, a: np.ndarray) -> None:
-        self.protocol.check_ids(name, a, self.pool_size)
+    def _check_ids(self, name: str, ids: np.ndarray) -> None:
+        """Token ids by value: a sentinel -s names a slot s in [0, R); the gather protocol
+        has none (every id >= 0: a decode row's id is gathered at its slot)."""
+        low = 1 - self.pool_size if self.protocol.invalidates else 0
+        if not ids.size or ids.min() >= low:
+            return
+        bad = ids[ids < low]
+        if self.protocol.invalidates:
+            raise FutureMapError(
+                f"{name} holds sentinels {bad.tolist()} naming slots outside [0, {self.pool_size})"
+            )
+        raise FutureMapError(
+            f"{name} holds negative ids {bad[:8].tolist()}: the gather protocol has no "
+            "sentinels (a decode row's id is gathered at its slot)"
+        )
 
     @staticmethod
     def declared(name: str, a: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -124,6 +124,7 @@ class EngineStep:
         self._options = dict(options)
         self._tail = tail(owned=self._owned)
         self._registry = registry  # the map's: this step's executables beside the class's
+        self._decided: dict[Any, Any] = {}  # this step's layouts (its inputs are its own)
         self._plan, self._warm = plan, warm
         # The declared fields each executable family's payload leaves out (seen when traced).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
@@ -174,7 +175,9 @@ class EngineStep:
             ring = runtime.confidence
             if ring is None and generation is not None:
                 raise errors.generation_without_confidence("the engine step", relay=False)
-            placed = self._placement.resolve(batch, rows, tokens, step=self._placed, inputs=inputs)
+            placed = self._placement.resolve(
+                batch, rows, tokens, step=self._placed, inputs=inputs, decided=self._decided
+            )
             gens = None if ring is None else ring.generations(generation, placed.idx)
             exe = self._registry.executable(placed.key, placed.pack, len(args), self._build)
             ops = ("resolve", "finish") if runtime.debug is not None else ()
@@ -276,6 +279,9 @@ class EngineStep:
         debug, dtype = self._runtime.debug, ops.dtype
         copies_lengths = self._runtime.copies_lengths
         rows_of = ops.map_ranks(gather)  # each rank's buffer rows at its slots
+        # Host slots' sentinels are made on the host (`Placement.next_batch`): one output less.
+        packed = jax.tree_util.tree_unflatten(spec.treedef, [x is not None for x in spec.leaves])
+        host_slots = packed[0].req_pool_indices
 
         def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug is None:
@@ -315,7 +321,7 @@ class EngineStep:
                     else jnp.asarray(got.new_seq_lens, dtype)
                 )
             copied = None if got.confidence is None else state.confidence
-            out = (state, got.out, sentinels, lens, copied)
+            out = (state, got.out, None if host_slots else sentinels, lens, copied)
             return out if debug is None else ((e_head, e_tail), out)
 
         return body

@@ -264,8 +264,8 @@ def invalidate(cfg: OpsConfig, batch: Batch, indices: Any) -> Batch:
     if not cfg.protocol.invalidates:
         raise errors.invalidate_in_gather_protocol()
     check_1d_int("indices", indices, cfg.dtype)
-    slots = jnp.asarray(indices).astype(cfg.dtype)
-    return cfg.protocol.next_batch(batch, cfg.protocol.sentinels(slots, slots.shape[0]))  # type: ignore[no-any-return]
+    sentinels = -jnp.asarray(indices).astype(cfg.dtype)
+    return batch._replace(input_ids=sentinels, seq_lens=sentinels)
 
 
 def seq_lens_at(cfg: OpsConfig, state: FutureMapState, indices: Any) -> jax.Array:

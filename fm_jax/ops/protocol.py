@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fm_jax.ops import errors
 from fm_jax.ops.errors import FutureMapError
@@ -54,22 +53,6 @@ class Protocol:
 
     def __repr__(self) -> str:
         return f"Protocol({self.name!r})"
-
-    def check_ids(self, name: str, ids: np.ndarray, pool_size: int) -> None:
-        """Host token ids by value: a sentinel -s names a slot s in [0, R); the gather
-        protocol has none (every id >= 0: a decode row's id is gathered at its slot)."""
-        if not ids.size:
-            return
-        if self.invalidates and ids.min() <= -pool_size:
-            raise FutureMapError(
-                f"{name} holds sentinels {ids[ids <= -pool_size].tolist()} naming slots "
-                f"outside [0, {pool_size})"
-            )
-        if not self.invalidates and ids.min() < 0:
-            raise FutureMapError(
-                f"{name} holds negative ids {ids[ids < 0][:8].tolist()}: the gather protocol "
-                "has no sentinels (a decode row's id is gathered at its slot)"
-            )
 
     def rules(self, spec: SpecConfig | None, parts: Sequence[Part], *, by_rank: bool) -> Rules:
         """Every rule of this protocol on a batch's layout (`parts`: the batch, or each DP
@@ -128,14 +111,6 @@ class Protocol:
         lens = -jnp.asarray(indices)
         pad = ids - lens.shape[0]
         return lens if pad <= 0 else (jnp.pad(lens, (0, pad)), lens)
-
-    def next_batch(self, batch: Any, sentinels: Any) -> Any:
-        """The batch the host schedules next, after the tail left `sentinels`."""
-        if not self.invalidates:
-            return batch
-        ids, lens = sentinels if type(sentinels) is tuple else (sentinels, sentinels)
-        b = batch  # rebuilt field by field: NamedTuple._replace costs ~1 us a step
-        return type(b)(b.forward_mode, b.req_pool_indices, ids, lens, *b[4:])
 
     def resolve_variants(
         self, spec: SpecConfig | None, tokens: int, decode_tokens: int, traced: bool
