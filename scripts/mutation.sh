@@ -44,8 +44,8 @@ JOBS=${MUTATION_JOBS:-2}
 LIMIT=${MUTATION_TIMEOUT:-3600}
 WORK=${MUTATION_DIR:-${TMPDIR:-/tmp}/fm-jax-mutation}
 REPORT=${MUTATION_REPORT:-docs/mutation.md}
-ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-host-checks jax-kernel
-     jax-runtime jax-step jax-class)
+ALL=(torch jax-ops jax-rows jax-resolve jax-checks jax-inputs jax-host-checks jax-place
+     jax-kernel jax-runtime jax-step jax-class)
 
 if ! "$PY" -c "import mutmut, coverage" 2>/dev/null; then
     echo "mutmut is missing: .venv/bin/pip install -e '.[mutation]'" >&2
@@ -63,6 +63,7 @@ file_of() {
         jax-checks) echo fm_jax/ops/checks.py ;;
         jax-inputs) echo fm_jax/host/host_inputs.py ;;
         jax-host-checks) echo fm_jax/host/validate.py ;;
+        jax-place) echo fm_jax/host/place.py ;;
         jax-kernel) echo fm_jax/ops/rows.py ;;
         jax-runtime) echo fm_jax/map/runtime.py ;;
         jax-step) echo fm_jax/map/engine_step.py ;;
@@ -95,7 +96,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                           $m::test_the_running_row_check_holds_at_edge_sizes_and_slot_one" ;;
         # Host inputs and their value checks: the class's and the engine step's refusals,
         # the twins' shared judgements (int casts, declared dtypes, one id per row).
-        jax-inputs|jax-host-checks) local r=tests/test_reliability.py
+        jax-inputs|jax-host-checks|jax-place) local r=tests/test_reliability.py
+                     local e=tests/test_fm_jax_engine_step.py
                      echo "tests/test_fm_jax_decisions.py tests/test_fm_jax_inputs.py tests/test_fm_jax_validate.py
                            tests/test_fm_jax_declarations.py
                            tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
@@ -108,7 +110,11 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
                            $r::test_a_float_field_given_another_dtype_names_both_dtypes
                            $r::test_complex_host_rows_are_packed_like_every_other_dtype
                            tests/test_fm_jax_relay_fields.py tests/test_spec_mixed.py
-                           tests/test_fm_jax_engine_step.py::test_bad_input_is_refused_before_anything_runs_or_is_donated" ;;
+                           $e::test_bad_input_is_refused_before_anything_runs_or_is_donated
+                           $e::test_each_step_of_a_map_checks_its_own_declared_inputs
+                           $e::test_step_leaves_the_bytes_of_resolve_then_finish
+                           $e::test_sentinel_step_returns_the_invalidated_batch_and_gather_the_batch_as_given
+                           $e::test_a_host_fed_step_is_one_executable_taking_one_host_buffer" ;;
         jax-kernel) echo "tests/test_fm_jax_rows.py" ;;
         # The map's runtime (state, lock, StateLost and reset, a failed call diagnosed),
         # the class's serialized ops and buffers, the engine step: the tests of each that
