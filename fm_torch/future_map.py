@@ -703,8 +703,9 @@ class FutureMap:
             self._rebind_host_tails(batch, indices, running, seq_lens)
 
     def _check_host_fields(self, batch: ScheduleBatch, rows: int) -> bool:
-        """A spec MIXED batch's host fields (metadata): `seq_lens_cpu` a 1-D int CPU
-        tensor and `prefix_lens` a list of ints, one per row. Whether there are any."""
+        """A spec MIXED batch's host fields: `seq_lens_cpu` a 1-D int CPU tensor and
+        `prefix_lens` a list of ints, one per row, lengths >= 0 (fm_jax's
+        `resolve_mixed_tails_cpu` refuses the same). Whether there are any."""
         cpu = torch.device("cpu")
         if batch.seq_lens_cpu is not None:
             v.check_rows(
@@ -712,6 +713,7 @@ class FutureMap:
                 v.check_1d_int("seq_lens_cpu", batch.seq_lens_cpu, cpu, v.INT_DTYPES),
                 rows,
             )
+            v.check_non_negative("seq_lens_cpu", batch.seq_lens_cpu)
         prefix = batch.prefix_lens
         if prefix is not None and (
             not isinstance(prefix, list)
@@ -719,6 +721,11 @@ class FutureMap:
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in prefix)
         ):
             raise FutureMapError(f"prefix_lens must be a list of {rows} ints, one per row")
+        if prefix is not None and min(prefix, default=0) < 0:
+            bad = [x for x in prefix if x < 0]
+            raise FutureMapError(
+                f"prefix_lens holds negative values {bad}: token ids and lengths are >= 0"
+            )
         return batch.seq_lens_cpu is not None or prefix is not None
 
     def _rebind_host_tails(

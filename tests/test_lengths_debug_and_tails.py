@@ -321,6 +321,8 @@ def test_bad_tails_calls_are_refused_before_anything_is_read_or_written() -> Non
         ({"seq_lens_cpu": t(1)}, "seq_lens_cpu"),
         ({"seq_lens_cpu": t(1, 1).to(torch.float32)}, "seq_lens_cpu"),
         ({"prefix_lens": [0]}, "prefix_lens must be a list of 2 ints"),
+        ({"seq_lens_cpu": t(-1, 1)}, r"seq_lens_cpu holds negative values \[-1\]"),
+        ({"prefix_lens": [-1, 0]}, r"prefix_lens holds negative values \[-1\]"),
     ]:
         tb = ft.ScheduleBatch(
             ft.ForwardMode.MIXED, t(4, 2), t(11), t(1, 1), mix_running_indices=t(2), **fields
