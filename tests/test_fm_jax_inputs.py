@@ -248,6 +248,25 @@ def test_a_declared_int_field_takes_jax_rows_only_in_a_dtype_it_holds() -> None:
         np.testing.assert_array_equal(np.asarray(fm.buffers()["extras"]["e"]), stored)
 
 
+def test_jax_slots_and_lengths_come_only_in_a_dtype_the_buffers_hold() -> None:
+    """A device array's values are not read on the host: uint32 slots or lengths (which an
+    int32 buffer holds only after a value check) are refused naming the field, and nothing
+    is written; int16 ones are taken."""
+    fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(2,))
+    before = np.asarray(fm.buffers()["new_seq_lens"]).copy()
+    u32 = jnp.array([1, 2], jnp.uint32)
+    i32 = jnp.array([1, 2], jnp.int32)
+    for call, name in (
+        (lambda: fm.publish(u32, i32), "indices"),
+        (lambda: fm.publish(i32, u32), "new_seq_lens"),
+    ):
+        with pytest.raises(fj.FutureMapError, match=f"^{name} has dtype uint32, which the map's "):
+            call()
+        np.testing.assert_array_equal(np.asarray(fm.buffers()["new_seq_lens"]), before)
+    fm.publish(i32, jnp.array([5, 6], jnp.int16))
+    assert np.asarray(fm.buffers()["new_seq_lens"])[1:3].tolist() == [5, 6]
+
+
 def _recording_step(declared: list[fj.StepInput]) -> fj.EngineStep:
     """An engine step whose forward returns its declared inputs as placed (its `out`)."""
     fm = fj.FutureMap(8, batch_buckets=(2,), token_buckets=(2,))

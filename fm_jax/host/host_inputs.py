@@ -102,11 +102,7 @@ class HostInputs:
         shape = x.shape
         if len(shape) != 1 or x.dtype not in INTS:
             raise FutureMapError(f"{name} must be a 1-D integer array, got {shape} {x.dtype}")
-        if x.dtype not in self._safe:
-            raise FutureMapError(
-                f"{name} has dtype {x.dtype}, which the map's {self.dtype} buffers cannot hold "
-                "without a value check: cast it on the device or pass a host array"
-            )
+        self._held(name, x.dtype, None)
         per = shape[0] // self.dp
         if per * self.dp != shape[0] or per not in buckets or (size is not None and per != size):
             want = "any bucket" if size is None else f"{size}"
@@ -115,6 +111,15 @@ class HostInputs:
                 f"of {self.dp} DP rank(s)): pad it (fm_jax.pad_to_bucket) or pass a host array"
             )
         return Rows(None, per, None, False)
+
+    def _held(self, name: str, dtype: np.dtype, into: np.dtype | None) -> None:
+        """Refuses a device array's int `dtype` unless every value fits the buffer's dtype
+        `into` (default the map's): a device array's values are not read on the host."""
+        if not (dtype in self._safe if into is None else np.can_cast(dtype, into, "safe")):
+            raise FutureMapError(
+                f"{name} has dtype {dtype}, which the map's {into or self.dtype} buffers cannot "
+                "hold without a value check: cast it on the device or pass a host array"
+            )
 
     def _pad(self, parts: dict[int, np.ndarray], size: int, like: np.ndarray) -> Any:
         if self.dp == 1:
@@ -225,12 +230,7 @@ class HostInputs:
                 return None  # its dtype is judged when traced (the pure ops' check)
             if x.dtype.kind not in "iu":
                 raise FutureMapError(f"{name} must have an integer dtype, got {x.dtype}")
-            if not (x.dtype in self._safe if into is None else np.can_cast(x.dtype, into, "safe")):
-                raise FutureMapError(
-                    f"{name} has dtype {x.dtype}, which the map's {into or self.dtype} buffers "
-                    "cannot hold without a value check: cast it on the device or pass a host "
-                    "array"
-                )
+            self._held(name, x.dtype, into)
             return None
         if like.counts is None:  # rows of jax-array slots: already padded, not read
             a = _host(name, x, cast)
