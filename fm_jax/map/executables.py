@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -23,7 +23,7 @@ from fm_jax.ops.ops import FutureMapOps, future_map, lift
 from fm_jax.ops.protocol import Protocol, parse_protocol
 from fm_jax.ops.relay_fields import payload_rows
 from fm_jax.ops.rows import gather
-from fm_jax.ops.sharding import MeshLayout, check_split, mesh_layout, single_device_layout
+from fm_jax.ops.sharding import check_split, mesh_layout, single_device_layout
 from fm_jax.ops.types import Batch, FutureMapState, SpecConfig
 
 CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
@@ -167,58 +167,6 @@ def _sentinels(
     return protocol.sentinels(indices.astype(dtype), decode_ids(indices.shape[0], token_buckets))
 
 
-def _op_body(
-    ops: FutureMapOps,
-    key: Key,
-    protocol: Protocol,
-    token_buckets: tuple[int, ...],
-    debug: bool,
-) -> Any:
-    """The function a key's family jits, over global arrays."""
-    local = ops.local
-    assert local is not None  # the class's ops are always lifted (a layout)
-    if key.op == "resolve":
-        fixed = FIXED_MODES.get(key.mode)
-
-        def resolve(state: FutureMapState, batch: Batch) -> Any:
-            if fixed is not None:
-                batch = batch._replace(forward_mode=fixed)
-            out = ops.resolve(state, batch)
-            # Without debug resolve only reads: a state returned undonated would be copied.
-            return out if debug else out[1]
-
-        return resolve
-    if key.op == "sentinels":  # device slots' (host slots' are made on the host)
-
-        def local_sentinels(indices: jax.Array) -> Any:
-            if debug:  # each rank's slots checked as every op's are
-                chk = checks.OpChecks()
-                checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
-                chk.run()
-            return _sentinels(protocol, indices, local.dtype, token_buckets)
-
-        mapped = ops.map_ranks(local_sentinels)
-        return lambda state, indices: mapped(indices)  # the state only read: not donated
-    if key.op == "finish":
-        finish = tail(ops, protocol, token_buckets)
-        return with_confidence_copy(finish) if key.confidence else finish
-    if key.op == "publish" and key.confidence:
-        return with_confidence_copy(ops.publish)
-    return {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}[key.op]
-
-
-def with_confidence_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` (a publish, or a tail: the state first) returning also a copy of the
-    confidence buffer it wrote, for the host ring (the state is donated to the next op)."""
-
-    def both(*args: Any) -> Any:
-        out = fn(*args)
-        state = out if isinstance(out, FutureMapState) else out[0]
-        return out, state.confidence  # XLA gives each output a buffer of its own
-
-    return both
-
-
 def entry_points(
     ops: FutureMapOps,
     protocol: Protocol,
@@ -226,18 +174,53 @@ def entry_points(
     debug: Any,
     options: dict[str, str],
 ) -> Callable[[Key, PackSpec | None, int], Any]:
-    """The builder of the class's jitted entry points, the state donated where the op
-    writes it; with a debug channel `debug`, each returns (packed error, outputs)."""
-    layout: MeshLayout = ops.layout  # type: ignore[assignment]  # always lifted
+    """The builder of the class's jitted entry points over global arrays, the state donated
+    where the op writes it; with a debug channel `debug`, each returns (packed error,
+    outputs). A publish or finish with confidence rows returns also a copy of the
+    confidence buffer it wrote, for the host ring (the state is donated to the next op)."""
+    local, layout = ops.local, ops.layout
+    assert local is not None and layout is not None  # the class's ops are always lifted
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
     batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]
 
+    def local_sentinels(indices: jax.Array) -> Any:
+        if debug is not None:  # each rank's slots checked as every op's are
+            chk = checks.OpChecks()
+            checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
+            chk.run()
+        return _sentinels(protocol, indices, local.dtype, token_buckets)
+
+    def body(key: Key) -> Callable[..., Any]:
+        if key.op == "resolve":
+            fixed = FIXED_MODES.get(key.mode)
+
+            def resolve(state: FutureMapState, batch: Batch) -> Any:
+                if fixed is not None:
+                    batch = batch._replace(forward_mode=fixed)
+                out = ops.resolve(state, batch)
+                # Without debug resolve only reads: a state returned undonated would be copied.
+                return out if debug is not None else out[1]
+
+            return resolve
+        if key.op == "sentinels":  # device slots' (host slots' are made on the host)
+            mapped = ops.map_ranks(local_sentinels)
+            return lambda state, indices: mapped(indices)  # the state only read: not donated
+        plain = {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}
+        fn = plain[key.op] if key.op in plain else tail(ops, protocol, token_buckets)
+        if not key.confidence:
+            return fn
+
+        def with_copy(*args: Any) -> Any:
+            out = fn(*args)
+            state = out if key.op == "publish" else out[0]
+            return out, state.confidence  # XLA gives each output a buffer of its own
+
+        return with_copy
+
     def build(key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
-        fn = _op_body(ops, key, protocol, token_buckets, debug is not None)
-        if debug is not None:
-            fn = debug.checked(fn)
         assert pack is None, "a class call is fed placed arrays"
+        fn = body(key) if debug is None else debug.checked(body(key))
         # The ops that write the state take it donated (resolve in debug: the poison).
         writes = key.op in ("publish", "stash", "finish") or (debug and key.op == "resolve")
         donate = (0,) if writes else ()
@@ -245,18 +228,6 @@ def entry_points(
         return jax.jit(fn, in_shardings=shardings, donate_argnums=donate, compiler_options=options)
 
     return build
-
-
-class MapParts(NamedTuple):
-    """What a map is built from (`FutureMap` assembles the rest)."""
-
-    layout: MeshLayout
-    ops: FutureMapOps
-    inputs: HostInputs
-    protocol: Protocol
-    fresh: Callable[[], FutureMapState]
-    state: FutureMapState
-    platform: str
 
 
 def assemble(
@@ -272,8 +243,10 @@ def assemble(
     device: Any,
     protocol: str,
     needs_cpu_seq_lens: bool,
-) -> MapParts:
-    """A map's parts from `FutureMap`'s arguments (documented there), each checked."""
+) -> tuple[FutureMapOps, HostInputs, Callable[[], FutureMapState], FutureMapState, Any]:
+    """From `FutureMap`'s arguments (documented there), each checked: the lifted ops, the
+    host inputs (with the layout and protocol), the initial state's maker, the initial
+    state and the XLA options of the platform."""
     if mesh is not None and device is not None:
         raise FutureMapError("pass a mesh or a device, not both")
     if device is not None and not isinstance(device, jax.Device):
@@ -319,4 +292,4 @@ def assemble(
         ) from None
     if not isinstance(needs_cpu_seq_lens, bool):
         raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
-    return MapParts(layout, ops, inputs, proto, fresh, state, platform)
+    return ops, inputs, fresh, state, compiler_options(platform)

@@ -19,7 +19,7 @@ from fm_jax.host.validate import StepInput
 from fm_jax.map import host_reads
 from fm_jax.map.debug_channel import DebugChannel
 from fm_jax.map.engine_step import EngineStep, Forward
-from fm_jax.map.executables import assemble, compiler_options, entry_points, tail
+from fm_jax.map.executables import assemble, entry_points, tail
 from fm_jax.map.host_reads import ConfidenceRing, ResolvedConfidence
 from fm_jax.map.runtime import MapRuntime, Registry, serialized
 from fm_jax.map.warm_up import WarmUpReport, class_calls, not_warmed, step_calls, warm
@@ -83,7 +83,7 @@ class FutureMap:
         protocol: str = "sentinel",
         needs_cpu_seq_lens: bool = True,
     ) -> None:
-        parts = assemble(
+        ops, inputs, fresh, state, options = assemble(
             pool_size,
             mesh,
             dp_axis,
@@ -97,31 +97,29 @@ class FutureMap:
             protocol,
             needs_cpu_seq_lens,
         )
-        layout, inputs, ops, proto = parts.layout, parts.inputs, parts.ops, parts.protocol
         self.spec: SpecConfig | None = ops.spec
-        lengths = needs_cpu_seq_lens and layout.single_process  # host copies: one process
+        self.layout: MeshLayout = inputs.layout
         ring = None
         if self.spec is not None and self.spec.confidence:
-            ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
-        channel = DebugChannel(layout) if debug else None
+            ring = ConfidenceRing(pool_size, self.layout)
+        channel = DebugChannel(self.layout) if debug else None
         optional = rf.optional(self.spec.fields()) if self.spec is not None else ()
-        host = (channel, lengths, ring, optional, layout.dp, self.spec is not None)
-        self._runtime = MapRuntime(parts.fresh, parts.state, *host)
-        buckets = inputs.token_buckets
-        self._placement = Placement(inputs, proto, self.spec)
-        self._options = compiler_options(parts.platform)
-        build = entry_points(ops, proto, buckets, channel, self._options)
-        self._registry = Registry(build, not_warmed(inputs.batch_buckets, buckets))
+        lengths = needs_cpu_seq_lens and self.layout.single_process  # host copies: one process
+        host = (channel, lengths, ring, optional, self.layout.dp, self.spec is not None)
+        self._runtime = MapRuntime(fresh, state, *host)
+        self._protocol = inputs.protocol
+        self._placement = Placement(inputs, self._protocol, self.spec)
+        self._options = options
+        build = entry_points(ops, self._protocol, inputs.token_buckets, channel, options)
+        self._registry = Registry(build, not_warmed(inputs.batch_buckets, inputs.token_buckets))
         self.ops = ops
-        self._protocol = proto
-        self.layout: MeshLayout = layout
         self.pool_size = pool_size
         self.dtype: np.dtype = inputs.dtype
         self.debug = debug
-        self.protocol: str = proto.name
+        self.protocol: str = self._protocol.name
         self.batch_buckets = inputs.batch_buckets
         self.token_buckets = inputs.token_buckets
-        self.local_ranks: tuple[int, ...] = layout.local_ranks()
+        self.local_ranks: tuple[int, ...] = self.layout.local_ranks()
 
     @property
     @serialized
