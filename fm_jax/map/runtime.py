@@ -13,7 +13,6 @@ import jax
 import numpy as np
 
 from fm_jax.host.decisions import Key, PackSpec, Rows
-from fm_jax.ops.checks import FRESH_PUBLISH
 from fm_jax.ops.errors import FutureMapError, StateLost
 from fm_jax.ops.relay_fields import draft_payload
 from fm_jax.ops.types import FutureMapState, SpecConfig
@@ -40,24 +39,19 @@ Build = Callable[[Key, PackSpec | None, int], Any]
 """An owner's builder: (key, packing layout, engine arguments) -> the family's jitted function."""
 
 
-class Guarded:
-    """A compiled executable that refuses, instead of compiling, arguments it was not
-    built for."""
+def _guarded(compiled: Any, key: Key) -> Callable[..., Any]:
+    """`compiled`, refusing instead of compiling arguments it was not built for."""
 
-    __slots__ = ("compiled", "key")
-
-    def __init__(self, compiled: Any, key: Key) -> None:
-        self.compiled = compiled
-        self.key = key
-
-    def __call__(self, *args: Any) -> Any:
+    def call(*args: Any) -> Any:
         try:
-            return self.compiled(*args)
+            return compiled(*args)
         except (TypeError, ValueError) as e:  # arguments not matched: nothing ran
             raise FutureMapError(
-                f"serving guard: {self.key.describe()} was warmed for other arguments and "
+                f"serving guard: {key.describe()} was warmed for other arguments and "
                 f"would compile again: {e}"
             ) from None
+
+    return call
 
 
 class Registry:
@@ -69,7 +63,7 @@ class Registry:
         self.default = default
         self._jitted: dict[tuple[Any, ...], Any] = {}
         # Per guarded owner: its warmed executables, and the guard's words for the others.
-        self._serving: dict[Build, tuple[dict[tuple[Key, PackSpec | None], Guarded], Any]] = {}
+        self._serving: dict[Build, tuple[dict[tuple[Key, PackSpec | None], Any], Any]] = {}
         self._refusal = refusal
 
     def serve(self, build: Build | None, warmed: Any, refusal: Any = None) -> None:
@@ -77,7 +71,7 @@ class Registry:
         owner = build or self.default
         self._serving.pop(owner, None)
         if warmed is not None:
-            exes = {kp: Guarded(c, kp[0]) for kp, c in warmed.items()}
+            exes = {kp: _guarded(c, kp[0]) for kp, c in warmed.items()}
             self._serving[owner] = (exes, refusal or self._refusal)
 
     def jitted(
@@ -121,8 +115,7 @@ class MapRuntime:
       debug, confidence: the debug channel and the confidence ring, or None.
       copies_lengths, last_published: a publish's lengths are copied to the host
         (`needs_cpu_seq_lens`, one process); the last one's, placed, or None.
-      lost: the StateLost of the call that consumed the state (every op refused with it),
-        or None.
+      lost: the StateLost of the call that consumed the state (every op refused with it).
       unstashed: per DP rank, the optional draft fields no stash has written there since
         the state was made; None once every rank has had each (one check per call).
       armed: debug, spec: per DP rank, whether a publish came since the last read of
@@ -145,17 +138,24 @@ class MapRuntime:
         self._fresh = fresh
         self.optional = optional
         self._dp = dp
-        self.unstashed: list[set[str]] | None = None
-        self._unstash()
-        self.state = state
-        self.lost: StateLost | None = None
         self.step = 0
         self.debug = debug
         self.copies_lengths = bool(copies_lengths)
+        self.armed: list[bool] | None = [] if debug is not None and spec else None
+        self._start(state)
+
+    def _start(self, state: FutureMapState) -> None:
+        """`state`, as made: not lost, no publish yet, no optional field stashed."""
+        self.state = state
+        self.lost: StateLost | None = None
         self.last_published: Published | None = None
-        self.armed: list[bool] | None = None
-        if debug is not None and spec:
-            self.armed = [False] * debug.layout.dp
+        self.unstashed: list[set[str]] | None = None
+        if self.optional:
+            self.unstashed = [set(self.optional) for _ in range(self._dp)]
+        if self.confidence is not None:
+            self.confidence.clear()
+        if self.armed is not None:
+            self.armed = [False] * self._dp
 
     def refuse_if_lost(self) -> None:
         """Raise StateLost (a new instance of the first) while the map is lost."""
@@ -165,18 +165,7 @@ class MapRuntime:
 
     def reset(self) -> None:
         """The initial state again (`FutureMap.reset`); step count and debug errors kept."""
-        self.state = self._fresh()
-        self.lost = None
-        self._unstash()
-        self.last_published = None
-        if self.confidence is not None:
-            self.confidence.clear()
-        if self.armed is not None:
-            self.armed = [False] * len(self.armed)  # as at construction: no publish yet
-
-    def _unstash(self) -> None:
-        """No optional field stashed yet, on any rank."""
-        self.unstashed = [set(self.optional) for _ in range(self._dp)] if self.optional else None
+        self._start(self._fresh())
 
     def stashed(self, idx: Rows, omits: Sequence[str]) -> None:
         """A stash at `idx` wrote every optional field but `omits` on each rank with a row
@@ -199,10 +188,9 @@ class MapRuntime:
         dp = self._dp
         if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
             raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
-        if spec is None:
-            return ()
         relayed = set(self.relayed(int(rank)))
-        return tuple(f.name for f in spec.fields() if f.consumed or f.name in relayed)
+        fields = spec.fields() if spec is not None else ()
+        return tuple(f.name for f in fields if f.consumed or f.name in relayed)
 
     def without_unstashed(self, draft: Any, ranks: Sequence[int]) -> Any:
         """`draft` with None for each optional field no stash has written on any of `ranks`."""
@@ -322,24 +310,6 @@ class MapRuntime:
         """`FutureMap.check`; without debug, nothing to check."""
         if self.debug is not None:
             self.debug.check()
-
-    def read_lengths(self, idx: Rows) -> None:
-        """Debug, spec: a read of lengths at `idx` consumes each rank's last publish, which
-        no read may have consumed before ('fresh publish', SGLang's consume-once wait)."""
-        armed, debug = self.armed, self.debug
-        if armed is None or debug is None:
-            return
-        for d in _ranks_with_rows(idx, len(armed)):
-            if not armed[d]:
-                debug.host_violation(
-                    self.step,
-                    "resolve_seq_lens_cpu",
-                    FRESH_PUBLISH,
-                    "a read of lengths waited for a publish that an earlier read already "
-                    "consumed, or that never came",
-                    d,
-                )
-            armed[d] = False
 
 
 def _ranks_with_rows(idx: Rows, dp: int) -> list[int]:
