@@ -83,21 +83,20 @@ def _to_host(packed: Any) -> np.ndarray:
 
 
 def _raise_all(found: list[InvariantViolation]) -> None:
-    if not found:
-        return
-    first = found[0]
-    if len(found) == 1:
-        raise first
-    lines = "\n".join(f"  {v}" for v in found)
-    raise InvariantViolation(
-        f"{len(found)} FutureMap invariant violations:\n{lines}",
-        invariant=first.invariant,
-        step=first.step,
-        op=first.op,
-        rank=first.rank,
-        violations=found,
-        slots=first.slots,
-    )
+    """Raise the one violation found, or one listing them all (its attributes: the first's)."""
+    if len(found) > 1:
+        first, lines = found[0], "\n".join(f"  {v}" for v in found)
+        raise InvariantViolation(
+            f"{len(found)} FutureMap invariant violations:\n{lines}",
+            invariant=first.invariant,
+            step=first.step,
+            op=first.op,
+            rank=first.rank,
+            violations=found,
+            slots=first.slots,
+        )
+    if found:
+        raise found[0]
 
 
 def raise_if_violated(

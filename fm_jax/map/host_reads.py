@@ -11,6 +11,7 @@ back (a whole step to land) and never waits unless asked.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -26,32 +27,34 @@ from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput
 
 
 def read_published(last: Any, idx: Rows, subset: bool = False) -> np.ndarray | None:
-    """The lengths last published at exactly the slots `idx` (`subset`: host slots looked
-    up among its host slots), or None: other slots, none, or the lengths donated since."""
-    if last is None or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
+    """The lengths last published (`last`: slots, lengths) at exactly the slots `idx`
+    (`subset`: host slots looked up among its host slots), or None: other slots, none, or
+    the lengths donated since."""
+    if last is None:
+        return None
+    published, lens = last
+    if isinstance(lens, jax.Array) and lens.is_deleted():
         return None
     if subset and idx.counts is not None:
-        return _among(last, idx)
-    if last.idx.size != idx.size:
+        return _among(published, lens, idx)
+    if published.size != idx.size:
         return None
-    if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
-        same = idx.array is last.idx.array
+    if idx.counts is None or published.counts is None:  # jax slots: not read, same array
+        same = idx.array is published.array
     else:
-        same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
-    return np.asarray(last.lens) if same else None
+        same = idx.counts == published.counts and np.array_equal(idx.array, published.array)
+    return np.asarray(lens) if same else None
 
 
-def _among(last: Any, idx: Rows) -> np.ndarray | None:
-    """Host slots `idx` looked up, rank by rank, among the live slots of `last`; None when
-    one is not there."""
-    counts = last.idx.counts
-    if counts is None:
+def _among(published: Rows, lens: Any, idx: Rows) -> np.ndarray | None:
+    """Host slots `idx` looked up, rank by rank, among the live slots `published` given with
+    `lens`; None when one is not there."""
+    if published.counts is None or idx.counts is None:
         return None
-    have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
-    want = np.asarray(idx.array)
+    have, lens, want = np.asarray(published.array), np.asarray(lens), np.asarray(idx.array)
     out = np.zeros(want.shape, lens.dtype)
-    s0, s1 = last.idx.size, idx.size
-    for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
+    s0, s1 = published.size, idx.size
+    for d, (n0, n1) in enumerate(zip(published.counts, idx.counts, strict=True)):
         if not n1:
             continue
         if not n0:
@@ -59,10 +62,10 @@ def _among(last: Any, idx: Rows) -> np.ndarray | None:
         slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
         w = want[d * s1 : d * s1 + n1]
         order = np.argsort(slots, kind="stable")
-        at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
-        if not np.array_equal(slots[order[at]], w):
+        pos = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
+        if not np.array_equal(slots[order[pos]], w):
             return None
-        out[d * s1 : d * s1 + n1] = got[order[at]]
+        out[d * s1 : d * s1 + n1] = got[order[pos]]
     return out
 
 
@@ -99,8 +102,7 @@ class ConfidenceRing:
 
     def clear(self) -> None:
         """No publish yet, as at construction."""
-        self._entries: dict[int, list[_Entry | None]] = {d: [None] * DEPTH for d in self.ranks}
-        self._pos = dict.fromkeys(self.ranks, 0)
+        self._entries = {d: deque[_Entry](maxlen=DEPTH) for d in self.ranks}
 
     def generations(self, x: Any, idx: Rows) -> dict[int, np.ndarray]:
         """The host's per-slot generation counters given to a publish ([DP*R] ints, or a
@@ -130,18 +132,15 @@ class ConfidenceRing:
                 blocks[d] = shard.data  # an idle rank: no copy, as in SGLang's per-rank map
         for d, block in blocks.items():
             block.copy_to_host_async()
-            pos = self._pos[d]
-            self._entries[d][pos % DEPTH] = _Entry(block, generation[d])
-            self._pos[d] = pos + 1
+            self._entries[d].append(_Entry(block, generation[d]))
 
     def read(self, rank: int, slots: np.ndarray, wait: bool) -> ResolvedConfidence | None:
         """Rank `rank`'s rows at `slots` from the entry LAG publishes back; None before
         LAG publishes, for no slots, or (unless `wait`) while that entry's copy is not done."""
-        pos = self._pos[rank]
-        if pos < LAG or slots.size == 0:
+        entries = self._entries[rank]
+        if len(entries) < LAG or slots.size == 0:
             return None
-        entry = self._entries[rank][(pos - LAG) % DEPTH]
-        assert entry is not None
+        entry = entries[-LAG]
         if not wait and not entry.rows.is_ready():  # type: ignore[attr-defined]  # not in the stubs
             return None
         block = np.asarray(entry.rows)

@@ -1,13 +1,12 @@
 """A map's state as it serves: the lock, the registry of executables, and `MapRuntime.run`,
-the one way an executable is called on the state (a failure that consumed the donated
-state leaves the map lost: `StateLost` until `reset`)."""
+the one way an executable is called on the state."""
 
 from __future__ import annotations
 
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -99,13 +98,6 @@ class Registry:
         return exe
 
 
-class Published(NamedTuple):
-    """The last publish's slots and lengths, placed (a jax array: its host copy started)."""
-
-    idx: Rows
-    lens: Any
-
-
 class MapRuntime:
     """One map's state as it serves.
 
@@ -114,8 +106,10 @@ class MapRuntime:
       state, step: the current buffers; resolves (and engine steps) so far.
       debug, confidence: the debug channel and the confidence ring, or None.
       copies_lengths, last_published: a publish's lengths are copied to the host
-        (`needs_cpu_seq_lens`, one process); the last one's, placed, or None.
-      lost: the StateLost of the call that consumed the state (every op refused with it).
+        (`needs_cpu_seq_lens`, one process); the last one's (slots, lengths), placed (a jax
+        array: its host copy started), or None.
+      lost: the StateLost of the call that consumed the donated state (every op refused
+        with it until `reset`), or None.
       unstashed: per DP rank, the optional draft fields no stash has written there since
         the state was made; None once every rank has had each (one check per call).
       armed: debug, spec: per DP rank, whether a publish came since the last read of
@@ -148,7 +142,7 @@ class MapRuntime:
         """`state`, as made: not lost, no publish yet, no optional field stashed."""
         self.state = state
         self.lost: StateLost | None = None
-        self.last_published: Published | None = None
+        self.last_published: tuple[Rows, Any] | None = None
         self.unstashed: list[set[str]] | None = None
         if self.optional:
             self.unstashed = [set(self.optional) for _ in range(self._dp)]
@@ -168,15 +162,13 @@ class MapRuntime:
         self._start(self._fresh())
 
     def stashed(self, idx: Rows, omits: Sequence[str]) -> None:
-        """A stash at `idx` wrote every optional field but `omits` on each rank with a row
-        there."""
+        """A stash at `idx` wrote every optional field but `omits` on each rank with a row."""
         pending = self.unstashed
-        if pending is None:
-            return
-        for d in _ranks_with_rows(idx, len(pending)):
-            pending[d].intersection_update(omits)
-        if not any(pending):
-            self.unstashed = None
+        if pending is not None:
+            for d in _ranks_with_rows(idx, len(pending)):
+                pending[d].intersection_update(omits)
+            if not any(pending):
+                self.unstashed = None
 
     def relayed(self, rank: int) -> tuple[str, ...]:
         """The optional fields a stash has written on DP rank `rank`, in declared order."""
@@ -234,16 +226,12 @@ class MapRuntime:
         return out
 
     def _diagnose(
-        self,
-        err: BaseException,
-        call: str,
-        args: Sequence[Any],
-        engine_args: Sequence[Any],
-        donated: Sequence[int],
+        self, err: BaseException, call: str, args: Any, engine_args: Any, donated: Any
     ) -> FutureMapError | None:
         """What a failed call did, in words: StateLost when it consumed the state; a
         FutureMapError naming the argument JAX refused before running; else None."""
-        state = _named_leaves(self.state)
+        state = {k: v for k, v in self.state._asdict().items() if isinstance(v, jax.Array)}
+        state.update({f"extras[{k!r}]": v for k, v in (self.state.extras or {}).items()})
         if any(_deleted(x) for x in state.values()):
             consumed = tuple(
                 i for i in donated if any(map(_deleted, jax.tree.leaves(engine_args[i])))
@@ -301,13 +289,13 @@ class MapRuntime:
                 lens = np.array(lens)
             if idx.counts is not None:
                 idx = idx._replace(array=np.array(idx.array))
-            self.last_published = Published(idx, lens)
+            self.last_published = (idx, lens)
         if self.armed is not None:
             for d in _ranks_with_rows(idx, len(self.armed)):
                 self.armed[d] = True
 
     def check(self) -> None:
-        """`FutureMap.check`; without debug, nothing to check."""
+        """`FutureMap.check` (without debug, nothing to check)."""
         if self.debug is not None:
             self.debug.check()
 
@@ -319,10 +307,3 @@ def _ranks_with_rows(idx: Rows, dp: int) -> list[int]:
 
 def _deleted(x: Any) -> bool:
     return isinstance(x, jax.Array) and x.is_deleted()
-
-
-def _named_leaves(state: FutureMapState) -> dict[str, jax.Array]:
-    """The state's buffers by name (an engine field as 'extras[name]')."""
-    out = {k: v for k, v in state._asdict().items() if isinstance(v, jax.Array)}
-    out.update({f"extras[{k!r}]": v for k, v in (state.extras or {}).items()})
-    return out

@@ -199,11 +199,7 @@ def step_calls(
 
 
 def class_calls(
-    placement: Any,
-    state: Any,
-    *,
-    traced_modes: bool,
-    partial: Sequence[Collection[str]] = (),
+    placement: Any, state: Any, traced_modes: bool, partial: Sequence[Collection[str]]
 ) -> list[Any]:
     """The class's warm-up calls: per batch bucket publish, stash and finish (with
     confidence rows; stash and finish per partial stash), the sentinels of device slots
