@@ -175,10 +175,9 @@ class DebugChannel:
 
     def _failures(self) -> list[InvariantViolation]:
         """The pending errors fetched to the host (one transfer each), as violations."""
-        host = [_to_host(packed) for _, _, packed in self._pending]
         found = []
-        for (step, op, _), h in zip(self._pending, host, strict=True):
-            msg = self.unpack(h).get()
+        for step, op, packed in self._pending:
+            msg = self.unpack(_to_host(packed)).get()
             if msg is not None:
                 found += _violations(msg, step, op, self.layout)
         return found
