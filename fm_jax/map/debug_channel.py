@@ -28,6 +28,23 @@ _MAPPED = re.compile(r"^at mapped index (\d+): (.*)$")
 _INVARIANT = re.compile(r"^\[([^\]]+)\]")
 
 
+def _violation(line: str, step: int | None, op: str, rank: int | None) -> InvariantViolation:
+    """One failed check's `line` ('[invariant] text') as a violation at `step`, `op` and
+    DP rank `rank` (None: the map has one)."""
+    inv, slot = _INVARIANT.match(line), SLOT_NAMED.search(line)
+    where = f"DP rank {rank}, " if rank is not None else ""
+    where += "" if step is None else f"step {step}, "
+    where += f"{op}: " if op else ""
+    return InvariantViolation(
+        f"FutureMap invariant violated at {where}{line}",
+        invariant=inv.group(1) if inv else "",
+        step=step,
+        op=op,
+        rank=rank,
+        slots=[int(slot.group(1))] if slot else [],
+    )
+
+
 def _violations(
     msg: str, step: int | None, op: str, layout: MeshLayout | None
 ) -> list[InvariantViolation]:
@@ -43,22 +60,9 @@ def _violations(
                 rank = layout.rank_of(layout.mesh.devices.flat[int(m.group(1))])
         elif out:
             continue  # a continuation line of the previous message
-        if rank in out:
-            continue
-        named = rank if layout is not None and layout.dp > 1 else None
-        inv = _INVARIANT.match(line)
-        slot = SLOT_NAMED.search(line)
-        where = f"DP rank {named}, " if named is not None else ""
-        where += "" if step is None else f"step {step}, "
-        where += f"{op}: " if op else ""
-        out[rank] = InvariantViolation(
-            f"FutureMap invariant violated at {where}{line}",
-            invariant=inv.group(1) if inv else "",
-            step=step,
-            op=op,
-            rank=named,
-            slots=[int(slot.group(1))] if slot else [],
-        )
+        if rank not in out:
+            named = rank if layout is not None and layout.dp > 1 else None
+            out[rank] = _violation(line, step, op, named)
     return list(out.values())
 
 
@@ -79,21 +83,20 @@ def _to_host(packed: Any) -> np.ndarray:
 
 
 def _raise_all(found: list[InvariantViolation]) -> None:
-    if not found:
-        return
-    first = found[0]
-    if len(found) == 1:
-        raise first
-    lines = "\n".join(f"  {v}" for v in found)
-    raise InvariantViolation(
-        f"{len(found)} FutureMap invariant violations:\n{lines}",
-        invariant=first.invariant,
-        step=first.step,
-        op=first.op,
-        rank=first.rank,
-        violations=found,
-        slots=first.slots,
-    )
+    """Raise the one violation found, or one listing them all (its attributes: the first's)."""
+    if len(found) > 1:
+        first, lines = found[0], "\n".join(f"  {v}" for v in found)
+        raise InvariantViolation(
+            f"{len(found)} FutureMap invariant violations:\n{lines}",
+            invariant=first.invariant,
+            step=first.step,
+            op=first.op,
+            rank=first.rank,
+            violations=found,
+            slots=first.slots,
+        )
+    if found:
+        raise found[0]
 
 
 def raise_if_violated(
@@ -170,15 +173,14 @@ class DebugChannel:
         """How many op errors wait for `check()` (on device, or fetched and failed)."""
         return len(self._pending) + len(self._failed)
 
-    def _failures(self) -> list[tuple[int, str, Any, str]]:
-        """The pending entries that hold a failure, fetched to the host, with messages."""
-        host = [_to_host(packed) for _, _, packed in self._pending]
-        out = []
-        for (step, op, _), h in zip(self._pending, host, strict=True):
-            msg = self.unpack(h).get()
+    def _failures(self) -> list[InvariantViolation]:
+        """The pending errors fetched to the host (one transfer each), as violations."""
+        found = []
+        for step, op, packed in self._pending:
+            msg = self.unpack(_to_host(packed)).get()
             if msg is not None:
-                out.append((step, op, h, msg))
-        return out
+                found += _violations(msg, step, op, self.layout)
+        return found
 
     def _flush(self) -> None:
         """Fetch the pending errors and keep only the failed ones (a host sync). Never
@@ -187,9 +189,7 @@ class DebugChannel:
             failed = self._failures()
         except Exception:  # noqa: BLE001  # reported by check(), not by this op
             return
-        self._failed += [
-            v for step, op, _, msg in failed for v in _violations(msg, step, op, self.layout)
-        ]
+        self._failed += failed
         self._pending = []
 
     def host_violation(
@@ -199,26 +199,13 @@ class DebugChannel:
         every op error pending before it (a host sync), for `check()` in op order."""
         self._flush()
         named = rank if self.layout.dp > 1 else None
-        where = f"DP rank {named}, " if named is not None else ""
-        self._failed.append(
-            InvariantViolation(
-                f"FutureMap invariant violated at {where}step {step}, {op}: [{invariant}] {text}",
-                invariant=invariant,
-                step=step,
-                op=op,
-                rank=named,
-            )
-        )
+        self._failed.append(_violation(f"[{invariant}] {text}", step, op, named))
 
     def check(self) -> None:
         """Raise InvariantViolation listing every failed check since the last call, in op
         order (a host sync); the pending list is cleared only once all are translated."""
         if not self._pending and not self._failed:
             return
-        found = self._failed + [
-            v
-            for step, op, _, msg in self._failures()
-            for v in _violations(msg, step, op, self.layout)
-        ]
+        found = self._failed + self._failures()
         self._pending, self._failed = [], []
         _raise_all(found)

@@ -1,30 +1,26 @@
 """Executables: what the class jits (`entry_points`, one function per key family), a step's
-tail, the XLA options, and `assemble`: a map's parts from its constructor's arguments."""
+tail (`tail`, the class's finish and every engine step's), and the XLA options."""
 
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
-from jax.sharding import Mesh
 
-from fm_jax.host import buckets as bk
 from fm_jax.host.buckets import decode_ids
 from fm_jax.host.decisions import FIXED_MODES, Key, PackSpec
-from fm_jax.host.host_inputs import HostInputs
 from fm_jax.ops import checks
 from fm_jax.ops import relay_fields as rf
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.ops import FutureMapOps, future_map, lift
-from fm_jax.ops.protocol import Protocol, parse_protocol
-from fm_jax.ops.relay_fields import payload_rows
+from fm_jax.ops.ops import FutureMapOps, future_map
+from fm_jax.ops.protocol import Protocol
 from fm_jax.ops.rows import gather
-from fm_jax.ops.sharding import MeshLayout, check_split, mesh_layout, single_device_layout
-from fm_jax.ops.types import Batch, FutureMapState, SpecConfig
+from fm_jax.ops.sharding import check_split
+from fm_jax.ops.types import Batch, FutureMapState
 
 CPU_PARALLEL_TASK_PASS = "cpu-parallel-task-assigner"
 """The XLA:CPU pass that splits instructions over threads (by bytes, not by work)."""
@@ -138,7 +134,7 @@ def tail(
             _check_owned(what, "new_seq_lens", new_seq_lens, state.new_seq_lens)
         else:
             rows.append(("new_seq_lens", new_seq_lens))
-        relayed = payload_rows(local.spec, payload)
+        relayed = rf.payload_rows(local.spec, payload)
         if own_tokens:  # the tokens are the payload's first entry
             _check_owned(what, "output_tokens", relayed.pop(0)[1], state.output_tokens)
         check_split(layout, what, [*rows, *relayed])
@@ -167,58 +163,6 @@ def _sentinels(
     return protocol.sentinels(indices.astype(dtype), decode_ids(indices.shape[0], token_buckets))
 
 
-def _op_body(
-    ops: FutureMapOps,
-    key: Key,
-    protocol: Protocol,
-    token_buckets: tuple[int, ...],
-    debug: bool,
-) -> Any:
-    """The function a key's family jits, over global arrays."""
-    local = ops.local
-    assert local is not None  # the class's ops are always lifted (a layout)
-    if key.op == "resolve":
-        fixed = FIXED_MODES.get(key.mode)
-
-        def resolve(state: FutureMapState, batch: Batch) -> Any:
-            if fixed is not None:
-                batch = batch._replace(forward_mode=fixed)
-            out = ops.resolve(state, batch)
-            # Without debug resolve only reads: a state returned undonated would be copied.
-            return out if debug else out[1]
-
-        return resolve
-    if key.op == "sentinels":  # device slots' (host slots' are made on the host)
-
-        def local_sentinels(indices: jax.Array) -> Any:
-            if debug:  # each rank's slots checked as every op's are
-                chk = checks.OpChecks()
-                checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
-                chk.run()
-            return _sentinels(protocol, indices, local.dtype, token_buckets)
-
-        mapped = ops.map_ranks(local_sentinels)
-        return lambda state, indices: mapped(indices)  # the state only read: not donated
-    if key.op == "finish":
-        finish = tail(ops, protocol, token_buckets)
-        return with_confidence_copy(finish) if key.confidence else finish
-    if key.op == "publish" and key.confidence:
-        return with_confidence_copy(ops.publish)
-    return {"publish": ops.publish, "stash": ops.stash, "seq_lens_at": ops.seq_lens_at}[key.op]
-
-
-def with_confidence_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` (a publish, or a tail: the state first) returning also a copy of the
-    confidence buffer it wrote, for the host ring (the state is donated to the next op)."""
-
-    def both(*args: Any) -> Any:
-        out = fn(*args)
-        state = out if isinstance(out, FutureMapState) else out[0]
-        return out, state.confidence  # XLA gives each output a buffer of its own
-
-    return both
-
-
 def entry_points(
     ops: FutureMapOps,
     protocol: Protocol,
@@ -226,18 +170,53 @@ def entry_points(
     debug: Any,
     options: dict[str, str],
 ) -> Callable[[Key, PackSpec | None, int], Any]:
-    """The builder of the class's jitted entry points, the state donated where the op
-    writes it; with a debug channel `debug`, each returns (packed error, outputs)."""
-    layout: MeshLayout = ops.layout  # type: ignore[assignment]  # always lifted
+    """The builder of the class's jitted entry points over global arrays, the state donated
+    where the op writes it; with a debug channel `debug`, each returns (packed error,
+    outputs). A publish or finish with confidence rows returns also a copy of the
+    confidence buffer it wrote, for the host ring (the state is donated to the next op)."""
+    local, layout = ops.local, ops.layout
+    assert local is not None and layout is not None  # the class's ops are always lifted
     sh = layout.sharding
     # The traced mode (a scalar, or one per rank) is replicated: each rank slices its own.
     batch_sh: Any = Batch(layout.replicated, sh, sh, sh, sh, sh)  # type: ignore[arg-type]
 
+    def local_sentinels(indices: jax.Array) -> Any:
+        if debug is not None:  # each rank's slots checked as every op's are
+            chk = checks.OpChecks()
+            checks.valid_slots("indices", indices, local.pool_size, local.dtype, chk)
+            chk.run()
+        return _sentinels(protocol, indices, local.dtype, token_buckets)
+
+    def body(key: Key) -> Callable[..., Any]:
+        if key.op == "resolve":
+            fixed = FIXED_MODES.get(key.mode)
+
+            def resolve(state: FutureMapState, batch: Batch) -> Any:
+                if fixed is not None:
+                    batch = batch._replace(forward_mode=fixed)
+                out = ops.resolve(state, batch)
+                # Without debug resolve only reads: a state returned undonated would be copied.
+                return out if debug is not None else out[1]
+
+            return resolve
+        if key.op == "sentinels":  # device slots' (host slots' are made on the host)
+            mapped = ops.map_ranks(local_sentinels)
+            return lambda state, indices: mapped(indices)  # the state only read: not donated
+        # publish, stash and seq_lens_at: the lifted ops themselves
+        fn = tail(ops, protocol, token_buckets) if key.op == "finish" else getattr(ops, key.op)
+        if not key.confidence:
+            return fn
+
+        def with_copy(*args: Any) -> Any:
+            out = fn(*args)
+            state = out[0] if key.op == "finish" else out  # finish: (state, sentinels)
+            return out, state.confidence  # XLA gives each output a buffer of its own
+
+        return with_copy
+
     def build(key: Key, pack: PackSpec | None, nargs: int = 0) -> Any:
-        fn = _op_body(ops, key, protocol, token_buckets, debug is not None)
-        if debug is not None:
-            fn = debug.checked(fn)
         assert pack is None, "a class call is fed placed arrays"
+        fn = body(key) if debug is None else debug.checked(body(key))
         # The ops that write the state take it donated (resolve in debug: the poison).
         writes = key.op in ("publish", "stash", "finish") or (debug and key.op == "resolve")
         donate = (0,) if writes else ()
@@ -245,78 +224,3 @@ def entry_points(
         return jax.jit(fn, in_shardings=shardings, donate_argnums=donate, compiler_options=options)
 
     return build
-
-
-class MapParts(NamedTuple):
-    """What a map is built from (`FutureMap` assembles the rest)."""
-
-    layout: MeshLayout
-    ops: FutureMapOps
-    inputs: HostInputs
-    protocol: Protocol
-    fresh: Callable[[], FutureMapState]
-    state: FutureMapState
-    platform: str
-
-
-def assemble(
-    pool_size: int,
-    mesh: Mesh | None,
-    dp_axis: str | None,
-    tp_axis: str | None,
-    dtype: Any,
-    spec: SpecConfig | None,
-    debug: bool,
-    batch_buckets: Any,
-    token_buckets: Any,
-    device: Any,
-    protocol: str,
-    needs_cpu_seq_lens: bool,
-) -> MapParts:
-    """A map's parts from `FutureMap`'s arguments (documented there), each checked."""
-    if mesh is not None and device is not None:
-        raise FutureMapError("pass a mesh or a device, not both")
-    if device is not None and not isinstance(device, jax.Device):
-        raise FutureMapError(f"device must be a jax.Device, got {device!r}")
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    layout = (
-        single_device_layout(device or jax.devices()[0])
-        if mesh is None
-        else mesh_layout(mesh, dp_axis, tp_axis)
-    )
-    local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
-    platform = layout.mesh.devices.flat[0].platform
-    if local.spec is not None and local.spec.kernel == "pallas" and platform not in ("cpu", "gpu"):
-        raise FutureMapError(
-            f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
-            f"lowering for {platform}; use kernel='xla'"
-        )
-    ops = lift(local, layout)
-    proto = parse_protocol(local.protocol)
-    batch_buckets = bk.normalize_buckets(
-        bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
-    )
-    token_buckets = bk.normalize_buckets(
-        bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
-    )
-    if token_buckets[-1] < batch_buckets[-1]:
-        raise FutureMapError(
-            f"token_buckets {token_buckets} must reach the largest batch bucket "
-            f"{batch_buckets[-1]}: a batch of B rows carries at least B tokens (a DECODE "
-            "row one), so the largest token bucket must be >= the largest batch bucket "
-            "(or a resolve of those rows, and warm_up, could not be placed)"
-        )
-    inputs = HostInputs(layout, pool_size, local.dtype, batch_buckets, token_buckets, proto)
-    fresh: Callable[[], FutureMapState] = jax.jit(ops.init, out_shardings=layout.sharding)
-    try:
-        state = fresh()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise FutureMapError(
-            f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
-        ) from None
-    if not isinstance(needs_cpu_seq_lens, bool):
-        raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
-    return MapParts(layout, ops, inputs, proto, fresh, state, platform)

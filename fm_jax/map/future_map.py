@@ -13,19 +13,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from fm_jax.host import buckets as bk
 from fm_jax.host.decisions import Key, Placed
+from fm_jax.host.host_inputs import HostInputs
 from fm_jax.host.place import Placement
-from fm_jax.host.validate import StepInput
 from fm_jax.map import host_reads
 from fm_jax.map.debug_channel import DebugChannel
-from fm_jax.map.engine_step import EngineStep, Forward
-from fm_jax.map.executables import assemble, compiler_options, entry_points, tail
+from fm_jax.map.engine_step import EngineStep, Forward, StepInput
+from fm_jax.map.executables import compiler_options, entry_points, tail
 from fm_jax.map.host_reads import ConfidenceRing, ResolvedConfidence
 from fm_jax.map.runtime import MapRuntime, Registry, serialized
 from fm_jax.map.warm_up import WarmUpReport, class_calls, not_warmed, step_calls, warm
 from fm_jax.ops import errors
 from fm_jax.ops import relay_fields as rf
-from fm_jax.ops.sharding import MeshLayout
+from fm_jax.ops.errors import FutureMapError
+from fm_jax.ops.ops import future_map, lift
+from fm_jax.ops.protocol import parse_protocol
+from fm_jax.ops.sharding import MeshLayout, mesh_layout, single_device_layout
 from fm_jax.ops.types import (
     Batch,
     DraftPayload,
@@ -45,23 +49,22 @@ Payload = RowsInput | DraftPayload | Mapping[int, DraftPayload]
 class FutureMap:
     """A FutureMap that holds its state and updates it in place through donated jitted ops.
 
-    Host arrays are checked and padded to a bucket per DP rank; a mapping DP rank -> host
-    rows feeds a mesh's ranks. Outputs are global arrays padded per rank (`fm_jax.per_rank`
-    splits them). One lock per map; debug errors wait for `check()`. A failure after the
-    state was donated raises `StateLost` until `reset()` (CONTRACT.md, 'Donation and
-    lifetimes').
+    Host arrays are checked and padded to a bucket per DP rank (a mapping DP rank -> host
+    rows feeds a mesh's ranks); outputs are global arrays padded per rank (`fm_jax.per_rank`
+    splits them). One lock per map; debug errors wait for `check()`; a failure after the
+    donation raises `StateLost` until `reset()` (CONTRACT.md, 'Donation and lifetimes').
 
     Args:
       pool_size: R, slots per DP rank (max running requests + 1, R - 1 fits `dtype`).
-      mesh: a `jax.sharding.Mesh` for one pool per DP rank; None: one device.
+      mesh: a `jax.sharding.Mesh` for one pool per DP rank; None: one device, `device`
+        (default JAX's default device).
       dp_axis, tp_axis: the mesh's data-parallel axis (None: one pool replicated) and
         tensor-parallel axis (buffers replicated on it), or None.
       dtype: int32 (default) or int64 (needs JAX's x64 mode).
       spec: static shapes of the spec extras, or None.
       debug: consume tracking and invariant checks.
-      batch_buckets: allowed per-rank batch sizes; default powers of two up to 1024.
-      token_buckets: allowed per-rank flat token counts; default powers of two up to 8192.
-      device: without a mesh, where the buffers live; default JAX's default device.
+      batch_buckets, token_buckets: allowed per-rank batch sizes and flat token counts;
+        default powers of two up to 1024 and 8192.
       protocol: 'sentinel' (default) or 'gather' (docs/CONTRACT.md, 'Two protocols').
       needs_cpu_seq_lens: each publish starts copying its lengths to the host, so that
         `resolve_seq_lens_cpu` waits for that step only.
@@ -83,45 +86,65 @@ class FutureMap:
         protocol: str = "sentinel",
         needs_cpu_seq_lens: bool = True,
     ) -> None:
-        parts = assemble(
-            pool_size,
-            mesh,
-            dp_axis,
-            tp_axis,
-            dtype,
-            spec,
-            debug,
-            batch_buckets,
-            token_buckets,
-            device,
-            protocol,
-            needs_cpu_seq_lens,
+        if mesh is not None and device is not None:
+            raise FutureMapError("pass a mesh or a device, not both")
+        if device is not None and not isinstance(device, jax.Device):
+            raise FutureMapError(f"device must be a jax.Device, got {device!r}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+        if mesh is None:
+            self.layout: MeshLayout = single_device_layout(device or jax.devices()[0])
+        else:
+            self.layout = mesh_layout(mesh, dp_axis, tp_axis)
+        local = future_map(pool_size, dtype=dtype, spec=spec, debug=debug, protocol=protocol)
+        self.spec: SpecConfig | None = local.spec
+        platform = self.layout.mesh.devices.flat[0].platform
+        pallas = self.spec is not None and self.spec.kernel == "pallas"
+        if pallas and platform not in ("cpu", "gpu"):
+            raise FutureMapError(
+                f"spec.kernel='pallas' is a Triton kernel (GPU; on CPU interpreted): no "
+                f"lowering for {platform}; use kernel='xla'"
+            )
+        self.ops = ops = lift(local, self.layout)
+        self._protocol = parse_protocol(local.protocol)
+        batches = bk.normalize_buckets(
+            bk.power_of_two_buckets(1024) if batch_buckets is None else batch_buckets
         )
-        layout, inputs, ops, proto = parts.layout, parts.inputs, parts.ops, parts.protocol
-        self.spec: SpecConfig | None = ops.spec
-        lengths = needs_cpu_seq_lens and layout.single_process  # host copies: one process
-        ring = None
-        if self.spec is not None and self.spec.confidence:
-            ring = ConfidenceRing(pool_size, layout.dp, layout.rank_of, layout.local_ranks())
-        channel = DebugChannel(layout) if debug else None
-        optional = rf.optional(self.spec.fields()) if self.spec is not None else ()
-        host = (channel, lengths, ring, optional, layout.dp, self.spec is not None)
-        self._runtime = MapRuntime(parts.fresh, parts.state, *host)
-        buckets = inputs.token_buckets
-        self._placement = Placement(inputs, proto, self.spec)
-        self._options = compiler_options(parts.platform)
-        build = entry_points(ops, proto, buckets, channel, self._options)
-        self._registry = Registry(build, not_warmed(inputs.batch_buckets, buckets))
-        self.ops = ops
-        self._protocol = proto
-        self.layout: MeshLayout = layout
-        self.pool_size = pool_size
-        self.dtype: np.dtype = inputs.dtype
-        self.debug = debug
-        self.protocol: str = proto.name
-        self.batch_buckets = inputs.batch_buckets
-        self.token_buckets = inputs.token_buckets
-        self.local_ranks: tuple[int, ...] = layout.local_ranks()
+        tokens = bk.normalize_buckets(
+            bk.power_of_two_buckets(8192) if token_buckets is None else token_buckets
+        )
+        if tokens[-1] < batches[-1]:
+            raise FutureMapError(
+                f"token_buckets {tokens} must reach the largest batch bucket "
+                f"{batches[-1]}: a batch of B rows carries at least B tokens (a DECODE "
+                "row one), so the largest token bucket must be >= the largest batch bucket "
+                "(or a resolve of those rows, and warm_up, could not be placed)"
+            )
+        inputs = HostInputs(self.layout, pool_size, local.dtype, batches, tokens, self._protocol)
+        fresh: Callable[[], FutureMapState] = jax.jit(ops.init, out_shardings=self.layout.sharding)
+        try:
+            state = fresh()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise FutureMapError(
+                f"pool_size {pool_size}: the buffers do not fit the device's memory ({e})"
+            ) from None
+        if not isinstance(needs_cpu_seq_lens, bool):
+            raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
+        spec, channel = self.spec, DebugChannel(self.layout) if debug else None
+        ring = ConfidenceRing(pool_size, self.layout) if spec and spec.confidence else None
+        optional = rf.optional(spec.fields()) if spec is not None else ()
+        lengths = needs_cpu_seq_lens and self.layout.single_process  # host copies: one process
+        host = (channel, lengths, ring, optional, self.layout.dp, spec is not None)
+        self._runtime = MapRuntime(fresh, state, *host)
+        self._placement = Placement(inputs, self._protocol, self.spec)
+        self._options = compiler_options(platform)
+        build = entry_points(ops, self._protocol, tokens, channel, self._options)
+        self._registry = Registry(build, not_warmed(batches, tokens))
+        self.pool_size, self.dtype, self.debug = pool_size, inputs.dtype, debug
+        self.protocol, self.local_ranks = self._protocol.name, self.layout.local_ranks()
+        self.batch_buckets, self.token_buckets = batches, tokens
 
     @property
     @serialized
@@ -155,7 +178,7 @@ class FutureMap:
         return {k.name: self._registry.jitted(k) for k in keys}
 
     def _run(self, placed: Placed, op: str, *, new_step: bool = False) -> Any:
-        """Placed call `placed` on its executable; its debug error recorded as `op`'s."""
+        """`placed` run on its executable, its debug error recorded as `op`'s."""
         exe = self._registry.executable(placed.key, placed.pack)
         ops = (op,) if self.debug else ()
         return self._runtime.run(exe, placed.args, ops, call=op, new_step=new_step)
@@ -186,9 +209,7 @@ class FutureMap:
           partial_stashes: spec: each partial stash the engine makes, as the names of the
             fields its drafts give (e.g. `[("bonus_tokens",)]`).
         """
-        calls = class_calls(
-            self._placement, self._runtime.state, traced_modes=traced_modes, partial=partial_stashes
-        )
+        calls = class_calls(self._placement, self._runtime.state, traced_modes, partial_stashes)
         summary = warm(self._registry, calls, guard=guard, threads=threads)
         _log.info("%s", summary)
         return summary
@@ -203,8 +224,7 @@ class FutureMap:
         host_ring: int = 4,
         compiler_options: Mapping[str, Any] | None = None,
     ) -> EngineStep:
-        """The engine's jitted step with this map's relay inside (`EngineStep`), one
-        dispatch per step.
+        """The engine's jitted step with this map's relay inside: one dispatch per step.
 
         Args:
           forward: `(resolved, batch, inputs, *args) -> StepOutput`, traced in the step.
@@ -281,16 +301,14 @@ class FutureMap:
     def _tail(
         self, op: str, indices: Any, lens: Any, payload: Any, rows: Any, confidence: Any, gen: Any
     ) -> tuple[Any, Any]:
-        """Publish, stash or finish placed and run, with its host bookkeeping; returns the
-        slots as placed and finish's sentinels."""
+        """Publish, stash or finish run, with its host bookkeeping: (slots, finish's sentinels)."""
         runtime = self._runtime
         if gen is not None and confidence is None:
             raise errors.generation_without_confidence(op, runtime.confidence is not None)
         placed = self._placement.tail(op, indices, lens, payload, rows, confidence=confidence)
         gens = copied = sentinels = None
-        if confidence is not None:
-            assert runtime.confidence is not None  # placement refuses it undeclared
-            gens = runtime.confidence.generations(gen, placed.idx)  # checked before a run
+        if confidence is not None:  # declared (placement refuses it otherwise): checked first
+            gens = runtime.confidence.generations(gen, placed.idx)
         if placed.idx.empty:
             return placed.idx, None
         out = self._run(placed, op)
@@ -313,8 +331,8 @@ class FutureMap:
         rows: int | None = None,
         tokens: int | None = None,
     ) -> Resolved:
-        """Fill the batch's placeholders from the buffers, a new step: the Resolved global
-        arrays, padded per rank to the buckets.
+        """A new step: the batch's placeholders filled from the buffers, global arrays
+        padded per rank to the buckets.
 
         Args:
           batch: a Batch, its `forward_mode` a host ForwardMode or a jax int32 array

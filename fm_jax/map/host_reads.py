@@ -1,5 +1,4 @@
-"""A map's reads on the host (`FutureMap.resolve_*_cpu`, under its lock) and the copies the
-device starts for them.
+"""A map's reads on the host (`FutureMap.resolve_*_cpu`, under its lock).
 
 Lengths: a publish starts the host copy of its lengths and the runtime keeps it with its
 slots (as SGLang copies them on a side stream); a read of those slots takes the copy,
@@ -12,6 +11,7 @@ back (a whole step to land) and never waits unless asked.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -20,41 +20,41 @@ import numpy as np
 
 from fm_jax.host.decisions import Placed, Rows
 from fm_jax.host.place import Placement
-from fm_jax.ops.checks import host_mode
+from fm_jax.ops.checks import FRESH_PUBLISH, host_mode
 from fm_jax.ops.errors import FutureMapError
-from fm_jax.ops.sharding import per_rank
+from fm_jax.ops.sharding import MeshLayout, per_rank
 from fm_jax.ops.types import Batch, ForwardMode, MixedTails, RowsInput
 
 
 def read_published(last: Any, idx: Rows, subset: bool = False) -> np.ndarray | None:
-    """The lengths last published at exactly the slots `idx` (`subset`: at host slots
-    among them), or None: other slots, or none."""
-    if subset and last is not None and idx.counts is not None:
-        return _among(last, idx)
-    if last is None or last.idx.size != idx.size:
+    """The lengths last published (`last`: slots, lengths) at exactly the slots `idx`
+    (`subset`: host slots looked up among its host slots), or None: other slots, none, or
+    the lengths donated since."""
+    if last is None:
         return None
-    if idx.counts is None or last.idx.counts is None:  # jax slots: not read, same array
-        same = idx.array is last.idx.array
+    published, lens = last
+    if isinstance(lens, jax.Array) and lens.is_deleted():
+        return None
+    if subset and idx.counts is not None:
+        return _among(published, lens, idx)
+    if published.size != idx.size:
+        return None
+    if idx.counts is None or published.counts is None:  # jax slots: not read, same array
+        same = idx.array is published.array
     else:
-        same = idx.counts == last.idx.counts and np.array_equal(idx.array, last.idx.array)
-    if not same or (isinstance(last.lens, jax.Array) and last.lens.is_deleted()):
-        return None  # other slots, or the caller's array donated since: the buffer
-    return np.asarray(last.lens)
+        same = idx.counts == published.counts and np.array_equal(idx.array, published.array)
+    return np.asarray(lens) if same else None
 
 
-def _among(last: Any, idx: Rows) -> np.ndarray | None:
-    """Host slots `idx` looked up, rank by rank, among the live slots of `last`; None when
-    one is not there or the lengths were donated since."""
-    counts = last.idx.counts
-    if counts is None or idx.counts is None:
+def _among(published: Rows, lens: Any, idx: Rows) -> np.ndarray | None:
+    """Host slots `idx` looked up, rank by rank, among the live slots `published` given with
+    `lens`; None when one is not there."""
+    if published.counts is None or idx.counts is None:
         return None
-    if isinstance(last.lens, jax.Array) and last.lens.is_deleted():
-        return None
-    have, lens = np.asarray(last.idx.array), np.asarray(last.lens)
-    want = np.asarray(idx.array)
+    have, lens, want = np.asarray(published.array), np.asarray(lens), np.asarray(idx.array)
     out = np.zeros(want.shape, lens.dtype)
-    s0, s1 = last.idx.size, idx.size
-    for d, (n0, n1) in enumerate(zip(counts, idx.counts, strict=True)):
+    s0, s1 = published.size, idx.size
+    for d, (n0, n1) in enumerate(zip(published.counts, idx.counts, strict=True)):
         if not n1:
             continue
         if not n0:
@@ -62,10 +62,10 @@ def _among(last: Any, idx: Rows) -> np.ndarray | None:
         slots, got = have[d * s0 : d * s0 + n0], lens[d * s0 : d * s0 + n0]
         w = want[d * s1 : d * s1 + n1]
         order = np.argsort(slots, kind="stable")
-        at = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
-        if not np.array_equal(slots[order[at]], w):
+        pos = np.clip(np.searchsorted(slots, w, sorter=order), 0, n0 - 1)
+        if not np.array_equal(slots[order[pos]], w):
             return None
-        out[d * s1 : d * s1 + n1] = got[order[at]]
+        out[d * s1 : d * s1 + n1] = got[order[pos]]
     return out
 
 
@@ -91,28 +91,18 @@ class _Entry(NamedTuple):
 
 
 class ConfidenceRing:
-    """One map's ring per DP rank of this process (`ranks`), of R = `pool_size` slots per
-    rank, `dp` ranks in all; `rank_of` the DP rank a device holds."""
+    """One map's ring per DP rank of this process, of R = `pool_size` slots per rank."""
 
-    def __init__(
-        self, pool_size: int, dp: int, rank_of: Callable[[Any], int], ranks: tuple[int, ...]
-    ) -> None:
+    def __init__(self, pool_size: int, layout: MeshLayout) -> None:
         self.pool_size = pool_size
-        self.dp = dp
-        self.rank_of = rank_of
-        self._rank: dict[Any, int] = {}  # device -> its DP rank
-        self._entries: dict[int, list[_Entry | None]] = {d: [None] * DEPTH for d in ranks}
-        self._pos = dict.fromkeys(ranks, 0)
+        self.dp = layout.dp
+        self._rank = {dev: layout.rank_of(dev) for dev in layout.mesh.local_devices}
+        self.ranks = layout.local_ranks()
+        self.clear()
 
     def clear(self) -> None:
         """No publish yet, as at construction."""
-        self._entries = {d: [None] * DEPTH for d in self._entries}
-        self._pos = dict.fromkeys(self._entries, 0)
-
-    @property
-    def ranks(self) -> list[int]:
-        """The local DP ranks the ring serves."""
-        return list(self._entries)
+        self._entries = {d: deque[_Entry](maxlen=DEPTH) for d in self.ranks}
 
     def generations(self, x: Any, idx: Rows) -> dict[int, np.ndarray]:
         """The host's per-slot generation counters given to a publish ([DP*R] ints, or a
@@ -125,37 +115,32 @@ class ConfidenceRing:
             )
         if isinstance(x, Mapping):
             parts = {d: _ints(f"generation[rank {d}]", v, r) for d, v in x.items()}
-            missing = {d for d in self._entries if idx.has_rows(d)} - set(parts)
+            missing = {d for d in self.ranks if idx.has_rows(d)} - set(parts)
             if missing:
                 raise FutureMapError(f"generation has no counters for DP rank(s) {sorted(missing)}")
             return parts
         a = _ints("generation", x, self.dp * r)
-        return {d: a[d * r : (d + 1) * r] for d in self._entries}
+        return {d: a[d * r : (d + 1) * r] for d in self.ranks}
 
     def issue(self, rows: jax.Array, generation: Mapping[int, np.ndarray], idx: Rows) -> None:
         """A publish wrote confidence rows at `idx` and returned the buffer `rows`: each
         local rank with rows there rings its block, its host copy started."""
         blocks: dict[int, jax.Array] = {}
         for shard in rows.addressable_shards:  # one replica per rank
-            d = self._rank.get(shard.device)
-            if d is None:
-                d = self._rank[shard.device] = self.rank_of(shard.device)
-            if d not in blocks and d in self._entries and idx.has_rows(d):
+            d = self._rank[shard.device]
+            if d not in blocks and idx.has_rows(d):
                 blocks[d] = shard.data  # an idle rank: no copy, as in SGLang's per-rank map
         for d, block in blocks.items():
             block.copy_to_host_async()
-            pos = self._pos[d]
-            self._entries[d][pos % DEPTH] = _Entry(block, generation[d])
-            self._pos[d] = pos + 1
+            self._entries[d].append(_Entry(block, generation[d]))
 
     def read(self, rank: int, slots: np.ndarray, wait: bool) -> ResolvedConfidence | None:
         """Rank `rank`'s rows at `slots` from the entry LAG publishes back; None before
         LAG publishes, for no slots, or (unless `wait`) while that entry's copy is not done."""
-        pos = self._pos[rank]
-        if pos < LAG or slots.size == 0:
+        entries = self._entries[rank]
+        if len(entries) < LAG or slots.size == 0:
             return None
-        entry = self._entries[rank][(pos - LAG) % DEPTH]
-        assert entry is not None
+        entry = entries[-LAG]
         if not wait and not entry.rows.is_ready():  # type: ignore[attr-defined]  # not in the stubs
             return None
         block = np.asarray(entry.rows)
@@ -192,18 +177,30 @@ def _ints(name: str, x: Any, n: int) -> np.ndarray:
 
 Lengths = np.ndarray | dict[int, np.ndarray]
 Run = Callable[[Placed, str], Any]
-"""The map's call of a placed op on its executable: `run(placed, op)` (passed with each
-read, not held: no reference cycle)."""
+"""The map's `run(placed, op)` (passed with each read, not held: no reference cycle)."""
 
 
 def seq_lens(
     placement: Placement, runtime: Any, run: Run, indices: RowsInput, rows: int | None
 ) -> Lengths:
-    """`FutureMap.resolve_seq_lens_cpu`: debug, spec: the read consumes the fresh
-    publish of each rank it reads."""
+    """`FutureMap.resolve_seq_lens_cpu`. Debug, spec: a read consumes the last publish of
+    each rank it reads, which no read may have consumed before ('fresh publish', SGLang's
+    consume-once wait)."""
     placed = placement.slots_op("seq_lens_at", indices, rows)
-    if runtime.armed is not None:  # debug, spec: it waits for a fresh publish
-        runtime.read_lengths(placed.idx)
+    armed = runtime.armed  # per DP rank: a publish came since the last read; debug, spec
+    for d in range(len(armed) if armed is not None else 0):
+        if not placed.idx.has_rows(d):
+            continue
+        if not armed[d]:
+            runtime.debug.host_violation(
+                runtime.step,
+                "resolve_seq_lens_cpu",
+                FRESH_PUBLISH,
+                "a read of lengths waited for a publish that an earlier read already "
+                "consumed, or that never came",
+                d,
+            )
+        armed[d] = False
     return _lengths(placement, runtime, run, placed)
 
 
@@ -213,19 +210,17 @@ def _lengths(
     """`new_seq_lens` at the placed slots, on the host: the last publish's copy, else
     gathered; then the debug check."""
     inputs, layout = placement.inputs, placement.inputs.layout
-    copied = read_published(runtime.last_published, placed.idx, subset)
-    if copied is not None:  # the slots last published: their copy, no gather
-        runtime.check()
-        return inputs.unpad(copied, placed.idx)
-    out = run(placed, "resolve_seq_lens_cpu")
-    if inputs.single_process:
-        host = np.asarray(jax.device_get(out))
-    else:
-        blocks = per_rank(out, layout)
-        size = placed.idx.size
-        host = np.concatenate(
-            [blocks.get(d, np.zeros(size, inputs.dtype)) for d in range(layout.dp)]
-        )
+    host = read_published(runtime.last_published, placed.idx, subset)
+    if host is None:  # not the slots last published: gathered
+        out = run(placed, "resolve_seq_lens_cpu")
+        if inputs.single_process:
+            host = np.asarray(jax.device_get(out))
+        else:
+            blocks = per_rank(out, layout)
+            size = placed.idx.size
+            host = np.concatenate(
+                [blocks.get(d, np.zeros(size, inputs.dtype)) for d in range(layout.dp)]
+            )
     runtime.check()
     return inputs.unpad(host, placed.idx)
 
@@ -241,29 +236,24 @@ def mixed_tails(
             "the gather protocol"
         )
     by_rank = isinstance(batch, Mapping)
-    batches = dict(batch) if isinstance(batch, Mapping) else {0: batch}
     if not by_rank and placement.inputs.dp > 1:
         raise FutureMapError(
             "resolve_mixed_tails_cpu: a map of several DP ranks takes a mapping DP rank -> Batch"
         )
-    if prefix_lens is None:
-        prefixes: Mapping[int, Any] = {}
-    elif isinstance(prefix_lens, Mapping) == by_rank:
-        prefixes = prefix_lens if isinstance(prefix_lens, Mapping) else {0: prefix_lens}
-    else:
+    if prefix_lens is not None and isinstance(prefix_lens, Mapping) != by_rank:
         raise FutureMapError("prefix_lens must be given in the form of the batch")
+    batches = dict(batch) if by_rank else {0: batch}
+    prefixes = {} if prefix_lens is None else prefix_lens if by_rank else {0: prefix_lens}
     rows, running = {}, {}
     for d, b in batches.items():
         where = f"batch[rank {d}]." if by_rank else "batch."
         rows[d] = _mixed_rows(b, where, prefixes.get(d), prefix_lens is not None)
-    # resolve's own checks of the batch (its general path places it; nothing runs)
-    placement.resolve(batch)
-    checks = placement.inputs.checks
+    placement.resolve(batch)  # resolve's own checks of the batch (placed; nothing runs)
     for d, (_, lens, ts, pre) in rows.items():
         where, rank = (f"batch[rank {d}].", f"[rank {d}]") if by_rank else ("batch.", "")
         for name, x in ((f"{where}seq_lens", lens), (f"prefix_lens{rank}", pre)):
             if x is not None:  # host lengths, rebound and summed: >= 0
-                checks.check("relayed", name, x, np.dtype(np.int64))
+                placement.inputs.checks.check("relayed", name, x, np.dtype(np.int64))
         running[d] = ts[ts > 0]
     got: Any = {}
     if any(len(x) for x in running.values()):
@@ -309,27 +299,23 @@ def _mixed_rows(
         raise FutureMapError(f"{where[:-1]} must be a Batch, got {type(batch).__name__}")
     if host_mode(batch.forward_mode, f"{where}forward_mode") != ForwardMode.MIXED:
         raise FutureMapError(f"{where}forward_mode must be MIXED: only it has running rows")
-    out: list[np.ndarray | None] = []
-    for name, x in (
-        ("req_pool_indices", batch.req_pool_indices),
-        ("seq_lens", batch.seq_lens),
-        ("token_slots", batch.token_slots),
-        ("prefix_lens", prefix),
-    ):
-        if x is None and name == "prefix_lens" and not prefixed:
-            out.append(None)
-            continue
-        a = np.asarray(x) if isinstance(x, np.ndarray | list | tuple) else None
-        if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            got = type(x).__name__
-            raise FutureMapError(f"{where}{name} must be 1-D host ints (numpy), got {got}")
-        out.append(a.astype(np.int64))
-    idx, lens, ts, pre = out
-    assert idx is not None and lens is not None and ts is not None
+    idx, lens, ts = (
+        _host_ints(f"{where}{name}", getattr(batch, name))
+        for name in ("req_pool_indices", "seq_lens", "token_slots")
+    )
+    pre = _host_ints(f"{where}prefix_lens", prefix) if prefixed else None
     for name, x in (("seq_lens", lens), ("prefix_lens", pre)):
         if x is not None and len(x) != len(idx):
             raise FutureMapError(f"{where}{name} has {len(x)} rows, req_pool_indices {len(idx)}")
     return idx, lens, ts, pre
+
+
+def _host_ints(name: str, x: Any) -> np.ndarray:
+    """`x`, 1-D host ints, as int64; FutureMapError naming `name`."""
+    a = np.asarray(x) if isinstance(x, np.ndarray | list | tuple) else None
+    if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise FutureMapError(f"{name} must be 1-D host ints (numpy), got {type(x).__name__}")
+    return a.astype(np.int64)
 
 
 def _rebind(

@@ -1,19 +1,17 @@
 """A map's state as it serves: the lock, the registry of executables, and `MapRuntime.run`,
-the one way an executable is called on the state (a failure that consumed the donated
-state leaves the map lost: `StateLost` until `reset`)."""
+the one way an executable is called on the state."""
 
 from __future__ import annotations
 
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from fm_jax.host.decisions import Key, PackSpec, Rows
-from fm_jax.ops.checks import FRESH_PUBLISH
 from fm_jax.ops.errors import FutureMapError, StateLost
 from fm_jax.ops.relay_fields import draft_payload
 from fm_jax.ops.types import FutureMapState, SpecConfig
@@ -40,24 +38,19 @@ Build = Callable[[Key, PackSpec | None, int], Any]
 """An owner's builder: (key, packing layout, engine arguments) -> the family's jitted function."""
 
 
-class Guarded:
-    """A compiled executable that refuses, instead of compiling, arguments it was not
-    built for."""
+def _guarded(compiled: Any, key: Key) -> Callable[..., Any]:
+    """`compiled`, refusing instead of compiling arguments it was not built for."""
 
-    __slots__ = ("compiled", "key")
-
-    def __init__(self, compiled: Any, key: Key) -> None:
-        self.compiled = compiled
-        self.key = key
-
-    def __call__(self, *args: Any) -> Any:
+    def call(*args: Any) -> Any:
         try:
-            return self.compiled(*args)
+            return compiled(*args)
         except (TypeError, ValueError) as e:  # arguments not matched: nothing ran
             raise FutureMapError(
-                f"serving guard: {self.key.describe()} was warmed for other arguments and "
+                f"serving guard: {key.describe()} was warmed for other arguments and "
                 f"would compile again: {e}"
             ) from None
+
+    return call
 
 
 class Registry:
@@ -69,7 +62,7 @@ class Registry:
         self.default = default
         self._jitted: dict[tuple[Any, ...], Any] = {}
         # Per guarded owner: its warmed executables, and the guard's words for the others.
-        self._serving: dict[Build, tuple[dict[tuple[Key, PackSpec | None], Guarded], Any]] = {}
+        self._serving: dict[Build, tuple[dict[tuple[Key, PackSpec | None], Any], Any]] = {}
         self._refusal = refusal
 
     def serve(self, build: Build | None, warmed: Any, refusal: Any = None) -> None:
@@ -77,7 +70,7 @@ class Registry:
         owner = build or self.default
         self._serving.pop(owner, None)
         if warmed is not None:
-            exes = {kp: Guarded(c, kp[0]) for kp, c in warmed.items()}
+            exes = {kp: _guarded(c, kp[0]) for kp, c in warmed.items()}
             self._serving[owner] = (exes, refusal or self._refusal)
 
     def jitted(
@@ -105,13 +98,6 @@ class Registry:
         return exe
 
 
-class Published(NamedTuple):
-    """The last publish's slots and lengths, placed (a jax array: its host copy started)."""
-
-    idx: Rows
-    lens: Any
-
-
 class MapRuntime:
     """One map's state as it serves.
 
@@ -120,9 +106,10 @@ class MapRuntime:
       state, step: the current buffers; resolves (and engine steps) so far.
       debug, confidence: the debug channel and the confidence ring, or None.
       copies_lengths, last_published: a publish's lengths are copied to the host
-        (`needs_cpu_seq_lens`, one process); the last one's, placed, or None.
-      lost: the StateLost of the call that consumed the state (every op refused with it),
-        or None.
+        (`needs_cpu_seq_lens`, one process); the last one's (slots, lengths), placed (a jax
+        array: its host copy started), or None.
+      lost: the StateLost of the call that consumed the donated state (every op refused
+        with it until `reset`), or None.
       unstashed: per DP rank, the optional draft fields no stash has written there since
         the state was made; None once every rank has had each (one check per call).
       armed: debug, spec: per DP rank, whether a publish came since the last read of
@@ -145,17 +132,24 @@ class MapRuntime:
         self._fresh = fresh
         self.optional = optional
         self._dp = dp
-        self.unstashed: list[set[str]] | None = None
-        self._unstash()
-        self.state = state
-        self.lost: StateLost | None = None
         self.step = 0
         self.debug = debug
         self.copies_lengths = bool(copies_lengths)
-        self.last_published: Published | None = None
-        self.armed: list[bool] | None = None
-        if debug is not None and spec:
-            self.armed = [False] * debug.layout.dp
+        self.armed: list[bool] | None = [] if debug is not None and spec else None
+        self._start(state)
+
+    def _start(self, state: FutureMapState) -> None:
+        """`state`, as made: not lost, no publish yet, no optional field stashed."""
+        self.state = state
+        self.lost: StateLost | None = None
+        self.last_published: tuple[Rows, Any] | None = None
+        self.unstashed: list[set[str]] | None = None
+        if self.optional:
+            self.unstashed = [set(self.optional) for _ in range(self._dp)]
+        if self.confidence is not None:
+            self.confidence.clear()
+        if self.armed is not None:
+            self.armed = [False] * self._dp
 
     def refuse_if_lost(self) -> None:
         """Raise StateLost (a new instance of the first) while the map is lost."""
@@ -165,29 +159,16 @@ class MapRuntime:
 
     def reset(self) -> None:
         """The initial state again (`FutureMap.reset`); step count and debug errors kept."""
-        self.state = self._fresh()
-        self.lost = None
-        self._unstash()
-        self.last_published = None
-        if self.confidence is not None:
-            self.confidence.clear()
-        if self.armed is not None:
-            self.armed = [False] * len(self.armed)  # as at construction: no publish yet
-
-    def _unstash(self) -> None:
-        """No optional field stashed yet, on any rank."""
-        self.unstashed = [set(self.optional) for _ in range(self._dp)] if self.optional else None
+        self._start(self._fresh())
 
     def stashed(self, idx: Rows, omits: Sequence[str]) -> None:
-        """A stash at `idx` wrote every optional field but `omits` on each rank with a row
-        there."""
+        """A stash at `idx` wrote every optional field but `omits` on each rank with a row."""
         pending = self.unstashed
-        if pending is None:
-            return
-        for d in _ranks_with_rows(idx, len(pending)):
-            pending[d].intersection_update(omits)
-        if not any(pending):
-            self.unstashed = None
+        if pending is not None:
+            for d in _ranks_with_rows(idx, len(pending)):
+                pending[d].intersection_update(omits)
+            if not any(pending):
+                self.unstashed = None
 
     def relayed(self, rank: int) -> tuple[str, ...]:
         """The optional fields a stash has written on DP rank `rank`, in declared order."""
@@ -199,10 +180,9 @@ class MapRuntime:
         dp = self._dp
         if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < dp:
             raise FutureMapError(f"rank must be a DP rank, an int in [0, {dp}), got {rank!r}")
-        if spec is None:
-            return ()
         relayed = set(self.relayed(int(rank)))
-        return tuple(f.name for f in spec.fields() if f.consumed or f.name in relayed)
+        fields = spec.fields() if spec is not None else ()
+        return tuple(f.name for f in fields if f.consumed or f.name in relayed)
 
     def without_unstashed(self, draft: Any, ranks: Sequence[int]) -> Any:
         """`draft` with None for each optional field no stash has written on any of `ranks`."""
@@ -246,16 +226,12 @@ class MapRuntime:
         return out
 
     def _diagnose(
-        self,
-        err: BaseException,
-        call: str,
-        args: Sequence[Any],
-        engine_args: Sequence[Any],
-        donated: Sequence[int],
+        self, err: BaseException, call: str, args: Any, engine_args: Any, donated: Any
     ) -> FutureMapError | None:
         """What a failed call did, in words: StateLost when it consumed the state; a
         FutureMapError naming the argument JAX refused before running; else None."""
-        state = _named_leaves(self.state)
+        state = {k: v for k, v in self.state._asdict().items() if isinstance(v, jax.Array)}
+        state.update({f"extras[{k!r}]": v for k, v in (self.state.extras or {}).items()})
         if any(_deleted(x) for x in state.values()):
             consumed = tuple(
                 i for i in donated if any(map(_deleted, jax.tree.leaves(engine_args[i])))
@@ -313,33 +289,15 @@ class MapRuntime:
                 lens = np.array(lens)
             if idx.counts is not None:
                 idx = idx._replace(array=np.array(idx.array))
-            self.last_published = Published(idx, lens)
+            self.last_published = (idx, lens)
         if self.armed is not None:
             for d in _ranks_with_rows(idx, len(self.armed)):
                 self.armed[d] = True
 
     def check(self) -> None:
-        """`FutureMap.check`; without debug, nothing to check."""
+        """`FutureMap.check` (without debug, nothing to check)."""
         if self.debug is not None:
             self.debug.check()
-
-    def read_lengths(self, idx: Rows) -> None:
-        """Debug, spec: a read of lengths at `idx` consumes each rank's last publish, which
-        no read may have consumed before ('fresh publish', SGLang's consume-once wait)."""
-        armed, debug = self.armed, self.debug
-        if armed is None or debug is None:
-            return
-        for d in _ranks_with_rows(idx, len(armed)):
-            if not armed[d]:
-                debug.host_violation(
-                    self.step,
-                    "resolve_seq_lens_cpu",
-                    FRESH_PUBLISH,
-                    "a read of lengths waited for a publish that an earlier read already "
-                    "consumed, or that never came",
-                    d,
-                )
-            armed[d] = False
 
 
 def _ranks_with_rows(idx: Rows, dp: int) -> list[int]:
@@ -349,10 +307,3 @@ def _ranks_with_rows(idx: Rows, dp: int) -> list[int]:
 
 def _deleted(x: Any) -> bool:
     return isinstance(x, jax.Array) and x.is_deleted()
-
-
-def _named_leaves(state: FutureMapState) -> dict[str, jax.Array]:
-    """The state's buffers by name (an engine field as 'extras[name]')."""
-    out = {k: v for k, v in state._asdict().items() if isinstance(v, jax.Array)}
-    out.update({f"extras[{k!r}]": v for k, v in (state.extras or {}).items()})
-    return out

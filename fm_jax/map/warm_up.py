@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,19 +87,14 @@ def warm(
     workers = threads or min(8, os.cpu_count() or 1)
     with _counting_compiles() as counts, ThreadPoolExecutor(max_workers=workers) as pool:
         compiled = list(pool.map(lambda lo: lo.compile(), lowered))
-    by_op: dict[str, int] = {}
-    for key, _, _, _ in calls:
-        by_op[key.name] = by_op.get(key.name, 0) + 1
-    warmed = None
-    if guard:
-        warmed = {(key, pack): c for (key, pack, _, _), c in zip(calls, compiled, strict=True)}
-    registry.serve(build, warmed, refusal)
+    warmed = {(key, pack): c for (key, pack, _, _), c in zip(calls, compiled, strict=True)}
+    registry.serve(build, warmed if guard else None, refusal)
     return WarmUpReport(
         executables=len(calls),
         compiled=counts[_COMPILE_EVENT] - counts[_CACHE_HIT_EVENT],
         from_cache=counts[_CACHE_HIT_EVENT],
         seconds=time.perf_counter() - t0,
-        by_op=by_op,
+        by_op=dict(Counter(key.name for key, *_ in calls)),
     )
 
 
@@ -122,14 +118,6 @@ def _counting_compiles() -> Iterator[dict[str, int]]:
         monitoring.unregister_event_listener(seen)
 
 
-class EmptyBatch(NamedTuple):
-    """A resolve of zeros at one bucket: the batch and its per-rank (rows, tokens)."""
-
-    batch: Batch
-    rows: int
-    tokens: int
-
-
 def empty_batches(
     inputs: HostInputs,
     protocol: Protocol,
@@ -137,11 +125,11 @@ def empty_batches(
     *,
     traced_modes: bool,
     step: bool = False,
-) -> Iterator[EmptyBatch]:
-    """Every resolve serving reaches: per token bucket and resolve variant, with and
-    without a draft on a spec map; a DECODE that places no ids per batch bucket. `step`:
-    an engine step's, whose executables fix each mode that is not DECODE, not its kind
-    (`Protocol.step_modes`)."""
+) -> Iterator[tuple[Batch, int, int]]:
+    """Every resolve serving reaches, as (batch of zeros, per-rank rows, tokens): per token
+    bucket and resolve variant, with and without a draft on a spec map; a DECODE that
+    places no ids per batch bucket. `step`: an engine step's, whose executables fix each
+    mode that is not DECODE, not its kind (`Protocol.step_modes`)."""
     dp, dt = inputs.dp, inputs.dtype
     batch_buckets, token_buckets = inputs.batch_buckets, inputs.token_buckets
     drafts = [False, True] if spec is not None else [False]
@@ -149,7 +137,7 @@ def empty_batches(
         for b in batch_buckets:
             zeros = np.zeros(dp * b, dt)
             draft = zeros if spec is not None else None
-            yield EmptyBatch(Batch(ForwardMode.DECODE, zeros, None, zeros, draft), b, b)
+            yield Batch(ForwardMode.DECODE, zeros, None, zeros, draft), b, b
     largest = batch_buckets[-1]
     _, decode_tokens = resolve_sizes(largest, largest, batch_buckets, token_buckets)
     traced = jnp.zeros((dp,) if dp > 1 else (), jnp.int32)
@@ -168,73 +156,50 @@ def empty_batches(
                         if step
                         else [ForwardMode.MIXED if with_slots else ForwardMode.EXTEND]
                     )
+                draft, slots = rows if with_draft else None, toks if with_slots else None
                 for kind in kinds:
-                    batch = Batch(
-                        kind,
-                        rows,
-                        ids,
-                        rows,
-                        rows if with_draft else None,
-                        toks if with_slots else None,
-                    )
-                    yield EmptyBatch(batch, b, t)
+                    yield Batch(kind, rows, ids, rows, draft, slots), b, t
                 if mode == "traced" and dp > 1:
                     # Ranks of different kinds, on the host: the same executable, modes fed.
                     per_rank = np.full(dp, ForwardMode.MIXED if with_slots else ForwardMode.EXTEND)
                     per_rank[0] = ForwardMode.DECODE
-                    slots = rows if with_slots else None
-                    mixed = batch._replace(forward_mode=per_rank.astype(np.int32), input_ids=rows)
-                    yield EmptyBatch(mixed._replace(token_slots=slots), b, t)
-
-
-def empty_inputs(declared: Any, batch: Batch, rows: int, tokens: int, dp: int) -> dict[str, Any]:
-    """An engine step's declared inputs as zeros for an empty batch (a batch that places
-    no ids has T = B)."""
-    per = {"row": rows, "token": rows if batch.input_ids is None else tokens}
-    return {d.name: np.zeros((dp * per[d.per], *d.shape), d.dtype) for d in declared}
-
-
-def on_device(e: EmptyBatch, inputs: dict[str, Any], host: HostInputs) -> tuple[Batch, Any]:
-    """The batch of `e` and its declared `inputs` as jax arrays, ids of one per row padded
-    to the token bucket of the rows as a step's sentinels give them."""
-    batch, dp = e.batch, host.dp
-    ids = batch.input_ids
-    if ids is not None and len(ids) == dp * e.rows:  # one id per row: a DECODE (rank)
-        per_rank = decode_ids(e.rows, host.token_buckets)
-        batch = batch._replace(input_ids=np.zeros(dp * per_rank, host.dtype))
-    sharding = host.layout.sharding
-    return jax.tree_util.tree_map(  # type: ignore[no-any-return]
-        lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x,
-        (batch, inputs),
-    )
+                    modes = per_rank.astype(np.int32)
+                    yield Batch(modes, rows, rows, rows, draft, rows if with_slots else None), b, t
 
 
 def step_calls(
     placement: Any, declared: Any, state: Any, args: tuple[Any, ...], traced_modes: bool
 ) -> list[Any]:
-    """An engine step's warm-up calls: every resolve with zeros for the `declared` inputs,
-    as host arrays and, in one process, jax arrays."""
+    """An engine step's warm-up calls: every resolve with zeros for the `declared` inputs
+    (a batch that places no ids has T = B), as host arrays and, in one process, jax arrays
+    (ids of one per row padded to the token bucket of the rows, as a step's sentinels
+    give them)."""
     inputs = placement.inputs
+    dp, sharding = inputs.dp, inputs.layout.sharding
     calls = []
-    for e in empty_batches(
+    for batch, b, t in empty_batches(
         inputs, placement.protocol, placement.spec, traced_modes=traced_modes, step=True
     ):
-        zeros = empty_inputs(declared, e.batch, e.rows, e.tokens, placement.dp)
-        fed: list[tuple[Batch, Any, int | None, int | None]] = [(e.batch, zeros, e.rows, e.tokens)]
+        per = {"row": b, "token": b if batch.input_ids is None else t}
+        zeros = {d.name: np.zeros((dp * per[d.per], *d.shape), d.dtype) for d in declared}
+        fed: list[tuple[Batch, Any, int | None, int | None]] = [(batch, zeros, b, t)]
         if inputs.layout.single_process:  # jax arrays as they are: their own sizes
-            fed.append((*on_device(e, zeros, inputs), None, None))
-        for batch, given, rows, tokens in fed:
-            p = placement.resolve(batch, rows, tokens, step=declared, inputs=given)
+            ids = batch.input_ids
+            if ids is not None and len(ids) == dp * b:  # one id per row: a DECODE (rank)
+                ids = np.zeros(dp * decode_ids(b, inputs.token_buckets), inputs.dtype)
+            on_device = jax.tree_util.tree_map(
+                lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x,
+                (batch._replace(input_ids=ids), zeros),
+            )
+            fed.append((*on_device, None, None))
+        for fed_batch, given, rows, tokens in fed:
+            p = placement.resolve(fed_batch, rows, tokens, step=declared, inputs=given)
             calls.append((p.key, p.pack, (state, *p.args, *args), len(args)))
     return calls
 
 
 def class_calls(
-    placement: Any,
-    state: Any,
-    *,
-    traced_modes: bool,
-    partial: Sequence[Collection[str]] = (),
+    placement: Any, state: Any, traced_modes: bool, partial: Sequence[Collection[str]]
 ) -> list[Any]:
     """The class's warm-up calls: per batch bucket publish, stash and finish (with
     confidence rows; stash and finish per partial stash), the sentinels of device slots
@@ -251,29 +216,22 @@ def class_calls(
     placed = []
     for b in inputs.batch_buckets:
         zeros = np.zeros(dp * b, dt)
-        full = zeros if spec is None else _empty_draft(dp * b, spec, dt)
-        placed += [
-            tail("publish", zeros, zeros, None, b),
-            tail("stash", zeros, None, full, b),
-            tail("finish", zeros, zeros, full, b),
-        ]
         conf = None
+        placed.append(tail("publish", zeros, zeros, None, b))
         if spec is not None and spec.confidence:
             conf = np.zeros((dp * b, spec.confidence), np.float32)
             placed.append(tail("publish", zeros, zeros, None, b, confidence=conf))
-            placed.append(tail("finish", zeros, zeros, full, b, confidence=conf))
-        for names in partial:
-            assert spec is not None  # refused above without spec
-            part = _empty_draft(dp * b, spec, dt, names)
-            placed += [tail("stash", zeros, None, part, b), tail("finish", zeros, zeros, part, b)]
+        for names in (None, *partial):  # every field, then each partial stash's
+            draft = zeros if spec is None else _empty_draft(dp * b, spec, dt, names)
+            placed += [tail("stash", zeros, None, draft, b), tail("finish", zeros, zeros, draft, b)]
             if conf is not None:
-                placed.append(tail("finish", zeros, zeros, part, b, confidence=conf))
+                placed.append(tail("finish", zeros, zeros, draft, b, confidence=conf))
         if protocol.invalidates:  # invalidate of device slots
             placed.append(placement.slots_op("sentinels", zeros, b))
         if spec is not None:  # resolve_seq_lens_cpu is a spec step's op
             placed.append(placement.slots_op("seq_lens_at", zeros, b))
-    for e in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
-        placed.append(placement.resolve(e.batch, e.rows, e.tokens))
+    for batch, b, t in empty_batches(inputs, protocol, spec, traced_modes=traced_modes):
+        placed.append(placement.resolve(batch, b, t))
     return [(p.key, None, (state, *p.args), 0) for p in placed]
 
 
