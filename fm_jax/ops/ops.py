@@ -33,8 +33,6 @@ from fm_jax.ops.types import (
     confidence_width,
 )
 
-__all__ = ["POISON", "FutureMapOps", "future_map"]
-
 
 class FutureMapOps(NamedTuple):
     """The pure FutureMap ops for one static configuration.
@@ -181,11 +179,7 @@ def init(cfg: OpsConfig) -> FutureMapState:
 
 
 def publish(
-    cfg: OpsConfig,
-    state: FutureMapState,
-    indices: Any,
-    new_seq_lens: Any,
-    confidence: Any = None,
+    cfg: OpsConfig, state: FutureMapState, indices: Any, new_seq_lens: Any, confidence: Any = None
 ) -> FutureMapState:
     """`new_seq_lens[indices] := new_seq_lens` (and, given, `confidence[indices] :=
     confidence`); empty indices is a no-op."""
@@ -194,9 +188,9 @@ def publish(
     check_indices(cfg, "indices", indices, chk)
     check_1d_int("new_seq_lens", new_seq_lens, dt, jnp.shape(indices)[0])
     gamma = confidence_width(cfg.spec)
-    if confidence is not None and not gamma:
-        raise errors.confidence_not_declared()
     if confidence is not None:
+        if not gamma:
+            raise errors.confidence_not_declared()
         check_array("confidence", confidence, (jnp.shape(indices)[0], gamma), CONFIDENCE_DTYPE)
     if chk is not None:
         lens, idx = jnp.asarray(new_seq_lens), jnp.asarray(indices)
@@ -253,7 +247,7 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
     if cfg.spec is None:
         return state._replace(output_tokens=scatter(state.output_tokens, indices, payload))
     bufs = [rf.get(state, f.name) for f in fields]
-    values = [rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name))) for f in fields]
+    values = [rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name)), dt) for f in fields]
     for f, buf in zip(fields, scatter_rows(bufs, indices, values, cfg.one_kernel, dt), strict=True):
         state = rf.put(state, f.name, buf)
     return state

@@ -119,26 +119,6 @@ def tracked(cfg: OpsConfig, draft: DraftPayload) -> list[tuple[str, jax.Array]]:
     return [(name, row_min(jnp.asarray(rf.get(draft, name)))) for name in cfg.consumed]
 
 
-def poison(
-    state: FutureMapState,
-    slots: jax.Array,
-    maxima: jax.Array | None,
-    k: int | None,
-    field: str = "bonus_tokens",
-) -> FutureMapState:
-    """POISON written at `slots` (slot R: dropped) to `field`'s buffer, ordered after the
-    reads `maxima[k]` was reduced from. Without that data dependence XLA's copy insertion
-    cannot prove the order and copies the whole buffer, O(R) per resolve;
-    `max(min(x, POISON), POISON)` is POISON for every x yet survives the simplifier."""
-    if maxima is None or k is None or slots.shape[0] == 0:
-        return state
-    lens = field == "new_seq_lens"
-    buf = state.new_seq_lens if lens else rf.get(state, field)
-    dep = jnp.maximum(jnp.minimum(maxima[k].astype(buf.dtype), POISON), POISON)
-    buf = scatter(buf, slots, jnp.broadcast_to(dep, (slots.shape[0], *buf.shape[1:])))
-    return state._replace(new_seq_lens=buf) if lens else rf.put(state, field, buf)
-
-
 def consume(
     state: FutureMapState,
     reads: Reads,
@@ -146,19 +126,29 @@ def consume(
     lengths: jax.Array | None = None,
     k_len: int | None = None,
 ) -> FutureMapState:
-    """Debug: the consume check over every read, the op's checks run, then POISON at each
-    read's poisoned slots and, given, at the slots `lengths` whose lengths were restored
-    (ordered after the check `k_len`)."""
+    """Debug: the consume check over every read, the op's checks run, then POISON written
+    at each read's poisoned slots and, given, at `lengths`, the slots whose lengths were
+    restored (their check `k_len`); slot R is dropped. Each write is ordered after the
+    reads its check's maximum was reduced from: without that data dependence XLA's copy
+    insertion cannot prove the order and copies the whole buffer, O(R) per resolve
+    (`max(min(x, POISON), POISON)` is POISON for every x yet survives the simplifier)."""
     k = None
     if reads:
         values = jnp.concatenate([v for _, v, _, _ in reads])
         k = checks.consumed_values_valid(values, jnp.concatenate([s for _, _, s, _ in reads]), chk)
     maxima = chk.run()
-    for name in dict.fromkeys(f for f, _, _, _ in reads):
-        hit = jnp.concatenate([p for f, _, _, p in reads if f == name])
-        state = poison(state, hit, maxima, k, name)
+    names = dict.fromkeys(f for f, _, _, _ in reads)
+    writes = [(f, jnp.concatenate([p for g, _, _, p in reads if g == f]), k) for f in names]
     if lengths is not None:
-        state = poison(state, lengths, maxima, k_len, "new_seq_lens")
+        writes.append(("new_seq_lens", lengths, k_len))
+    for field, slots, at in writes:
+        if maxima is None or at is None or slots.shape[0] == 0:
+            continue
+        lens = field == "new_seq_lens"
+        buf = state.new_seq_lens if lens else rf.get(state, field)
+        dep = jnp.maximum(jnp.minimum(maxima[at].astype(buf.dtype), POISON), POISON)
+        buf = scatter(buf, slots, jnp.broadcast_to(dep, (slots.shape[0], *buf.shape[1:])))
+        state = state._replace(new_seq_lens=buf) if lens else rf.put(state, field, buf)
     return state
 
 
