@@ -114,7 +114,7 @@ def gather_draft(
     return draft, got[len(fields) :]
 
 
-def tracked(cfg: OpsConfig, draft: DraftPayload) -> list[tuple[str, jax.Array]]:
+def consumed_rows(cfg: OpsConfig, draft: DraftPayload) -> list[tuple[str, jax.Array]]:
     """(name, one value per row) of each consume-tracked field of a gathered draft."""
     return [(name, row_min(jnp.asarray(rf.get(draft, name)))) for name in cfg.consumed]
 
@@ -203,7 +203,7 @@ def resolve_sentinel(
         check_indices(cfg, "draft_indices", didx, chk, jnp.shape(idx)[0])  # a draft slot per row
         draft, _ = gather_draft(cfg, state, didx)
         if chk is not None:
-            reads = [(name, v, didx, didx) for name, v in tracked(cfg, draft)]
+            reads = [(name, v, didx, didx) for name, v in consumed_rows(cfg, draft)]
     if chk is not None:
         # A DECODE consumes the lengths it restored (-1 written back at its live slots;
         # another kind's rows aim at slot R, dropped).
@@ -288,7 +288,7 @@ def resolve_gather(
         seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
         if chk is not None:
             k_len = checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
-            for name, v in tracked(cfg, draft):
+            for name, v in consumed_rows(cfg, draft):
                 if name == "bonus_tokens" and ts is not None:
                     # A slot the token slots read too is read twice: in order, the draft's
                     # read finds the poison the first left (one compare per row and token).
