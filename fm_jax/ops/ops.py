@@ -130,9 +130,20 @@ def future_map(
     for f in fields if one_kernel else ():
         check_fits(f.name, pool_size, math.prod(f.shape), dt)
     cfg = OpsConfig(pool_size, dt, spec, fields, consumed, debug, proto, one_kernel)
-    pure = (init, publish, stash, resolve, invalidate, seq_lens_at)
-    bound = [functools.partial(op, cfg) for op in pure]
-    return FutureMapOps._make([*bound, pool_size, dt, spec, debug, proto.name])
+    bind = functools.partial
+    return FutureMapOps(
+        bind(init, cfg),
+        bind(publish, cfg),
+        bind(stash, cfg),
+        bind(resolve, cfg),
+        bind(invalidate, cfg),
+        bind(seq_lens_at, cfg),
+        pool_size,
+        dt,
+        spec,
+        debug,
+        proto.name,
+    )
 
 
 def int_dtype(dtype: object) -> np.dtype:
