@@ -1,12 +1,9 @@
 """An op's checks of its arguments: their structure when traced (a FutureMapError, nothing
 run), and in debug mode their values on device, as checkify checks whose message starts
-with the invariant's name in brackets.
-
-Cost (XLA:CPU, mostly fixed cost per op): every check's payload is one scalar of the map's
-int dtype, so checkify merges an op's checks into one error; the price is that a call
-reports its first failed check only, in the order added (later checks assume the earlier
-held). Slot range and duplicates share one sort; nothing touches the pool: flat in R.
-"""
+with the invariant's name in brackets. Cost: every check's payload is one scalar of the
+map's int dtype, so checkify merges an op's checks into one error, and a call reports its
+first failed check only, in the order added (later checks assume the earlier held).
+Nothing touches the pool: flat in R."""
 
 from __future__ import annotations
 
@@ -87,12 +84,6 @@ def host_mode(mode: Any, where: str) -> ForwardMode:
         raise FutureMapError(f"{where} must be a ForwardMode, got {mode!r}") from None
 
 
-SLOT_RANGE = "slot range"
-DUPLICATE_SLOT = "duplicate live slot"
-SENTINEL_RANGE = "sentinel range"
-POSITIVE_LENGTHS = "seq_lens > 0"
-CONSUME = "consume (WRWR)"
-CONSUME_LENGTHS = "consume lengths (WRWR)"
 FRESH_PUBLISH = "fresh publish"
 FORWARD_MODE = "forward mode"
 PUBLISHED_LENGTHS = "published lengths >= 0"
@@ -142,12 +133,8 @@ class OpChecks:
             maxima = jnp.max(jnp.stack(rows), axis=1)
         k = 0
         for vector, emit in self._terms:
-            if vector is None:
-                emit(None)  # type: ignore[arg-type]
-            else:
-                assert maxima is not None
-                emit(maxima[k])
-                k += 1
+            emit(None if vector is None else maxima[k])  # type: ignore[arg-type, index]
+            k += vector is not None
         self._terms = []
         return maxima
 
@@ -170,12 +157,11 @@ def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any, into:
     s = jax.lax.sort(indices, is_stable=False)
     lo, hi = s[0], s[-1]
     in_range = (lo >= 0) & (hi < pool_size)
-    msg = f"[{SLOT_RANGE}] {name} holds slot {{value}} outside [0, {pool_size})"
+    msg = f"[slot range] {name} holds slot {{value}} outside [0, {pool_size})"
     into.add(None, lambda _: check(in_range, msg, dtype, jnp.where(hi >= pool_size, hi, lo)))
-    if indices.shape[0] < 2:
-        return
-    # In range, a repeated slot 0 yields 0; out of range, the check above fires first.
-    dup_msg = f"[{DUPLICATE_SLOT}] {name} holds live slot {{value}} more than once"
+    # In range, a repeated slot 0 yields 0; out of range, the check above fires first. One
+    # row: no pair, the empty witness is not queued.
+    dup_msg = f"[duplicate live slot] {name} holds live slot {{value}} more than once"
     into.add(
         witness(s[1:] == s[:-1], s[1:]),
         lambda dup: check(~in_range | (dup == 0), dup_msg, dtype, dup),
@@ -185,8 +171,6 @@ def valid_slots(name: str, indices: jax.Array, pool_size: int, dtype: Any, into:
 def _min_at_least(into: OpChecks, ids: jax.Array, ok: Callable[[Any], Any], msg: str) -> None:
     """Queue `ok(min(ids))`, the payload what `msg` says of the min: max(~x) = ~min(x),
     with no overflow."""
-    if ids.shape[0] == 0:
-        return
 
     def emit(not_lo: jax.Array) -> None:
         lo = ~not_lo.astype(ids.dtype)
@@ -199,7 +183,7 @@ def _min_at_least(into: OpChecks, ids: jax.Array, ok: Callable[[Any], Any], msg:
 def sentinels_in_range(input_ids: jax.Array, pool_size: int, into: OpChecks) -> None:
     """A sentinel -s names a slot s in [0, pool_size)."""
     msg = (
-        f"[{SENTINEL_RANGE}] input_ids holds a sentinel naming slot {{value}}, outside "
+        f"[sentinel range] input_ids holds a sentinel naming slot {{value}}, outside "
         f"[0, {pool_size})"
     )
     _min_at_least(into, input_ids, lambda lo: (lo > -pool_size, -lo), msg)
@@ -220,8 +204,6 @@ def relayed_values(
     """Every token or length a forward relays is >= 0, padding rows included (docs/CONTRACT.md,
     'Sentinels': a stashed -1 would read as the poison, a negative length as a sentinel).
     Names the largest slot written a negative value (-1 when none)."""
-    if indices.shape[0] == 0:
-        return
     msg = f"[{invariant}] {name} holds a negative value for slot {{value}}"
     into.add(jnp.where(values < 0, indices, -1), lambda slot: check(slot < 0, msg, dtype, slot))
 
@@ -233,10 +215,8 @@ def positive_lengths(
     position in `into.run()`'s result (the spec lengths' poison is ordered after it). Names
     the slot, not its length: a read of the buffer would not be ordered before a later
     in-place publish in a fused step (a whole-buffer copy)."""
-    if indices.shape[0] == 0:
-        return None
     msg = (
-        f"[{POSITIVE_LENGTHS}] resolve restored a length <= 0 for slot {{value}}: the slot's "
+        "[seq_lens > 0] resolve restored a length <= 0 for slot {value}: the slot's "
         "length was never published (spec: or a resolve read it since its last publish)"
     )
     return into.add(
@@ -248,10 +228,8 @@ def positive_lengths(
 def lengths_unconsumed(lengths: jax.Array, indices: jax.Array, into: OpChecks) -> None:
     """A length read back (`resolve_seq_lens_cpu`) at a live slot is >= 0: not the poison
     of one never published or consumed by a spec resolve since. Assumes `indices` >= 0."""
-    if indices.shape[0] == 0:
-        return
     msg = (
-        f"[{CONSUME_LENGTHS}] resolve_seq_lens_cpu read slot {{value}}, whose length was "
+        "[consume lengths (WRWR)] resolve_seq_lens_cpu read slot {value}, whose length was "
         "never published or was read by a resolve since its last publish"
     )
     _no_slot(into, lengths < 0, indices, msg, lengths.dtype)
@@ -280,10 +258,8 @@ def consumed_values_valid(values: jax.Array, source_slots: jax.Array, into: OpCh
     """Every value gathered from a live slot of a consume-tracked buffer is >= 0 (a -1 is
     an RR or a read before the first write). Returns the position in `into.run()`'s result
     of a scalar that data-depends on all of `values` (None without rows)."""
-    if values.shape[0] == 0:
-        return None
     msg = (
-        f"[{CONSUME}] slot {{value}} was read with no write since its last read (RR) "
+        "[consume (WRWR)] slot {value} was read with no write since its last read (RR) "
         "or before its first write"
     )
     return _no_slot(into, values < 0, source_slots, msg, values.dtype)  # type: ignore[no-any-return]

@@ -97,14 +97,6 @@ def mixed_without_token_slots(where: str = "") -> FutureMapError:
     )
 
 
-def ids_for_gathered_decode(where: str = "") -> FutureMapError:
-    """A non-spec DECODE batch brings ids in the gather protocol (they are gathered)."""
-    return FutureMapError(
-        f"{where}input_ids given for a DECODE batch: in the gather protocol its ids are "
-        "gathered at req_pool_indices (pass None)"
-    )
-
-
 def spec_mixed_in_sentinel_protocol() -> FutureMapError:
     """A spec MIXED batch reaches a sentinel-protocol map."""
     return FutureMapError(

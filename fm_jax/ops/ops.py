@@ -33,8 +33,6 @@ from fm_jax.ops.types import (
     confidence_width,
 )
 
-__all__ = ["POISON", "FutureMapOps", "future_map"]
-
 
 class FutureMapOps(NamedTuple):
     """The pure FutureMap ops for one static configuration.
@@ -181,11 +179,7 @@ def init(cfg: OpsConfig) -> FutureMapState:
 
 
 def publish(
-    cfg: OpsConfig,
-    state: FutureMapState,
-    indices: Any,
-    new_seq_lens: Any,
-    confidence: Any = None,
+    cfg: OpsConfig, state: FutureMapState, indices: Any, new_seq_lens: Any, confidence: Any = None
 ) -> FutureMapState:
     """`new_seq_lens[indices] := new_seq_lens` (and, given, `confidence[indices] :=
     confidence`); empty indices is a no-op."""
@@ -194,9 +188,9 @@ def publish(
     check_indices(cfg, "indices", indices, chk)
     check_1d_int("new_seq_lens", new_seq_lens, dt, jnp.shape(indices)[0])
     gamma = confidence_width(cfg.spec)
-    if confidence is not None and not gamma:
-        raise errors.confidence_not_declared()
     if confidence is not None:
+        if not gamma:
+            raise errors.confidence_not_declared()
         check_array("confidence", confidence, (jnp.shape(indices)[0], gamma), CONFIDENCE_DTYPE)
     if chk is not None:
         lens, idx = jnp.asarray(new_seq_lens), jnp.asarray(indices)
@@ -253,7 +247,7 @@ def stash(cfg: OpsConfig, state: FutureMapState, indices: Any, payload: Any) -> 
     if cfg.spec is None:
         return state._replace(output_tokens=scatter(state.output_tokens, indices, payload))
     bufs = [rf.get(state, f.name) for f in fields]
-    values = [rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name))) for f in fields]
+    values = [rf.to_buffer(f, jnp.asarray(rf.get(payload, f.name)), dt) for f in fields]
     for f, buf in zip(fields, scatter_rows(bufs, indices, values, cfg.one_kernel, dt), strict=True):
         state = rf.put(state, f.name, buf)
     return state
@@ -280,42 +274,40 @@ def seq_lens_at(cfg: OpsConfig, state: FutureMapState, indices: Any) -> jax.Arra
     return got
 
 
-def _check_state(layout: MeshLayout, state: FutureMapState, pool_size: int) -> None:
-    want = layout.dp * pool_size
-    for path, buf in jax.tree_util.tree_leaves_with_path(state):
-        if not jnp.shape(buf) or jnp.shape(buf)[0] != want:
-            raise FutureMapError(
-                f"state{jax.tree_util.keystr(path)} has shape {jnp.shape(buf)}, expected "
-                f"DP*R = {layout.dp}*{pool_size} = {want} rows"
-            )
-
-
 def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
     """The one-pool `ops` over global arrays laid out by `layout`, each rank on its block
     (`future_map(..., mesh=)`, and the class's ops on one device or a mesh)."""
-    pool_size, mesh, spec_ = ops.pool_size, layout.mesh, layout.spec
+    pool_size, dp = ops.pool_size, layout.dp
     lifted = ops._replace(layout=layout, local=ops)
     each = lifted.map_ranks
 
+    def check_state(state: FutureMapState) -> None:
+        for path, buf in jax.tree_util.tree_leaves_with_path(state):
+            if not jnp.shape(buf) or jnp.shape(buf)[0] != dp * pool_size:
+                raise FutureMapError(
+                    f"state{jax.tree_util.keystr(path)} has shape {jnp.shape(buf)}, expected "
+                    f"DP*R = {dp}*{pool_size} = {dp * pool_size} rows"
+                )
+
     def init() -> FutureMapState:
-        return jax.shard_map(ops.init, mesh=mesh, in_specs=(), out_specs=spec_)()  # type: ignore[no-any-return]
+        return jax.shard_map(ops.init, mesh=layout.mesh, in_specs=(), out_specs=layout.spec)()  # type: ignore[no-any-return]
 
     def publish(
         state: FutureMapState, indices: Any, new_seq_lens: Any, confidence: Any = None
     ) -> FutureMapState:
-        _check_state(layout, state, pool_size)
+        check_state(state)
         rows = [("indices", indices), ("new_seq_lens", new_seq_lens), ("confidence", confidence)]
         check_split(layout, "publish", rows)
         conf = () if confidence is None else (confidence,)
         return each(ops.publish)(state, indices, new_seq_lens, *conf)  # type: ignore[no-any-return]
 
     def stash(state: FutureMapState, indices: Any, payload: Any) -> FutureMapState:
-        _check_state(layout, state, pool_size)
+        check_state(state)
         check_split(layout, "stash", [("indices", indices), *payload_rows(ops.spec, payload)])
         return each(ops.stash)(state, indices, payload)  # type: ignore[no-any-return]
 
     def resolve(state: FutureMapState, batch: Batch) -> tuple[FutureMapState, Resolved]:
-        _check_state(layout, state, pool_size)
+        check_state(state)
         mode = batch.forward_mode
         # A host mode is fixed in every rank's executable; a traced one: each rank its [1].
         fixed = mode if isinstance(mode, int | np.integer) else None
@@ -344,7 +336,7 @@ def lift(ops: FutureMapOps, layout: MeshLayout) -> FutureMapOps:
         return ops.invalidate(batch, indices)
 
     def seq_lens_at(state: FutureMapState, indices: Any) -> jax.Array:
-        _check_state(layout, state, pool_size)
+        check_state(state)
         check_split(layout, "seq_lens_at", [("indices", indices)])
         return each(ops.seq_lens_at)(state, indices)  # type: ignore[no-any-return]
 

@@ -75,9 +75,12 @@ class Protocol:
                     raise errors.no_ids_with_traced_mode(p.where)
                 continue
             decode = p.scalar and p.modes == (ForwardMode.DECODE,)
-            if decode and not by_rank and (not p.ids or spec is None):
-                if p.ids:
-                    raise errors.ids_for_gathered_decode(p.where)
+            if decode and p.ids and spec is None:
+                raise FutureMapError(
+                    f"{p.where}input_ids given for a DECODE batch: in the gather protocol its "
+                    "ids are gathered at req_pool_indices (pass None)"
+                )
+            if decode and not by_rank and not p.ids:
                 if p.slots:
                     raise errors.token_slots_for_decode(p.where)
                 places_ids = False  # T = B: the ids are gathered on the device
@@ -87,8 +90,6 @@ class Protocol:
                 if kinds - {ForwardMode.DECODE}:
                     raise errors.no_ids_for_kind("/".join(sorted(k.name for k in kinds)), p.where)
                 zero_ids.append(i)
-            elif decode and spec is None:  # a mapping's non-spec DECODE rank
-                raise errors.ids_for_gathered_decode(p.where)
             if not p.slots and ForwardMode.MIXED in p.modes:
                 raise errors.mixed_without_token_slots(p.where)
             if p.slots and p.modes == (ForwardMode.DECODE,):
@@ -136,12 +137,7 @@ SENTINEL, GATHER = Protocol("sentinel"), Protocol("gather")
 
 
 def parse_protocol(protocol: object) -> Protocol:
-    """The Protocol named `protocol` (or `protocol` itself); FutureMapError otherwise."""
-    if isinstance(protocol, Protocol):
-        return protocol
-    found = (
-        {p.name: p for p in (SENTINEL, GATHER)}.get(protocol) if isinstance(protocol, str) else None
-    )
-    if found is None:
-        raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    return found
+    """The Protocol named `protocol`; FutureMapError otherwise."""
+    if isinstance(protocol, str) and protocol in PROTOCOLS:
+        return SENTINEL if protocol == "sentinel" else GATHER
+    raise FutureMapError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")

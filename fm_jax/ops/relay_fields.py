@@ -28,11 +28,6 @@ def storable(dtype: np.dtype) -> bool:
     return False
 
 
-def bits_dtype(dtype: Any) -> np.dtype:
-    """The unsigned int dtype of `dtype`'s width, which stores its raw bits."""
-    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
-
-
 def stored_as_bits(field: RelayField) -> bool:
     """Whether the field's buffer holds its values' raw bits: every real float's, so NaN
     payloads and -0.0 survive (XLA:CPU scatters bfloat16 in f32, rewriting NaNs)."""
@@ -93,14 +88,17 @@ def element_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
 
 
 def buffer_dtype(field: RelayField, int_dtype: np.dtype) -> np.dtype:
-    """The dtype of the field's buffer: its values', or their bits (`stored_as_bits`)."""
+    """The dtype of the field's buffer: its values', or the unsigned int of their width
+    that holds their bits (`stored_as_bits`)."""
     dt = element_dtype(field, int_dtype)
-    return bits_dtype(dt) if stored_as_bits(field) else dt
+    return np.dtype(f"uint{dt.itemsize * 8}") if stored_as_bits(field) else dt
 
 
-def to_buffer(field: RelayField, x: jax.Array) -> jax.Array:
+def to_buffer(field: RelayField, x: jax.Array, int_dtype: np.dtype) -> jax.Array:
     """Values (of the field's dtype) as the buffer stores them."""
-    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype)) if stored_as_bits(field) else x
+    if not stored_as_bits(field):
+        return x
+    return jax.lax.bitcast_convert_type(x, buffer_dtype(field, int_dtype))
 
 
 def from_buffer(field: RelayField, x: jax.Array, int_dtype: np.dtype) -> jax.Array:
@@ -126,24 +124,6 @@ def put(holder: Any, name: str, value: Any) -> Any:
     if name in STANDARD:
         return holder._replace(**{name: value})
     return holder._replace(extras={**(holder.extras or {}), name: value})
-
-
-def check_declared(fields: tuple[RelayField, ...], draft: DraftPayload) -> None:
-    """FutureMapError if the DraftPayload `draft` gives a field the spec does not declare:
-    every value given is relayed, none dropped."""
-    names = {f.name for f in fields}
-    if draft.extras is not None and not isinstance(draft.extras, Mapping):
-        raise FutureMapError(
-            f"draft.extras must be a mapping field name -> rows, got {type(draft.extras).__name__}"
-        )
-    if draft.hidden_states is not None and "hidden_states" not in names:
-        raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
-    for name in ("bonus_tokens", "verified_id", "topk_p", "topk_index"):
-        if getattr(draft, name) is not None and name not in names:
-            raise FutureMapError(f"draft.{name} given but spec does not declare it")
-    for name in draft.extras or {}:
-        if name not in names or name in STANDARD:
-            raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")
 
 
 def carried(fields: tuple[RelayField, ...], draft: DraftPayload) -> tuple[RelayField, ...]:
@@ -224,7 +204,8 @@ def draft_payload(values: Mapping[str, Any]) -> DraftPayload:
 
 def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]:
     """Stash's payload by name once its kind is checked: `tokens`, or each declared field
-    of a DraftPayload as `draft.<name>` (None where not given)."""
+    of a DraftPayload as `draft.<name>` (None where not given); FutureMapError if a draft
+    gives a field the spec does not declare."""
     if spec is None:
         if isinstance(payload, DraftPayload):
             raise FutureMapError("stash got a DraftPayload but the map was built without spec")
@@ -234,5 +215,18 @@ def payload_rows(spec: SpecConfig | None, payload: Any) -> list[tuple[str, Any]]
     if not isinstance(payload, DraftPayload):
         raise errors.tokens_on_spec_map()
     fields = spec.fields()
-    check_declared(fields, payload)
+    names = {f.name for f in fields}  # every value given is relayed, none dropped
+    if payload.extras is not None and not isinstance(payload.extras, Mapping):
+        raise FutureMapError(
+            "draft.extras must be a mapping field name -> rows, got "
+            f"{type(payload.extras).__name__}"
+        )
+    if payload.hidden_states is not None and "hidden_states" not in names:
+        raise FutureMapError("draft.hidden_states given but spec declares hidden=0")
+    for name in ("bonus_tokens", "verified_id", "topk_p", "topk_index"):
+        if getattr(payload, name) is not None and name not in names:
+            raise FutureMapError(f"draft.{name} given but spec does not declare it")
+    for name in payload.extras or {}:
+        if name not in names or name in STANDARD:
+            raise FutureMapError(f"draft.extras[{name!r}] is not a field the spec declares")
     return [(f"draft.{f.name}", get(payload, f.name)) for f in fields]

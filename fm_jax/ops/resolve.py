@@ -43,9 +43,9 @@ class OpsConfig(NamedTuple):
 POISON = -1
 """Debug-mode content of a consume-tracked slot with no unread write."""
 
-# Every read of a consume-tracked buffer: (field, values, slots read, whether this batch
-# does the read: a traced mode's other kind does not).
-Reads = list[tuple[str, jax.Array, jax.Array, Any]]
+# Every read of a consume-tracked buffer: (field, values, slots read, slots poisoned); a
+# read this batch does not do (a traced mode's other kind) reads slot 0 and poisons slot R.
+Reads = list[tuple[str, jax.Array, jax.Array, jax.Array]]
 
 
 def check_indices(
@@ -114,31 +114,42 @@ def gather_draft(
     return draft, got[len(fields) :]
 
 
-def consumed_reads(
-    cfg: OpsConfig, draft: DraftPayload, didx: jax.Array
-) -> list[tuple[jax.Array, jax.Array]]:
-    """(one value per row, slots read) of each consume-tracked field a draft gather read."""
-    return [(row_min(jnp.asarray(rf.get(draft, name))), didx) for name in cfg.consumed]
+def consumed_rows(cfg: OpsConfig, draft: DraftPayload) -> list[tuple[str, jax.Array]]:
+    """(name, one value per row) of each consume-tracked field of a gathered draft."""
+    return [(name, row_min(jnp.asarray(rf.get(draft, name)))) for name in cfg.consumed]
 
 
-def poison(
+def consume(
     state: FutureMapState,
-    slots: jax.Array,
-    maxima: jax.Array | None,
-    k: int | None,
-    field: str = "bonus_tokens",
+    reads: Reads,
+    chk: checks.OpChecks,
+    lengths: jax.Array | None = None,
+    k_len: int | None = None,
 ) -> FutureMapState:
-    """POISON written at `slots` (slot R: dropped) to `field`'s buffer, ordered after the
-    reads `maxima[k]` was reduced from. Without that data dependence XLA's copy insertion
-    cannot prove the order and copies the whole buffer, O(R) per resolve;
-    `max(min(x, POISON), POISON)` is POISON for every x yet survives the simplifier."""
-    if maxima is None or k is None or slots.shape[0] == 0:
-        return state
-    lens = field == "new_seq_lens"
-    buf = state.new_seq_lens if lens else rf.get(state, field)
-    dep = jnp.maximum(jnp.minimum(maxima[k].astype(buf.dtype), POISON), POISON)
-    buf = scatter(buf, slots, jnp.broadcast_to(dep, (slots.shape[0], *buf.shape[1:])))
-    return state._replace(new_seq_lens=buf) if lens else rf.put(state, field, buf)
+    """Debug: the consume check over every read, the op's checks run, then POISON written
+    at each read's poisoned slots and, given, at `lengths`, the slots whose lengths were
+    restored (their check `k_len`); slot R is dropped. Each write is ordered after the
+    reads its check's maximum was reduced from: without that data dependence XLA's copy
+    insertion cannot prove the order and copies the whole buffer, O(R) per resolve
+    (`max(min(x, POISON), POISON)` is POISON for every x yet survives the simplifier)."""
+    k = None
+    if reads:
+        values = jnp.concatenate([v for _, v, _, _ in reads])
+        k = checks.consumed_values_valid(values, jnp.concatenate([s for _, _, s, _ in reads]), chk)
+    maxima = chk.run()
+    names = dict.fromkeys(f for f, _, _, _ in reads)
+    writes = [(f, jnp.concatenate([p for g, _, _, p in reads if g == f]), k) for f in names]
+    if lengths is not None:
+        writes.append(("new_seq_lens", lengths, k_len))
+    for field, slots, at in writes:
+        if maxima is None or at is None or slots.shape[0] == 0:
+            continue
+        lens = field == "new_seq_lens"
+        buf = state.new_seq_lens if lens else rf.get(state, field)
+        dep = jnp.maximum(jnp.minimum(maxima[at].astype(buf.dtype), POISON), POISON)
+        buf = scatter(buf, slots, jnp.broadcast_to(dep, (slots.shape[0], *buf.shape[1:])))
+        state = state._replace(new_seq_lens=buf) if lens else rf.put(state, field, buf)
+    return state
 
 
 def resolve_sentinel(
@@ -172,58 +183,33 @@ def resolve_sentinel(
             lambda: gather(state.new_seq_lens, idx),
             lambda: jnp.asarray(batch.seq_lens, dt),
         )
-    k_len = None
+    ids, k_len = jnp.asarray(batch.input_ids, dt), None
     if chk is not None:
         k_len = checks.positive_lengths(is_decode, seq_lens, idx, chk)
-    if spec is None:
-        return _fill_sentinels(cfg, state, batch, idx, seq_lens, chk)
-    # Spec, debug: a DECODE consumes the lengths it restored (-1 written back at its live
-    # slots; another kind's rows aim at slot R, dropped).
-    restored = jnp.where(is_decode & (idx > 0), idx, r) if chk is not None and decode else None
-    if chk is not None:
-        checks.sentinels_in_range(jnp.asarray(batch.input_ids, dt), r, chk)
-    if batch.draft_indices is None:
-        if chk is not None:
-            maxima = chk.run()
-            if restored is not None:
-                state = poison(state, restored, maxima, k_len, "new_seq_lens")
-        return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens))
-    didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
-    check_indices(cfg, "draft_indices", didx, chk, jnp.shape(idx)[0])  # a draft slot per row
-    draft, _ = gather_draft(cfg, state, didx)
-    if chk is not None:
-        reads = consumed_reads(cfg, draft, didx)
-        k = None
-        if reads:  # a spec may track no field (an n-gram draft's)
-            values = jnp.concatenate([v for v, _ in reads])
-            slots = jnp.concatenate([sl for _, sl in reads])
-            k = checks.consumed_values_valid(values, slots, chk)
-        maxima = chk.run()
-        for f in cfg.consumed:
-            state = poison(state, didx, maxima, k, f)
-        if restored is not None:
-            state = poison(state, restored, maxima, k_len, "new_seq_lens")
-    return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
-
-
-def _fill_sentinels(
-    cfg: OpsConfig, state: FutureMapState, batch: Batch, idx: jax.Array, lens: jax.Array, chk: Any
-) -> tuple[FutureMapState, Resolved]:
-    """A non-spec batch's ids: each sentinel -s replaced by `output_tokens[s]`."""
-    dt, r = cfg.dtype, cfg.pool_size
-    ids = jnp.asarray(batch.input_ids, dt)
-    if chk is not None:
         checks.sentinels_in_range(ids, r, chk)
-    is_ref = ids < 0
-    # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
-    input_ids = jnp.where(is_ref, gather(state.output_tokens, -ids), ids)
+    if spec is None:
+        is_ref = ids < 0
+        # Rows with ids >= 0 gather at -ids <= 0, clipped to slot 0, and keep their ids.
+        input_ids = jnp.where(is_ref, gather(state.output_tokens, -ids), ids)
+        if chk is not None:  # ids >= 0 read slot 0, never flagged; poisoned: the batch's
+            # slots and the slots its sentinels read (else slot R, dropped)
+            hit = jnp.concatenate([jnp.asarray(idx, dt), jnp.where(is_ref, -ids, r)])
+            state = consume(state, [("bonus_tokens", input_ids, -ids, hit)], chk)
+        return state, Resolved(input_ids, seq_lens)
+    reads: Reads = []
+    draft = None
+    if batch.draft_indices is not None:
+        didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
+        check_indices(cfg, "draft_indices", didx, chk, jnp.shape(idx)[0])  # a draft slot per row
+        draft, _ = gather_draft(cfg, state, didx)
+        if chk is not None:
+            reads = [(name, v, didx, didx) for name, v in consumed_rows(cfg, draft)]
     if chk is not None:
-        k = checks.consumed_values_valid(input_ids, -ids, chk)  # ids >= 0 are never flagged
-        # Poisoned: the batch's slots and the slots its sentinels read (else slot R, dropped).
-        read = jnp.where(is_ref, -ids, r)
-        slots = jnp.concatenate([jnp.asarray(idx, dt), read])
-        state = poison(state, slots, chk.run(), k)
-    return state, Resolved(input_ids, lens)
+        # A DECODE consumes the lengths it restored (-1 written back at its live slots;
+        # another kind's rows aim at slot R, dropped).
+        restored = jnp.where(is_decode & (idx > 0), idx, r) if decode else None
+        state = consume(state, reads, chk, restored, k_len)
+    return state, Resolved(jnp.asarray(batch.input_ids), jnp.asarray(seq_lens), draft)
 
 
 def resolve_gather(
@@ -240,25 +226,23 @@ def resolve_gather(
     dt, r, spec = cfg.dtype, cfg.pool_size, cfg.spec
     ids = jnp.asarray(batch.input_ids, dt)
     t, b = ids.shape[0], idx.shape[0]
-    ts_in = batch.token_slots
     known = isinstance(mode, int | np.integer)
     is_decode: Any = mode == ForwardMode.DECODE
     # Gathers at its token slots: a fixed mode when not DECODE (the host refuses token
     # slots on a batch not MIXED); a traced mode only when MIXED.
     takes_slots: Any = (not is_decode) if known else mode == ForwardMode.MIXED
-    if known:
-        if mode == ForwardMode.MIXED and ts_in is None:
-            raise errors.mixed_without_token_slots()
-        if ts_in is not None and is_decode:
-            raise errors.token_slots_for_decode()
+    if known and mode == ForwardMode.MIXED and batch.token_slots is None:
+        raise errors.mixed_without_token_slots()
+    if known and batch.token_slots is not None and is_decode:
+        raise errors.token_slots_for_decode()
     if chk is not None:
         checks.ids_not_negative(ids, chk)
-    reads: Reads = []
-    out = ids
-    ts_read: jax.Array | None = None  # the token slots, where this executable reads them
-    if ts_in is not None and (not known or takes_slots):
-        check_1d_int("token_slots", ts_in, dt, t)
-        ts = jnp.asarray(ts_in, dt)
+    # (field, values, slots read, whether this batch does the read)
+    reads: list[tuple[str, jax.Array, jax.Array, Any]] = []
+    out, ts = ids, None
+    if batch.token_slots is not None:  # a fixed mode here is not DECODE: it takes them
+        check_1d_int("token_slots", batch.token_slots, dt, t)
+        ts = jnp.asarray(batch.token_slots, dt)
         if chk is not None:
             checks.valid_slots("token_slots", ts, r, dt, chk)
             if not known:  # only a MIXED batch's token slots gather
@@ -275,7 +259,6 @@ def resolve_gather(
         got = gather(state.output_tokens, ts)
         # A token slot of 0 keeps the host's id (padding: never gathered nor checked).
         reads.append(("bonus_tokens", got, ts, takes_slots))
-        ts_read = ts
         out = jnp.where(takes_slots & (ts > 0), got, out)
     elif chk is not None and not known:  # a MIXED batch brings token slots
         msg = (
@@ -294,10 +277,9 @@ def resolve_gather(
         got = jnp.where(idx > 0, got, 0)
         out = jnp.where(is_decode, jnp.pad(got, (0, t - b)), out)
     seq_lens = jnp.asarray(batch.seq_lens, dt)
-    consumed: tuple[jax.Array, int | None] | None = None  # spec DECODE lengths read (debug)
-    if spec is not None and ts_read is not None:
-        seq_lens = _bind_running_lengths(cfg, state, idx, ts_read, takes_slots, seq_lens, chk)
-    draft = None
+    if spec is not None and ts is not None:
+        seq_lens = _bind_running_lengths(cfg, state, idx, ts, takes_slots, seq_lens, chk)
+    draft, restored, k_len = None, None, None  # restored: the spec DECODE lengths read
     if batch.draft_indices is not None:
         didx: jax.Array = batch.draft_indices  # type: ignore[assignment]  # traced here
         check_indices(cfg, "draft_indices", didx, chk, b)
@@ -306,13 +288,18 @@ def resolve_gather(
         seq_lens = got if known and is_decode else jnp.where(is_decode, got, seq_lens)
         if chk is not None:
             k_len = checks.positive_lengths(jnp.asarray(is_decode), got, didx, chk)
-            reads += _draft_reads(cfg, draft, didx, ts_read, takes_slots)
+            for name, v in consumed_rows(cfg, draft):
+                if name == "bonus_tokens" and ts is not None:
+                    # A slot the token slots read too is read twice: in order, the draft's
+                    # read finds the poison the first left (one compare per row and token).
+                    twice = takes_slots & (didx[:, None] == ts[None, :]).any(axis=1)
+                    v = jnp.where(twice, POISON, v)
+                reads.append((name, v, didx, True))
             if not known or is_decode:  # the verified lengths it read are consumed
-                consumed = (jnp.where(is_decode & (didx > 0), didx, r), k_len)
+                restored = jnp.where(is_decode & (didx > 0), didx, r)
     if chk is not None:
-        state, maxima = _consume_reads(cfg, state, reads, chk)
-        if consumed is not None:
-            state = poison(state, consumed[0], maxima, consumed[1], "new_seq_lens")
+        done = [(f, v, jnp.where(a, s, 0), jnp.where(a & (s > 0), s, r)) for f, v, s, a in reads]
+        state = consume(state, done, chk, restored, k_len)
     return state, Resolved(out, seq_lens, draft)
 
 
@@ -339,37 +326,3 @@ def _bind_running_lengths(
         checks.running_rows_match(running, idx, ts, order - first, chk)
         checks.positive_lengths(jnp.asarray(True), jnp.where(running, fresh, 1), idx, chk)
     return jnp.where(running, fresh + 1, lens)
-
-
-def _draft_reads(
-    cfg: OpsConfig, draft: Any, didx: jax.Array, ts_read: jax.Array | None, takes_slots: Any
-) -> Reads:
-    """The draft gather's reads of consume-tracked fields. A slot the token slots read too
-    is read twice: in order, the draft's read finds the poison the first read left (one
-    compare per row and token: debug only)."""
-    consumed = list(cfg.consumed)
-    drafted = consumed_reads(cfg, draft, didx)
-    if ts_read is not None and "bonus_tokens" in consumed:
-        twice = takes_slots & (didx[:, None] == ts_read[None, :]).any(axis=1)
-        k_bonus = consumed.index("bonus_tokens")
-        v, sl = drafted[k_bonus]
-        drafted[k_bonus] = (jnp.where(twice, POISON, v), sl)
-    return [(name, v, sl, True) for name, (v, sl) in zip(consumed, drafted, strict=True)]
-
-
-def _consume_reads(
-    cfg: OpsConfig, state: FutureMapState, reads: Reads, chk: Any
-) -> tuple[FutureMapState, jax.Array | None]:
-    """Debug: the consume check over every read, then -1 at the live slots read (a read
-    not done aims at slot R, dropped). Returns the state and the op's check maxima."""
-    k = None
-    if reads:
-        # A read this batch does not do (a traced mode's other kind) names slot 0.
-        values = jnp.concatenate([v for _, v, _, _ in reads])
-        sources = jnp.concatenate([jnp.where(a, sl, 0) for _, _, sl, a in reads])
-        k = checks.consumed_values_valid(values, sources, chk)
-    maxima = chk.run()
-    for name in dict.fromkeys(f for f, _, _, _ in reads):
-        hit = [jnp.where(a & (sl > 0), sl, cfg.pool_size) for f, _, sl, a in reads if f == name]
-        state = poison(state, jnp.concatenate(hit), maxima, k, name)
-    return state, maxima

@@ -1,13 +1,10 @@
 """Moving rows in and out of the relay buffers: writes drop an out-of-range slot (negative
-included), reads clip.
-
-XLA moves each buffer with its own scatter or gather, a kernel launch each (a spec stash is
-4 on CUDA, 20-55 us of host time apiece: `python -m fm_bench.inplace`).
+included), reads clip. XLA moves each buffer with its own scatter or gather, a kernel launch
+each (a spec stash is 4 on CUDA, 20-55 us of host time apiece: `python -m fm_bench.inplace`);
 `SpecConfig(kernel='pallas')` moves every buffer's row in one kernel: program (b, j) copies
 chunk j of row b of each buffer, bytes untouched (Triton on a GPU; Pallas's interpreter on
 CPU; no TPU). A row's last chunk overlaps the one before, so no access leaves its row and
-no mask is needed. Rows sharing a slot write in an unspecified order, as XLA's scatter.
-"""
+no mask is needed. Rows sharing a slot write in an unspecified order, as XLA's scatter."""
 
 from __future__ import annotations
 
@@ -115,19 +112,13 @@ def _gather_kernel(widths: tuple[int, ...], rows: int, idx_ref: Any, *refs: Any)
         _copy_chunk(s, slot, o, b, w, j)
 
 
-def _moved_as(dtype: np.dtype) -> np.dtype:
-    """The dtype the kernel moves `dtype`'s values in: 8 and 16-bit floats as unsigned ints
-    (XLA:CPU's interpreter path would compute them in f32)."""
-    if dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize >= 4):
-        return dtype
-    return np.dtype(f"uint{8 * dtype.itemsize}")
-
-
 def _flat(x: jax.Array) -> jax.Array:
-    """`x` flattened, in the dtype the kernel moves it in (no copy on a GPU)."""
-    flat = x.reshape(-1)
-    moved = _moved_as(np.dtype(x.dtype))
-    return flat if moved == flat.dtype else jax.lax.bitcast_convert_type(flat, moved)
+    """`x` flattened (no copy on a GPU), 8 and 16-bit floats as the unsigned ints of their
+    bits (XLA:CPU's interpreter path would compute them in f32)."""
+    flat, dt = x.reshape(-1), np.dtype(x.dtype)
+    if dt.kind in "iu" or (dt.kind == "f" and dt.itemsize >= 4):
+        return flat
+    return jax.lax.bitcast_convert_type(flat, np.dtype(f"uint{8 * dt.itemsize}"))
 
 
 def _unflat(flat: jax.Array, like: jax.Array, rows: int) -> jax.Array:
@@ -153,17 +144,11 @@ def _widths(bufs: Sequence[jax.Array], b: int, index_dtype: np.dtype) -> tuple[i
 
 
 def _on_each_platform(call: Any, *args: Any) -> Any:
-    """`call(*args, interpret=...)`: Pallas's interpreter on CPU, Triton on a GPU."""
+    """`call(*args, interpret=..., params=...)`: Pallas's interpreter on CPU, Triton on a GPU."""
+    gpu = functools.partial(call, interpret=False, params=pl_triton.CompilerParams())
     return jax.lax.platform_dependent(
-        *args,
-        cpu=functools.partial(call, interpret=True),
-        cuda=functools.partial(call, interpret=False),
-        rocm=functools.partial(call, interpret=False),
+        *args, cpu=functools.partial(call, interpret=True, params=None), cuda=gpu, rocm=gpu
     )
-
-
-def _params(interpret: bool) -> Any:
-    return None if interpret else pl_triton.CompilerParams()
 
 
 def scatter_kernel(
@@ -175,14 +160,16 @@ def scatter_kernel(
     widths = _widths(bufs, b, idx.dtype)
     k = len(bufs)
 
-    def call(idx: jax.Array, vals: list[jax.Array], flat: list[jax.Array], *, interpret: bool):
+    def call(
+        idx: Any, vals: list[jax.Array], flat: list[jax.Array], *, interpret: bool, params: Any
+    ):
         return pl.pallas_call(
             functools.partial(_scatter_kernel, widths, rows),
             out_shape=[_like(x, x.shape) for x in flat],
             grid=(b, max(_chunks(w) for w in widths)),
             input_output_aliases={1 + k + i: i for i in range(k)},
             interpret=interpret,
-            compiler_params=_params(interpret),
+            compiler_params=params,
         )(idx, *vals, *flat)
 
     out = _on_each_platform(call, idx, [_flat(v) for v in values], [_flat(x) for x in bufs])
@@ -194,13 +181,13 @@ def gather_kernel(bufs: Sequence[jax.Array], idx: jax.Array) -> list[jax.Array]:
     rows, b = bufs[0].shape[0], idx.shape[0]
     widths = _widths(bufs, b, idx.dtype)
 
-    def call(idx: jax.Array, flat: list[jax.Array], *, interpret: bool):
+    def call(idx: jax.Array, flat: list[jax.Array], *, interpret: bool, params: Any):
         return pl.pallas_call(
             functools.partial(_gather_kernel, widths, rows),
             out_shape=[_like(x, (b * w,)) for x, w in zip(flat, widths, strict=True)],
             grid=(b, max(_chunks(w) for w in widths)),
             interpret=interpret,
-            compiler_params=_params(interpret),
+            compiler_params=params,
         )(idx, *flat)
 
     out = _on_each_platform(call, idx, [_flat(x) for x in bufs])

@@ -1,9 +1,7 @@
 """The FutureMap on a `jax.sharding.Mesh`: one pool of R slots per data-parallel rank.
-
 Every state buffer and batch field is one global array sharded over `dp_axis`: rank d owns
 rows [d*R, (d+1)*R) (a batch: its B rows, padded, end to end), every other axis holds
-replicas. Each op is the one-pool op under `jax.shard_map`: no collectives.
-"""
+replicas. Each op is the one-pool op under `jax.shard_map`: no collectives."""
 
 from __future__ import annotations
 
@@ -84,22 +82,14 @@ class MeshLayout(NamedTuple):
             return out
         local = {}
         for rank in self.local_ranks():
-            block = np.zeros((size, *tail), dt)
+            local[rank] = np.zeros((size, *tail), dt)
             got = blocks.get(rank)
             if got is not None:
-                block[: got.shape[0]] = got
-            local[rank] = block
+                local[rank][: got.shape[0]] = got
         sharding = NamedSharding(self.mesh, self.spec)
         arrays = [jax.device_put(local[self.rank_of(d)], d) for d in sharding.addressable_devices]
         shape = (self.dp * size, *tail)
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-def _auto_axes(mesh: Mesh) -> Mesh:
-    """`mesh` with every axis Auto, so its shard_maps take arrays of Explicit meshes
-    (`jax.make_mesh`'s default) as they take host arrays."""
-    names = tuple(mesh.axis_names)
-    return Mesh(mesh.devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def single_device_layout(device: jax.Device) -> MeshLayout:
@@ -109,7 +99,8 @@ def single_device_layout(device: jax.Device) -> MeshLayout:
 
 def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = None) -> MeshLayout:
     """The layout of `mesh` with these axes (None: no such axis; `tp_axis` is only
-    checked)."""
+    checked). Its mesh has every axis Auto, so that its shard_maps take arrays of
+    Explicit meshes (`jax.make_mesh`'s default) as they take host arrays."""
     if not isinstance(mesh, Mesh):
         raise FutureMapError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
@@ -119,7 +110,8 @@ def mesh_layout(mesh: Mesh, dp_axis: str | None = "dp", tp_axis: str | None = No
     if dp_axis is not None and dp_axis == tp_axis:
         raise FutureMapError(f"dp_axis and tp_axis must differ, both are {dp_axis!r}")
     dp = int(mesh.shape[dp_axis]) if dp_axis is not None else 1
-    return MeshLayout(_auto_axes(mesh), dp_axis, tp_axis, dp)
+    auto = Mesh(mesh.devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    return MeshLayout(auto, dp_axis, tp_axis, dp)
 
 
 def check_split(layout: MeshLayout, what: str, named: Iterable[tuple[str, Any]]) -> None:
@@ -147,9 +139,7 @@ def _kind(x: Any) -> str:
         return f"a Python {type(x).__name__} ({x!r})"
     if isinstance(x, np.generic):
         return f"a numpy scalar ({x.dtype})"
-    if type(x) in (list, tuple):
-        return f"a Python {type(x).__name__}"
-    return f"a {type(x).__name__}"
+    return f"a Python {type(x).__name__}" if type(x) in (list, tuple) else f"a {type(x).__name__}"
 
 
 def per_rank(x: jax.Array, layout: MeshLayout) -> dict[int, np.ndarray]:

@@ -36,34 +36,29 @@ class FutureMapState(NamedTuple):
     confidence: jax.Array | None = None  # [R, gamma] float32 as its bits (uint32)
 
 
+# Per-row data: a jax array, or a host array where the FutureMap class takes one.
 Rows = jax.Array | np.ndarray
-"""Per-row data: a jax array, or a host array where the FutureMap class takes one."""
-
+# What a FutureMap method takes: global rows (a jax array, a host array or a list), or a
+# mapping DP rank -> host rows.
 RowsInput = jax.Array | np.ndarray | Sequence[Any] | Mapping[int, Any]
-"""Per-row data a FutureMap method takes: global rows (a jax array, a host array or a
-list), or a mapping DP rank -> host rows."""
-
+# A batch's kind: known on the host (a ForwardMode; on a mesh also an int32 numpy array,
+# one per DP rank), or traced (an int32 jax array). None: fixed inside an executable.
 Mode = ForwardMode | int | jax.Array | np.ndarray | None
-"""A batch's kind: known on the host (a ForwardMode; on a mesh also an int32 numpy array,
-one per DP rank), or traced (an int32 jax array). None: fixed inside an executable."""
 
 
 class Batch(NamedTuple):
-    """The fields of a scheduled batch that resolve and invalidate touch.
-
-    `input_ids` is flat ([T]): an EXTEND row brings all its tokens, a decode row one (gather
-    protocol: a non-spec DECODE batch's None, T = B). `token_slots` ([T], gather protocol,
-    MIXED only): the slot a running row's token is gathered from, else 0. `forward_mode`: a
-    traced int32 scalar serves every kind in one executable (on a mesh: a scalar or [DP]),
-    a host ForwardMode fixes it when traced. `draft_indices` ([B]): on a spec DECODE batch,
-    the slots whose draft to gather (docs/CONTRACT.md, 'Batch kinds').
-    """
+    """The fields of a scheduled batch that resolve and invalidate touch (docs/CONTRACT.md,
+    'Batch kinds'). `forward_mode`: a traced int32 scalar serves every kind in one
+    executable (on a mesh: a scalar or [DP]), a host ForwardMode fixes it when traced."""
 
     forward_mode: Mode
     req_pool_indices: Rows  # [B]
-    input_ids: Rows | None  # [T]; gather protocol: None for a non-spec DECODE batch
+    # [T], flat: an EXTEND row brings all its tokens, a decode row one (gather protocol: a
+    # non-spec DECODE batch's None, T = B)
+    input_ids: Rows | None
     seq_lens: Rows  # [B]
-    draft_indices: Rows | None = None
+    draft_indices: Rows | None = None  # [B], spec DECODE: the slots whose draft to gather
+    # [T], gather protocol, MIXED only: the slot a running row's token is gathered from, else 0
     token_slots: Rows | None = None
 
 
@@ -96,11 +91,10 @@ class MixedTails(NamedTuple):
     prefix_lens: np.ndarray | None  # [B] int64: the host's, running rows' published length
 
 
+# The standard fields' names, in the order a map declares them.
 STANDARD = ("bonus_tokens", "verified_id", "topk_p", "topk_index", "hidden_states")
-"""The standard fields' names, in the order a map declares them."""
 HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-KERNELS = ("xla", "pallas")
-"""How a spec map moves its fields: one scatter / gather per buffer, or one kernel for all."""
+KERNELS = ("xla", "pallas")  # one scatter / gather per buffer, or one kernel for all
 CONFIDENCE_DTYPE = np.dtype(np.float32)  # a confidence row's values (SGLang's: float32)
 CONFIDENCE_BITS = np.dtype(np.uint32)  # what its buffer holds: their raw bits
 
