@@ -280,8 +280,8 @@ class EngineStep:
         copies_lengths = self._runtime.copies_lengths
         rows_of = ops.map_ranks(gather)  # each rank's buffer rows at its slots
         # Host slots' sentinels are made on the host (`Placement.next_batch`): one output less.
-        packed = jax.tree_util.tree_unflatten(spec.treedef, [x is not None for x in spec.leaves])
-        host_slots = packed[0].req_pool_indices
+        on_host = jax.tree_util.tree_unflatten(spec.treedef, [x is not None for x in spec.leaves])
+        host_slots = on_host[0].req_pool_indices
 
         def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug is None:

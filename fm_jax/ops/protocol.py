@@ -1,6 +1,6 @@
-"""The two relay protocols as objects: every rule that differs between them, in one place
-(docs/CONTRACT.md, 'Two protocols'): what the host path asks, what a step's tail leaves,
-and which resolve variants warm-up compiles."""
+"""The two relay protocols as objects: the rules that differ between them (docs/CONTRACT.md,
+'Two protocols'): a batch's form, what a step's tail leaves, the resolve variants warm-up
+compiles. The host's value check of ids is `host/validate`'s (a steady call runs no ops)."""
 
 from __future__ import annotations
 
