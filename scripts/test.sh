@@ -7,5 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# One persistent compilation cache for the run, fresh and removed after it: the suite builds
+# many maps and engines whose executables are equal, each compiled once instead of per map.
+cache=$(mktemp -d)
+trap 'rm -rf "$cache"' EXIT
+export JAX_COMPILATION_CACHE_DIR="$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 mark="${FM_TEST_MARK-not slow}"
 .venv/bin/python -m pytest -n "${FM_TEST_WORKERS:-2}" --dist loadfile ${mark:+-m "$mark"} "$@"
