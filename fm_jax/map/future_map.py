@@ -133,7 +133,7 @@ class FutureMap:
         if not isinstance(needs_cpu_seq_lens, bool):
             raise FutureMapError(f"needs_cpu_seq_lens must be a bool, got {needs_cpu_seq_lens!r}")
         spec, channel = self.spec, DebugChannel(self.layout) if debug else None
-        ring = ConfidenceRing(pool_size, self.layout) if spec and spec.confidence else None
+        ring = ConfidenceRing(self.layout, inputs.checks) if spec and spec.confidence else None
         optional = rf.optional(spec.fields()) if spec is not None else ()
         lengths = needs_cpu_seq_lens and self.layout.single_process  # host copies: one process
         host = (channel, lengths, ring, optional, self.layout.dp, spec is not None)

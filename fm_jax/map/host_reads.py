@@ -20,6 +20,7 @@ import numpy as np
 
 from fm_jax.host.decisions import Placed, Rows
 from fm_jax.host.place import Placement
+from fm_jax.host.validate import HostChecks
 from fm_jax.ops.checks import FRESH_PUBLISH, host_mode
 from fm_jax.ops.errors import FutureMapError
 from fm_jax.ops.sharding import MeshLayout, per_rank
@@ -91,10 +92,11 @@ class _Entry(NamedTuple):
 
 
 class ConfidenceRing:
-    """One map's ring per DP rank of this process, of R = `pool_size` slots per rank."""
+    """One map's ring per DP rank of this process, of R = `checks.pool_size` slots per rank."""
 
-    def __init__(self, pool_size: int, layout: MeshLayout) -> None:
-        self.pool_size = pool_size
+    def __init__(self, layout: MeshLayout, checks: HostChecks) -> None:
+        self.pool_size = checks.pool_size
+        self._checks = checks  # the map's: its slot rule
         self.dp = layout.dp
         self._rank = {dev: layout.rank_of(dev) for dev in layout.mesh.local_devices}
         self.ranks = layout.local_ranks()
@@ -147,21 +149,12 @@ class ConfidenceRing:
         return ResolvedConfidence(block[slots].view(np.float32), entry.generation[slots].copy())
 
     def slots(self, name: str, x: Any) -> np.ndarray:
-        """Host slots of a read, each in [0, R); FutureMapError naming `name`."""
+        """Host slots of a read, int64, checked by the map's slot rule (`HostChecks.slots`)."""
         a = np.asarray(x)
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise FutureMapError(f"{name} must be 1-D host ints (slots), got {a.dtype} {a.shape}")
         a = a.astype(np.int64)
-        bad = (a < 0) | (a >= self.pool_size)
-        if bad.any():
-            raise FutureMapError(
-                f"{name} holds slots outside [0, {self.pool_size}): {a[bad].tolist()}"
-            )
-        live, counts = np.unique(a[a != 0], return_counts=True)
-        if (counts > 1).any():
-            raise FutureMapError(
-                f"{name} holds live slots {live[counts > 1].tolist()} more than once"
-            )
+        self._checks.slots(name, a)
         return a
 
 

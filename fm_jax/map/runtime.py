@@ -226,7 +226,12 @@ class MapRuntime:
         return out
 
     def _diagnose(
-        self, err: BaseException, call: str, args: Any, engine_args: Any, donated: Any
+        self,
+        err: BaseException,
+        call: str,
+        args: Sequence[Any],
+        engine_args: Sequence[Any],
+        donated: Sequence[int],
     ) -> FutureMapError | None:
         """What a failed call did, in words: StateLost when it consumed the state; a
         FutureMapError naming the argument JAX refused before running; else None."""
