@@ -98,7 +98,7 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         # the twins' shared judgements (int casts, declared dtypes, one id per row).
         jax-inputs|jax-host-checks|jax-place) local r=tests/test_reliability.py
                      local e=tests/test_fm_jax_engine_step.py
-                     echo "tests/test_fm_jax_decisions.py tests/test_fm_jax_inputs.py tests/test_fm_jax_validate.py
+                     echo "tests/test_fm_jax_validate.py tests/test_fm_jax_inputs.py tests/test_fm_jax_decisions.py
                            tests/test_fm_jax_declarations.py
                            tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                            $table::test_fm_jax_class_refuses_and_keeps_every_byte
