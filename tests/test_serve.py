@@ -57,8 +57,9 @@ def test_reference_exercises_every_path(requests: list[Request], reference: Serv
 PROTOCOLS = ["sentinel", "gather"]
 
 
-# Each protocol once with debug off and once on in CI (the other two settings are slow):
-# the debug-on sentinel and debug-off gather steps are served by the lost-relay tests below.
+# CI serves two of the four settings (the other two are slow): the debug-on sentinel loop
+# still runs in the lost-relay debug test below, and the debug-off gather loop's overlap
+# equals its sync run in tests/test_serve_features.py (the feature matrix, gather protocol).
 _SLOW = pytest.mark.slow
 
 
