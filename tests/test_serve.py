@@ -60,16 +60,13 @@ PROTOCOLS = ["sentinel", "gather"]
 # CI serves two of the four settings (the other two are slow): the debug-on sentinel loop
 # still runs in the lost-relay debug test below, and the debug-off gather loop's overlap
 # equals its sync run in tests/test_serve_features.py (the feature matrix, gather protocol).
-_SLOW = pytest.mark.slow
-
-
 @pytest.mark.parametrize(
     ("debug", "protocol"),
     [
         pytest.param(False, "sentinel", id="debug-off-sentinel"),
         pytest.param(True, "gather", id="debug-on-gather"),
-        pytest.param(True, "sentinel", id="debug-on-sentinel", marks=_SLOW),
-        pytest.param(False, "gather", id="debug-off-gather", marks=_SLOW),
+        pytest.param(True, "sentinel", id="debug-on-sentinel", marks=pytest.mark.slow),
+        pytest.param(False, "gather", id="debug-off-gather", marks=pytest.mark.slow),
     ],
 )
 def test_overlap_tokens_equal_sync(
@@ -105,7 +102,7 @@ def _lose_relay(engine: Engine) -> None:
     engine._overlap_step = broken  # type: ignore[assignment]
 
 
-@pytest.mark.parametrize("protocol", ["sentinel", pytest.param("gather", marks=_SLOW)])
+@pytest.mark.parametrize("protocol", ["sentinel", pytest.param("gather", marks=pytest.mark.slow)])
 def test_lost_relay_changes_tokens(
     requests: list[Request], reference: ServeResult, protocol: str
 ) -> None:
@@ -245,11 +242,11 @@ def test_engine_refuses_prompt_ids_outside_vocab() -> None:
 
 def test_cli_quick_json_schema(tmp_path: Any) -> None:
     """Pins the `--json` schema that fm-serve-demo promises, and its exit status."""
-    path = tmp_path / "serve.json"
-    assert cli.main(["--quick", "--requests", "16", "--ratios", "0,1", "--json", str(path)]) == 0
+    path, n = tmp_path / "serve.json", 16
+    assert cli.main(["--quick", "--requests", str(n), "--ratios", "0,1", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert isinstance(doc["device"], str) and doc["device"]
-    assert doc["requests"] == 16
+    assert doc["requests"] == n
     assert doc["tokens_equal"] is True and doc["debug_tokens_equal"] is True
     assert [r["host_cost_ratio"] for r in doc["runs"]] == [0.0, 1.0]
     for run in doc["runs"]:
