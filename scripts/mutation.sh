@@ -6,6 +6,7 @@
 #   bash scripts/mutation.sh torch jax-ops   # some groups (jax = every jax-* group of ALL below)
 #   bash scripts/mutation.sh --rerun jax-ops # a finished run's survivors again, today's tests
 #   bash scripts/mutation.sh --since REV jax-ops  # only the mutants on lines changed since REV
+#   bash scripts/mutation.sh --resume jax-place   # a stopped run of a group, carried on
 #
 # One group per mutated module, each with the tests that exercise it (groups below). A group
 # runs in a fresh snapshot of the working tree (tracked and untracked files, not ignored
@@ -32,6 +33,10 @@
 # and the summary counts those (REV is kept in the snapshot's `since` file, so one summary
 # can hold full and incremental groups); the lines unchanged since keep REV's report. For a
 # module whose full run takes longer than a session (jax-ops: hours on 2 cores).
+#
+# --resume: a group's full run that stopped (timed out, or killed to free the machine) goes
+# on in its own snapshot, the mutated file unchanged since: mutmut lets every result it has
+# stand and runs the mutants it has not, and the summary is made as for a finished run.
 #
 # Environment: MUTATION_JOBS (workers, default 2), MUTATION_TIMEOUT (seconds per group,
 # default 3600), MUTATION_DIR (snapshots, default $TMPDIR/fm-jax-mutation), MUTATION_REPORT
@@ -266,12 +271,46 @@ rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
     cat "$REPORT"
 }
 
+finish_group() {  # finish_group DIR GROUP START SECONDS_BEFORE: coverage, the run's time
+    local dir=$1 g=$2 start=$3 before=$4 file tests
+    file=$(file_of "$g")
+    tests=$(existing_tests "$g")
+    # The lines no test of the group executes (never mutated), for the summary.
+    # shellcheck disable=SC2086
+    (cd "$dir" && "$PY" -m coverage run --data-file=.coverage.group --include="$file" \
+        -m pytest -q -p no:cacheprovider --hypothesis-seed=0 $tests >coverage.log 2>&1 \
+        && "$PY" -m coverage json --data-file=.coverage.group -o coverage.json -q) \
+        || echo "coverage of $g failed (log: $dir/coverage.log)" >&2
+    echo "$((before + $(date +%s) - start))" >"$dir/seconds"
+    echo "   $(cat "$dir/seconds")s"
+}
+
+resume() {  # resume GROUP...: each stopped full run carried on in its snapshot
+    local g dir file start dirs=()
+    for g in "$@"; do
+        file=$(file_of "$g")
+        dir=$WORK/$g
+        if [ ! -d "$dir/mutants" ] || [ -e "$dir/since" ] || ! cmp -s "$file" "$dir/$file"; then
+            echo "$g: no stopped full run of today's $file in $dir: run the group" >&2
+            return 1
+        fi
+        echo "== $g: mutmut on $file carried on ($JOBS workers, at most ${LIMIT}s)"
+        start=$(date +%s)
+        mutmut_in "$dir" "$g" run --max-children "$JOBS"
+        finish_group "$dir" "$g" "$start" "$(cat "$dir/seconds" 2>/dev/null || echo 0)"
+        dirs+=("$dir")
+    done
+    mkdir -p "$(dirname "$REPORT")"
+    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
+        --output "$REPORT" "${dirs[@]}"
+    cat "$REPORT"
+}
+
 main() {
-    if [ "${1:-}" = --rerun ]; then
-        shift
-        rerun "$@"
-        return
-    fi
+    case ${1:-} in
+        --rerun) shift; rerun "$@"; return ;;
+        --resume) shift; resume "$@"; return ;;
+    esac
     local since=""
     if [ "${1:-}" = --since ]; then
         since=${2:?--since takes a git revision}
@@ -290,7 +329,6 @@ main() {
     dirs=()
     for g in "${groups[@]}"; do
         file=$(file_of "$g")
-        tests=$(existing_tests "$g")
         dir=$WORK/$g
         rm -rf "$dir"
         mkdir -p "$dir"
@@ -328,14 +366,7 @@ EOF
         else
             mutmut_in "$dir" "$g" run --max-children "$JOBS"
         fi
-        # The lines no test of the group executes (never mutated), for the summary.
-        # shellcheck disable=SC2086
-        (cd "$dir" && "$PY" -m coverage run --data-file=.coverage.group --include="$file" \
-            -m pytest -q -p no:cacheprovider --hypothesis-seed=0 $tests >coverage.log 2>&1 \
-            && "$PY" -m coverage json --data-file=.coverage.group -o coverage.json -q) \
-            || echo "coverage of $g failed (log: $dir/coverage.log)" >&2
-        echo "$(($(date +%s) - start))" >"$dir/seconds"
-        echo "   $(cat "$dir/seconds")s"
+        finish_group "$dir" "$g" "$start" 0
         dirs+=("$dir")
     done
 
