@@ -197,3 +197,15 @@ def test_a_batch_asks_its_protocol_once_and_parses_each_mode_once(
     fm._placement.resolve(batch)
     assert asked == ["rules"]
     assert len(parsed) == 1, parsed
+
+
+@pytest.mark.parametrize("name", ["", 5, None, "pos"])
+def test_a_declared_input_needs_a_name_of_its_own(name: Any) -> None:
+    """An engine step's inputs are named by distinct non-empty strings: an empty name, one
+    that is no string, or a name declared twice is refused by name."""
+    first = fj.StepInput("pos", "row")
+    with pytest.raises(fj.FutureMapError, match="input names must be distinct strings"):
+        validate.check_declared([first, fj.StepInput(name, "token")], np.dtype(np.int32))
+    assert validate.check_declared([first], np.dtype(np.int32)) == (
+        fj.StepInput("pos", "row", (), np.dtype(np.int32)),
+    )
