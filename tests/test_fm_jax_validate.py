@@ -209,3 +209,41 @@ def test_a_declared_input_needs_a_name_of_its_own(name: Any) -> None:
     assert validate.check_declared([first], np.dtype(np.int32)) == (
         fj.StepInput("pos", "row", (), np.dtype(np.int32)),
     )
+
+
+@pytest.mark.parametrize(
+    ("declared", "refusal"),
+    [
+        (fj.StepInput("a", "col"), "per must be 'row', 'token' or 'slot', got 'col'"),
+        (fj.StepInput("temperature", "slot"), "per='slot' hands the forward one of the map's"),
+        (fj.StepInput("new_seq_lens", "slot", (2,)), r"shape \(\) and dtype int32, got \(2,\)"),
+        (fj.StepInput("new_seq_lens", "slot", dtype=np.int64), r"got \(\) <class 'numpy.int64'>"),
+        (fj.StepInput("a", "row", (-1,)), r"shape \(-1,\) and dtype int32 must be ones JAX"),
+        (fj.StepInput("a", "row", dtype=np.float64), "float64 must be ones JAX keeps"),
+        (fj.StepInput("a", "row", dtype="no dtype"), "bad shape or dtype"),
+    ],
+)
+def test_a_declared_input_is_checked_when_declared(declared: Any, refusal: str) -> None:
+    """Each part of a StepInput is judged at the declaration: `per` one of the three, a
+    per-slot input one of the map's relay buffers in its own shape and dtype, a shape JAX
+    can make and a dtype it keeps (float64 needs x64 mode)."""
+    with pytest.raises(fj.FutureMapError, match=refusal):
+        validate.check_declared([declared], np.dtype(np.int32))
+
+
+def test_every_per_is_declared_as_given() -> None:
+    """Each `per`, the owned relay buffers' included, is taken and normalised (a tuple
+    shape, a numpy dtype)."""
+    given = [
+        fj.StepInput("pos", "row", [2], np.int32),
+        fj.StepInput("temperature", "token", dtype="float32"),
+        fj.StepInput("new_seq_lens", "slot"),
+        fj.StepInput("output_tokens", "slot"),
+    ]
+    got = validate.check_declared(given, np.dtype(np.int32))
+    assert [(d.name, d.per, d.shape, d.dtype) for d in got] == [
+        ("pos", "row", (2,), np.dtype(np.int32)),
+        ("temperature", "token", (), np.dtype(np.float32)),
+        ("new_seq_lens", "slot", (), np.dtype(np.int32)),
+        ("output_tokens", "slot", (), np.dtype(np.int32)),
+    ]
