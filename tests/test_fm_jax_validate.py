@@ -233,12 +233,13 @@ def test_a_declared_input_is_checked_when_declared(declared: Any, refusal: str) 
 
 def test_every_per_is_declared_as_given() -> None:
     """Each `per`, the owned relay buffers' included, is taken and normalised (a tuple
-    shape, a numpy dtype)."""
+    shape, a numpy dtype); a trailing size of 0 is a shape, not a negative one."""
     given = [
         fj.StepInput("pos", "row", [2], np.int32),
         fj.StepInput("temperature", "token", dtype="float32"),
         fj.StepInput("new_seq_lens", "slot"),
         fj.StepInput("output_tokens", "slot"),
+        fj.StepInput("empty", "row", (0,)),  # a size-0 row is a shape JAX makes
     ]
     got = validate.check_declared(given, np.dtype(np.int32))
     assert [(d.name, d.per, d.shape, d.dtype) for d in got] == [
@@ -246,4 +247,5 @@ def test_every_per_is_declared_as_given() -> None:
         ("temperature", "token", (), np.dtype(np.float32)),
         ("new_seq_lens", "slot", (), np.dtype(np.int32)),
         ("output_tokens", "slot", (), np.dtype(np.int32)),
+        ("empty", "row", (0,), np.dtype(np.int32)),
     ]
