@@ -249,3 +249,18 @@ def test_every_per_is_declared_as_given() -> None:
         ("output_tokens", "slot", (), np.dtype(np.int32)),
         ("empty", "row", (0,), np.dtype(np.int32)),
     ]
+    # numpy compares a dtype equal to its name and its scalar type: the types, too
+    assert all(type(d.shape) is tuple and isinstance(d.dtype, np.dtype) for d in got)
+
+
+def test_step_inputs_are_a_mapping_of_the_declared_names() -> None:
+    """An engine step's `inputs`: a mapping of exactly its declared names (None: none
+    declared); anything else is refused naming what came."""
+    declared = validate.check_declared([fj.StepInput("pos", "row")], np.dtype(np.int32))
+    given = {"pos": np.zeros(2, np.int32)}
+    assert validate.given_inputs(declared, given) is given
+    assert validate.given_inputs((), None) == {}
+    with pytest.raises(fj.FutureMapError, match="name -> array, got list$"):
+        validate.given_inputs(declared, [np.zeros(2, np.int32)])  # type: ignore[arg-type]
+    with pytest.raises(fj.FutureMapError, match=r"missing \['pos'\], undeclared \['p'\]"):
+        validate.given_inputs(declared, {"p": np.zeros(2, np.int32)})
