@@ -264,3 +264,18 @@ def test_step_inputs_are_a_mapping_of_the_declared_names() -> None:
         validate.given_inputs(declared, [np.zeros(2, np.int32)])  # type: ignore[arg-type]
     with pytest.raises(fj.FutureMapError, match=r"missing \['pos'\], undeclared \['p'\]"):
         validate.given_inputs(declared, {"p": np.zeros(2, np.int32)})
+
+
+def test_a_batch_forward_mode_is_parsed_by_its_form() -> None:
+    """A host mode is one ForwardMode (an enum member or its int) or one per DP rank (a 1-D
+    array: not one mode for the batch, so a rank left IDLE is not the batch's kind); a bad
+    value is refused naming `forward_mode` and the value, whichever form brought it."""
+    a = np.array([1, 2], np.int32)
+    for mode in (D, int(D), np.int32(D)):
+        part = validate.given_batch(fj.Batch(mode, a, a, a), 2).parts[0]
+        assert (part.modes, part.scalar) == ((D,), True)
+    part = validate.given_batch(fj.Batch(np.array([D, 3], np.int32), a, a, a), 2).parts[0]
+    assert (part.modes, part.scalar) == ((D, fj.ForwardMode.IDLE), False)
+    for mode in (9, np.array([1, 9], np.int32)):
+        with pytest.raises(fj.FutureMapError, match="^forward_mode must be a ForwardMode, got 9$"):
+            validate.given_batch(fj.Batch(mode, a, a, a), 2)
