@@ -279,3 +279,21 @@ def test_a_batch_forward_mode_is_parsed_by_its_form() -> None:
     for mode in (9, np.array([1, 9], np.int32)):
         with pytest.raises(fj.FutureMapError, match="^forward_mode must be a ForwardMode, got 9$"):
             validate.given_batch(fj.Batch(mode, a, a, a), 2)
+
+
+def test_a_mapping_is_parsed_rank_by_rank() -> None:
+    """A mapping DP rank -> Batch: each rank one mode of its own (its part scalar, its
+    bad mode named with its rank), its fields kept by rank, and only the ranks that bring
+    draft indices or token slots listed for them."""
+    a, s = np.array([1, 2], np.int32), np.array([0, 1], np.int32)
+    given = validate.given_batch(
+        {0: fj.Batch(D, a, a, a, draft_indices=a), 1: fj.Batch(M, a, a, a, token_slots=s)}, 2
+    )
+    assert given.ranks == (0, 1) and given.modes == (D, M) and given.traced is None
+    assert [(p.modes, p.scalar, p.ids, p.slots, p.where) for p in given.parts] == [
+        ((D,), True, True, False, "batch[rank 0]."),
+        ((M,), True, True, True, "batch[rank 1]."),
+    ]
+    assert given.draft == {0: a} and given.token_slots == {1: s} and given.lens == {0: a, 1: a}
+    with pytest.raises(fj.FutureMapError, match=r"^batch\[rank 1\].forward_mode must be a"):
+        validate.given_batch({0: fj.Batch(D, a, a, a), 1: fj.Batch(9, a, a, a)}, 2)
