@@ -262,23 +262,22 @@ def check_declared(inputs: Sequence[StepInput], map_dtype: np.dtype) -> tuple[St
             raise FutureMapError(
                 f"StepInput {d.name!r}: per must be 'row', 'token' or 'slot', got {d.per!r}"
             )
+        try:
+            shape = tuple(int(n) for n in d.shape)
+            dtype = np.dtype(d.dtype)
+        except TypeError:
+            raise FutureMapError(f"StepInput {d.name!r}: bad shape or dtype {d}") from None
         if d.per == "slot":
             if d.name not in OWNABLE:
                 raise FutureMapError(
                     f"StepInput {d.name!r}: per='slot' hands the forward one of the map's "
                     f"relay buffers {OWNABLE}, not {d.name!r}"
                 )
-            if tuple(d.shape) != () or np.dtype(d.dtype) != map_dtype:
+            if shape != () or dtype != map_dtype:
                 raise FutureMapError(
                     f"StepInput {d.name!r}: the map's {d.name} buffer is one {map_dtype} "
-                    f"per slot: declare shape () and dtype {map_dtype}, got {d.shape} "
-                    f"{d.dtype}"
+                    f"per slot: declare shape () and dtype {map_dtype}, got {shape} {dtype}"
                 )
-        try:
-            shape = tuple(int(n) for n in d.shape)
-            dtype = np.dtype(d.dtype)
-        except TypeError:
-            raise FutureMapError(f"StepInput {d.name!r}: bad shape or dtype {d}") from None
         if any(n < 0 for n in shape) or jax.dtypes.canonicalize_dtype(dtype) != dtype:
             raise FutureMapError(
                 f"StepInput {d.name!r}: shape {shape} and dtype {dtype} must be ones JAX keeps "
