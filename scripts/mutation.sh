@@ -104,7 +104,8 @@ tests_of() {  # the table's mesh and sharded cases run in a subprocess mutmut ca
         jax-inputs|jax-host-checks|jax-place) local r=tests/test_reliability.py
                      local e=tests/test_fm_jax_engine_step.py
                      echo "tests/test_fm_jax_validate.py tests/test_fm_jax_inputs.py tests/test_fm_jax_decisions.py
-                           tests/test_fm_jax_declarations.py
+                           tests/test_fm_jax_declarations.py tests/test_fm_jax_place.py
+                           tests/test_fm_jax_steady_calls.py
                            tests/test_fm_jax_mutants.py tests/test_fm_jax_gather.py
                            $table::test_fm_jax_class_refuses_and_keeps_every_byte
                            $r::test_host_negative_tokens_and_lengths_are_refused_by_both_twins
