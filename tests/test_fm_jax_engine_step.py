@@ -295,6 +295,17 @@ def test_warm_up_covers_every_bucket_and_the_guard_refuses_the_rest(protocol: st
     assert fm.step == n and not cache.is_deleted()
 
 
+def test_warm_up_remembers_its_layouts_in_the_step_not_the_map() -> None:
+    """An engine step's warm-up places its calls as serving does, into the step's own
+    layouts (its declared inputs are its own): the map's layouts, which its resolves and
+    tail ops look up, gain none."""
+    fm, step = _small_step()
+    step.warm_up(jnp.int32(0), jnp.zeros(8, jnp.int32), traced_modes=False)
+    assert fm._placement._decided == {}
+    assert len(step._decided) > 0
+    assert {sig[0] for sig in step._decided} == {"step"}
+
+
 def test_debug_violation_in_a_step_is_reported_at_check_with_step_and_op() -> None:
     fm, step = _small_step(debug=True)
     slots = np.array([1, 2], np.int32)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -125,7 +126,7 @@ class EngineStep:
         self._tail = tail(owned=self._owned)
         self._registry = registry  # the map's: this step's executables beside the class's
         self._decided: dict[Any, Any] = {}  # this step's layouts (its inputs are its own)
-        self._plan, self._warm = plan, warm
+        self._plan, self._warm = functools.partial(plan, decided=self._decided), warm
         # The declared fields each executable family's payload leaves out (seen when traced).
         self._omits: dict[tuple[str, PackSpec | None, int], tuple[str, ...]] = {}
         # Per step unread: (its number, what host_out picked, copying; or host_out's error).

@@ -168,12 +168,12 @@ def empty_batches(
 
 
 def step_calls(
-    placement: Any, declared: Any, state: Any, args: tuple[Any, ...], traced_modes: bool
+    placement: Any, declared: Any, state: Any, args: tuple, traced_modes: bool, decided: Any
 ) -> list[Any]:
     """An engine step's warm-up calls: every resolve with zeros for the `declared` inputs
     (a batch that places no ids has T = B), as host arrays and, in one process, jax arrays
-    (ids of one per row padded to the token bucket of the rows, as a step's sentinels
-    give them)."""
+    (ids of one per row padded to the token bucket of the rows, as a step's sentinels give
+    them); each layout remembered in the step's own `decided`, as its serving calls are."""
     inputs = placement.inputs
     dp, sharding = inputs.dp, inputs.layout.sharding
     calls = []
@@ -193,7 +193,9 @@ def step_calls(
             )
             fed.append((*on_device, None, None))
         for fed_batch, given, rows, tokens in fed:
-            p = placement.resolve(fed_batch, rows, tokens, step=declared, inputs=given)
+            p = placement.resolve(
+                fed_batch, rows, tokens, step=declared, inputs=given, decided=decided
+            )
             calls.append((p.key, p.pack, (state, *p.args, *args), len(args)))
     return calls
 
