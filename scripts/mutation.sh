@@ -234,6 +234,13 @@ mutmut_in() {  # mutmut_in DIR GROUP MUTMUT_ARGS...
     }
 }
 
+write_report() {  # write_report [--rerun DIR]... DIR...: the summary to $REPORT, printed
+    mkdir -p "$(dirname "$REPORT")"
+    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
+        --output "$REPORT" "$@"
+    cat "$REPORT"
+}
+
 rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
     local g base dir file names reruns=() bases=()
     for g in "$@"; do
@@ -266,10 +273,7 @@ rerun() {  # rerun GROUP...: each finished run's survivors, with today's tests
         bases+=("$base")
         reruns+=(--rerun "$dir")
     done
-    mkdir -p "$(dirname "$REPORT")"
-    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
-        --output "$REPORT" "${reruns[@]}" "${bases[@]}"
-    cat "$REPORT"
+    write_report "${reruns[@]}" "${bases[@]}"
 }
 
 finish_group() {  # finish_group DIR GROUP START SECONDS_BEFORE: coverage, the run's time
@@ -301,10 +305,7 @@ resume() {  # resume GROUP...: each stopped full run carried on in its snapshot
         finish_group "$dir" "$g" "$start" "$(cat "$dir/seconds" 2>/dev/null || echo 0)"
         dirs+=("$dir")
     done
-    mkdir -p "$(dirname "$REPORT")"
-    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
-        --output "$REPORT" "${dirs[@]}"
-    cat "$REPORT"
+    write_report "${dirs[@]}"
 }
 
 main() {
@@ -371,10 +372,7 @@ EOF
         dirs+=("$dir")
     done
 
-    mkdir -p "$(dirname "$REPORT")"
-    "$PY" scripts/mutation_report.py --survivors scripts/mutation_survivors.toml \
-        --output "$REPORT" "${dirs[@]}"
-    cat "$REPORT"
+    write_report "${dirs[@]}"
 }
 
 main "$@"; exit  # one line: bash has read it whole before main runs
